@@ -1,0 +1,1 @@
+"""One module per `mpress` subcommand (see `mpress/cli.py`)."""

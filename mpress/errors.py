@@ -1,0 +1,46 @@
+"""Typed errors. A `UserError` is a mistake in the user's input: the CLI prints its
+message as one line and exits with status 2, never a traceback."""
+
+from __future__ import annotations
+
+
+class MpressError(Exception):
+    """Base class of every error mpress raises on purpose."""
+
+
+class UserError(MpressError):
+    """Bad input from the user (config file, CLI flag, profile, plan)."""
+
+
+class ConfigError(UserError):
+    """A config file (or dict) has an unknown key, a wrong type or an out-of-range value.
+
+    The message always names the source (file), the key and what is allowed.
+    """
+
+    def __init__(self, source: str, key: str, problem: str) -> None:
+        self.source = source
+        self.key = key
+        self.problem = problem
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{key}: {problem}")
+
+
+class ProfileError(UserError):
+    """A profile does not match the model or stage it is used with."""
+
+
+class ScheduleError(UserError):
+    """A schedule or partition cannot be built for the requested stages/microbatches."""
+
+
+class PlanError(UserError):
+    """A plan does not match the model, hardware or stage it is used with."""
+
+
+class TopologyError(UserError):
+    """The hardware topology is inconsistent or does not match the detected one."""
+
+
+class SwapError(MpressError):
+    """A swap (host or peer) failed at run time; the message names the tensor."""

@@ -1,0 +1,199 @@
+"""The hardware model: devices, host memory, PCIe and NVLink topology.
+
+Loaded from `configs/hardware/<name>.yaml` (a preset name) or any YAML path. Used by the
+static half (emulator channels, planner capacities) and by the runtime's topology check,
+so it lives outside both.
+
+Units: bytes, seconds, GB/s with GB = 1e9 bytes, FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from mpress.config import from_dict, load_yaml
+from mpress.errors import ConfigError, UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+HARDWARE_DIR = CONFIG_DIR / "hardware"
+
+Dtype = Literal["fp32", "fp16", "bf16"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU stand-in)."""
+
+    name: str
+    """Marketing name, e.g. "Tesla V100-SXM2-32GB"."""
+    memory_bytes: int = field(metadata={"gt": 0})
+    """Usable device memory."""
+    peak_flops: dict[str, float] = field(metadata={"gt": 0})
+    """Nominal dense peak FLOP/s per dtype: keys fp32, fp16, bf16 (bf16 may be absent)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.peak_flops) - {"fp32", "fp16", "bf16"})
+        if unknown:
+            raise ConfigError("", f"peak_flops.{unknown[0]}", "unknown dtype (allowed: fp32, fp16, bf16)")
+        if "fp32" not in self.peak_flops:
+            raise ConfigError("", "peak_flops.fp32", "missing required key (a number, FLOP/s)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Hardware:
+    """A single server: identical devices, their host, PCIe and NVLink."""
+
+    name: str
+    """Preset name."""
+    num_devices: int = field(metadata={"min": 1})
+    """Number of devices (GPUs, or CPU stand-ins for cpu-local)."""
+    device: DeviceSpec
+    """The (identical) device model."""
+    compute_efficiency: float = field(default=0.5, metadata={"gt": 0, "max": 1})
+    """Fraction of peak FLOP/s that model layers achieve (analytic times = FLOPs / (peak x this))."""
+    host_memory_bytes: int = field(metadata={"gt": 0})
+    """Host memory usable for pinned swap buffers."""
+    pcie_h2d_gbps: float = field(metadata={"gt": 0})
+    """Nominal host-to-device PCIe bandwidth per GPU, GB/s."""
+    pcie_d2h_gbps: float = field(metadata={"gt": 0})
+    """Nominal device-to-host PCIe bandwidth per GPU, GB/s."""
+    pcie_efficiency: float = field(default=0.8, metadata={"gt": 0, "max": 1})
+    """Achieved fraction of nominal PCIe bandwidth with pinned memory."""
+    pcie_switches: list[list[int]] = field(default_factory=list)
+    """Groups of GPUs behind one PCIe switch; they share its uplink in each direction.
+    GPUs not listed have an uplink of their own."""
+    nvswitch: bool = False
+    """True when GPUs meet in an NVSwitch fabric: every pair reaches the other over all of
+    its links, and a GPU's links are shared among all the peers it talks to at once."""
+    nvlink_links_per_gpu: int = field(default=0, metadata={"min": 0})
+    """NVSwitch only: NVLink links per GPU."""
+    nvlink_links: list[list[int]] | None = None
+    """Mesh only: NVLink link count for each GPU pair (symmetric, zero diagonal),
+    as `nvidia-smi topo -m` shows NV<n>; 0 = no NVLink (traffic goes over PCIe)."""
+    nvlink_gbps_per_link: float = field(default=0.0, metadata={"min": 0})
+    """Nominal bandwidth of one NVLink link per direction, GB/s."""
+    nvlink_efficiency: float = field(default=0.8, metadata={"gt": 0, "max": 1})
+    """Achieved fraction of nominal NVLink bandwidth."""
+    pcie_latency_s: float = field(default=10e-6, metadata={"min": 0})
+    """Fixed cost of one PCIe copy."""
+    nvlink_latency_s: float = field(default=5e-6, metadata={"min": 0})
+    """Fixed cost of one NVLink copy."""
+    source: str = ""
+    """Where the nominal figures come from (datasheet citation)."""
+
+    def __post_init__(self) -> None:
+        n = self.num_devices
+        if self.nvswitch:
+            if self.nvlink_links is not None:
+                raise ConfigError("", "nvlink_links", "not allowed with nvswitch: true (use nvlink_links_per_gpu)")
+        elif self.nvlink_links is not None:
+            m = self.nvlink_links
+            if len(m) != n or any(len(row) != n for row in m):
+                raise ConfigError("", "nvlink_links", f"must be a {n}x{n} matrix (num_devices is {n})")
+            for i in range(n):
+                if m[i][i] != 0:
+                    raise ConfigError("", f"nvlink_links[{i}][{i}]", "diagonal must be 0")
+                for j in range(n):
+                    if m[i][j] < 0:
+                        raise ConfigError("", f"nvlink_links[{i}][{j}]", "link counts must be >= 0")
+                    if m[i][j] != m[j][i]:
+                        raise ConfigError(
+                            "", f"nvlink_links[{i}][{j}]",
+                            f"matrix is not symmetric: [{i}][{j}]={m[i][j]} but [{j}][{i}]={m[j][i]}",
+                        )
+        seen: set[int] = set()
+        for g, group in enumerate(self.pcie_switches):
+            for d in group:
+                if not 0 <= d < n:
+                    raise ConfigError("", f"pcie_switches[{g}]", f"device {d} out of range 0..{n - 1}")
+                if d in seen:
+                    raise ConfigError("", f"pcie_switches[{g}]", f"device {d} is behind two switches")
+                seen.add(d)
+
+    # -- links -----------------------------------------------------------------------------
+    def links(self, i: int, j: int) -> int:
+        """NVLink link count between devices i and j (0 when none or i == j)."""
+        if i == j:
+            return 0
+        if self.nvswitch:
+            return self.nvlink_links_per_gpu
+        if self.nvlink_links is None:
+            return 0
+        return self.nvlink_links[i][j]
+
+    def nvlink_gbps(self, i: int, j: int) -> float:
+        """Effective one-direction NVLink bandwidth from i to j, GB/s (0 if not linked)."""
+        return self.links(i, j) * self.nvlink_gbps_per_link * self.nvlink_efficiency
+
+    def pcie_gbps(self, direction: Literal["h2d", "d2h"]) -> float:
+        """Effective PCIe bandwidth per uplink in one direction, GB/s."""
+        nominal = self.pcie_h2d_gbps if direction == "h2d" else self.pcie_d2h_gbps
+        return nominal * self.pcie_efficiency
+
+    def pcie_group(self, device: int) -> int:
+        """Index of the PCIe uplink `device` sits behind (shared by a switch's GPUs)."""
+        for g, group in enumerate(self.pcie_switches):
+            if device in group:
+                return g
+        return len(self.pcie_switches) + device
+
+    def peak_flops(self, dtype: str) -> float:
+        """Nominal peak FLOP/s for `dtype` (bf16 falls back to fp16 where absent)."""
+        table = self.device.peak_flops
+        if dtype in table:
+            return table[dtype]
+        if dtype == "bf16" and "fp16" in table:
+            return table["fp16"]
+        raise UserError(f"hardware {self.name}: no peak FLOP/s for {dtype}")
+
+    @property
+    def symmetric(self) -> bool:
+        """True when every GPU pair has the same NVLink bandwidth (NVSwitch or a uniform mesh)."""
+        if self.nvswitch:
+            return True
+        values = {self.links(i, j) for i in range(self.num_devices) for j in range(self.num_devices) if i != j}
+        return len(values) <= 1
+
+
+def hardware_presets() -> list[str]:
+    """Names of the shipped hardware presets."""
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def resolve_config(name_or_path: str | Path, directory: Path, what: str) -> Path:
+    """Path of a preset name (`directory/<name>.yaml`) or of an existing file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml", ".json") or p.exists():
+        if not p.is_file():
+            raise UserError(f"{p}: no such file")
+        return p
+    candidate = directory / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = ", ".join(sorted(q.stem for q in directory.glob("*.yaml")))
+    raise UserError(f"unknown {what} {str(name_or_path)!r} (presets: {known}; or give a .yaml path)")
+
+
+def load_hardware(name_or_path: str | Path, *, num_devices: int | None = None,
+                  memory_bytes: int | None = None) -> Hardware:
+    """Load a hardware preset or file.
+
+    num_devices/memory_bytes override the file (meant for `cpu-local`, whose device
+    count and budget are chosen per run); a mesh link matrix cannot be resized.
+    """
+    path = resolve_config(name_or_path, HARDWARE_DIR, "hardware")
+    hw = from_dict(Hardware, load_yaml(path), str(path))
+    if num_devices is not None and num_devices != hw.num_devices:
+        if num_devices < 1:
+            raise UserError(f"--devices must be >= 1, got {num_devices}")
+        if not hw.nvswitch and hw.nvlink_links is not None:
+            raise UserError(f"{path}: has a fixed {hw.num_devices}-device link matrix; cannot use {num_devices} devices")
+        hw = replace(hw, num_devices=num_devices,
+                     pcie_switches=[[d for d in g if d < num_devices] for g in hw.pcie_switches])
+    if memory_bytes is not None:
+        if memory_bytes <= 0:
+            raise UserError(f"device memory must be > 0 bytes, got {memory_bytes}")
+        hw = replace(hw, device=replace(hw.device, memory_bytes=memory_bytes))
+    return hw

@@ -1,0 +1,137 @@
+"""The `Profile` type: what one microbatch costs, layer by layer.
+
+Two sources fill it: the analytic profiler (`analytic.py`, FLOP counting, any size, no
+GPU) and the measured profiler (`measured.py`, a real module on the local device). Both
+produce the same type; the partitioner groups layers into stages.
+
+Identity of a saved tensor: `f"{module}#{index}"`, where `module` is the path of the
+innermost module running when autograd saved it (as in `named_modules()` of the whole
+model) and `index` the order in which that module's forward saved tensors.
+Units: bytes, seconds, FLOPs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
+from mpress.errors import ProfileError
+from mpress.model_config import ModelConfig
+
+PROFILE_VERSION = 1
+
+
+@dataclass(kw_only=True, frozen=True)
+class SavedTensor:
+    """One tensor autograd saves in forward for backward (parameters excluded)."""
+
+    module: str
+    """Path of the innermost module that saved it (`named_modules()` of the whole model)."""
+    index: int = field(metadata={"min": 0})
+    """Order in which that module's forward saved tensors (0, 1, ...)."""
+    bytes: int = field(metadata={"min": 0})
+    """Storage bytes for one microbatch."""
+    shape: list[int] = field(default_factory=list)
+    """Shape for one microbatch."""
+    dtype: str = "float32"
+    """torch dtype name without the `torch.` prefix."""
+    what: str = ""
+    """Human description, e.g. "fc1 input", "dropout mask", "attention probabilities"."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.module}#{self.index}"
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayerProfile:
+    """One layer (embedding, a transformer block, the head) for one microbatch."""
+
+    name: str
+    """Module path of the layer in the whole model, e.g. "embed", "layers.3", "head"."""
+    forward_flops: float = field(metadata={"min": 0})
+    backward_flops: float = field(metadata={"min": 0})
+    forward_time_s: float = field(metadata={"min": 0})
+    backward_time_s: float = field(metadata={"min": 0})
+    saved: list[SavedTensor] = field(default_factory=list)
+    """Tensors saved for backward, in saving order."""
+    param_bytes: int = field(default=0, metadata={"min": 0})
+    """Parameters in the training dtype."""
+    grad_bytes: int = field(default=0, metadata={"min": 0})
+    """Gradients (same dtype as parameters)."""
+    optim_bytes: int = field(default=0, metadata={"min": 0})
+    """Optimizer states (Adam: exp_avg and exp_avg_sq in fp32)."""
+    master_bytes: int = field(default=0, metadata={"min": 0})
+    """fp32 master weights under mixed precision, else 0."""
+    output_bytes: int = field(default=0, metadata={"min": 0})
+    """Activation bytes this layer hands to the next one (what a stage boundary sends)."""
+    workspace_bytes: int = field(default=0, metadata={"min": 0})
+    """Transient bytes beyond saved tensors during forward/backward (measured peak minus
+    what is accounted for; 0 for analytic)."""
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(t.bytes for t in self.saved)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer states + master weights."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.master_bytes
+
+
+@dataclass(kw_only=True, frozen=True)
+class Profile:
+    """Per-layer costs of one microbatch of a model on a device."""
+
+    version: int = PROFILE_VERSION
+    model: str
+    """Model preset name (or `package.module:factory` for user modules)."""
+    model_fingerprint: str
+    """`ModelConfig.fingerprint()`, or a hash of the module structure for user modules."""
+    source: Literal["analytic", "measured"]
+    device: str
+    """Where times come from: a hardware preset name (analytic) or the measured device."""
+    dtype: str
+    """Activation precision: fp32, fp16 or bf16."""
+    microbatch_size: int = field(metadata={"min": 1})
+    layers: list[LayerProfile]
+    peak_memory_bytes: int = field(default=0, metadata={"min": 0})
+    """Measured peak allocated bytes of one forward+backward (measured only)."""
+
+    def __post_init__(self) -> None:
+        if self.version != PROFILE_VERSION:
+            raise ProfileError(f"profile version {self.version} is not supported (expected {PROFILE_VERSION})")
+        if not self.layers:
+            raise ProfileError("a profile needs at least one layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def check_model(self, model: ModelConfig, path: str = "profile") -> None:
+        """Raise `ProfileError` unless this profile was made for `model`."""
+        if self.model_fingerprint != model.fingerprint():
+            raise ProfileError(
+                f"{path}: profile was made for model {self.model!r} (fingerprint {self.model_fingerprint}), "
+                f"not {model.name!r} (fingerprint {model.fingerprint()})"
+            )
+
+    def save(self, path: str | Path) -> None:
+        """Write as YAML, or JSON when the path ends in .json."""
+        data = to_dict(self)
+        p = Path(path)
+        text = json.dumps(data, indent=1) if p.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        write_text_atomic(p, text)
+
+    @staticmethod
+    def load(path: str | Path) -> "Profile":
+        """Read a profile written by `save` (YAML or JSON)."""
+        return from_dict(Profile, load_yaml(path), str(path))

@@ -91,6 +91,9 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1:  # Optional[X]: keep X's precise error (e.g. the bad cell of a matrix)
+            return _convert(real[0], value, source, key)
         for arg in args:
             if arg is type(None):
                 continue

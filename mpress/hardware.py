@@ -140,13 +140,12 @@ class Hardware:
         return len(self.pcie_switches) + device
 
     def peak_flops(self, dtype: str) -> float:
-        """Nominal peak FLOP/s for `dtype` (bf16 falls back to fp16 where absent)."""
+        """Nominal peak FLOP/s for `dtype`; a dtype the device lacks (bf16 on V100) is an error."""
         table = self.device.peak_flops
         if dtype in table:
             return table[dtype]
-        if dtype == "bf16" and "fp16" in table:
-            return table["fp16"]
-        raise UserError(f"hardware {self.name}: no peak FLOP/s for {dtype}")
+        raise UserError(f"hardware {self.name}: {self.device.name} has no {dtype} peak FLOP/s "
+                        f"(it supports {', '.join(sorted(table))})")
 
     @property
     def symmetric(self) -> bool:

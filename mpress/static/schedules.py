@@ -1,0 +1,301 @@
+"""Pipeline schedules as data: per-rank F/B action lists for one training iteration.
+
+Every builder is a pure function of the pipeline shape and returns a
+`mpress.actions.Schedule`. Stage `s` runs on rank `s` except in the interleaved
+schedule, where it runs on rank `s % num_ranks`. Each rank's list holds the forward
+(`{s}F{m}`) and backward (`{s}B{m}`) of every microbatch of each of its stages and
+ends with one optimizer step (`{s}OPT`) per stage, after the rank's last backward.
+Send/recv are implicit (the emulator and executor derive them from stage order);
+memory actions are inserted later by the rewriter.
+
+Families (S = num_stages, M = num_microbatches, r = rank):
+
+- `gpipe`: all forwards, then all backwards in microbatch order 0..M-1 (as torch's
+  `ScheduleGPipe` runs them). M microbatches in flight on every stage.
+- `1f1b` (DAPPLE, synchronous): min(S-1-r, M) warm-up forwards, then one forward and
+  one backward alternately, then the remaining backwards. Peak in flight: min(S-r, M).
+  Same order as torch's `Schedule1F1B` (which words it as S-r warm-up forwards and
+  then "1B1F": the same sequence).
+- `pipedream` (asynchronous 1F1B with weight stashing): see `pipedream`.
+- `interleaved` (Megatron virtual stages): torch's `ScheduleInterleaved1F1B` order.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from mpress.actions import Action, Kind, Schedule
+from mpress.errors import ScheduleError
+
+ScheduleName = Literal["gpipe", "1f1b", "pipedream", "interleaved"]
+SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "interleaved")
+
+
+def _check_count(what: str, value: int) -> None:
+    # bool is an int subclass; `True` stages is a caller bug, not a count
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ScheduleError(f"{what} must be an integer >= 1, got {value!r}")
+
+
+def _finish(stage_order: list[int], actions: list[Action]) -> tuple[Action, ...]:
+    """Append one OPT per stage, in the order the stages finished their backwards
+    (the order torch schedules its per-stage grad reduction)."""
+    last_b: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.kind is Kind.B:
+            last_b[a.stage] = i
+    order = sorted(stage_order, key=lambda s: last_b.get(s, -1))
+    return tuple(actions) + tuple(Action(s, Kind.OPT) for s in order)
+
+
+def _one_f_one_b_rank(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """DAPPLE order of one stage that has the pipeline to itself on its rank."""
+    warmup = min(num_stages - 1 - stage, num_microbatches)
+    acts = [Action(stage, Kind.F, m) for m in range(warmup)]
+    # steady state: forward of the next microbatch, then backward of the oldest one
+    for k in range(num_microbatches - warmup):
+        acts.append(Action(stage, Kind.F, warmup + k))
+        acts.append(Action(stage, Kind.B, k))
+    first_cooldown = num_microbatches - warmup
+    acts.extend(Action(stage, Kind.B, m) for m in range(first_cooldown, num_microbatches))
+    return acts
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe fill-drain: each rank runs F0..F(M-1), then B0..B(M-1), then OPT."""
+    _check_count("num_stages", num_stages)
+    _check_count("num_microbatches", num_microbatches)
+    ranks = []
+    for s in range(num_stages):
+        acts = [Action(s, Kind.F, m) for m in range(num_microbatches)]
+        acts += [Action(s, Kind.B, m) for m in range(num_microbatches)]
+        ranks.append(_finish([s], acts))
+    return Schedule("gpipe", num_stages, num_microbatches, tuple(range(num_stages)), tuple(ranks))
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """DAPPLE synchronous 1F1B (flush at the end of the iteration).
+
+    Rank r: min(S-1-r, M) warm-up forwards, then F(next), B(oldest) pairs until every
+    forward is done, then the remaining backwards, then OPT. Unlike torch's
+    `Schedule1F1B`, M < S is allowed (warm-up is capped by M).
+    """
+    _check_count("num_stages", num_stages)
+    _check_count("num_microbatches", num_microbatches)
+    ranks = tuple(
+        _finish([s], _one_f_one_b_rank(s, num_stages, num_microbatches)) for s in range(num_stages)
+    )
+    return Schedule("1f1b", num_stages, num_microbatches, tuple(range(num_stages)), ranks)
+
+
+def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
+    """PipeDream asynchronous 1F1B with weight stashing, one iteration's window.
+
+    Decision (PipeDream, SOSP'19; PAPERS.md "one weight version per microbatch in
+    flight"): PipeDream's start-up admits S microbatches into stage 0 (NOAM = S for a
+    straight pipeline), stage r then has S-r in flight and alternates one backward and
+    one forward. That is exactly the order and the in-flight depth of DAPPLE's 1F1B
+    (DAPPLE's "S-1-r warm-up forwards" are counted before the first F/B pair, whose F
+    brings the depth to S-r), so PipeDream does NOT keep one more microbatch in
+    flight: `max_in_flight(schedule, r) == min(S-r, M)` for both. What differs:
+
+    - `weight_stashing=True`: each in-flight microbatch's backward must use the weights
+      its forward used, so stage r keeps `max_in_flight` weight versions (the live
+      weights are the newest microbatch's version, hence `max_in_flight - 1` extra
+      copies; see `num_weight_versions`).
+    - No flush: in a real run iteration i+1's warm-up overlaps iteration i's cool-down.
+      The window keeps the fill/drain form so that every F and B of the iteration
+      appears once (what the emulator, liveness and validation need); the memory
+      peak is the same as the steady state's, the emulated time includes one bubble.
+    - The optimizer step is modelled once per window (`{s}OPT` after the last
+      backward), as with gradient accumulation over the window; PipeDream proper
+      updates after each microbatch, which changes time, not peak memory.
+    """
+    sched = one_f_one_b(num_stages, num_microbatches)
+    return Schedule("pipedream", sched.num_stages, sched.num_microbatches, sched.stage_to_rank, sched.ranks,
+                    weight_stashing=True)
+
+
+def interleaved_rounds(num_ranks: int, num_microbatches: int) -> tuple[int, int]:
+    """(rounds, microbatches per round) of the interleaved schedule, as torch computes
+    them: rounds = max(1, M // num_ranks), which must divide M."""
+    rounds = max(1, num_microbatches // num_ranks)
+    if num_microbatches % rounds != 0:
+        valid = sorted({num_ranks * max(1, num_microbatches // num_ranks), num_ranks * (num_microbatches // num_ranks + 1)})
+        raise ScheduleError(
+            f"interleaved schedule with {num_ranks} ranks: num_microbatches={num_microbatches} must be "
+            f"below {num_ranks} or a multiple of max(1, num_microbatches // num_ranks) = {rounds} "
+            f"(as torch's ScheduleInterleaved1F1B requires); e.g. {' or '.join(map(str, valid))}"
+        )
+    return rounds, num_microbatches // rounds
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
+    """Megatron interleaved 1F1B (virtual stages), in torch's `ScheduleInterleaved1F1B` order.
+
+    S = num_ranks * stages_per_rank stages; stage s runs on rank s % num_ranks. Work is
+    cut into rounds of P = M / rounds microbatches (see `interleaved_rounds`). Rank r's
+    j-th forward runs local chunk (j // P) % V, i.e. P microbatches on its first
+    stage, the same P on its next stage, ..., then the next P microbatches; its j-th
+    backward walks the chunks in reverse (last local stage first). Rank r first runs
+    W = min((V-1)*P + 2*(num_ranks-1-r), V*M) forwards, then pairs (next forward, next
+    backward), then the remaining backwards.
+    """
+    _check_count("num_ranks", num_ranks)
+    _check_count("num_microbatches", num_microbatches)
+    _check_count("stages_per_rank", stages_per_rank)
+    _, per_round = interleaved_rounds(num_ranks, num_microbatches)
+    chunks = stages_per_rank
+    total = chunks * num_microbatches  # forwards (and backwards) per rank
+
+    def action(j: int, rank: int, kind: Kind) -> Action:
+        # the j-th forward (or backward) of `rank`
+        round_index, within = divmod(j, per_round * chunks)
+        chunk = within // per_round
+        if kind is Kind.B:
+            chunk = chunks - 1 - chunk  # backwards leave the last local stage first
+        return Action(chunk * num_ranks + rank, kind, round_index * per_round + within % per_round)
+
+    ranks = []
+    for r in range(num_ranks):
+        warmup = min((chunks - 1) * per_round + 2 * (num_ranks - 1 - r), total)
+        acts = [action(j, r, Kind.F) for j in range(warmup)]
+        for k in range(total - warmup):
+            acts += [action(warmup + k, r, Kind.F), action(k, r, Kind.B)]
+        acts += [action(k, r, Kind.B) for k in range(total - warmup, total)]
+        ranks.append(_finish([c * num_ranks + r for c in range(chunks)], acts))
+    num_stages = num_ranks * chunks
+    return Schedule("interleaved", num_stages, num_microbatches,
+                    tuple(s % num_ranks for s in range(num_stages)), tuple(ranks))
+
+
+def build_schedule(name: ScheduleName, num_stages: int, num_microbatches: int, *,
+                   num_ranks: int | None = None) -> Schedule:
+    """Build a schedule by family name.
+
+    num_ranks: only for `interleaved` (required there; num_stages must be a multiple of
+    it). For the other families it may be omitted or equal num_stages.
+    Raises `ScheduleError` (one line) for a bad name or combination.
+    """
+    if name not in SCHEDULE_NAMES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    _check_count("num_stages", num_stages)
+    _check_count("num_microbatches", num_microbatches)
+    if name == "interleaved":
+        if num_ranks is None:
+            raise ScheduleError("the interleaved schedule needs num_ranks (stages are spread round-robin over ranks)")
+        _check_count("num_ranks", num_ranks)
+        if num_stages % num_ranks != 0:
+            raise ScheduleError(
+                f"interleaved schedule: num_stages={num_stages} must be a multiple of num_ranks={num_ranks}")
+        return interleaved_1f1b(num_ranks, num_microbatches, num_stages // num_ranks)
+    if num_ranks is not None and num_ranks != num_stages:
+        raise ScheduleError(
+            f"schedule {name} runs one stage per rank: num_ranks={num_ranks} must equal num_stages={num_stages} "
+            f"(use the interleaved schedule for several stages per rank)")
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "pipedream": pipedream}
+    return builders[name](num_stages, num_microbatches)
+
+
+def max_in_flight(schedule: Schedule, stage: int) -> int:
+    """Most microbatches of `stage` whose forward has run and whose backward has not,
+    walking the stage's rank list in order. This is how many microbatches' saved
+    activations the stage holds at its peak (before any memory action)."""
+    if not 0 <= stage < schedule.num_stages:
+        raise ScheduleError(f"stage {stage} out of range: schedule {schedule.name} has {schedule.num_stages} stages")
+    live = peak = 0
+    for a in schedule.ranks[schedule.stage_to_rank[stage]]:
+        if a.stage != stage:
+            continue
+        if a.kind is Kind.F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind is Kind.B:
+            live -= 1
+    return peak
+
+
+def num_weight_versions(schedule: Schedule, stage: int) -> int:
+    """Weight versions `stage` holds at its peak, the live weights included: 1 without
+    weight stashing, else one per microbatch in flight (PipeDream)."""
+    return max_in_flight(schedule, stage) if schedule.weight_stashing else 1
+
+
+def validate_schedule(schedule: Schedule) -> None:
+    """Raise `ScheduleError` unless `schedule` is well formed and can run.
+
+    Checks: one action list per rank of `stage_to_rank`; every (stage, microbatch) has
+    exactly one F and one B, on the stage's rank, F first; every stage has exactly one
+    OPT on its rank, after its last B; and the ranks cannot deadlock: stepping through
+    the lists, F of (s, m) waits for F of (s-1, m) and B of (s, m) for B of (s+1, m).
+    Other actions (memory actions) are not checked here.
+    """
+    S, M = schedule.num_stages, schedule.num_microbatches
+    name = schedule.name
+    if len(schedule.stage_to_rank) != S:
+        raise ScheduleError(f"schedule {name}: stage_to_rank has {len(schedule.stage_to_rank)} entries, expected {S}")
+    used = set(schedule.stage_to_rank)
+    if used != set(range(schedule.num_ranks)):
+        raise ScheduleError(
+            f"schedule {name}: stage_to_rank {list(schedule.stage_to_rank)} must use exactly ranks "
+            f"0..{schedule.num_ranks - 1}")
+    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, mb) -> rank
+    opt_seen: set[int] = set()
+    for r, acts in enumerate(schedule.ranks):
+        for i, a in enumerate(acts):
+            if a.kind not in (Kind.F, Kind.B, Kind.OPT):
+                continue
+            where = f"schedule {name}, rank {r}, action {i} ({a})"
+            if a.stage >= S or schedule.stage_to_rank[a.stage] != r:
+                raise ScheduleError(f"{where}: stage {a.stage} does not run on rank {r}")
+            if a.kind is Kind.OPT:
+                if a.stage in opt_seen:
+                    raise ScheduleError(f"{where}: second optimizer step of stage {a.stage}")
+                opt_seen.add(a.stage)
+                continue
+            if a.stage in opt_seen:
+                raise ScheduleError(f"{where}: after the optimizer step of stage {a.stage}")
+            if a.microbatch >= M:
+                raise ScheduleError(f"{where}: microbatch {a.microbatch} >= num_microbatches {M}")
+            key = (a.kind, a.stage, a.microbatch)
+            if key in done:
+                raise ScheduleError(f"{where}: runs twice")
+            if a.kind is Kind.B and (Kind.F, a.stage, a.microbatch) not in done:
+                raise ScheduleError(f"{where}: backward before its forward")
+            done[key] = r
+    for kind in (Kind.F, Kind.B):
+        for s in range(S):
+            for m in range(M):
+                if (kind, s, m) not in done:
+                    raise ScheduleError(f"schedule {name}: {s}{kind.value}{m} is missing")
+    missing_opt = sorted(set(range(S)) - opt_seen)
+    if missing_opt:
+        raise ScheduleError(f"schedule {name}: no optimizer step (OPT) for stage(s) {missing_opt}")
+    _check_progress(schedule)
+
+
+def _check_progress(schedule: Schedule) -> None:
+    """Raise `ScheduleError` if the ranks' F/B orders wait on each other in a cycle."""
+    S = schedule.num_stages
+    lists = [[a for a in acts if a.kind in (Kind.F, Kind.B)] for acts in schedule.ranks]
+    pos = [0] * len(lists)
+    finished: set[tuple[Kind, int, int]] = set()
+
+    def ready(a: Action) -> bool:
+        if a.kind is Kind.F:
+            return a.stage == 0 or (Kind.F, a.stage - 1, a.microbatch) in finished
+        # the last stage's backward starts from the loss of its own forward
+        return a.stage == S - 1 or (Kind.B, a.stage + 1, a.microbatch) in finished
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, acts in enumerate(lists):
+            while pos[r] < len(acts) and ready(acts[pos[r]]):
+                a = acts[pos[r]]
+                finished.add((a.kind, a.stage, a.microbatch))
+                pos[r] += 1
+                progressed = True
+    stuck = [f"rank {r} at {acts[pos[r]]}" for r, acts in enumerate(lists) if pos[r] < len(acts)]
+    if stuck:
+        raise ScheduleError(f"schedule {schedule.name} deadlocks: {', '.join(stuck)}")

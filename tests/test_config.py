@@ -1,0 +1,198 @@
+"""mpress.config: typed dataclass loading with key/type/range checks (pure, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from mpress.config import from_dict, load_dataclass, load_yaml, to_dict, write_text_atomic
+from mpress.errors import ConfigError, UserError
+
+SRC = "cfg/test.yaml"
+
+
+@dataclass(kw_only=True, frozen=True)
+class Device:
+    name: str
+    memory_bytes: int = field(metadata={"gt": 0})
+    efficiency: float = field(default=0.5, metadata={"gt": 0, "max": 1})
+
+
+@dataclass(kw_only=True, frozen=True)
+class Machine:
+    num_devices: int = field(metadata={"min": 1})
+    device: Device
+    pinned: bool = False
+    mode: Literal["sync", "async"] = "sync"
+    sizes: list[int] = field(default_factory=list, metadata={"min": 0})
+    peaks: dict[str, float] = field(default_factory=dict, metadata={"gt": 0})
+    devices: list[Device] = field(default_factory=list)
+    limit_bytes: int | None = None
+
+
+def machine(**overrides: object) -> dict:
+    data: dict = {"num_devices": 2, "device": {"name": "g", "memory_bytes": 1024}}
+    data.update(overrides)
+    return data
+
+
+def error(data: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        from_dict(Machine, data, SRC)
+    return info.value
+
+
+def test_valid_mapping_builds_nested_dataclasses() -> None:
+    m = from_dict(Machine, machine(pinned=True, mode="async", sizes=[1, 2], peaks={"fp32": 1e12},
+                                   devices=[{"name": "a", "memory_bytes": 5}]), SRC)
+    assert m.device == Device(name="g", memory_bytes=1024)
+    assert m.pinned is True and m.mode == "async" and m.sizes == [1, 2]
+    assert m.peaks == {"fp32": 1e12}
+    assert m.devices == [Device(name="a", memory_bytes=5)]
+    assert m.limit_bytes is None
+    # to_dict is the inverse on plain data
+    assert from_dict(Machine, to_dict(m), SRC) == m
+
+
+def test_unknown_key_names_file_key_and_allowed_keys() -> None:
+    e = error(machine(num_device=3))
+    assert e.source == SRC and e.key == "num_device"
+    msg = str(e)
+    assert msg.startswith(f"{SRC}: num_device:")
+    for allowed in ("num_devices", "device", "pinned", "mode", "sizes"):
+        assert allowed in msg
+
+
+def test_unknown_nested_key_has_dotted_path() -> None:
+    data = machine()
+    data["device"]["memory"] = 3
+    e = error(data)
+    assert e.key == "device.memory"
+    assert "memory_bytes" in e.problem  # the allowed keys of the nested class
+
+
+def test_missing_key() -> None:
+    data = machine()
+    del data["num_devices"]
+    e = error(data)
+    assert e.key == "num_devices" and "missing" in e.problem
+
+
+def test_missing_nested_key() -> None:
+    e = error(machine(device={"name": "g"}))
+    assert e.key == "device.memory_bytes" and "missing" in e.problem
+
+
+@pytest.mark.parametrize("key, value", [
+    ("num_devices", "two"),
+    ("num_devices", 2.5),
+    ("pinned", "yes"),
+    ("pinned", 1),
+    ("mode", "fast"),
+    ("sizes", 3),
+    ("device", [1, 2]),
+    ("peaks", [1.0]),
+])
+def test_wrong_type(key: str, value: object) -> None:
+    e = error(machine(**{key: value}))
+    assert e.key == key and "expected" in e.problem and repr(value) in e.problem
+
+
+def test_bool_is_not_an_int_or_a_float() -> None:
+    assert error(machine(num_devices=True)).key == "num_devices"
+    data = machine()
+    data["device"]["efficiency"] = True
+    assert error(data).key == "device.efficiency"
+
+
+@pytest.mark.parametrize("overrides, key, bound", [
+    ({"num_devices": 0}, "num_devices", ">= 1"),
+    ({"device": {"name": "g", "memory_bytes": 0}}, "device.memory_bytes", "> 0"),
+    ({"device": {"name": "g", "memory_bytes": -5}}, "device.memory_bytes", "> 0"),
+    ({"device": {"name": "g", "memory_bytes": 1, "efficiency": 1.5}}, "device.efficiency", "<= 1"),
+    ({"device": {"name": "g", "memory_bytes": 1, "efficiency": 0.0}}, "device.efficiency", "> 0"),
+    ({"sizes": [1, -1]}, "sizes", ">= 0"),
+    ({"peaks": {"fp32": 0.0}}, "peaks", "> 0"),
+])
+def test_out_of_range(overrides: dict, key: str, bound: str) -> None:
+    e = error(machine(**overrides))
+    assert e.key == key and bound in e.problem
+
+
+def test_range_bounds_are_inclusive_where_documented() -> None:
+    m = from_dict(Machine, machine(num_devices=1, device={"name": "g", "memory_bytes": 1, "efficiency": 1.0}), SRC)
+    assert m.num_devices == 1 and m.device.efficiency == 1.0
+
+
+def test_list_element_error_names_the_index() -> None:
+    assert error(machine(sizes=[1, 2, "x"])).key == "sizes[2]"
+    e = error(machine(devices=[{"name": "a", "memory_bytes": 1}, {"name": "b", "memory_bytes": "lots"}]))
+    assert e.key == "devices[1].memory_bytes"
+
+
+def test_dict_value_error_names_the_entry() -> None:
+    assert error(machine(peaks={"fp32": 1.0, "fp16": "fast"})).key == "peaks.fp16"
+
+
+def test_whole_floats_are_accepted_for_ints() -> None:
+    # YAML reads 32e9-style literals as floats (or, without a dot, as strings).
+    m = from_dict(Machine, machine(device={"name": "g", "memory_bytes": 32e9}), SRC)
+    assert m.device.memory_bytes == 32_000_000_000 and isinstance(m.device.memory_bytes, int)
+    m = from_dict(Machine, machine(device={"name": "g", "memory_bytes": "32e9"}), SRC)
+    assert m.device.memory_bytes == 32_000_000_000
+    assert error(machine(device={"name": "g", "memory_bytes": 1.5e0})).key == "device.memory_bytes"
+
+
+def test_optional_accepts_null_and_value() -> None:
+    assert from_dict(Machine, machine(limit_bytes=None), SRC).limit_bytes is None
+    assert from_dict(Machine, machine(limit_bytes=7), SRC).limit_bytes == 7
+    assert error(machine(limit_bytes="seven")).key == "limit_bytes"
+
+
+def test_top_level_must_be_a_mapping() -> None:
+    with pytest.raises(ConfigError) as info:
+        from_dict(Machine, [1, 2], SRC)
+    assert info.value.source == SRC and "mapping" in info.value.problem
+
+
+def test_yaml_round_trip_through_files(tmp_path: Path) -> None:
+    path = tmp_path / "m.yaml"
+    write_text_atomic(path, "num_devices: 3\ndevice:\n  name: g\n  memory_bytes: 32e9\n")
+    m = load_dataclass(Machine, path)
+    assert m.num_devices == 3 and m.device.memory_bytes == 32_000_000_000
+    assert not list(tmp_path.glob(".*.tmp"))  # nothing half-written left behind
+
+
+def test_yaml_file_errors_name_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text("num_devices: 3\ndevice: {name: g, memory_bytes: 8}\nbogus: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_dataclass(Machine, path)
+    assert str(path) in str(info.value) and "bogus" in str(info.value)
+
+
+def test_load_yaml_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(UserError) as info:
+        load_yaml(path)
+    assert str(path) in str(info.value) and "no such file" in str(info.value)
+
+
+def test_load_yaml_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("a: [1, 2\nb: :\n")
+    with pytest.raises(UserError) as info:
+        load_yaml(path)
+    msg = str(info.value)
+    assert str(path) in msg and "not valid YAML" in msg and "\n" not in msg
+
+
+def test_load_yaml_invalid_json(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(UserError) as info:
+        load_yaml(path)
+    assert str(path) in str(info.value) and "not valid JSON" in str(info.value)

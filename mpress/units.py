@@ -1,0 +1,43 @@
+"""Parsing and printing sizes and times for humans (GB = 1e9 bytes, GiB = 2**30)."""
+
+from __future__ import annotations
+
+import re
+
+from mpress.errors import UserError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """`"2GB"` -> 2_000_000_000, `"512MiB"` -> 536870912, `"1e9"` -> 10**9."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise UserError(f"{what}: cannot read {text!r} as a size (e.g. 2GB, 512MiB, 1e9)")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UserError(f"{what}: must be > 0, got {text!r}")
+    return value
+
+
+def fmt_bytes(num: float) -> str:
+    """Bytes in GB/MB/KB (decimal), 3 significant digits."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(num) >= scale:
+            return f"{num / scale:.3g} {unit}"
+    return f"{int(num)} B"
+
+
+def fmt_seconds(sec: float) -> str:
+    """Seconds as s/ms/us with 3 significant digits."""
+    if sec >= 1:
+        return f"{sec:.3g} s"
+    if sec >= 1e-3:
+        return f"{sec * 1e3:.3g} ms"
+    return f"{sec * 1e6:.3g} us"

@@ -56,7 +56,9 @@ def local_one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Actio
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """Forwards and backwards of the project's 1F1B schedule when it exists, else the local one."""
     try:
-        from mpress.static.schedules import one_f_one_b as shared  # written alongside this bench
+        from mpress.static.schedules import (
+            one_f_one_b as shared,  # written alongside this bench
+        )
     except ImportError:
         return local_one_f_one_b(num_stages, num_microbatches)
     # the bench adds its own optimizer step with offload around it

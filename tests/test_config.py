@@ -8,7 +8,13 @@ from typing import Literal
 
 import pytest
 
-from mpress.config import from_dict, load_dataclass, load_yaml, to_dict, write_text_atomic
+from mpress.config import (
+    from_dict,
+    load_dataclass,
+    load_yaml,
+    to_dict,
+    write_text_atomic,
+)
 from mpress.errors import ConfigError, UserError
 
 SRC = "cfg/test.yaml"

@@ -6,7 +6,13 @@ from mpress.actions import Action, Kind
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware import load_hardware
 from mpress.static.memory import (
-    TensorInfo, build_channels, build_program, lower_action, memory_model, peer_transfers, stage_costs,
+    TensorInfo,
+    build_channels,
+    build_program,
+    lower_action,
+    memory_model,
+    peer_transfers,
+    stage_costs,
 )
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import build_schedule

@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpress.errors import ScheduleError, UserError
-from mpress.static.partition import layer_costs, partition_layers, partition_profile, stage_of_layer
+from mpress.static.partition import (
+    layer_costs,
+    partition_layers,
+    partition_profile,
+    stage_of_layer,
+)
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 
 

@@ -10,7 +10,13 @@ import pytest
 from mpress.actions import Action, Kind, Schedule, parse_actions
 from mpress.errors import ScheduleError, UserError
 from mpress.static.schedules import (
-    build_schedule, gpipe, interleaved_1f1b, max_in_flight, num_weight_versions, one_f_one_b, pipedream,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    max_in_flight,
+    num_weight_versions,
+    one_f_one_b,
+    pipedream,
     validate_schedule,
 )
 

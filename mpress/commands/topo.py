@@ -9,7 +9,6 @@ NVLink), the PCIe switch groups, host memory and PCIe bandwidth.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -19,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mpress.hardware import Hardware, hardware_presets, load_hardware
+from mpress.ui import make_console
 
 _GIB = 1024**3
 
@@ -64,10 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _console() -> Console:
-    # Outside a terminal (pipes, tests) rich would assume 80 columns and squeeze the
-    # matrices; a wider fixed width keeps one row per line. COLUMNS still wins.
-    interactive = sys.stdout.isatty() or "COLUMNS" in os.environ
-    return Console(width=None if interactive else 160, highlight=False)
+    return make_console()
 
 
 def link_label(hw: Hardware, i: int, j: int) -> str:

@@ -1,0 +1,137 @@
+"""`mpress emulate`: memory per stage and one emulated iteration of a pipeline.
+
+    mpress emulate --model gpt-5.3b --hardware dgx1-v100 --schedule 1f1b \\
+        --stages 8 --microbatch-size 2 --microbatches 16 --trace out/trace.json --plot out/memory.png
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from mpress.hardware import load_hardware
+from mpress.model_config import load_model_config
+from mpress.static.evaluate import Evaluation, evaluate, setup_pipeline
+from mpress.static.profile import Profile
+from mpress.ui import make_console
+from mpress.units import fmt_bytes, fmt_seconds, parse_bytes
+
+DEFAULTS = {
+    "model": "gpt-5.3b", "hardware": "dgx1-v100", "schedule": "1f1b",
+    "stages": 8, "microbatch_size": 2, "microbatches": 16,
+}
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by the commands that lay a model out on a pipeline."""
+    p.add_argument("--model", default=DEFAULTS["model"], help="model preset or YAML (default: %(default)s)")
+    p.add_argument("--hardware", default=DEFAULTS["hardware"], help="hardware preset or YAML (default: %(default)s)")
+    p.add_argument("--schedule", default=DEFAULTS["schedule"], choices=["gpipe", "1f1b", "pipedream", "interleaved"],
+                   help="pipeline schedule (default: %(default)s)")
+    p.add_argument("--stages", type=int, default=DEFAULTS["stages"], help="pipeline stages (default: %(default)s)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="pipeline ranks; only for interleaved (default: stages / 2)")
+    p.add_argument("--microbatch-size", type=int, default=DEFAULTS["microbatch_size"],
+                   help="samples per microbatch (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"],
+                   help="microbatches per iteration (default: %(default)s)")
+    p.add_argument("--profile", default=None, help="profile YAML/JSON from `mpress profile` (default: analytic)")
+    p.add_argument("--balance", default="compute", choices=["compute", "memory"],
+                   help="partition layers to balance compute (PipeDream/DAPPLE default) or memory")
+    p.add_argument("--devices", type=int, default=None, help="override the device count (cpu-local)")
+    p.add_argument("--device-memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("emulate", help="memory per stage and an emulated iteration of a pipeline",
+                              description=__doc__)
+    add_pipeline_args(p)
+    p.add_argument("--policy", default="capacity", choices=["capacity", "layer-ahead"],
+                   help="swap-in policy (default: %(default)s)")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON of the emulated streams")
+    p.add_argument("--plot", default=None, help="write a PNG of memory per device over time")
+    p.set_defaults(func=run)
+
+
+def setup_from_args(args: argparse.Namespace):
+    """Build the `PipelineSetup` the shared pipeline flags describe."""
+    memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+    hardware = load_hardware(args.hardware, num_devices=args.devices, memory_bytes=memory)
+    model = load_model_config(args.model)
+    profile = Profile.load(args.profile) if args.profile else None
+    return setup_pipeline(
+        model, hardware, schedule=args.schedule, num_stages=args.stages, num_ranks=args.ranks,
+        microbatch_size=args.microbatch_size, num_microbatches=args.microbatches,
+        profile=profile, balance=args.balance,
+    )
+
+
+def stage_table(ev: Evaluation) -> Table:
+    """Per-stage memory need (model) and emulated peak/stalls."""
+    setup, res = ev.setup, ev.result
+    stash = setup.schedule.weight_stashing
+    t = Table(title=f"{setup.model.name} on {setup.hardware.name}: {setup.schedule.name}, "
+                    f"{setup.schedule.num_stages} stages, {setup.schedule.num_microbatches} x {setup.microbatch_size}")
+    for col in ["stage", "dev", "layers", "model states", *(["stash"] if stash else []), "activations",
+                "need", "capacity", "emulated peak", "busy", "stall"]:
+        t.add_column(col, justify="left" if col in ("layers",) else "right")
+    names = setup.profile.layer_names()
+    for m, (start, end) in zip(setup.memory, setup.ranges):
+        rank = setup.schedule.stage_to_rank[m.stage]
+        need_style = "green" if m.fits else "bold red"
+        t.add_row(
+            str(m.stage), str(m.device), f"{names[start]}..{names[end - 1]}" if end - start > 1 else names[start],
+            fmt_bytes(m.model_state_bytes), *([fmt_bytes(m.stash_bytes)] if stash else []),
+            f"{m.max_in_flight} x {fmt_bytes(m.activation_bytes_per_microbatch)}",
+            f"[{need_style}]{fmt_bytes(m.total_bytes)}[/]", fmt_bytes(m.capacity_bytes),
+            fmt_bytes(res.peak_bytes[m.device]),
+            fmt_seconds(res.busy_s_by_rank[rank]), fmt_seconds(res.stall_s_by_rank[rank]),
+        )
+    return t
+
+
+def device_needs(ev: Evaluation) -> dict[int, int]:
+    """Memory-model need per device (stages sharing a device, as in interleaved, add up)."""
+    needs: dict[int, int] = {}
+    for m in ev.setup.memory:
+        needs[m.device] = needs.get(m.device, 0) + m.total_bytes
+    return needs
+
+
+def print_summary(console: Console, ev: Evaluation) -> None:
+    res, setup = ev.result, ev.setup
+    needs = device_needs(ev)
+    capacity = setup.hardware.device.memory_bytes
+    console.print(
+        f"iteration {fmt_seconds(res.iteration_s)}  |  {res.samples_per_s:.3g} samples/s  |  "
+        f"{res.model_tflops:.3g} model TFLOP/s  |  memory need, most/least loaded device "
+        f"{max(needs.values()) / max(min(needs.values()), 1):.2f}x"
+    )
+    over = {d: n for d, n in needs.items() if n > capacity}
+    oom = [d for d, flag in enumerate(res.oom) if flag]
+    if over or oom:
+        worst = max(over or {d: res.peak_bytes[d] for d in oom}, key=lambda d: max(needs.get(d, 0), res.peak_bytes[d]))
+        need = max(needs.get(worst, 0), res.peak_bytes[worst])
+        console.print(f"[bold red]does not fit[/]: {len(set(over) | set(oom))} of {len(needs)} devices exceed "
+                      f"device memory (device {worst} needs {fmt_bytes(need)} of {fmt_bytes(capacity)})")
+    else:
+        console.print("[green]fits[/]: every device is within its memory")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = setup_from_args(args)
+    ev = evaluate(setup, swap_in_policy=args.policy)
+    console = make_console()
+    console.print(stage_table(ev))
+    print_summary(console, ev)
+    if args.trace:
+        from mpress.static.trace import write_trace
+        write_trace(ev.result, args.trace)
+        console.print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
+    if args.plot:
+        from mpress.static.plots import plot_memory
+        plot_memory(ev.result, args.plot, title=f"{setup.model.name} on {setup.hardware.name}, {setup.schedule.name}")
+        console.print(f"memory plot written to {args.plot}")
+    return 0

@@ -1,0 +1,168 @@
+"""`mpress profile`: per-layer costs of one microbatch, measured or analytic.
+
+Measured (default): runs the reference model of a preset (`--model`) or a user module
+(`--module package.module:factory`) on the local device in training mode and records
+times, FLOPs and every tensor saved for backward. Analytic (`--analytic --hardware H`):
+closed-form costs of a GPT/BERT preset of any size on hardware preset H, nothing run.
+Prints one row per layer and totals; `--out` writes the profile (YAML, or JSON for .json).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from mpress.errors import UserError
+from mpress.hardware import hardware_presets, load_hardware
+from mpress.model_config import load_model_config, model_presets
+from mpress.static.profile import Profile
+from mpress.ui import make_console
+from mpress.units import fmt_bytes
+
+EPILOG = """\
+Examples:
+  mpress profile --model gpt-tiny --microbatch-size 4 --out gpt-tiny.yaml
+  mpress profile --model gpt-25.5b --microbatch-size 2 --analytic --hardware dgx1-v100
+  mpress profile --module mypkg.models:make_model --device cuda --out my.json
+A --module factory takes no arguments and returns (module, example_input) or
+(module, example_input, loss_fn); the microbatch size is the example input's first
+dimension. Exit status: 0 on success, 2 for bad input (one line on stderr)."""
+
+OUT_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def register(subparsers: Any) -> None:
+    """Add the `profile` subcommand to the `mpress` parser."""
+    parser = subparsers.add_parser(
+        "profile", help="profile a model per layer (measured on this machine, or analytic)",
+        description="Per-layer forward/backward time, FLOPs, saved tensors and model state of one microbatch.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="PRESET_OR_YAML",
+                        help=f"model preset ({', '.join(model_presets())}) or a model YAML path")
+    source.add_argument("--module", metavar="PKG.MOD:FACTORY",
+                        help="a user factory returning (module, example_input[, loss_fn])")
+    parser.add_argument("--microbatch-size", type=int, metavar="B",
+                        help="samples per microbatch (default 1 for --model; the example input's for --module)")
+    parser.add_argument("--analytic", action="store_true",
+                        help="closed-form profile of a GPT/BERT preset (needs --hardware); runs nothing")
+    parser.add_argument("--hardware", metavar="PRESET_OR_YAML",
+                        help=f"hardware for --analytic times ({', '.join(hardware_presets())}) or a YAML path")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to measure (default cpu)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first (default 2)")
+    parser.add_argument("--iters", type=int, default=3, metavar="N", help="timed steps averaged (default 3)")
+    parser.add_argument("--out", metavar="FILE", help="write the profile to FILE (.yaml, .yml or .json)")
+    parser.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.microbatch_size is not None and args.microbatch_size < 1:
+        raise UserError(f"--microbatch-size must be >= 1, got {args.microbatch_size}")
+    if args.warmup < 0:
+        raise UserError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.iters < 1:
+        raise UserError(f"--iters must be >= 1, got {args.iters}")
+    if args.out and Path(args.out).suffix not in OUT_SUFFIXES:
+        raise UserError(f"--out {args.out}: unknown format (use a name ending in {', '.join(OUT_SUFFIXES)})")
+    if args.analytic:
+        if args.module:
+            raise UserError("--analytic works for GPT/BERT presets (--model) only; measure a --module instead")
+        if not args.hardware:
+            raise UserError(f"--analytic needs --hardware (presets: {', '.join(hardware_presets())})")
+    elif args.hardware:
+        raise UserError("--hardware is only used with --analytic (measured profiles time the local device)")
+
+
+def make_profile(args: argparse.Namespace) -> Profile:
+    """Build the profile the arguments ask for (see the module docstring)."""
+    _check_args(args)
+    if args.model:
+        cfg = load_model_config(args.model)
+        batch = args.microbatch_size or 1
+        if args.analytic:
+            from mpress.static.analytic import analytic_profile
+
+            return analytic_profile(cfg, load_hardware(args.hardware), batch)
+        from mpress.static.measured import measure_model_profile
+
+        return measure_model_profile(cfg, batch, args.device, warmup=args.warmup, iters=args.iters)
+
+    from mpress.static.measured import (
+        load_user_factory,
+        measure_profile,
+        module_fingerprint,
+    )
+
+    user = load_user_factory(args.module)
+    first = user.example_input[0] if isinstance(user.example_input, (tuple, list)) else user.example_input
+    batch = int(first.shape[0]) if getattr(first, "ndim", 0) > 0 else 1
+    if args.microbatch_size is not None and args.microbatch_size != batch:
+        raise UserError(f"--microbatch-size {args.microbatch_size} does not match the example input "
+                        f"of {args.module} (first dimension {batch}); leave it out for --module")
+    return measure_profile(user.module, user.example_input, model_name=args.module,
+                           fingerprint=module_fingerprint(user.module), microbatch_size=batch,
+                           loss_fn=user.loss_fn, warmup=args.warmup, iters=args.iters, device=args.device)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, print the table, write `--out`; 0 on success."""
+    profile = make_profile(args)
+    render_profile(profile, _console())
+    if args.out:
+        profile.save(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _console() -> Console:
+    return make_console()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:.2f}"
+
+
+def _gflop(flops: float) -> str:
+    return f"{flops / 1e9:.3f}"
+
+
+def render_profile(profile: Profile, console: Console) -> None:
+    """Print one row per layer and a totals row (times in ms, FLOPs in GFLOP, MB = 1e6 B)."""
+    title = (f"{profile.model}: {profile.source} profile on {profile.device}, "
+             f"{profile.dtype}, microbatch {profile.microbatch_size}")
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_footer=True)
+    layers = profile.layers
+    totals = {
+        "fwd": sum(x.forward_time_s for x in layers), "bwd": sum(x.backward_time_s for x in layers),
+        "ff": sum(x.forward_flops for x in layers), "bf": sum(x.backward_flops for x in layers),
+        "saved": sum(x.saved_bytes for x in layers), "num": sum(len(x.saved) for x in layers),
+        "params": sum(x.param_bytes for x in layers), "state": sum(x.model_state_bytes for x in layers),
+    }
+    columns = [
+        ("layer", "total", "left"), ("fwd ms", _ms(totals["fwd"]), "right"),
+        ("bwd ms", _ms(totals["bwd"]), "right"), ("fwd GFLOP", _gflop(totals["ff"]), "right"),
+        ("bwd GFLOP", _gflop(totals["bf"]), "right"), ("saved", str(totals["num"]), "right"),
+        ("saved MB", _mb(totals["saved"]), "right"), ("params MB", _mb(totals["params"]), "right"),
+        ("model state MB", _mb(totals["state"]), "right"), ("output MB", "", "right"),
+    ]
+    for header, footer, justify in columns:
+        table.add_column(header, footer=footer, justify=justify)  # type: ignore[arg-type]
+    for x in layers:
+        table.add_row(x.name or "(whole module)", _ms(x.forward_time_s), _ms(x.backward_time_s),
+                      _gflop(x.forward_flops), _gflop(x.backward_flops), str(len(x.saved)),
+                      _mb(x.saved_bytes), _mb(x.param_bytes), _mb(x.model_state_bytes), _mb(x.output_bytes))
+    console.print(table)
+    notes = [f"saved activations {fmt_bytes(totals['saved'])} per microbatch",
+             f"model state {fmt_bytes(totals['state'])} (params + grads + Adam states + master weights)"]
+    if profile.peak_memory_bytes:
+        notes.append(f"measured peak allocated {fmt_bytes(profile.peak_memory_bytes)}")
+    console.print("; ".join(notes))

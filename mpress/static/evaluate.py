@@ -1,0 +1,99 @@
+"""One call from a model, hardware and pipeline shape to an emulated iteration.
+
+`setup_pipeline` does the pure steps every static tool needs (profile, partition,
+schedule, per-stage costs and memory); `evaluate` adds lowering and emulation.
+Used by `mpress emulate`, the benchmarks and the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mpress.actions import Schedule
+from mpress.errors import UserError
+from mpress.hardware import Hardware
+from mpress.model_config import ModelConfig
+from mpress.static.analytic import analytic_profile
+from mpress.static.emulator import EmulatorResult, emulate
+from mpress.static.memory import (
+    StageCosts,
+    StageMemory,
+    TensorInfo,
+    build_program,
+    default_stage_to_device,
+    memory_model,
+    stage_costs,
+)
+from mpress.static.partition import partition_profile
+from mpress.static.profile import Profile
+from mpress.static.program import Program
+from mpress.static.schedules import build_schedule
+
+ScheduleName = Literal["gpipe", "1f1b", "pipedream", "interleaved"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSetup:
+    """A model laid out on a pipeline: everything before any memory decision."""
+
+    model: ModelConfig
+    hardware: Hardware
+    profile: Profile
+    microbatch_size: int
+    ranges: list[tuple[int, int]]
+    """Layer range [start, end) of each stage."""
+    schedule: Schedule
+    stage_to_device: list[int]
+    costs: list[StageCosts]
+    memory: list[StageMemory]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """A pipeline setup with its emulated iteration."""
+
+    setup: PipelineSetup
+    program: Program
+    result: EmulatorResult
+
+
+def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: ScheduleName, num_stages: int,
+                   microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
+                   profile: Profile | None = None, balance: Literal["compute", "memory"] = "compute",
+                   stage_to_device: list[int] | None = None) -> PipelineSetup:
+    """Profile (analytic unless given), partition, schedule and size a pipeline."""
+    if microbatch_size < 1:
+        raise UserError(f"--microbatch-size must be >= 1, got {microbatch_size}")
+    if profile is None:
+        profile = analytic_profile(model, hardware, microbatch_size)
+    else:
+        profile.check_model(model)
+        if profile.microbatch_size != microbatch_size:
+            raise UserError(
+                f"profile was measured with microbatch size {profile.microbatch_size}, not {microbatch_size}")
+    sched = build_schedule(schedule, num_stages, num_microbatches, num_ranks=num_ranks)
+    if sched.num_ranks > hardware.num_devices:
+        raise UserError(
+            f"{sched.num_ranks} pipeline ranks need {sched.num_ranks} devices, "
+            f"but hardware {hardware.name} has {hardware.num_devices}")
+    ranges = partition_profile(profile, num_stages, balance)
+    devices = stage_to_device or default_stage_to_device(sched, hardware)
+    costs = stage_costs(profile, ranges)
+    return PipelineSetup(
+        model=model, hardware=hardware, profile=profile, microbatch_size=microbatch_size, ranges=ranges,
+        schedule=sched, stage_to_device=devices, costs=costs,
+        memory=memory_model(costs, sched, hardware, devices),
+    )
+
+
+def evaluate(setup: PipelineSetup, schedule: Schedule | None = None, *,
+             tensors: dict[str, TensorInfo] | None = None,
+             swap_in_policy: Literal["capacity", "layer-ahead"] = "capacity") -> Evaluation:
+    """Emulate one iteration of `schedule` (default: the setup's, without memory actions)."""
+    program = build_program(
+        setup.profile, setup.ranges, schedule or setup.schedule, setup.hardware,
+        microbatch_size=setup.microbatch_size, stage_to_device=setup.stage_to_device,
+        tensors=tensors, swap_in_policy=swap_in_policy,
+    )
+    return Evaluation(setup=setup, program=program, result=emulate(program))

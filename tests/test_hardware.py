@@ -221,15 +221,9 @@ def test_bad_file_names_file_and_key(tmp_path: Path, what: str, change, key: str
     assert str(info.value).startswith(f"{path}: {key}: ")
 
 
-@pytest.fixture
-def topo_only_cli(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Only the topo subcommand: other subcommands' modules are not this test's subject.
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ["topo"])
-
-
 @pytest.mark.parametrize("what, change, key, words", BAD_INPUTS[:3] + BAD_INPUTS[10:12],
                          ids=[b[0] for b in BAD_INPUTS[:3] + BAD_INPUTS[10:12]])
-def test_cli_bad_file_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], topo_only_cli: None,
+def test_cli_bad_file_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                             what: str, change, key: str, words: str) -> None:  # type: ignore[no-untyped-def]
     path = write(tmp_path, _dgx1_with(change))
     assert cli.main(["topo", "--hardware", str(path)]) == 2
@@ -241,7 +235,7 @@ def test_cli_bad_file_exits_2_with_one_line(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.parametrize("text", ["num_devices: [\n", "- just\n- a list\n"])
-def test_cli_unparsable_or_non_mapping_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], topo_only_cli: None,
+def test_cli_unparsable_or_non_mapping_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                             text: str) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text(text)
@@ -250,7 +244,7 @@ def test_cli_unparsable_or_non_mapping_file(tmp_path: Path, capsys: pytest.Captu
     assert len(err.strip().splitlines()) == 1 and str(path) in err and "Traceback" not in err
 
 
-def test_cli_unknown_preset(capsys: pytest.CaptureFixture[str], topo_only_cli: None) -> None:
+def test_cli_unknown_preset(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["topo", "--hardware", "dgx-9000"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "dgx-9000" in err

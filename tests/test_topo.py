@@ -262,12 +262,6 @@ def test_compare_lists_each_mismatch() -> None:
 
 
 # -- the command --------------------------------------------------------------------------------
-@pytest.fixture
-def topo_only_cli(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Only the topo subcommand: other subcommands' modules are not this test's subject.
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ["topo"])
-
-
 def _matrix_rows(out: str, header: str) -> list[list[str]]:
     """Cells of the matrix printed after the line starting with `header`."""
     lines = out.splitlines()
@@ -283,7 +277,7 @@ def _matrix_rows(out: str, header: str) -> list[list[str]]:
     return rows
 
 
-def test_topo_dgx1_link_matrix(capsys: pytest.CaptureFixture[str], topo_only_cli: None) -> None:
+def test_topo_dgx1_link_matrix(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["topo", "--hardware", "dgx1-v100"]) == 0
     out = capsys.readouterr().out
     rows = _matrix_rows(out, "NVLink links per pair")
@@ -297,7 +291,7 @@ def test_topo_dgx1_link_matrix(capsys: pytest.CaptureFixture[str], topo_only_cli
     assert "host memory 512.0 GiB" in out
 
 
-def test_topo_dgx1_bandwidth_matrix(capsys: pytest.CaptureFixture[str], topo_only_cli: None) -> None:
+def test_topo_dgx1_bandwidth_matrix(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["topo", "--hardware", "dgx1-v100"]) == 0
     rows = _matrix_rows(capsys.readouterr().out, "Effective GB/s per pair")
     data = yaml.safe_load((HARDWARE_DIR / "dgx1-v100.yaml").read_text())
@@ -309,7 +303,7 @@ def test_topo_dgx1_bandwidth_matrix(capsys: pytest.CaptureFixture[str], topo_onl
     assert rows[4][4] == "X"
 
 
-def test_topo_nvswitch_preset(capsys: pytest.CaptureFixture[str], topo_only_cli: None) -> None:
+def test_topo_nvswitch_preset(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["topo", "--hardware", "hgx-h100"]) == 0
     out = capsys.readouterr().out
     rows = _matrix_rows(out, "NVLink links per pair")
@@ -318,7 +312,7 @@ def test_topo_nvswitch_preset(capsys: pytest.CaptureFixture[str], topo_only_cli:
     assert "NVSwitch" in out and "none shared" in out
 
 
-def test_topo_yaml_path(tmp_path, capsys: pytest.CaptureFixture[str], topo_only_cli: None) -> None:  # type: ignore[no-untyped-def]
+def test_topo_yaml_path(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "mine.yaml"
     path.write_text((HARDWARE_DIR / "cpu-local.yaml").read_text())
     assert cli.main(["topo", "--hardware", str(path)]) == 0
@@ -326,8 +320,7 @@ def test_topo_yaml_path(tmp_path, capsys: pytest.CaptureFixture[str], topo_only_
 
 
 @pytest.mark.parametrize("argv", [["topo"], ["topo", "--local"]])
-def test_topo_local_without_gpu_prints_one_line(argv: list[str], capsys: pytest.CaptureFixture[str],
-                                                topo_only_cli: None) -> None:
+def test_topo_local_without_gpu_prints_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     if detect_local_hardware()[0] is not None:
         pytest.skip("this machine has an NVIDIA GPU")
     assert cli.main(argv) == 1
@@ -338,8 +331,7 @@ def test_topo_local_without_gpu_prints_one_line(argv: list[str], capsys: pytest.
     assert "no NVIDIA GPU found" in lines[0] and "--hardware PRESET" in lines[0]
 
 
-def test_topo_local_with_a_detected_machine(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                                            topo_only_cli: None) -> None:
+def test_topo_local_with_a_detected_machine(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     fake = fake_dgx1()
     monkeypatch.setattr(topology, "detect_local_hardware", lambda: detect_local_hardware(nvml=fake))
     assert cli.main(["topo", "--local"]) == 0
@@ -348,7 +340,7 @@ def test_topo_local_with_a_detected_machine(monkeypatch: pytest.MonkeyPatch, cap
     assert _matrix_rows(out, "NVLink links per pair")[0] == ["X", "NV1", "NV1", "NV2", "NV2", "PCIe", "PCIe", "PCIe"]
 
 
-def test_topo_flags_are_exclusive(capsys: pytest.CaptureFixture[str], topo_only_cli: None) -> None:
+def test_topo_flags_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["topo", "--local", "--hardware", "dgx1-v100"])
     assert info.value.code == 2

@@ -1,0 +1,125 @@
+"""`mpress emulate` end to end: the imbalance it must show, its outputs, its bad input."""
+
+import json
+
+import pytest
+
+from mpress.cli import main
+from mpress.hardware import HARDWARE_DIR, load_hardware
+from mpress.model_config import load_model_config
+from mpress.static.evaluate import evaluate, setup_pipeline
+from mpress.static.profile import Profile
+
+
+def _setup(schedule, model="gpt-5.3b", hardware="dgx1-v100", stages=8, mbs=16):
+    return setup_pipeline(load_model_config(model), load_hardware(hardware), schedule=schedule,
+                          num_stages=stages, microbatch_size=2, num_microbatches=mbs)
+
+
+def test_first_stages_need_much_more_than_last_and_pipedream_more_again():
+    sync = _setup("1f1b")
+    totals = [m.total_bytes for m in sync.memory]
+    # stage 0 holds 8 microbatches in flight, stage 6 only 2 (the last stage also holds the head)
+    assert totals[0] > 1.5 * totals[-2]
+    assert totals[0] > totals[-1]
+    assert all(a >= b for a, b in zip(totals[1:-1], totals[2:-1]))
+    stash = _setup("pipedream")
+    assert stash.memory[0].total_bytes > sync.memory[0].total_bytes
+    assert stash.memory[0].stash_bytes == 7 * sync.memory[0].param_bytes
+    assert stash.memory[-1].stash_bytes == 0
+
+
+def test_emulated_peak_agrees_with_memory_model_without_compaction():
+    ev = evaluate(_setup("1f1b"))
+    for m in ev.setup.memory:
+        # analytic profiles have no workspace, so the emulated peak is exactly the model's need
+        assert ev.result.peak_bytes[m.device] == m.total_bytes
+    assert ev.result.iteration_s > 0 and ev.result.samples_per_s == pytest.approx(32 / ev.result.iteration_s)
+
+
+def test_gpipe_needs_more_than_1f1b_on_the_first_stage():
+    assert _setup("gpipe").memory[0].total_bytes > _setup("1f1b").memory[0].total_bytes
+
+
+def test_default_run_prints_table_and_verdict(capsys):
+    assert main(["emulate"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt-5.3b on dgx1-v100" in out and "samples/s" in out
+    assert "fits" in out
+
+
+def test_does_not_fit_is_reported(capsys):
+    assert main(["emulate", "--model", "gpt-25.5b", "--schedule", "pipedream"]) == 0
+    assert "does not fit" in capsys.readouterr().out
+
+
+def test_interleaved_adds_stages_sharing_a_device(capsys):
+    assert main(["emulate", "--schedule", "interleaved", "--stages", "8", "--ranks", "4",
+                 "--model", "gpt-10.3b"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out  # two stages per device
+
+
+def test_trace_and_plot(tmp_path, capsys):
+    trace, plot = tmp_path / "t.json", tmp_path / "m.png"
+    assert main(["emulate", "--model", "gpt-tiny", "--hardware", "cpu-local", "--stages", "4",
+                 "--microbatches", "8", "--trace", str(trace), "--plot", str(plot)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("ph") == "X") >= 4 * 8 * 2
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_profile_is_accepted(tmp_path):
+    path = tmp_path / "p.yaml"
+    assert main(["profile", "--model", "gpt-tiny", "--microbatch-size", "2", "--warmup", "0", "--iters", "1",
+                 "--out", str(path)]) == 0
+    assert main(["emulate", "--model", "gpt-tiny", "--hardware", "cpu-local", "--stages", "2",
+                 "--microbatches", "4", "--profile", str(path)]) == 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--stages", "9"], "9 pipeline ranks need 9 devices"),
+    (["--model", "gpt-tiny", "--hardware", "cpu-local", "--devices", "8", "--stages", "7"], "cannot split 6 layers"),
+    (["--microbatches", "0"], "num_microbatches"),
+    (["--microbatch-size", "0"], "--microbatch-size"),
+    (["--model", "gpt-999b"], "unknown model"),
+    (["--hardware", "dgx-9000"], "unknown hardware"),
+    (["--device-memory", "lots"], "--device-memory"),
+    (["--schedule", "interleaved", "--stages", "6", "--ranks", "4"], "stages"),
+])
+def test_bad_input_is_one_line_exit_2(argv, words, capsys):
+    assert main(["emulate", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert "Traceback" not in captured.err
+
+
+def test_profile_of_another_model_is_refused(tmp_path, capsys):
+    path = tmp_path / "bert.yaml"
+    assert main(["profile", "--model", "bert-tiny", "--warmup", "0", "--iters", "1", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["emulate", "--model", "gpt-tiny", "--hardware", "cpu-local", "--stages", "2",
+                 "--profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "bert-tiny" in err and len(err.strip().splitlines()) == 1
+
+
+def test_asymmetric_hardware_file_is_refused(tmp_path, capsys):
+    text = (HARDWARE_DIR / "dgx1-v100.yaml").read_text()
+    bad = text.replace("[0, 1, 1, 2, 2, 0, 0, 0]", "[0, 1, 1, 2, 2, 1, 0, 0]", 1)
+    assert bad != text
+    path = tmp_path / "hw.yaml"
+    path.write_text(bad)
+    assert main(["emulate", "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "nvlink_links[0][5]" in err and "symmetric" in err
+
+
+def test_profile_microbatch_must_match(tmp_path, capsys):
+    path = tmp_path / "p.yaml"
+    assert main(["profile", "--model", "gpt-tiny", "--microbatch-size", "1", "--warmup", "0", "--iters", "1",
+                 "--out", str(path)]) == 0
+    assert Profile.load(path).microbatch_size == 1
+    assert main(["emulate", "--model", "gpt-tiny", "--hardware", "cpu-local", "--stages", "2",
+                 "--microbatch-size", "2", "--profile", str(path)]) == 2

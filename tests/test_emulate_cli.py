@@ -29,8 +29,9 @@ def test_first_stages_need_much_more_than_last_and_pipedream_more_again():
     assert stash.memory[-1].stash_bytes == 0
 
 
-def test_emulated_peak_agrees_with_memory_model_without_compaction():
-    ev = evaluate(_setup("1f1b"))
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream", "gpipe"])
+def test_emulated_peak_agrees_with_memory_model_without_compaction(schedule):
+    ev = evaluate(_setup(schedule))
     for m in ev.setup.memory:
         # analytic profiles have no workspace, so the emulated peak is exactly the model's need
         assert ev.result.peak_bytes[m.device] == m.total_bytes

@@ -232,14 +232,19 @@ _TECHNIQUE: dict[Kind, Technique] = {
 
 
 def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Hardware,
-                 tensors: dict[str, TensorInfo]) -> Task:
-    """Cost one action of stage `costs.stage` running on `device`."""
+                 tensors: dict[str, TensorInfo], weight_stashing: bool = False) -> Task:
+    """Cost one action of stage `costs.stage` running on `device`.
+
+    With weight stashing, F(s, m) creates microbatch m's weight version and B(s, m)
+    releases it (see `build_program` for the matching static bytes).
+    """
     kind = action.kind
+    per_microbatch = costs.saved_bytes + (costs.param_bytes if weight_stashing else 0)
     if kind is Kind.F:
-        return Task(action, compute_s=costs.forward_s, alloc_bytes=costs.saved_bytes,
+        return Task(action, compute_s=costs.forward_s, alloc_bytes=per_microbatch,
                     transient_bytes=costs.workspace_bytes)
     if kind is Kind.B:
-        return Task(action, compute_s=costs.backward_s, free_bytes=costs.saved_bytes,
+        return Task(action, compute_s=costs.backward_s, free_bytes=per_microbatch,
                     transient_bytes=costs.workspace_bytes)
     if kind is Kind.OPT:
         num_params = (costs.optim_bytes // 8) if costs.optim_bytes else costs.param_bytes // 4
@@ -277,10 +282,18 @@ def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Ha
 def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Schedule, hardware: Hardware, *,
                   microbatch_size: int, stage_to_device: list[int] | None = None,
                   tensors: dict[str, TensorInfo] | None = None,
+                  offloaded_bytes: list[int] | None = None,
+                  pool_bytes: list[int] | None = None,
                   swap_in_policy: str = "capacity") -> Program:
     """Lower `schedule` (with or without memory actions) into an emulator `Program`.
 
-    `tensors` describes every tensor a memory action names (see `TensorInfo`).
+    tensors: describes every tensor a memory action names (see `TensorInfo`).
+    offloaded_bytes: per stage, model-data bytes that start the iteration off the device
+        (optimizer states the plan offloads; OI brings them in, OO takes them out).
+    pool_bytes: per device, peer-pool bytes it reserves for D2D exporters.
+    Weight stashing is accounted per microbatch: F(s, m) allocates a weight version and
+    B(s, m) frees it, and the static bytes hold one version fewer (the live weights are
+    the newest version), so the peak equals `StageMemory.total_bytes`.
     Raises `UserError` when the stage count, device count or tensor names do not match.
     """
     if len(ranges) != schedule.num_stages:
@@ -289,20 +302,28 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
     devices = stage_to_device or default_stage_to_device(schedule, hardware)
     mem = memory_model(costs, schedule, hardware, devices)
     table = tensors or {}
+    stash = schedule.weight_stashing
     ranks = []
     for r, actions in enumerate(schedule.ranks):
         ranks.append(tuple(
-            lower_action(a, costs=costs[a.stage], device=devices[a.stage], hardware=hardware, tensors=table)
+            lower_action(a, costs=costs[a.stage], device=devices[a.stage], hardware=hardware, tensors=table,
+                         weight_stashing=stash)
             for a in actions
         ))
+    offloaded = offloaded_bytes or [0] * schedule.num_stages
+    pools = pool_bytes or [0] * hardware.num_devices
     rank_device = []
     static = []
     for r in range(schedule.num_ranks):
         stages = schedule.stages_of_rank(r)
         if not stages:
             raise ScheduleError(f"rank {r} runs no stage")
-        rank_device.append(devices[stages[0]])
-        static.append(sum(mem[s].static_bytes for s in stages))
+        device = devices[stages[0]]
+        pool = 0 if device in rank_device else pools[device]  # a device's pool counts once
+        rank_device.append(device)
+        static.append(pool + sum(
+            mem[s].static_bytes - offloaded[s] - (mem[s].stash_bytes + mem[s].param_bytes if stash else 0)
+            for s in stages))
     sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     grad_sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     for s in range(schedule.num_stages - 1):

@@ -9,7 +9,7 @@ tensor a memory action moves (`1SO4:layers.3.mlp.fc1#0`). Kinds:
 |------|---------|----|
 | F  | forward of a microbatch | compute stream |
 | B  | backward of a microbatch | compute stream |
-| OPT| optimizer step of the stage (no microbatch) | compute stream |
+| OPT| optimizer step of the stage (no microbatch; with `:{tensor}`, the step of that chunk of model data only) | compute stream |
 | RC | recompute the forward of a dropped tensor before its backward | compute stream |
 | SO | swap a tensor out to pinned host memory | device->host copy |
 | SI | swap a tensor back in from host | host->device copy |
@@ -85,7 +85,7 @@ class Action:
             raise ScheduleError(f"{self.kind.value} actions need a microbatch >= 0")
         if self.kind in TENSOR_KINDS and not self.tensor:
             raise ScheduleError(f"{self.kind.value} actions need a tensor name")
-        if self.kind not in TENSOR_KINDS and self.tensor is not None:
+        if self.kind not in TENSOR_KINDS and self.kind is not Kind.OPT and self.tensor is not None:
             raise ScheduleError(f"{self.kind.value} actions take no tensor name")
         if self.tensor is not None and any(c.isspace() for c in self.tensor):
             raise ScheduleError(f"tensor name may not contain spaces: {self.tensor!r}")

@@ -430,3 +430,27 @@ def test_more_bandwidth_never_slows_an_iteration(p, factor):
     copies cannot delay anything. (With fair sharing, a copy that starts earlier can slow
     another on its channel; with a full device, an earlier swap-in can hold back the next.)"""
     assert emulate(_with_bandwidth(p, factor)).iteration_s <= emulate(p).iteration_s + 1e-9
+
+
+# ---- memory back-pressure -----------------------------------------------------------------
+
+def test_compute_waits_for_swap_out_to_make_room():
+    # capacity 10 GB. 0F0 [0,1] takes 8 GB; its swap-out (8 GB at 8 GB/s) runs [1,2] and
+    # frees the 8 GB at 2. 0F1 is reached at 1 but 8 + 8 > 10 while a copy-out is in
+    # flight, so it waits: [2,3]; the 1 s stall is blamed on tensor x, host swap.
+    # Peak: 8 GB (the room is freed before 0F1 takes its 8 GB).
+    p = program([compute("0F0", 1.0, alloc=8 * GB), copy("0SO0:x", ("up", 8 * GB), free=8 * GB),
+                 compute("0F1", 1.0, alloc=8 * GB)], channels={"up": (8.0, 0.0)}, capacity=10 * GB)
+    r = emulate(p)
+    assert span(r, 0, "0F1") == pytest.approx((2.0, 3.0))
+    assert r.stall_s_by_tensor == pytest.approx({"x": 1.0})
+    assert r.stall_s_by_technique == pytest.approx({"host-swap": 1.0})
+    assert r.peak_bytes == (8 * GB,) and r.fits
+
+
+def test_no_copy_out_in_flight_means_oom_not_a_wait():
+    # Nothing will free memory: 0F1 starts at once and the device overflows.
+    p = program([compute("0F0", 1.0, alloc=8 * GB), compute("0F1", 1.0, alloc=8 * GB)], capacity=10 * GB)
+    r = emulate(p)
+    assert span(r, 0, "0F1") == pytest.approx((1.0, 2.0))
+    assert r.peak_bytes == (16 * GB,) and not r.fits

@@ -12,7 +12,8 @@ What is simulated, and the choices `program.py` leaves open:
   gradient send `grad_sends[(s+1, s)]`; every compute task waits for the copy-ins
   (SI, DI, OI) with its stage and microbatch (None for OPT) listed before it since the
   previous compute task of that stage and microbatch (earlier ones were waited for by
-  that task). A copy-in waits for the latest copy-out (SO, DO, OO) of the same tensor
+  that task); a compute task that names a tensor (RC, or OPT of one chunk of model data)
+  waits only for the copy-ins of that tensor. A copy-in waits for the latest copy-out (SO, DO, OO) of the same tensor
   listed before it on the same rank; with none (e.g. optimizer states brought in before
   the step that sends them out again) it waits for nothing.
 - Channels share their bandwidth fairly (processor sharing): with n transfers active,
@@ -27,6 +28,10 @@ What is simulated, and the choices `program.py` leaves open:
   start (the device may then run out of memory).
   "layer-ahead": a copy-in starts no earlier than the start of the compute task listed
   just before its consumer; memory is not checked.
+- Memory back-pressure: a compute task that would take its device over capacity while
+  copy-outs (SO, DO, OO) of that device are in flight waits until they have freed enough
+  room (or none is left in flight); the wait is blamed on the copy-out that made room.
+  With no copy-out in flight it starts at once and the device runs out of memory.
 - Memory per device: the static bytes of its ranks, plus alloc + transient bytes when a
   task starts, minus free + transient bytes when it ends. A copy-out therefore gives its
   bytes back when the copy has finished, not when it is issued.
@@ -214,6 +219,9 @@ class _Simulation:
         self.tl_bytes: list[list[int]] = [[m] for m in self.mem]
         self.fifo: list[deque[int]] = [deque() for _ in range(num_devices)]
         self.admitting = [False] * num_devices
+        # memory back-pressure: compute tasks waiting for in-flight copy-outs to free room
+        self.frees_in_flight = [0] * num_devices
+        self.alloc_waiting: list[deque[int]] = [deque() for _ in range(num_devices)]
         self.pos = [nodes.start for nodes in self.rank_nodes]
         self.stall_tensor: dict[str, float] = {}
         self.stall_technique: dict[str, float] = {}
@@ -254,7 +262,13 @@ class _Simulation:
                     continue
                 a = tasks[n].action
                 if c == _COMPUTE:
-                    waits = open_in.pop((a.stage, a.microbatch), None)
+                    if a.tensor is None:
+                        waits = open_in.pop((a.stage, a.microbatch), None)
+                    else:  # OPT of one chunk of model data, or RC: only its own tensor
+                        pending_in = open_in.get((a.stage, a.microbatch), [])
+                        waits = [d for d in pending_in if tasks[d].action.tensor == a.tensor]
+                        if waits:
+                            pending_in[:] = [d for d in pending_in if tasks[d].action.tensor != a.tensor]
                     if waits:
                         deps[n] = list(waits)
                         self.copyin_deps[n] = waits
@@ -407,6 +421,11 @@ class _Simulation:
         if left == 0:
             c = self.cat[n]
             if c == _COMPUTE:
+                d = self.device_of[n]
+                if (self.take[n] and self.frees_in_flight[d]
+                        and self.mem[d] + self.take[n] > self.program.device_capacity_bytes[d]):
+                    self.alloc_waiting[d].append(n)  # wait for the copy-outs to free room
+                    return
                 self._start_compute(n, t)
             elif c == _COPY_IN and self.capacity_policy and not self.forced[n]:
                 self.admission[n] = _QUEUED
@@ -446,7 +465,7 @@ class _Simulation:
         if stall > 0:
             self.stall_rank[self.rank_of[n]] += stall
             b = self.blame[n]
-            if b >= 0 and self.cat[b] == _COPY_IN:
+            if b >= 0 and self.cat[b] in (_COPY_IN, _COPY_OUT):
                 culprit = self.tasks[b]
                 tensor = culprit.action.tensor or ""
                 self.stall_tensor[tensor] = self.stall_tensor.get(tensor, 0.0) + stall
@@ -466,6 +485,8 @@ class _Simulation:
         self.start[n] = t
         if n < self.num_tasks and self.take[n]:
             self._mem(self.device_of[n], self.take[n], t)
+        if n < self.num_tasks and self.give[n] and self.cat[n] == _COPY_OUT:
+            self.frees_in_flight[self.device_of[n]] += 1
         transfers = self.transfers[n]
         if not transfers:
             self._done(n, t)
@@ -482,11 +503,30 @@ class _Simulation:
     def _done(self, n: int, t: float) -> None:
         self.end[n] = t
         if n < self.num_tasks and self.give[n]:
-            self._mem(self.device_of[n], -self.give[n], t)
+            d = self.device_of[n]
+            if self.cat[n] == _COPY_OUT:
+                self.frees_in_flight[d] -= 1
+            self._mem(d, -self.give[n], t)
+            if self.cat[n] == _COPY_OUT and self.alloc_waiting[d]:
+                self._release_waiting(d, n, t)
         ws = self.done_waiters[n]
         if ws is not None:
             for w in ws:
                 self._satisfy(w, n, t)
+
+    def _release_waiting(self, d: int, freed_by: int, t: float) -> None:
+        """Start compute tasks of device d that waited for room, in order, while they fit
+        (or once no copy-out is left in flight to wait for); their stall is blamed on the
+        copy-out that made the room."""
+        q = self.alloc_waiting[d]
+        cap = self.program.device_capacity_bytes[d]
+        while q:
+            n = q[0]
+            if self.frees_in_flight[d] and self.mem[d] + self.take[n] > cap:
+                break
+            q.popleft()
+            self.blame[n] = freed_by
+            self._start_compute(n, t)
 
     def _mem(self, d: int, delta: int, t: float) -> None:
         if delta == 0:

@@ -89,7 +89,7 @@ def test_channels_and_peer_paths_follow_topology():
 def test_lowering_memory_actions():
     hw = load_hardware("dgx1-v100")
     costs = stage_costs(toy_profile(), [(0, 8)])[0]
-    tensors = {"t": TensorInfo(bytes=30 * MB, recompute_s=0.5e-3, stripes=((1, 1 / 3), (3, 2 / 3)))}
+    tensors = {"t": TensorInfo(bytes=30 * MB, compute_s=0.5e-3, stripes=((1, 1 / 3), (3, 2 / 3)))}
     kw = dict(costs=costs, device=0, hardware=hw, tensors=tensors)
     so = lower_action(Action(0, Kind.SO, 0, "t"), **kw)
     assert so.free_bytes == 30 * MB and so.transfers[0].channel == "pcie-up:0" and so.technique == "host-swap"

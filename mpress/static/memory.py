@@ -167,6 +167,11 @@ def memory_model(costs: list[StageCosts], schedule: Schedule, hardware: Hardware
     return out
 
 
+def optimizer_step_s(num_params: int, hardware: Hardware) -> float:
+    """Time of one Adam step over `num_params` parameters on one device."""
+    return num_params * ADAM_FLOPS_PER_PARAM / (hardware.peak_flops("fp32") * hardware.compute_efficiency)
+
+
 # -- channels ----------------------------------------------------------------------------
 
 def pcie_up(hardware: Hardware, device: int) -> str:
@@ -216,12 +221,13 @@ class TensorInfo:
     """What the lowering needs to cost a memory action on a tensor (or tensor group).
 
     bytes: bytes moved, dropped or restored.
-    recompute_s: compute time to restore it by recomputation (RC actions).
+    compute_s: compute time of the action that restores it (RC) or updates it (OPT of
+        one chunk of model data).
     stripes: D2D only: (peer device, fraction of the bytes) per stripe; fractions sum to 1.
     """
 
     bytes: int
-    recompute_s: float = 0.0
+    compute_s: float = 0.0
     stripes: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
 
@@ -246,14 +252,13 @@ def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Ha
     if kind is Kind.B:
         return Task(action, compute_s=costs.backward_s, free_bytes=per_microbatch,
                     transient_bytes=costs.workspace_bytes)
-    if kind is Kind.OPT:
+    if kind is Kind.OPT and action.tensor is None:
         num_params = (costs.optim_bytes // 8) if costs.optim_bytes else costs.param_bytes // 4
-        return Task(action, compute_s=num_params * ADAM_FLOPS_PER_PARAM / (
-            hardware.peak_flops("fp32") * hardware.compute_efficiency))
+        return Task(action, compute_s=optimizer_step_s(num_params, hardware))
     info = tensors.get(action.tensor or "")
     if info is None:
         raise UserError(f"action {action} names tensor {action.tensor!r}, which the plan does not describe")
-    technique = _TECHNIQUE[kind]
+    technique = _TECHNIQUE.get(kind, "compute")
     if kind in (Kind.SO, Kind.OO):
         return Task(action, transfers=(Transfer(pcie_up(hardware, device), info.bytes),),
                     free_bytes=info.bytes, technique=technique)
@@ -275,7 +280,9 @@ def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Ha
     if kind is Kind.DR:
         return Task(action, free_bytes=info.bytes, technique=technique)
     if kind is Kind.RC:
-        return Task(action, compute_s=info.recompute_s, alloc_bytes=info.bytes, technique=technique)
+        return Task(action, compute_s=info.compute_s, alloc_bytes=info.bytes, technique=technique)
+    if kind is Kind.OPT:
+        return Task(action, compute_s=info.compute_s)
     raise ScheduleError(f"cannot lower action {action}")  # unreachable: every Kind is handled
 
 

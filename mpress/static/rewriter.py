@@ -1,0 +1,255 @@
+"""The rewriter: plan + schedule -> per-rank action lists with memory actions.
+
+Where each memory action goes (per rank, in its list):
+
+- after F(s, m): one swap-out (SO), D2D-out (DO) or drop (DR) per unit of stage s that
+  the plan compacts in microbatch m, in layer order; PipeDream's stashed weight version
+  of m goes out here too when the plan says so;
+- before B(s, m): recompute (RC) of each dropped unit, in forward order, just before the
+  backward; swap-ins (SI/DI) earlier, before the compute action `prefetch_lead` compute
+  actions ahead of B(s, m) (never before the F(s, m) that produced the tensor);
+- optimizer states and master weights: out (OO) after the stage's OPT, back in (OI)
+  `prefetch_lead` compute actions before the stage's last backward, so the copy overlaps
+  the last backwards (at the start of the iteration they are on the host).
+
+A *unit* is what one memory action moves: the saved tensors of one layer that one rule
+decides in one microbatch. Its name in actions is `LAYER.**@rN` (rule N of the stage);
+`optim@rN` and `stash@rN` for model data. Recompute rules must cover whole layers
+(`LAYER.**`): the runtime recomputes by checkpointing modules, and a run of consecutive
+recomputed layers is one checkpointed segment that keeps only its first layer's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpress.actions import Action, Kind, Schedule
+from mpress.errors import PlanError
+from mpress.plan import Plan, StagePlan, TensorRule, parse_microbatches, pattern_matches
+from mpress.hardware import Hardware
+from mpress.static.memory import StageCosts, TensorInfo, optimizer_step_s
+
+_OUT = {"host": Kind.SO, "d2d": Kind.DO}
+_IN = {"host": Kind.SI, "d2d": Kind.DI}
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """A schedule with memory actions and what each named unit costs."""
+
+    schedule: Schedule
+    tensors: dict[str, TensorInfo]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    name: str
+    layer: int
+    """Index of the layer within the stage."""
+    rule: TensorRule
+
+
+class _StageRules:
+    """Resolves, fast, which rule decides each saved tensor of a stage per microbatch."""
+
+    def __init__(self, sp: StagePlan, costs: StageCosts, num_microbatches: int) -> None:
+        self.sp = sp
+        self.costs = costs
+        self.selected = [parse_microbatches(r.microbatches, num_microbatches) for r in sp.rules]
+        # per layer, per saved tensor: indices of rules whose pattern matches its id
+        self.matching = [
+            [[i for i, r in enumerate(sp.rules) if pattern_matches(r.tensor, t.id)] for t in layer.saved]
+            for layer in costs.layers
+        ]
+        for i, rule in enumerate(sp.rules):
+            if rule.technique == "recompute":
+                self._check_whole_layers(i, rule)
+
+    def _check_whole_layers(self, index: int, rule: TensorRule) -> None:
+        for li, per_tensor in enumerate(self.matching):
+            hits = sum(1 for rules in per_tensor if index in rules)
+            if 0 < hits < len(per_tensor):
+                raise PlanError(
+                    f"stage {self.sp.stage} rule {index} ({rule.tensor}): recompute must cover whole layers "
+                    f"(use {self.costs.layers[li].name}.**), it matches {hits} of {len(per_tensor)} tensors")
+
+    def rule_for(self, candidates: list[int], microbatch: int) -> int | None:
+        for i in candidates:
+            sel = self.selected[i]
+            if sel is None or microbatch in sel:
+                return i
+        return None
+
+    def units(self, microbatch: int) -> list[tuple[_Unit, int]]:
+        """(unit, bytes) of every compacted group of saved tensors in `microbatch`."""
+        out = []
+        for li, layer in enumerate(self.costs.layers):
+            groups: dict[int, int] = {}
+            for t, cands in zip(layer.saved, self.matching[li]):
+                r = self.rule_for(cands, microbatch)
+                if r is not None and self.sp.rules[r].technique != "keep":
+                    groups[r] = groups.get(r, 0) + t.bytes
+            for r, nbytes in sorted(groups.items()):
+                out.append((_Unit(f"{layer.name}.**@r{r}", li, self.sp.rules[r]), nbytes))
+        return out
+
+    def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:
+        """Per layer: (layer name, the rule that offloads its optimizer states and master
+        weights or None when kept, their bytes, its parameter count)."""
+        out = []
+        for layer in self.costs.layers:
+            cands = [i for i, r in enumerate(self.sp.rules) if pattern_matches(r.tensor, f"optim:{layer.name}")]
+            rule = self.sp.rules[cands[0]] if cands else None
+            if rule is not None and rule.technique == "keep":
+                rule = None
+            if rule is not None and rule.technique not in _IN:
+                raise PlanError(f"stage {self.sp.stage}: optimizer states of {layer.name} can only be kept, "
+                                f"host- or d2d-swapped, not {rule.technique}")
+            out.append((layer.name, rule, layer.optim_bytes + layer.master_bytes, layer.optim_bytes // 8))
+        return out
+
+    def optim_lead(self) -> int:
+        """Prefetch lead of the first offloaded optimizer chunk's rule."""
+        return next((rule.prefetch_lead for _n, rule, _b, _p in self.optim_chunks() if rule), 1)
+
+    def model_data_units(self, prefix: str, microbatch: int | None) -> list[tuple[_Unit, int]]:
+        """Units of `optim:` or `stash:` data: layers grouped by the rule that decides them."""
+        groups: dict[int, int] = {}
+        for li, layer in enumerate(self.costs.layers):
+            name = f"{prefix}:{layer.name}"
+            cands = [i for i, r in enumerate(self.sp.rules) if pattern_matches(r.tensor, name)]
+            r = self.rule_for(cands, microbatch) if microbatch is not None else (cands[0] if cands else None)
+            if r is None or self.sp.rules[r].technique == "keep":
+                continue
+            nbytes = layer.optim_bytes + layer.master_bytes if prefix == "optim" else layer.param_bytes
+            groups[r] = groups.get(r, 0) + nbytes
+        return [(_Unit(f"{prefix}@r{r}", -1, self.sp.rules[r]), b) for r, b in sorted(groups.items()) if b]
+
+
+def _recompute_segments(stage: _StageRules, units: list[tuple[_Unit, int]]) -> list[tuple[_Unit, int, float]]:
+    """Recompute units with the bytes they free (a segment keeps its first layer's input)
+    and the forward time that restores them."""
+    layers = stage.costs.layers
+    first = stage.costs.first_layer
+    rec = sorted((u for u in units if u[0].rule.technique == "recompute"), key=lambda u: u[0].layer)
+    out = []
+    prev_layer = None
+    for unit, nbytes in rec:
+        starts_segment = prev_layer is None or unit.layer != prev_layer + 1
+        kept = 0
+        if starts_segment and first + unit.layer > 0:
+            kept = min(nbytes, stage.costs.input_bytes if unit.layer == 0 else layers[unit.layer - 1].output_bytes)
+        out.append((unit, nbytes - kept, layers[unit.layer].forward_time_s))
+        prev_layer = unit.layer
+    return out
+
+
+def _info(rule: TensorRule, nbytes: int) -> TensorInfo:
+    return TensorInfo(bytes=nbytes, stripes=tuple((s.device, s.fraction) for s in rule.stripes))
+
+
+def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: Hardware) -> Rewritten:
+    """Insert the plan's memory actions into `schedule` (see the module docstring)."""
+    if plan.num_stages != schedule.num_stages or plan.num_microbatches != schedule.num_microbatches:
+        raise PlanError(f"plan is for {plan.num_stages} stages x {plan.num_microbatches} microbatches, "
+                        f"schedule has {schedule.num_stages} x {schedule.num_microbatches}")
+    stages = [_StageRules(plan.stages[s], costs[s], schedule.num_microbatches) for s in range(schedule.num_stages)]
+    tensors: dict[str, TensorInfo] = {}
+    new_ranks = []
+    for actions in schedule.ranks:
+        compute_pos = [i for i, a in enumerate(actions) if a.is_compute]
+        before: dict[int, list[Action]] = {}   # action index -> actions inserted before it
+        replace: dict[int, list[Action]] = {}  # action index -> actions that replace it
+        after: dict[int, list[Action]] = {}    # action index -> actions inserted after it
+        produced_at: dict[tuple[int, int], int] = {}
+        last_b: dict[int, int] = {}
+        for i, a in enumerate(actions):
+            if a.kind is Kind.B:
+                last_b[a.stage] = i
+        for i, a in enumerate(actions):
+            st = stages[a.stage] if a.stage < len(stages) else None
+            if st is None:
+                continue
+            if a.kind is Kind.F and a.microbatch is not None:
+                produced_at[(a.stage, a.microbatch)] = i
+                units = st.units(a.microbatch)
+                for unit, nbytes, recompute_s in _recompute_segments(st, units):
+                    tensors[f"{a.stage}:{unit.name}"] = TensorInfo(bytes=nbytes, compute_s=recompute_s)
+                for unit, nbytes in units + (st.model_data_units("stash", a.microbatch)
+                                             if schedule.weight_stashing else []):
+                    tech = unit.rule.technique
+                    key = f"{a.stage}:{unit.name}"
+                    if tech == "recompute":
+                        after.setdefault(i, []).append(Action(a.stage, Kind.DR, a.microbatch, key))
+                    else:
+                        tensors[key] = _info(unit.rule, nbytes)
+                        after.setdefault(i, []).append(Action(a.stage, _OUT[tech], a.microbatch, key))
+            elif a.kind is Kind.B and a.microbatch is not None:
+                m = a.microbatch
+                units = st.units(m)
+                for unit, _nbytes, _ in _recompute_segments(st, units):
+                    before.setdefault(i, []).append(Action(a.stage, Kind.RC, m, f"{a.stage}:{unit.name}"))
+                swaps = [u for u in units if u[0].rule.technique in _IN]
+                if schedule.weight_stashing:
+                    swaps += st.model_data_units("stash", m)
+                k = compute_pos.index(i)
+                for unit, _nbytes in swaps:
+                    lead = unit.rule.prefetch_lead
+                    at = compute_pos[max(k - lead, 0)]
+                    at = max(at, produced_at.get((a.stage, m), 0) + 1)
+                    before.setdefault(at, []).append(
+                        Action(a.stage, _IN[unit.rule.technique], m, f"{a.stage}:{unit.name}"))
+            elif a.kind is Kind.OPT and a.tensor is None:
+                chunks = st.optim_chunks()
+                if not any(rule for _name, rule, _b, _p in chunks):
+                    continue
+                k = compute_pos.index(last_b.get(a.stage, i))
+                prefetch_at = compute_pos[max(k - st.optim_lead(), 0)]
+                replace[i] = _stream_optimizer(a.stage, chunks, hardware, tensors,
+                                               before.setdefault(prefetch_at, []))
+        out: list[Action] = []
+        for i, a in enumerate(actions):
+            out.extend(before.get(i, ()))
+            out.extend(replace.get(i, (a,)))
+            out.extend(after.get(i, ()))
+        new_ranks.append(out)
+    return Rewritten(schedule.with_ranks(new_ranks), tensors)
+
+
+OPTIMIZER_PREFETCH_DEPTH = 2
+"""Offloaded optimizer chunks resident ahead of the one being updated."""
+
+
+def _stream_optimizer(stage: int, chunks: list[tuple[str, TensorRule | None, int, int]], hardware: Hardware,
+                      tensors: dict[str, TensorInfo], prefetch: list[Action]) -> list[Action]:
+    """Replace a stage's OPT by one OPT per layer, streaming offloaded states through the
+    device: the first chunks come in during the last backward (`prefetch`), each later
+    one when the step `OPTIMIZER_PREFETCH_DEPTH` chunks earlier is done, and each goes
+    out again after its own step. Only a few chunks are ever resident, so states larger
+    than the device can still be updated there."""
+    names = [f"{stage}:optim:{layer}" for layer, _r, _b, _p in chunks]
+    offloaded = [n for n, (_l, rule, _b, _p) in zip(names, chunks) if rule]
+    for name, (_layer, rule, nbytes, num_params) in zip(names, chunks):
+        info = _info(rule, nbytes) if rule else TensorInfo(bytes=nbytes)
+        tensors[name] = TensorInfo(bytes=info.bytes, compute_s=optimizer_step_s(num_params, hardware),
+                                   stripes=info.stripes)
+    prefetch.extend(Action(stage, Kind.OI, None, n) for n in offloaded[:OPTIMIZER_PREFETCH_DEPTH])
+    out: list[Action] = []
+    for name, (_layer, rule, _b, _p) in zip(names, chunks):
+        out.append(Action(stage, Kind.OPT, None, name))
+        if rule:
+            out.append(Action(stage, Kind.OO, None, name))
+            ahead = offloaded.index(name) + OPTIMIZER_PREFETCH_DEPTH
+            if ahead < len(offloaded):
+                out.append(Action(stage, Kind.OI, None, offloaded[ahead]))
+    return out
+
+
+def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
+    """Per stage, optimizer-state + master-weight bytes that live off the device between
+    optimizer steps (they are not part of the stage's static memory)."""
+    out = []
+    for sp, c in zip(plan.stages, costs):
+        st = _StageRules(sp, c, plan.num_microbatches)
+        out.append(sum(b for _l, rule, b, _p in st.optim_chunks() if rule))
+    return out

@@ -184,7 +184,12 @@ class Plan:
     profile_fingerprint: str
     """Hash of the profile the plan was made from (its layers and costs)."""
     hardware: str
+    """Hardware preset name (or the `name` inside a hardware YAML)."""
     hardware_fingerprint: str
+    num_devices: int = field(metadata={"min": 1})
+    """Devices of the hardware the plan was made for (cpu-local varies it)."""
+    device_memory_bytes: int = field(metadata={"gt": 0})
+    """Memory per device of that hardware (cpu-local varies it)."""
     schedule: Literal["gpipe", "1f1b", "pipedream", "interleaved"]
     num_stages: int = field(metadata={"min": 1})
     num_ranks: int = field(metadata={"min": 1})

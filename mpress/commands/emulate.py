@@ -7,13 +7,16 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
 
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
-from mpress.static.evaluate import Evaluation, evaluate, setup_pipeline
+from mpress.plan import Plan
+from mpress.static.evaluate import Evaluation, PipelineSetup, evaluate, setup_pipeline
+from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
 from mpress.static.profile import Profile
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds, parse_bytes
@@ -25,18 +28,18 @@ DEFAULTS = {
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by the commands that lay a model out on a pipeline."""
-    p.add_argument("--model", default=DEFAULTS["model"], help="model preset or YAML (default: %(default)s)")
-    p.add_argument("--hardware", default=DEFAULTS["hardware"], help="hardware preset or YAML (default: %(default)s)")
-    p.add_argument("--schedule", default=DEFAULTS["schedule"], choices=["gpipe", "1f1b", "pipedream", "interleaved"],
-                   help="pipeline schedule (default: %(default)s)")
-    p.add_argument("--stages", type=int, default=DEFAULTS["stages"], help="pipeline stages (default: %(default)s)")
+    """Flags shared by the commands that lay a model out on a pipeline (unset flags take
+    a plan's values, or the built-in defaults)."""
+    p.add_argument("--model", help=f"model preset or YAML (default: {DEFAULTS['model']})")
+    p.add_argument("--hardware", help=f"hardware preset or YAML (default: {DEFAULTS['hardware']})")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "pipedream", "interleaved"],
+                   help=f"pipeline schedule (default: {DEFAULTS['schedule']})")
+    p.add_argument("--stages", type=int, help=f"pipeline stages (default: {DEFAULTS['stages']})")
     p.add_argument("--ranks", type=int, default=None,
                    help="pipeline ranks; only for interleaved (default: stages / 2)")
-    p.add_argument("--microbatch-size", type=int, default=DEFAULTS["microbatch_size"],
-                   help="samples per microbatch (default: %(default)s)")
-    p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"],
-                   help="microbatches per iteration (default: %(default)s)")
+    p.add_argument("--microbatch-size", type=int,
+                   help=f"samples per microbatch (default: {DEFAULTS['microbatch_size']})")
+    p.add_argument("--microbatches", type=int, help=f"microbatches per iteration (default: {DEFAULTS['microbatches']})")
     p.add_argument("--profile", default=None, help="profile YAML/JSON from `mpress profile` (default: analytic)")
     p.add_argument("--balance", default="compute", choices=["compute", "memory"],
                    help="partition layers to balance compute (PipeDream/DAPPLE default) or memory")
@@ -45,25 +48,42 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("emulate", help="memory per stage and an emulated iteration of a pipeline",
+    p = subparsers.add_parser("emulate", help="memory per stage and an emulated iteration of a pipeline (or a plan)",
                               description=__doc__)
+    p.add_argument("plan", nargs="?", default=None,
+                   help="a plan from `mpress plan` to re-evaluate (its model, hardware and shape are the defaults)")
     add_pipeline_args(p)
-    p.add_argument("--policy", default="capacity", choices=["capacity", "layer-ahead"],
-                   help="swap-in policy (default: %(default)s)")
+    p.add_argument("--policy", default=None, choices=["capacity", "layer-ahead"],
+                   help="swap-in policy (default: capacity, or the plan's)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON of the emulated streams")
     p.add_argument("--plot", default=None, help="write a PNG of memory per device over time")
     p.set_defaults(func=run)
 
 
-def setup_from_args(args: argparse.Namespace):
-    """Build the `PipelineSetup` the shared pipeline flags describe."""
+def setup_from_args(args: argparse.Namespace, plan: Plan | None = None) -> PipelineSetup:
+    """Build the `PipelineSetup` the shared pipeline flags describe; flags left unset take
+    the plan's values (when a plan is given) or the built-in defaults."""
+    def pick(flag: str, from_plan: object) -> object:
+        value = getattr(args, flag)
+        if value is not None:
+            return value
+        return from_plan if plan is not None else DEFAULTS[flag]
+
     memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
-    hardware = load_hardware(args.hardware, num_devices=args.devices, memory_bytes=memory)
-    model = load_model_config(args.model)
+    devices = args.devices
+    if plan is not None and args.hardware is None:
+        devices = devices if devices is not None else plan.num_devices
+        memory = memory if memory is not None else plan.device_memory_bytes
+    hardware = load_hardware(str(pick("hardware", plan and plan.hardware)), num_devices=devices, memory_bytes=memory)
+    model = load_model_config(str(pick("model", plan and plan.model)))
     profile = Profile.load(args.profile) if args.profile else None
+    ranks = args.ranks if args.ranks is not None else (plan.num_ranks if plan and plan.schedule == "interleaved" else None)
     return setup_pipeline(
-        model, hardware, schedule=args.schedule, num_stages=args.stages, num_ranks=args.ranks,
-        microbatch_size=args.microbatch_size, num_microbatches=args.microbatches,
+        model, hardware, schedule=pick("schedule", plan and plan.schedule),  # type: ignore[arg-type]
+        num_stages=int(pick("stages", plan and plan.num_stages)),  # type: ignore[arg-type]
+        num_ranks=ranks,
+        microbatch_size=int(pick("microbatch_size", plan and plan.microbatch_size)),  # type: ignore[arg-type]
+        num_microbatches=int(pick("microbatches", plan and plan.num_microbatches)),  # type: ignore[arg-type]
         profile=profile, balance=args.balance,
     )
 
@@ -100,7 +120,9 @@ def device_needs(ev: Evaluation) -> dict[int, int]:
     return needs
 
 
-def print_summary(console: Console, ev: Evaluation) -> None:
+def print_summary(console: Console, ev: Evaluation, planned: bool = False) -> None:
+    """Headline figures and the verdict: without a plan, the memory model's need decides
+    too; with a plan, only the emulated peaks (the plan is what sheds the need)."""
     res, setup = ev.result, ev.setup
     needs = device_needs(ev)
     capacity = setup.hardware.device.memory_bytes
@@ -109,11 +131,12 @@ def print_summary(console: Console, ev: Evaluation) -> None:
         f"{res.model_tflops:.3g} model TFLOP/s  |  memory need, most/least loaded device "
         f"{max(needs.values()) / max(min(needs.values()), 1):.2f}x"
     )
-    over = {d: n for d, n in needs.items() if n > capacity}
+    over = {} if planned else {d: n for d, n in needs.items() if n > capacity}
     oom = [d for d, flag in enumerate(res.oom) if flag]
     if over or oom:
-        worst = max(over or {d: res.peak_bytes[d] for d in oom}, key=lambda d: max(needs.get(d, 0), res.peak_bytes[d]))
-        need = max(needs.get(worst, 0), res.peak_bytes[worst])
+        worst = max(over or {d: res.peak_bytes[d] for d in oom},
+                    key=lambda d: max(over.get(d, 0), res.peak_bytes[d]))
+        need = max(over.get(worst, 0), res.peak_bytes[worst])
         console.print(f"[bold red]does not fit[/]: {len(set(over) | set(oom))} of {len(needs)} devices exceed "
                       f"device memory (device {worst} needs {fmt_bytes(need)} of {fmt_bytes(capacity)})")
     else:
@@ -121,11 +144,21 @@ def print_summary(console: Console, ev: Evaluation) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup = setup_from_args(args)
-    ev = evaluate(setup, swap_in_policy=args.policy)
     console = make_console()
+    if args.plan:
+        plan = Plan.load(args.plan)
+        setup = setup_from_args(args, plan)
+        check_plan_for_setup(plan, setup, source=args.plan)
+        if args.policy:
+            plan = replace(plan, swap_in_policy=args.policy)
+        ev = evaluate_plan(setup, plan)
+        console.print(f"plan {args.plan}: {plan.strategy} strategy, predicted iteration "
+                      f"{fmt_seconds(plan.predicted_iteration_s)} when planned")
+    else:
+        setup = setup_from_args(args)
+        ev = evaluate(setup, swap_in_policy=args.policy or "capacity")
     console.print(stage_table(ev))
-    print_summary(console, ev)
+    print_summary(console, ev, planned=bool(args.plan))
     if args.trace:
         from mpress.static.trace import write_trace
         write_trace(ev.result, args.trace)

@@ -36,17 +36,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
+from mpress.d2d.mapper import MappingProblem, map_devices
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.plan import (
-    Plan, StagePlan, Stripe, TensorRule, fingerprint, format_microbatches, hardware_fingerprint,
+    Plan,
+    StagePlan,
+    Stripe,
+    TensorRule,
+    fingerprint,
+    format_microbatches,
+    hardware_fingerprint,
 )
 from mpress.static.evaluate import Evaluation, PipelineSetup
-from mpress.static.emulator import emulate
 from mpress.static.liveness import layer_live_intervals, stage_times
-from mpress.static.memory import build_program, memory_model
-from mpress.static.rewriter import offloaded_optim_bytes, rewrite
-from mpress.d2d.mapper import MappingProblem, map_devices
+from mpress.static.plan_eval import evaluate_plan
 
 Strategy = Literal["none", "recompute", "host-swap", "d2d", "mpress"]
 STRATEGIES: tuple[str, ...] = ("none", "recompute", "host-swap", "d2d", "mpress")
@@ -160,7 +164,8 @@ class _Planner:
         return Plan(
             strategy=self.strategy, model=self.setup.model.name, model_fingerprint=self.setup.model.fingerprint(),
             profile_fingerprint=profile_fingerprint(self.setup), hardware=self.hw.name,
-            hardware_fingerprint=hardware_fingerprint(self.hw), schedule=self.sched.name,  # type: ignore[arg-type]
+            hardware_fingerprint=hardware_fingerprint(self.hw), num_devices=self.hw.num_devices,
+            device_memory_bytes=self.hw.device.memory_bytes, schedule=self.sched.name,  # type: ignore[arg-type]
             num_stages=self.sched.num_stages, num_ranks=self.sched.num_ranks, num_microbatches=self.num_mb,
             microbatch_size=self.setup.microbatch_size, swap_in_policy=self.options.swap_in_policy,
             stage_to_device=list(d.stage_to_device), stages=stages,
@@ -195,21 +200,8 @@ class _Planner:
         return host
 
     def evaluate(self, d: _Draft) -> Evaluation:
-        plan = self.to_plan(d)
-        rw = rewrite(plan, self.sched, self.costs, self.hw)
-        offloaded = offloaded_optim_bytes(plan, self.costs)
-        if self.sched.weight_stashing:  # the live weights stay when the stashed versions go
-            offloaded = [o - (c.param_bytes if st != "keep" else 0)
-                         for o, c, st in zip(offloaded, self.costs, d.stash)]
-        pools = [d.pool_bytes.get(dev, 0) for dev in range(self.hw.num_devices)]
-        program = build_program(
-            self.setup.profile, self.setup.ranges, rw.schedule, self.hw,
-            microbatch_size=self.setup.microbatch_size, stage_to_device=d.stage_to_device, tensors=rw.tensors,
-            offloaded_bytes=offloaded, pool_bytes=pools, swap_in_policy=self.options.swap_in_policy,
-        )
-        setup = replace(self.setup, stage_to_device=list(d.stage_to_device),
-                        memory=memory_model(self.costs, self.sched, self.hw, d.stage_to_device))
-        return Evaluation(setup=setup, program=program, result=emulate(program))
+        """Emulate the draft: its peer pools live in the plan's stages."""
+        return evaluate_plan(self.setup, self.to_plan(d))
 
     # -- candidates --------------------------------------------------------------------------
     def _layer_saving(self, s: int, j: int, technique: str) -> int:
@@ -536,7 +528,7 @@ class _Planner:
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)
         return (f"device {worst} peaks at {ev.result.peak_bytes[worst] / 1e9:.1f} GB of "
-                f"{self.hw.device.memory_bytes / 1e9:.1f} GB with the {self.strategy} strategy")
+                f"{self.hw.device.memory_bytes / 1e9:.1f} GB")
 
 
 def _better(a: Evaluation, b: Evaluation) -> bool:

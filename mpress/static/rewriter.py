@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from mpress.actions import Action, Kind, Schedule
 from mpress.errors import PlanError
-from mpress.plan import Plan, StagePlan, TensorRule, parse_microbatches, pattern_matches
 from mpress.hardware import Hardware
+from mpress.plan import Plan, StagePlan, TensorRule, parse_microbatches, pattern_matches
 from mpress.static.memory import StageCosts, TensorInfo, optimizer_step_s
 
 _OUT = {"host": Kind.SO, "d2d": Kind.DO}
@@ -253,3 +253,9 @@ def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
         st = _StageRules(sp, c, plan.num_microbatches)
         out.append(sum(b for _l, rule, b, _p in st.optim_chunks() if rule))
     return out
+
+
+def stash_offloaded(plan: Plan, costs: list[StageCosts]) -> list[bool]:
+    """Per stage, whether the plan moves its stashed weight versions off the device."""
+    return [bool(_StageRules(sp, c, plan.num_microbatches).model_data_units("stash", 0))
+            for sp, c in zip(plan.stages, costs)]

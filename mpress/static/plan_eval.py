@@ -1,0 +1,53 @@
+"""Evaluate a plan: check it belongs to a pipeline, rewrite, lower, emulate.
+
+Shared by the planner (every candidate) and `mpress emulate plan.yaml`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mpress.errors import PlanError
+from mpress.plan import Plan, check_plan
+from mpress.static.emulator import emulate
+from mpress.static.evaluate import Evaluation, PipelineSetup
+from mpress.static.memory import build_program, memory_model
+from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
+
+
+def check_plan_for_setup(plan: Plan, setup: PipelineSetup, source: str = "plan") -> None:
+    """Refuse a plan made for another model, hardware, pipeline shape or profile."""
+    check_plan(plan, source=source, model=setup.model, hardware=setup.hardware,
+               stage_tensors=[[t.id for t in c.saved] for c in setup.costs],
+               stage_layers=[[x.name for x in c.layers] for c in setup.costs])
+    sched = setup.schedule
+    shape = (sched.name, sched.num_stages, sched.num_microbatches, setup.microbatch_size)
+    planned = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.microbatch_size)
+    if shape != planned:
+        raise PlanError(f"{source}: made for {planned[0]}, {planned[1]} stages, {planned[2]} x {planned[3]} "
+                        f"microbatches, not {shape[0]}, {shape[1]} stages, {shape[2]} x {shape[3]}")
+    for sp, (start, end) in zip(plan.stages, setup.ranges):
+        if (sp.first_layer, sp.end_layer) != (start, end):
+            raise PlanError(f"{source}: stage {sp.stage} holds layers {sp.first_layer}..{sp.end_layer - 1} in the "
+                            f"plan but {start}..{end - 1} in this partition")
+
+
+def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
+    """Emulate one iteration of `setup` under `plan` (its stage-to-device map included)."""
+    rw = rewrite(plan, setup.schedule, setup.costs, setup.hardware)
+    offloaded = offloaded_optim_bytes(plan, setup.costs)
+    if setup.schedule.weight_stashing:  # the live weights stay when the stashed versions go
+        offloaded = [o - (c.param_bytes if gone else 0)
+                     for o, c, gone in zip(offloaded, setup.costs, stash_offloaded(plan, setup.costs))]
+    pools = [0] * setup.hardware.num_devices
+    for sp in plan.stages:
+        pools[sp.device] += sp.peer_pool_bytes
+    devices = list(plan.stage_to_device)
+    program = build_program(
+        setup.profile, setup.ranges, rw.schedule, setup.hardware, microbatch_size=setup.microbatch_size,
+        stage_to_device=devices, tensors=rw.tensors, offloaded_bytes=offloaded, pool_bytes=pools,
+        swap_in_policy=plan.swap_in_policy,
+    )
+    placed = replace(setup, stage_to_device=devices,
+                     memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices))
+    return Evaluation(setup=placed, program=program, result=emulate(program))

@@ -100,8 +100,13 @@ def test_lowering_memory_actions():
     di = lower_action(Action(0, Kind.DI, 0, "t"), **kw)
     assert [t.channel for t in di.transfers] == ["nvlink:1->0", "nvlink:3->0"]
     rc = lower_action(Action(0, Kind.RC, 0, "t"), **kw)
-    assert rc.compute_s == 0.5e-3 and rc.alloc_bytes == 30 * MB
-    assert lower_action(Action(0, Kind.DR, 0, "t"), **kw).free_bytes == 30 * MB
+    assert rc.compute_s == 0.5e-3 and rc.alloc_bytes == 0  # restored bytes are the backward's transient
+    b = lower_action(Action(0, Kind.B, 0), **kw, dropped_bytes=30 * MB, recomputed_peak_bytes=10 * MB)
+    assert b.free_bytes == costs.saved_bytes - 30 * MB and b.transient_bytes == 10 * MB
+    # a checkpointed forward never holds what it drops: F takes less, DR frees nothing
+    assert lower_action(Action(0, Kind.DR, 0, "t"), **kw).free_bytes == 0
+    f = lower_action(Action(0, Kind.F, 0), **kw, dropped_bytes=30 * MB)
+    assert f.alloc_bytes == costs.saved_bytes - 30 * MB
     with pytest.raises(UserError, match="does not describe"):
         lower_action(Action(0, Kind.SO, 0, "nope"), **kw)
     bad = {"t": TensorInfo(bytes=1, stripes=((5, 1.0),))}  # GPU 0 has no NVLink to GPU 5

@@ -23,9 +23,11 @@ What is simulated, and the choices `program.py` leaves open:
   when the clock reaches its join mark plus its bytes (a heap per channel).
 - Swap-in policy "capacity": a ready copy-in waits in a first-in-first-out queue per
   device and starts when the device's usage plus its alloc + transient bytes fits the
-  capacity; when the rank reaches its consumer (the first compute task after it with
-  its stage and microbatch) or the end of its list while it still waits, it is forced to
-  start (the device may then run out of memory).
+  capacity beside the room the next compute task of each rank on the device will take; when the
+  rank reaches its consumer (the first compute task after it with its stage and
+  microbatch) or the end of its list while it still waits, it is forced: it starts as
+  soon as it fits the device, or once no copy-out of the device is left in flight (the
+  device may then run out of memory).
   "layer-ahead": a copy-in starts no earlier than the start of the compute task listed
   just before its consumer; memory is not checked.
 - Memory back-pressure: a compute task that would take its device over capacity while
@@ -223,6 +225,17 @@ class _Simulation:
         self.frees_in_flight = [0] * num_devices
         self.alloc_waiting: list[deque[int]] = [deque() for _ in range(num_devices)]
         self.pos = [nodes.start for nodes in self.rank_nodes]
+        # per node: the first compute task after it on its rank (-1: none); per device: its ranks
+        self.next_compute = [-1] * num_nodes
+        for nodes in self.rank_nodes:
+            following = -1
+            for n in reversed(nodes):
+                self.next_compute[n] = following
+                if self.cat[n] == _COMPUTE:
+                    following = n
+        self.device_ranks: list[list[int]] = [[] for _ in range(num_devices)]
+        for r, dev in enumerate(program.rank_device):
+            self.device_ranks[dev].append(r)
         self.stall_tensor: dict[str, float] = {}
         self.stall_technique: dict[str, float] = {}
         self.stall_rank = [0.0] * len(program.ranks)
@@ -427,7 +440,7 @@ class _Simulation:
                     self.alloc_waiting[d].append(n)  # wait for the copy-outs to free room
                     return
                 self._start_compute(n, t)
-            elif c == _COPY_IN and self.capacity_policy and not self.forced[n]:
+            elif c == _COPY_IN and self.capacity_policy:
                 self.admission[n] = _QUEUED
                 d = self.device_of[n]
                 self.fifo[d].append(n)
@@ -438,25 +451,48 @@ class _Simulation:
     def _force(self, n: int, t: float) -> None:
         self.forced[n] = True
         if self.admission[n] == _QUEUED:
-            self._start_copy(n, t)
+            self._admit(self.device_of[n], t)
 
     def _admit(self, d: int, t: float) -> None:
-        """Start queued copy-ins of device d in order while they fit."""
+        """Start queued copy-ins of device d. A copy-in whose consumer has been reached
+        (forced) starts when it fits the device, or when no copy-out of the device is in
+        flight to make room; the others start in order while they fit beside the room
+        that compute tasks waiting on this device will take (compute goes first)."""
         if self.admitting[d]:
             return  # re-entered from a start below; the loop re-checks
         self.admitting[d] = True
         q = self.fifo[d]
         cap = self.program.device_capacity_bytes[d]
+        for n in [x for x in q if self.forced[x] and self.admission[x] == _QUEUED]:
+            if self.mem[d] + self.take[n] <= cap or not self.frees_in_flight[d]:
+                self._start_copy(n, t)
+        reserved = self._reserved(d)
         while q:
             n = q[0]
             if self.admission[n] != _QUEUED:
                 q.popleft()
-            elif self.mem[d] + self.take[n] <= cap:
+            elif self.forced[n]:
+                break  # waits for room above; later ones must not overtake it
+            elif self.mem[d] + self.take[n] + reserved <= cap:
                 q.popleft()
                 self._start_copy(n, t)
             else:
                 break
         self.admitting[d] = False
+
+    def _reserved(self, d: int) -> int:
+        """Room the next compute task of each rank on device d will take (prefetches must
+        leave it: a swap-in never pushes the compute stream out of memory)."""
+        total = 0
+        for r in self.device_ranks[d]:
+            n = self.pos[r]
+            if n >= self.rank_nodes[r].stop:
+                continue
+            if self.cat[n] != _COMPUTE or self.start[n] >= 0:
+                n = self.next_compute[n]
+            if n >= 0:
+                total += self.take[n]
+        return total
 
     def _start_compute(self, n: int, t: float) -> None:
         task = self.tasks[n]
@@ -506,9 +542,13 @@ class _Simulation:
             d = self.device_of[n]
             if self.cat[n] == _COPY_OUT:
                 self.frees_in_flight[d] -= 1
-            self._mem(d, -self.give[n], t)
-            if self.cat[n] == _COPY_OUT and self.alloc_waiting[d]:
-                self._release_waiting(d, n, t)
+                self._mem(d, -self.give[n], t, admit=False)
+                if self.alloc_waiting[d]:  # compute first, then prefetches
+                    self._release_waiting(d, n, t)
+                if self.fifo[d]:
+                    self._admit(d, t)
+            else:
+                self._mem(d, -self.give[n], t)
         ws = self.done_waiters[n]
         if ws is not None:
             for w in ws:
@@ -528,7 +568,7 @@ class _Simulation:
             self.blame[n] = freed_by
             self._start_compute(n, t)
 
-    def _mem(self, d: int, delta: int, t: float) -> None:
+    def _mem(self, d: int, delta: int, t: float, admit: bool = True) -> None:
         if delta == 0:
             return
         m = self.mem[d] + delta
@@ -537,7 +577,7 @@ class _Simulation:
             self.peak[d] = m
         self.tl_time[d].append(t)
         self.tl_bytes[d].append(m)
-        if delta < 0 and self.fifo[d]:
+        if admit and delta < 0 and self.fifo[d]:
             self._admit(d, t)
 
     # ---- channels: processor sharing with a virtual clock -----------------------------

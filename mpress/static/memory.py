@@ -238,20 +238,26 @@ _TECHNIQUE: dict[Kind, Technique] = {
 
 
 def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Hardware,
-                 tensors: dict[str, TensorInfo], weight_stashing: bool = False) -> Task:
+                 tensors: dict[str, TensorInfo], weight_stashing: bool = False, dropped_bytes: int = 0,
+                 recomputed_peak_bytes: int = 0) -> Task:
     """Cost one action of stage `costs.stage` running on `device`.
 
     With weight stashing, F(s, m) creates microbatch m's weight version and B(s, m)
     releases it (see `build_program` for the matching static bytes).
+    Recompute: `dropped_bytes` of F(s, m)'s saved tensors are recomputed. A checkpointed
+    forward never holds them (F does not take them, DR frees nothing), and the backward
+    recomputes one checkpointed layer at a time, right before that layer's backward: B
+    holds `recomputed_peak_bytes` (the largest layer's) only while it runs. RC is the
+    recompute's compute time, placed before B.
     """
     kind = action.kind
-    per_microbatch = costs.saved_bytes + (costs.param_bytes if weight_stashing else 0)
+    per_microbatch = costs.saved_bytes + (costs.param_bytes if weight_stashing else 0) - dropped_bytes
     if kind is Kind.F:
         return Task(action, compute_s=costs.forward_s, alloc_bytes=per_microbatch,
                     transient_bytes=costs.workspace_bytes)
     if kind is Kind.B:
         return Task(action, compute_s=costs.backward_s, free_bytes=per_microbatch,
-                    transient_bytes=costs.workspace_bytes)
+                    transient_bytes=costs.workspace_bytes + recomputed_peak_bytes)
     if kind is Kind.OPT and action.tensor is None:
         num_params = (costs.optim_bytes // 8) if costs.optim_bytes else costs.param_bytes // 4
         return Task(action, compute_s=optimizer_step_s(num_params, hardware))
@@ -278,9 +284,9 @@ def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Ha
             return Task(action, transfers=tuple(transfers), free_bytes=info.bytes, technique=technique)
         return Task(action, transfers=tuple(transfers), alloc_bytes=info.bytes, technique=technique)
     if kind is Kind.DR:
-        return Task(action, free_bytes=info.bytes, technique=technique)
+        return Task(action, technique=technique)  # never taken: see `dropped_bytes`
     if kind is Kind.RC:
-        return Task(action, compute_s=info.compute_s, alloc_bytes=info.bytes, technique=technique)
+        return Task(action, compute_s=info.compute_s, technique=technique)  # bytes: B's transient
     if kind is Kind.OPT:
         return Task(action, compute_s=info.compute_s)
     raise ScheduleError(f"cannot lower action {action}")  # unreachable: every Kind is handled
@@ -310,11 +316,24 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
     mem = memory_model(costs, schedule, hardware, devices)
     table = tensors or {}
     stash = schedule.weight_stashing
+    dropped: dict[tuple[int, int | None], int] = {}
+    largest: dict[tuple[int, int | None], int] = {}
+    for actions in schedule.ranks:
+        for a in actions:
+            if a.kind is Kind.DR:
+                info = table.get(a.tensor or "")
+                if info is None:
+                    raise UserError(f"action {a} names tensor {a.tensor!r}, which the plan does not describe")
+                key = (a.stage, a.microbatch)
+                dropped[key] = dropped.get(key, 0) + info.bytes
+                largest[key] = max(largest.get(key, 0), info.bytes)
     ranks = []
     for r, actions in enumerate(schedule.ranks):
         ranks.append(tuple(
             lower_action(a, costs=costs[a.stage], device=devices[a.stage], hardware=hardware, tensors=table,
-                         weight_stashing=stash)
+                         weight_stashing=stash,
+                         dropped_bytes=dropped.get((a.stage, a.microbatch), 0) if a.kind in (Kind.F, Kind.B) else 0,
+                         recomputed_peak_bytes=largest.get((a.stage, a.microbatch), 0) if a.kind is Kind.B else 0)
             for a in actions
         ))
     offloaded = offloaded_bytes or [0] * schedule.num_stages

@@ -14,8 +14,8 @@ Steps (PAPERS.md section 1; one `PipelineSetup` in, one `PlanResult` out):
    otherwise recompute when its extra latency (the layer's forward) is below the exposed
    part of the swap, else host swap. Candidates are taken cheapest overhead per byte
    first until the stage fits; among equals, later layers first (their recompute delays
-   the backward least and leaves earlier tensors longer to hide swaps), and a layer next
-   to an already recomputed one (one segment keeps only its first input).
+   the backward least and leaves earlier tensors longer to hide swaps). Each recomputed
+   layer is its own checkpoint: one layer's recomputed tensors are alive at a time.
 4. Emulate; where a device still overflows (copies in flight, the optimizer's streamed
    chunks), shed the excess and repeat.
 5. D2D rounds (`mpress`, `d2d`): take the compacted layers with the largest emulated
@@ -226,7 +226,7 @@ class _Planner:
         techniques, and the total overhead (seconds) of that choice.
 
         pcie_busy: PCIe seconds per microbatch the stage already committed to host swaps;
-        budget: a microbatch's compute time on the stage. A swap costs what does not hide
+        budget: a microbatch's slot in the steady state (the slowest stage's F + B). A swap costs what does not hide
         in its live interval, and at least what overruns the stage's share of PCIe time."""
         layer = self.costs[s].layers[j]
         techs, total = [], 0.0
@@ -260,7 +260,8 @@ class _Planner:
         sharing = self._pcie_sharing(s)
         pcie_per_mb = sum(self._host_roundtrip_s(c.layers[j].saved_bytes) * sharing for j in range(len(c.layers))
                           if "host" in d.layer_tech[s][j])
-        budget = max(c.forward_s + c.backward_s, 1e-9)
+        # a microbatch's slot in the steady state is set by the slowest stage
+        budget = max(max(x.forward_s + x.backward_s for x in self.costs), 1e-9)
         candidates: list[tuple[float, int, int, str, int]] = []
         host = "host" in self.allowed
         optim_bytes = c.optim_bytes + c.master_bytes
@@ -277,9 +278,8 @@ class _Planner:
             saving = min(self._layer_saving(s, j, t) for t in set(techs)) * k
             if saving <= 0:
                 continue
-            neighbour = any(0 <= jj < len(c.layers) and "recompute" in d.layer_tech[s][jj] for jj in (j - 1, j + 1))
-            # ties: a neighbour of a recomputed layer (one segment), then later layers
-            candidates.append((overhead / saving, 0 if neighbour else 1, -j, "layer", j))
+            # ties: later layers first (their backward comes first)
+            candidates.append((overhead / saving, 1, -j, "layer", j))
         shed = 0
         for _score, _n, _neg, what, j in sorted(candidates):
             if shed >= need:

@@ -14,9 +14,9 @@ Where each memory action goes (per rank, in its list):
 
 A *unit* is what one memory action moves: the saved tensors of one layer that one rule
 decides in one microbatch. Its name in actions is `LAYER.**@rN` (rule N of the stage);
-`optim@rN` and `stash@rN` for model data. Recompute rules must cover whole layers
-(`LAYER.**`): the runtime recomputes by checkpointing modules, and a run of consecutive
-recomputed layers is one checkpointed segment that keeps only its first layer's input.
+`{s}:optim:LAYER` (one chunk of the streamed optimizer step) and `stash@rN` for model
+data. Recompute rules must cover whole layers (`LAYER.**`): the runtime recomputes by
+checkpointing each such layer, which keeps the layer's input.
 """
 
 from __future__ import annotations
@@ -85,10 +85,19 @@ class _StageRules:
         out = []
         for li, layer in enumerate(self.costs.layers):
             groups: dict[int, int] = {}
+            recomputed = 0
             for t, cands in zip(layer.saved, self.matching[li]):
                 r = self.rule_for(cands, microbatch)
                 if r is not None and self.sp.rules[r].technique != "keep":
                     groups[r] = groups.get(r, 0) + t.bytes
+                    recomputed += self.sp.rules[r].technique == "recompute"
+            if 0 < recomputed < len(layer.saved):
+                # an earlier rule took some of the layer's tensors (first match wins), so the
+                # recompute rule covers only part of it: checkpointing cannot do that
+                raise PlanError(
+                    f"stage {self.sp.stage} microbatch {microbatch}: {recomputed} of {len(layer.saved)} saved "
+                    f"tensors of {layer.name} are recomputed and the rest decided by earlier rules; "
+                    f"recompute must cover whole layers (put the {layer.name}.** recompute rule first)")
             for r, nbytes in sorted(groups.items()):
                 out.append((_Unit(f"{layer.name}.**@r{r}", li, self.sp.rules[r]), nbytes))
         return out
@@ -127,20 +136,18 @@ class _StageRules:
 
 
 def _recompute_segments(stage: _StageRules, units: list[tuple[_Unit, int]]) -> list[tuple[_Unit, int, float]]:
-    """Recompute units with the bytes they free (a segment keeps its first layer's input)
-    and the forward time that restores them."""
+    """Recompute units with the bytes they free and the forward time that restores them.
+    Each recomputed layer is its own checkpoint (`torch.utils.checkpoint` on the layer):
+    it keeps its input and recomputes the rest just before its own backward, so only
+    one layer's recomputed tensors are alive at a time."""
     layers = stage.costs.layers
-    first = stage.costs.first_layer
-    rec = sorted((u for u in units if u[0].rule.technique == "recompute"), key=lambda u: u[0].layer)
     out = []
-    prev_layer = None
-    for unit, nbytes in rec:
-        starts_segment = prev_layer is None or unit.layer != prev_layer + 1
+    for unit, nbytes in sorted((u for u in units if u[0].rule.technique == "recompute"), key=lambda u: u[0].layer):
+        absolute = stage.costs.first_layer + unit.layer
         kept = 0
-        if starts_segment and first + unit.layer > 0:
-            kept = min(nbytes, stage.costs.input_bytes if unit.layer == 0 else layers[unit.layer - 1].output_bytes)
-        out.append((unit, nbytes - kept, layers[unit.layer].forward_time_s))
-        prev_layer = unit.layer
+        if absolute > 0:  # the model's first layer takes token ids: nothing worth keeping
+            kept = stage.costs.input_bytes if unit.layer == 0 else layers[unit.layer - 1].output_bytes
+        out.append((unit, max(nbytes - kept, 0), layers[unit.layer].forward_time_s))
     return out
 
 

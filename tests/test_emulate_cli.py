@@ -45,8 +45,10 @@ def test_gpipe_needs_more_than_1f1b_on_the_first_stage():
 def test_default_run_prints_table_and_verdict(capsys):
     assert main(["emulate"]) == 0
     out = capsys.readouterr().out
-    assert "gpt-5.3b on dgx1-v100" in out and "samples/s" in out
-    assert "fits" in out
+    assert "gpt-20.4b on dgx1-v100" in out and "samples/s" in out
+    assert "does not fit" in out  # without a plan: that is what `mpress plan` is for
+    assert main(["emulate", "--model", "gpt-5.3b"]) == 0
+    assert "fits: every device" in capsys.readouterr().out
 
 
 def test_does_not_fit_is_reported(capsys):

@@ -344,12 +344,7 @@ def test_cli_user_module(user_pkg, capsys):
     [],
 ])
 def test_cli_bad_input_is_one_line(user_pkg, capsys, argv):
-    code = None
-    try:
-        code = main(["profile", *argv])
-    except SystemExit as exc:  # argparse errors
-        code = exc.code
-    assert code == 2
+    assert main(["profile", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err and len(err.splitlines()) == 1 and "Traceback" not in err
 

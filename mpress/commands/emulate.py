@@ -22,7 +22,7 @@ from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds, parse_bytes
 
 DEFAULTS = {
-    "model": "gpt-5.3b", "hardware": "dgx1-v100", "schedule": "1f1b",
+    "model": "gpt-20.4b", "hardware": "dgx1-v100", "schedule": "1f1b",
     "stages": 8, "microbatch_size": 2, "microbatches": 16,
 }
 

@@ -1,0 +1,75 @@
+"""Benchmark: the planner on every billion-scale preset, on DGX-1 and DGX A100.
+
+For each preset (GPT: 1F1B, microbatch 2; BERT: PipeDream asynchronous 1F1B,
+microbatch 12; 8 stages, 16 microbatches), all measured in this run:
+- planning time of `mpress` (whole search) and its device-mapping share;
+- every strategy: fits or not, emulated iteration, samples/s, time ratio to `mpress`;
+- `mpress`'s emulated iteration over the ideal one (same model and pipeline with
+  unlimited device memory: the `none` plan, whose emulation ignores capacity) — the
+  overhead memory compaction costs.
+
+Usage: python bench/plan_search.py [--hardware dgx1-v100,dgx-a100] [--models gpt-20.4b,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from mpress.hardware import load_hardware
+from mpress.model_config import load_model_config, model_presets
+from mpress.static.evaluate import setup_pipeline
+from mpress.static.planner import STRATEGIES, plan_strategy
+
+
+def billion_presets() -> list[str]:
+    names = [n for n in model_presets() if n.endswith("b") and n.split("-")[0] in ("gpt", "bert")]
+    return sorted(names, key=lambda n: (n.split("-")[0], float(n.split("-")[1][:-1])))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hardware", default="dgx1-v100,dgx-a100")
+    ap.add_argument("--models", default=",".join(billion_presets()))
+    ap.add_argument("--microbatches", type=int, default=16)
+    args = ap.parse_args()
+    console = Console(width=170)
+    for hw_name in args.hardware.split(","):
+        hw = load_hardware(hw_name)
+        summary = Table(title=f"planner on {hw.name}: 8 stages, {args.microbatches} microbatches "
+                              "(GPT 1f1b x2, BERT pipedream x12)")
+        for col in ["model", "plan s", "mapping s", *STRATEGIES, "mpress / best fitting baseline",
+                    "mpress / ideal"]:
+            summary.add_column(col, justify="left" if col == "model" else "right")
+        for name in args.models.split(","):
+            model = load_model_config(name)
+            schedule, mbsize = ("1f1b", 2) if model.family == "gpt" else ("pipedream", 12)
+            setup = setup_pipeline(model, hw, schedule=schedule, num_stages=8, microbatch_size=mbsize,
+                                   num_microbatches=args.microbatches)
+            results = {}
+            for strategy in STRATEGIES:
+                t0 = time.perf_counter()
+                r = plan_strategy(setup, strategy)
+                results[strategy] = (r, time.perf_counter() - t0)
+            mp, mp_s = results["mpress"]
+            mp_iter = mp.evaluation.result.iteration_s
+            ideal = results["none"][0].evaluation.result.iteration_s
+            cells = []
+            for strategy in STRATEGIES:
+                r, _ = results[strategy]
+                it = r.evaluation.result.iteration_s
+                mark = "[green]" if r.fits else "[red]x "
+                cells.append(f"{mark}{it:.2f}s ({it / mp_iter:.2f}x)[/]")
+            fitting = [r.evaluation.result.iteration_s for s, (r, _) in results.items() if r.fits and s != "mpress"]
+            vs_best = f"{mp_iter / min(fitting):.2f}x" if fitting and mp.fits else "only mpress fits" if mp.fits else "-"
+            summary.add_row(name, f"{mp_s:.2f}", f"{mp.mapping_s:.2f}", *cells, vs_best,
+                            f"{mp_iter / ideal:.2f}x" if mp.fits else "does not fit")
+        console.print(summary)
+        console.print("cells: emulated iteration (ratio to mpress); red x = does not fit on the device")
+
+
+if __name__ == "__main__":
+    main()

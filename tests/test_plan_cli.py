@@ -1,0 +1,112 @@
+"""`mpress plan`, `mpress emulate PLAN` and `mpress maxsize` end to end, with bad input."""
+
+import pytest
+import yaml
+
+from mpress.cli import main
+from mpress.hardware import HARDWARE_DIR, load_hardware
+from mpress.plan import Plan
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    assert main(["plan", "--model", "gpt-10.3b", "--out", str(path)]) == 0
+    return path
+
+
+def one_line_error(capsys, words):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert words in err, err
+    return err
+
+
+def test_plan_prints_tables_and_writes_a_loadable_plan(plan_file, capsys):
+    plan = Plan.load(plan_file)
+    assert plan.model == "gpt-10.3b" and plan.strategy == "mpress" and plan.fits
+    assert any(rule.technique != "keep" for sp in plan.stages for rule in sp.rules)
+
+
+def test_plan_output_names_every_strategy(capsys, tmp_path):
+    assert main(["plan", "--model", "gpt-10.3b", "--strategy", "recompute", "--out", str(tmp_path / "r.yaml")]) == 0
+    out = capsys.readouterr().out
+    for name in ("none", "recompute", "host-swap", "d2d", "mpress"):
+        assert name in out
+    assert "time / mpress" in out and "planned peak" in out
+    assert Plan.load(tmp_path / "r.yaml").strategy == "recompute"
+
+
+def test_emulate_replays_the_plan(plan_file, capsys):
+    assert main(["emulate", str(plan_file)]) == 0
+    out = capsys.readouterr().out
+    assert "mpress strategy" in out and "fits: every device" in out
+
+
+def test_plan_for_another_model_or_hardware_is_refused(plan_file, capsys):
+    assert main(["emulate", str(plan_file), "--model", "gpt-15.4b"]) == 2
+    one_line_error(capsys, "made for model 'gpt-10.3b'")
+    assert main(["emulate", str(plan_file), "--hardware", "dgx-a100"]) == 2
+    one_line_error(capsys, "made for hardware 'dgx1-v100'")
+    assert main(["emulate", str(plan_file), "--microbatches", "8"]) == 2
+    one_line_error(capsys, "16 x 2 microbatches")
+
+
+def test_stripes_to_a_non_neighbour_are_refused(plan_file, tmp_path, capsys):
+    data = yaml.safe_load(plan_file.read_text())
+    stage = data["stages"][0]
+    device = stage["device"]
+    hw = load_hardware("dgx1-v100")  # the cube-mesh: every GPU lacks NVLink to three others
+    stranger = next(p for p in range(8) if p != device and hw.links(device, p) == 0)
+    stage["rules"].insert(0, {"tensor": "embed.**", "technique": "d2d",
+                              "stripes": [{"device": stranger, "fraction": 1.0}]})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    assert main(["emulate", str(bad)]) == 2
+    one_line_error(capsys, f"stripes to device {stranger}, which is not an NVLink neighbour")
+
+
+def test_plan_naming_unknown_tensors_is_refused(plan_file, tmp_path, capsys):
+    data = yaml.safe_load(plan_file.read_text())
+    data["stages"][1]["rules"].insert(0, {"tensor": "layers.999.**", "technique": "recompute"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    assert main(["emulate", str(bad)]) == 2
+    one_line_error(capsys, "names 'layers.999.**', which the profile does not have")
+
+
+def test_plan_file_with_unknown_key_is_refused(plan_file, tmp_path, capsys):
+    data = yaml.safe_load(plan_file.read_text())
+    data["stages"][0]["rules"][0]["speed"] = "fast"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    assert main(["emulate", str(bad)]) == 2
+    one_line_error(capsys, f"{bad}: stages[0].rules[0].speed: unknown key")
+
+
+def test_model_no_strategy_can_fit(capsys):
+    assert main(["plan", "--model", "gpt-25.5b", "--stages", "2"]) == 2
+    one_line_error(capsys, "does not fit even with every tensor swapped: stage 0 needs")
+
+
+def test_host_memory_too_small(tmp_path, capsys):
+    text = (HARDWARE_DIR / "dgx1-v100.yaml").read_text()
+    data = yaml.safe_load(text)
+    data["host_memory_bytes"] = 50 * 10**9
+    path = tmp_path / "small-host.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", "--model", "gpt-20.4b", "--hardware", str(path)]) == 2
+    one_line_error(capsys, "host memory too small for the host-swap volume")
+
+
+def test_unknown_strategy_is_refused(capsys):
+    assert main(["plan", "--strategy", "zero"]) == 2
+    assert "invalid choice: 'zero'" in capsys.readouterr().err
+
+
+def test_maxsize_table(capsys):
+    assert main(["maxsize", "--family", "gpt", "--hardware", "dgx-a100", "--strategies", "recompute,mpress"]) == 0
+    out = capsys.readouterr().out
+    assert "largest GPT on dgx-a100" in out and "recompute" in out and "mpress" in out
+    assert main(["maxsize", "--strategies", "magic"]) == 2
+    one_line_error(capsys, "unknown strategy 'magic'")

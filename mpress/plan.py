@@ -10,10 +10,10 @@ Tensor patterns (`TensorRule.tensor`):
 
 - saved activations by identity `module#index` (`layers.3.mlp.fc1#0`), shell globs
   (`layers.*.attn.*#*`), or `PREFIX.**` for every tensor saved inside module PREFIX
-  (`layers.3.**` = all of block 3);
+  (`layers.3.**` = all of block 3; PREFIX may be a glob: `layers.*.mlp.**`);
 - model data: `optim:LAYER` (Adam states and fp32 master weights of that layer's
   parameters) and `stash:LAYER` (PipeDream's stashed weight versions), with globs
-  (`optim:*`).
+  (`optim:*`). Only such patterns name model data: `*` is every saved activation.
 
 Microbatch selectors (`TensorRule.microbatches`): `all`, a list `0,2,5`, a range `0-3`,
 or a mix `0-3,7`. The first rule that matches a tensor and microbatch decides; a tensor
@@ -86,10 +86,14 @@ def format_microbatches(mbs: list[int] | frozenset[int] | None) -> str:
 def pattern_matches(pattern: str, tensor: str) -> bool:
     """Whether tensor identity `tensor` (`module#index`, `optim:LAYER`, `stash:LAYER`)
     matches `pattern` (see the module docstring)."""
+    kind, is_model_data, _ = tensor.partition(":")
+    if is_model_data and not pattern.startswith(kind + ":"):
+        return False  # `*` and other activation globs would otherwise catch optimizer states too
     if pattern.endswith(".**"):
         prefix = pattern[:-3]
         module = tensor.split("#", 1)[0]
-        return ":" not in tensor and (module == prefix or module.startswith(prefix + "."))
+        return not is_model_data and (fnmatch.fnmatchcase(module, prefix)
+                                       or fnmatch.fnmatchcase(module, prefix + ".*"))
     return fnmatch.fnmatchcase(tensor, pattern)
 
 
@@ -120,7 +124,10 @@ class TensorRule:
     backward that needs the tensor (1 = overlap with the one compute action just before)."""
 
     def __post_init__(self) -> None:
-        parse_microbatches(self.microbatches)
+        try:
+            parse_microbatches(self.microbatches)
+        except PlanError as exc:  # a ConfigError, so loading names the file and key
+            raise ConfigError("", "microbatches", str(exc).removeprefix("microbatches: ")) from None
         if self.technique == "d2d":
             if not self.stripes:
                 raise ConfigError("", "stripes", f"d2d rule for {self.tensor!r} needs at least one stripe")
@@ -212,12 +219,21 @@ class Plan:
                 raise ConfigError("", f"stages[{i}].stage", f"must be {i} (stages are listed in order)")
             if sp.device != self.stage_to_device[i]:
                 raise ConfigError("", f"stages[{i}].device", "differs from stage_to_device")
+            if sp.end_layer <= sp.first_layer:
+                raise ConfigError("", f"stages[{i}].end_layer",
+                                  f"must be > first_layer ({sp.first_layer}): a stage holds at least one layer")
+        if self.stages and self.stages[0].first_layer != 0:
+            raise ConfigError("", "stages[0].first_layer", "must be 0 (the first stage starts at the first layer)")
         for i, sp in enumerate(self.stages[1:], start=1):
             if sp.first_layer != self.stages[i - 1].end_layer:
                 raise ConfigError("", f"stages[{i}].first_layer", "stage layer ranges must be contiguous")
         for sp in self.stages:
             for r, rule in enumerate(sp.rules):
-                parse_microbatches(rule.microbatches, self.num_microbatches)
+                try:
+                    parse_microbatches(rule.microbatches, self.num_microbatches)
+                except PlanError as exc:
+                    raise ConfigError("", f"stages[{sp.stage}].rules[{r}].microbatches",
+                                      str(exc).removeprefix("microbatches: ")) from None
                 for stripe in rule.stripes:
                     if stripe.device == sp.device:
                         raise ConfigError("", f"stages[{sp.stage}].rules[{r}].stripes",

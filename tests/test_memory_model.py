@@ -126,3 +126,18 @@ def test_build_program_shapes():
     assert f.alloc_bytes == 20 * MB and f.compute_s == pytest.approx(2e-3)
     with pytest.raises(UserError):
         build_program(toy_profile(), [(0, 8)], sched, hw, microbatch_size=2)
+
+
+def test_optimizer_states_striped_over_peers_travel_nvlink():
+    hw = load_hardware("dgx1-v100")
+    costs = stage_costs(toy_profile(), [(0, 8)])[0]
+    tensors = {"o": TensorInfo(bytes=30 * MB, stripes=((1, 1 / 3), (3, 2 / 3)))}
+    kw = dict(costs=costs, device=0, hardware=hw, tensors=tensors)
+    oo = lower_action(Action(0, Kind.OO, None, "o"), **kw)
+    assert [(t.channel, t.bytes) for t in oo.transfers] == [("nvlink:0->1", 10 * MB), ("nvlink:0->3", 20 * MB)]
+    assert oo.free_bytes == 30 * MB
+    oi = lower_action(Action(0, Kind.OI, None, "o"), **kw)
+    assert [t.channel for t in oi.transfers] == ["nvlink:1->0", "nvlink:3->0"] and oi.alloc_bytes == 30 * MB
+    host = lower_action(Action(0, Kind.OO, None, "t"), costs=costs, device=0, hardware=hw,
+                        tensors={"t": TensorInfo(bytes=5)})
+    assert [t.channel for t in host.transfers] == ["pcie-up:0"]

@@ -265,22 +265,24 @@ def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Ha
     if info is None:
         raise UserError(f"action {action} names tensor {action.tensor!r}, which the plan does not describe")
     technique = _TECHNIQUE.get(kind, "compute")
-    if kind in (Kind.SO, Kind.OO):
+    to_peers = kind in (Kind.DO, Kind.DI) or (kind in (Kind.OO, Kind.OI) and bool(info.stripes))
+    if kind in (Kind.SO, Kind.OO) and not to_peers:
         return Task(action, transfers=(Transfer(pcie_up(hardware, device), info.bytes),),
                     free_bytes=info.bytes, technique=technique)
-    if kind in (Kind.SI, Kind.OI):
+    if kind in (Kind.SI, Kind.OI) and not to_peers:
         return Task(action, transfers=(Transfer(pcie_down(hardware, device), info.bytes),),
                     alloc_bytes=info.bytes, technique=technique)
-    if kind in (Kind.DO, Kind.DI):
+    if to_peers:  # D2D, or optimizer states the plan stripes over peers
+        out = kind in (Kind.DO, Kind.OO)
         if not info.stripes:
             raise UserError(f"action {action}: D2D tensor {action.tensor!r} has no stripes")
         transfers = []
         for peer, fraction in info.stripes:
             if hardware.links(device, peer) == 0:
                 raise UserError(f"action {action}: stripe peer {peer} has no NVLink to device {device}")
-            src, dst = (device, peer) if kind is Kind.DO else (peer, device)
+            src, dst = (device, peer) if out else (peer, device)
             transfers.append(Transfer(nvlink(hardware, src, dst), round(info.bytes * fraction)))
-        if kind is Kind.DO:
+        if out:
             return Task(action, transfers=tuple(transfers), free_bytes=info.bytes, technique=technique)
         return Task(action, transfers=tuple(transfers), alloc_bytes=info.bytes, technique=technique)
     if kind is Kind.DR:

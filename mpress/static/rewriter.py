@@ -224,7 +224,8 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
 
 
 OPTIMIZER_PREFETCH_DEPTH = 2
-"""Offloaded optimizer chunks resident ahead of the one being updated."""
+"""Offloaded optimizer chunks brought in ahead of the one being updated (with the chunk
+whose copy-out is still in flight, at most this many + 1 are resident)."""
 
 
 def _stream_optimizer(stage: int, chunks: list[tuple[str, TensorRule | None, int, int]], hardware: Hardware,
@@ -264,5 +265,9 @@ def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
 
 def stash_offloaded(plan: Plan, costs: list[StageCosts]) -> list[bool]:
     """Per stage, whether the plan moves its stashed weight versions off the device."""
-    return [bool(_StageRules(sp, c, plan.num_microbatches).model_data_units("stash", 0))
-            for sp, c in zip(plan.stages, costs)]
+    out = []
+    for sp, c in zip(plan.stages, costs):
+        st = _StageRules(sp, c, plan.num_microbatches)
+        # a rule may select only some microbatches: any of them moves versions out
+        out.append(any(st.model_data_units("stash", m) for m in range(plan.num_microbatches)))
+    return out

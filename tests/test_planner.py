@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from mpress.errors import UserError
@@ -33,13 +35,13 @@ def toy_hardware(memory_bytes, *, pcie_gbps=100.0, nvlink_gbps=100.0):
                     pcie_latency_s=0.0, nvlink_latency_s=0.0)
 
 
-def toy_setup(stage0, stage1, hw, num_microbatches=4) -> PipelineSetup:
-    """Two stages with the given layers, 1F1B, no partitioning (the ranges are the test's)."""
+def toy_setup(stage0, stage1, hw, num_microbatches=4, schedule="1f1b") -> PipelineSetup:
+    """Two stages with the given layers, no partitioning (the ranges are the test's)."""
     layers = stage0 + stage1
     profile = Profile(model="gpt-tiny", model_fingerprint=TINY.fingerprint(), source="analytic", device="toy",
                       dtype="fp32", microbatch_size=1, layers=layers)
     ranges = [(0, len(stage0)), (len(stage0), len(layers))]
-    sched = build_schedule("1f1b", 2, num_microbatches)
+    sched = build_schedule(schedule, 2, num_microbatches)
     costs = stage_costs(profile, ranges)
     return PipelineSetup(model=TINY, hardware=hw, profile=profile, microbatch_size=1, ranges=ranges, schedule=sched,
                          stage_to_device=[0, 1], costs=costs, memory=memory_model(costs, sched, hw, [0, 1]))
@@ -93,6 +95,24 @@ def test_short_lived_expensive_tensor_gets_d2d():
     assert r.plan.stages[1].peer_pool_bytes == 3 * GB  # 2 in flight x 1.5 GB
     rec = plan_strategy(setup, "recompute")
     assert rec.fits and r.evaluation.result.iteration_s < rec.evaluation.result.iteration_s
+
+
+def test_plans_differ_per_microbatch_where_that_pays():
+    # GPipe, 2 stages x 4 microbatches of 1 s F / 2 s B. Stage 0's layer a (1 GB per
+    # microbatch, 4 in flight on a 3 GB device) lives 6, 7, 8, 9 s in microbatches 0..3.
+    # Over a 0.4 GB/s PCIe a round trip takes 5 s: it hides in every interval, but the
+    # stage's PCIe time over the iteration (4 slots x 3 s = 12 s) carries only two. The
+    # two that live longest (2, 3) are swapped, the others recomputed (1 s each, after
+    # their gradient arrives): faster than recomputing all four or swapping all four.
+    hw = replace(toy_hardware(3 * GB, pcie_gbps=0.4), nvlink_links=[[0, 0], [0, 0]])
+    setup = toy_setup([layer("a", saved=1 * GB, fwd=1.0, bwd=2.0)], [layer("b", saved=1 * MB, fwd=1.0, bwd=2.0)],
+                      hw, schedule="gpipe")
+    r = plan_strategy(setup, "mpress")
+    assert r.fits
+    assert [r.plan.technique(0, "a.op#0", m) for m in range(4)] == ["recompute", "recompute", "host", "host"]
+    for other in ("recompute", "host-swap"):
+        base = plan_strategy(setup, other)
+        assert base.fits and r.evaluation.result.iteration_s < base.evaluation.result.iteration_s, other
 
 
 def test_strategies_that_cannot_fit_say_so():

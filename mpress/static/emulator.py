@@ -9,7 +9,8 @@ What is simulated, and the choices `program.py` leaves open:
 - Dependencies of a compute task: F(s, m), s > 0, waits for F(s-1, m) and then the
   activation send `sends[(s-1, s)]`, which starts when F(s-1, m) ends; B(s, m) waits for
   F(s, m) and, unless s is the last stage (no F(s+1, .) anywhere), for B(s+1, m) and the
-  gradient send `grad_sends[(s+1, s)]`; every compute task waits for the copy-ins
+  gradient send `grad_sends[(s+1, s)]`; RC(s, m) waits for that gradient too (a
+  recompute runs inside the backward); every compute task waits for the copy-ins
   (SI, DI, OI) with its stage and microbatch (None for OPT) listed before it since the
   previous compute task of that stage and microbatch (earlier ones were waited for by
   that task); a compute task that names a tensor (RC, or OPT of one chunk of model data)
@@ -23,7 +24,8 @@ What is simulated, and the choices `program.py` leaves open:
   when the clock reaches its join mark plus its bytes (a heap per channel).
 - Swap-in policy "capacity": a ready copy-in waits in a first-in-first-out queue per
   device and starts when the device's usage plus its alloc + transient bytes fits the
-  capacity beside the room the next compute task of each rank on the device will take; when the
+  capacity beside the room the next F or B of each rank on the device (or a recompute
+  before it) will take; when the
   rank reaches its consumer (the first compute task after it with its stage and
   microbatch) or the end of its list while it still waits, it is forced: it starts as
   soon as it fits the device, or once no copy-out of the device is left in flight (the
@@ -265,6 +267,8 @@ class _Simulation:
         start_waiters: dict[int, list[int]] = {}
         self.copyin_deps: dict[int, list[int]] = {}
         fb: dict[tuple[Kind, int, int], int] = {}
+        recomputes: list[int] = []
+        grad_ready: dict[tuple[int, int], int] = {}  # (stage, mb) -> node bringing B's gradient
         for r, nodes in enumerate(self.rank_nodes):
             last_out: dict[tuple[int, int | None, str | None], int] = {}
             open_in: dict[tuple[int, int | None], list[int]] = {}
@@ -289,6 +293,8 @@ class _Simulation:
                             for d in waits:  # layer-ahead: d starts with the compute before n
                                 deps.setdefault(d, []).append(prev_compute)
                                 start_waiters.setdefault(prev_compute, []).append(d)
+                    if a.kind is Kind.RC:
+                        recomputes.append(n)
                     if a.kind is Kind.F or a.kind is Kind.B:
                         key = (a.kind, a.stage, a.microbatch)
                         if key in fb:
@@ -331,8 +337,18 @@ class _Simulation:
                 self.rank_of.append(self.rank_of[p])
                 self.send_labels.append(label)
                 deps.setdefault(n, []).append(send)
+                if k is Kind.B:
+                    grad_ready[(s, m)] = send
             else:
                 deps.setdefault(n, []).append(p)
+                if k is Kind.B:
+                    grad_ready[(s, m)] = p
+        # a recompute runs inside the backward: not before the gradient has arrived
+        for n in recomputes:
+            a = tasks[n].action
+            ready = grad_ready.get((a.stage, a.microbatch))  # type: ignore[arg-type]
+            if ready is not None:
+                deps.setdefault(n, []).append(ready)
 
         num_nodes = len(cat)
         self.deps, self.missing, self.start_waiters = deps, missing, start_waiters
@@ -481,8 +497,9 @@ class _Simulation:
         self.admitting[d] = False
 
     def _reserved(self, d: int) -> int:
-        """Room the next compute task of each rank on device d will take (prefetches must
-        leave it: a swap-in never pushes the compute stream out of memory)."""
+        """Room the next F or B of each rank on device d will take, or a recompute before
+        it (prefetches must leave it: a swap-in never pushes the compute stream out of
+        memory)."""
         total = 0
         for r in self.device_ranks[d]:
             n = self.pos[r]
@@ -490,8 +507,13 @@ class _Simulation:
                 continue
             if self.cat[n] != _COMPUTE or self.start[n] >= 0:
                 n = self.next_compute[n]
-            if n >= 0:
-                total += self.take[n]
+            need = 0
+            while n >= 0:
+                need = max(need, self.take[n])
+                if self.tasks[n].action.kind is not Kind.RC:
+                    break
+                n = self.next_compute[n]
+            total += need
         return total
 
     def _start_compute(self, n: int, t: float) -> None:

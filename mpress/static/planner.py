@@ -221,30 +221,37 @@ class _Planner:
         group = self.hw.pcie_group(self.setup.stage_to_device[s])
         return sum(1 for dev in range(self.hw.num_devices) if self.hw.pcie_group(dev) == group)
 
-    def _choose(self, s: int, j: int, live: list[float], pcie_busy: float, budget: float) -> tuple[list[str], float]:
-        """Per-microbatch technique for layer j of stage s among the strategy's initial
-        techniques, and the total overhead (seconds) of that choice.
+    def _choose(self, s: int, j: int, live: list[float], pcie_used_s: float,
+                pcie_budget_s: float) -> tuple[list[str], float, float]:
+        """Per-microbatch technique for layer j of stage s among the initial techniques;
+        returns (techniques, overhead seconds, PCIe seconds the choice uses).
 
-        pcie_busy: PCIe seconds per microbatch the stage already committed to host swaps;
-        budget: a microbatch's slot in the steady state (the slowest stage's F + B). A swap costs what does not hide
-        in its live interval, and at least what overruns the stage's share of PCIe time."""
+        A host swap costs the part of its round trip that does not hide in the microbatch's
+        live interval; recompute costs the layer's forward. The stage's PCIe share over an
+        iteration (`pcie_budget_s`, of which `pcie_used_s` is committed) is given to the
+        microbatches that live longest first: where it runs out, recompute takes over, or,
+        without recompute, the swap's overrun of the budget is exposed. So the first
+        microbatches of an early 1F1B stage, which wait longest, can be swapped while the
+        later ones are recomputed."""
         layer = self.costs[s].layers[j]
-        techs, total = [], 0.0
         roundtrip = self._host_roundtrip_s(layer.saved_bytes) * self._pcie_sharing(s)
-        overrun = max(pcie_busy + roundtrip - budget, 0.0)
-        for m in range(self.num_mb):
-            options = []
-            if "host" in self.layer_allowed:
-                options.append((max(roundtrip - live[m], overrun, 0.0), 0, "host"))
-            if "recompute" in self.layer_allowed:
-                options.append((layer.forward_time_s, 1, "recompute"))
-            if not options:
-                techs.append("d2d")
+        host_ok = "host" in self.layer_allowed
+        rc_ok = "recompute" in self.layer_allowed
+        techs = ["d2d"] * self.num_mb  # the d2d-only strategy does not use this choice
+        total = used = 0.0
+        for m in sorted(range(self.num_mb), key=lambda m: -live[m]):
+            host_cost = max(roundtrip - live[m], 0.0)
+            fits_budget = pcie_used_s + used + roundtrip <= pcie_budget_s
+            if host_ok and (not rc_ok or (fits_budget and host_cost < layer.forward_time_s)):
+                overrun = 0.0 if fits_budget else min(roundtrip, pcie_used_s + used + roundtrip - pcie_budget_s)
+                techs[m], cost = "host", max(host_cost, overrun)
+                used += roundtrip
+            elif rc_ok:
+                techs[m], cost = "recompute", layer.forward_time_s
+            else:
                 continue
-            cost, _pref, tech = min(options)
-            techs.append(tech)
             total += cost
-        return techs, total
+        return techs, total, used
 
     def _model_data_overhead_s(self, s: int, nbytes: int) -> float:
         """Exposed time of streaming `nbytes` of optimizer data in and out around the step:
@@ -257,11 +264,12 @@ class _Planner:
         """Compact more of stage s until `need` bytes are shed at its peak (or nothing is
         left), cheapest overhead per byte first; returns the bytes shed."""
         c, k = self.costs[s], self.in_flight[s]
+        # PCIe time this stage's host swaps already take per iteration, and its share of
+        # the iteration (a microbatch slot is set by the slowest stage's F + B)
         sharing = self._pcie_sharing(s)
-        pcie_per_mb = sum(self._host_roundtrip_s(c.layers[j].saved_bytes) * sharing for j in range(len(c.layers))
-                          if "host" in d.layer_tech[s][j])
-        # a microbatch's slot in the steady state is set by the slowest stage
-        budget = max(max(x.forward_s + x.backward_s for x in self.costs), 1e-9)
+        pcie_used = sum(self._host_roundtrip_s(c.layers[j].saved_bytes) * sharing * d.layer_tech[s][j].count("host")
+                        for j in range(len(c.layers)))
+        pcie_budget = max(x.forward_s + x.backward_s for x in self.costs) * self.num_mb
         candidates: list[tuple[float, int, int, str, int]] = []
         host = "host" in self.allowed
         optim_bytes = c.optim_bytes + c.master_bytes
@@ -274,7 +282,7 @@ class _Planner:
         for j in range(len(c.layers)):
             if any(t != "keep" for t in d.layer_tech[s][j]):
                 continue
-            techs, overhead = self._choose(s, j, live[j], pcie_per_mb, budget)
+            techs, overhead, _ = self._choose(s, j, live[j], pcie_used, pcie_budget)
             saving = min(self._layer_saving(s, j, t) for t in set(techs)) * k
             if saving <= 0:
                 continue
@@ -292,11 +300,10 @@ class _Planner:
                 shed += (k - 1) * c.param_bytes
             else:
                 # choose again: earlier picks may have used up the stage's PCIe time
-                techs, _ = self._choose(s, j, live[j], pcie_per_mb, budget)
+                techs, _, used = self._choose(s, j, live[j], pcie_used, pcie_budget)
                 d.layer_tech[s][j] = techs
                 shed += min(self._layer_saving(s, j, t) for t in set(techs)) * k
-                if "host" in techs:
-                    pcie_per_mb += self._host_roundtrip_s(c.layers[j].saved_bytes) * sharing
+                pcie_used += used
         return shed
 
     # -- search --------------------------------------------------------------------------------

@@ -119,6 +119,24 @@ def B(stage: int, microbatch: int) -> Action:
     return Action(stage, Kind.B, microbatch)
 
 
+def warmup_order(stage: int, num_microbatches: int, warmup: int) -> list[Action]:
+    """F/B order of one stage that runs `warmup` forwards, then alternates one forward and
+    one backward (oldest microbatch first), then runs the remaining backwards.
+
+    DAPPLE 1F1B is warmup = num_stages - 1 - stage; GPipe is warmup = num_microbatches - 1
+    (every forward, then every backward). Shared by the schedules and the runtime's
+    prefetcher, which must know when each backward comes.
+    """
+    warmup = max(0, min(warmup, num_microbatches))
+    acts = [Action(stage, Kind.F, m) for m in range(warmup)]
+    # steady state: forward of the next microbatch, then backward of the oldest one
+    for k in range(num_microbatches - warmup):
+        acts.append(Action(stage, Kind.F, warmup + k))
+        acts.append(Action(stage, Kind.B, k))
+    acts.extend(Action(stage, Kind.B, m) for m in range(num_microbatches - warmup, num_microbatches))
+    return acts
+
+
 def format_actions(actions: list[Action]) -> str:
     """Space-separated string form of an action list."""
     return " ".join(str(a) for a in actions)

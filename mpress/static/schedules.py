@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mpress.actions import Action, Kind, Schedule
+from mpress.actions import Action, Kind, Schedule, warmup_order
 from mpress.errors import ScheduleError
 
 ScheduleName = Literal["gpipe", "1f1b", "pipedream", "interleaved"]
@@ -50,15 +50,7 @@ def _finish(stage_order: list[int], actions: list[Action]) -> tuple[Action, ...]
 
 def _one_f_one_b_rank(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     """DAPPLE order of one stage that has the pipeline to itself on its rank."""
-    warmup = min(num_stages - 1 - stage, num_microbatches)
-    acts = [Action(stage, Kind.F, m) for m in range(warmup)]
-    # steady state: forward of the next microbatch, then backward of the oldest one
-    for k in range(num_microbatches - warmup):
-        acts.append(Action(stage, Kind.F, warmup + k))
-        acts.append(Action(stage, Kind.B, k))
-    first_cooldown = num_microbatches - warmup
-    acts.extend(Action(stage, Kind.B, m) for m in range(first_cooldown, num_microbatches))
-    return acts
+    return warmup_order(stage, num_microbatches, num_stages - 1 - stage)
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:

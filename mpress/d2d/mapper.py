@@ -1,0 +1,518 @@
+"""Stage->device mapping for D2D swap: put pipeline stages on GPUs so that the slowest
+stage's swap to its NVLink peers' spare memory is as fast as possible (MPress's device
+mapping, PAPERS.md section 1).
+
+A mapping puts each stage on a distinct device. A stage with overflow stripes it over
+linked devices with spare memory; stripes move in parallel, so its swap takes the longest
+stripe time. For one mapping the best striping is exact (`maxflow.py`). Over mappings
+(`map_devices`): on a symmetric topology every mapping is a relabelling of the identity,
+so the search is skipped; otherwise an exact branch and bound (`_Search`), which a time
+budget may cut short, and then the result carries a lower bound so the gap is known.
+Objective: fewest unplaced bytes, then the least slowest swap time; ties (within
+`REL_TOL`) go to the identity, then to the lexicographically smallest mapping.
+
+Units: bytes, seconds, GB/s with GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mpress.d2d.maxflow import (
+    CutTable,
+    SwapNetwork,
+    integer_stripes,
+    solve_by_flow,
+    stage_levels,
+)
+from mpress.errors import PlanError
+from mpress.hardware import Hardware
+
+REL_TOL = 1e-9
+"""Two slowest-swap times within this relative distance are a tie."""
+DEFAULT_TIME_BUDGET_S = 10.0
+"""Search time when the caller gives none; the search stops sooner once it has proved optimality."""
+HEURISTIC_SHARE = 0.3
+"""Most of the time budget that the greedy-and-swaps seeding may take."""
+MAX_CUT_STAGES = 12
+"""Above this many overflowing stages the cut tables (2^stages rows) are too big: the
+search falls back to swaps evaluated by max-flow, and reports a bound instead of a proof."""
+_MAX_AUTOMORPHISMS = 20_000
+_GB = 1e9
+
+
+@dataclass(kw_only=True, frozen=True)
+class MappingProblem:
+    """What the mapper needs to know; stage s is pipeline stage s, device d is GPU d."""
+
+    link_gbps: tuple[tuple[float, ...], ...]
+    """[i][j]: effective NVLink bandwidth from device i to device j, GB/s; 0 = no NVLink."""
+    overflow_bytes: tuple[int, ...]
+    """Per stage: bytes it must swap out beyond its device's capacity."""
+    spare_bytes: tuple[int, ...]
+    """Per stage: free bytes its device can lend to peers."""
+    idle_spare_bytes: tuple[int, ...] = ()
+    """Per device: bytes it lends when no stage runs on it (empty = 0 everywhere)."""
+    port_gbps: tuple[float, ...] | None = None
+    """Per device: limit on its total NVLink rate in each direction, shared by all its
+    peers (NVSwitch); None = links are disjoint (a mesh), each at its own rate."""
+
+    def __post_init__(self) -> None:
+        n = len(self.link_gbps)
+        rows = tuple(tuple(float(x) for x in row) for row in self.link_gbps)
+        if n == 0 or any(len(row) != n for row in rows):
+            raise PlanError(f"MappingProblem.link_gbps: must be a non-empty square matrix, got row lengths "
+                            f"{[len(r) for r in rows]}")
+        for i, j in itertools.product(range(n), repeat=2):
+            x = rows[i][j]
+            if not math.isfinite(x) or x < 0 or (i == j and x != 0):
+                raise PlanError(f"MappingProblem.link_gbps[{i}][{j}]: must be finite and >= 0 (0 on the diagonal), got {x}")
+            if (x > 0) != (rows[j][i] > 0):
+                raise PlanError(f"MappingProblem.link_gbps[{i}][{j}]: a link must exist in both directions "
+                                f"([{i}][{j}]={x}, [{j}][{i}]={rows[j][i]})")
+        object.__setattr__(self, "link_gbps", rows)  # frozen: normalise lists to tuples once
+        object.__setattr__(self, "idle_spare_bytes", tuple(self.idle_spare_bytes) or (0,) * n)
+        for name in ("overflow_bytes", "spare_bytes", "idle_spare_bytes"):
+            object.__setattr__(self, name, _byte_counts(name, getattr(self, name)))
+        idle = self.idle_spare_bytes
+        s = len(self.overflow_bytes)
+        if len(self.spare_bytes) != s or s == 0:
+            raise PlanError(f"MappingProblem: overflow_bytes and spare_bytes need one entry per stage "
+                            f"(got {s} and {len(self.spare_bytes)}, at least 1)")
+        if s > n or len(idle) != n:
+            raise PlanError(f"MappingProblem: {s} stages do not fit on {n} devices (one stage per device)" if s > n
+                            else f"MappingProblem.idle_spare_bytes: needs one entry per device ({n}), got {len(idle)}")
+        if self.port_gbps is not None:
+            ports = tuple(float(x) for x in self.port_gbps)
+            if len(ports) != n or any(not x > 0 for x in ports):
+                raise PlanError(f"MappingProblem.port_gbps: needs {n} positive numbers (GB/s), got {self.port_gbps}")
+            object.__setattr__(self, "port_gbps", ports)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.link_gbps)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.overflow_bytes)
+
+    @classmethod
+    def from_hardware(cls, hw: Hardware, overflow_bytes: Sequence[int], spare_bytes: Sequence[int]) -> MappingProblem:
+        """Links from `hw.nvlink_gbps`, idle devices lend their whole memory; on NVSwitch
+        each GPU's links are one port shared by its peers."""
+        n = hw.num_devices
+        port = hw.nvlink_links_per_gpu * hw.nvlink_gbps_per_link * hw.nvlink_efficiency
+        return cls(link_gbps=tuple(tuple(hw.nvlink_gbps(i, j) for j in range(n)) for i in range(n)),
+                   overflow_bytes=tuple(overflow_bytes), spare_bytes=tuple(spare_bytes),
+                   idle_spare_bytes=(hw.device.memory_bytes,) * n,
+                   port_gbps=(port,) * n if hw.nvswitch and port > 0 else None)
+
+
+def _byte_counts(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise PlanError(f"MappingProblem.{name}[{i}]: must be a whole number of bytes >= 0, got {v!r}")
+    return tuple(int(v) for v in values)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Assignment:
+    """A mapping and the best use of spare memory under it."""
+
+    mapping: tuple[int, ...]
+    """Device of each stage."""
+    stripes: dict[int, tuple[tuple[int, int], ...]]
+    """Per overflowing stage: (device, bytes) stripes, by device; whole bytes."""
+    slowest_swap_s: float
+    """Least possible time of the slowest stage's swap-out (exact, see `maxflow.py`)."""
+    swap_s: tuple[float, ...]
+    """Per stage: its swap time (each as low as the slower stages allow); the stripes
+    meet these to within one byte per link."""
+    unplaced_bytes: int
+    """Overflow that no peer can take under this mapping (least possible)."""
+    stage_unplaced_bytes: tuple[int, ...]
+    """Per stage: its share of `unplaced_bytes`."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.unplaced_bytes == 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class MapperResult:
+    """Outcome of `map_devices`."""
+
+    assignment: Assignment
+    """The best mapping found, with its spare assignment."""
+    exact: bool
+    """True when the mapping is proved optimal (to `REL_TOL`)."""
+    lower_bound_s: float
+    """No mapping that leaves at most `assignment.unplaced_bytes` unplaced swaps faster."""
+    lower_bound_unplaced_bytes: int
+    """No mapping leaves fewer bytes unplaced."""
+    mappings_examined: int
+    """Complete mappings whose value was computed (greedy, swaps and search)."""
+    nodes_visited: int
+    """Partial mappings bounded by the search."""
+    search_s: float
+    """Wall time of the whole call."""
+    skipped_symmetric: bool
+    """True when the topology is symmetric and the identity mapping was taken."""
+    num_automorphisms: int
+    """Size of the topology's symmetry group used to prune (1 = none found)."""
+
+    @property
+    def gap(self) -> float:
+        """Relative optimality gap (0 when exact)."""
+        value = self.assignment.slowest_swap_s
+        return 0.0 if value <= 0 else max(0.0, (value - self.lower_bound_s) / value)
+
+
+def _network(problem: MappingProblem, mapping: Sequence[int]) -> SwapNetwork:
+    spare = list(problem.idle_spare_bytes)
+    for s, d in enumerate(mapping):
+        spare[d] = problem.spare_bytes[s]
+    ports = [p * _GB for p in problem.port_gbps or (math.inf,) * problem.num_devices]
+    return SwapNetwork(demand_bytes=problem.overflow_bytes, spare_bytes=tuple(spare),
+                       link_bps=tuple(tuple(g * _GB for g in problem.link_gbps[d]) for d in mapping),
+                       egress_bps=tuple(ports[d] for d in mapping), ingress_bps=tuple(ports))
+
+
+def _check_mapping(problem: MappingProblem, mapping: Sequence[int]) -> tuple[int, ...]:
+    m = tuple(int(d) for d in mapping)
+    n = problem.num_devices
+    if len(m) != problem.num_stages or len(set(m)) != len(m) or any(not 0 <= d < n for d in m):
+        raise PlanError(f"mapping {list(m)}: needs {problem.num_stages} distinct devices in 0..{n - 1}")
+    return m
+
+
+def assign_spare(problem: MappingProblem, mapping: Sequence[int]) -> Assignment:
+    """Exact best use of spare memory for a fixed mapping (stage s on device mapping[s])."""
+    m = _check_mapping(problem, mapping)
+    net = _network(problem, m)
+    unplaced, levels = stage_levels(net)
+    x = integer_stripes(net, levels, unplaced)
+    stripes = {s: tuple((d, b) for d, b in enumerate(x[s]) if b > 0)
+               for s in range(problem.num_stages) if problem.overflow_bytes[s] > 0}
+    return Assignment(mapping=m, stripes=stripes, slowest_swap_s=max(levels), swap_s=tuple(levels),
+                      unplaced_bytes=unplaced,
+                      stage_unplaced_bytes=tuple(problem.overflow_bytes[s] - sum(x[s]) for s in range(len(m))))
+
+
+def _rates(problem: MappingProblem) -> tuple[list[list[float]], list[float]]:
+    """(link rates, port rates) in bytes/s."""
+    ports = [p * _GB for p in problem.port_gbps or (math.inf,) * problem.num_devices]
+    return [[g * _GB for g in row] for row in problem.link_gbps], ports
+
+
+def _cut_table(problem: MappingProblem, demand: Sequence[int], spare: Sequence[int], pool: bool,
+               rates: tuple[list[list[float]], list[float]] | None = None) -> CutTable:
+    link, ports = rates or _rates(problem)
+    return CutTable(link_bps=link, egress_bps=ports, ingress_bps=ports, demand_bytes=demand, spare_bytes=spare,
+                    idle_spare_bytes=problem.idle_spare_bytes, pool=pool)
+
+
+def mapping_value(problem: MappingProblem, mapping: Sequence[int], *,
+                  rates: tuple[list[list[float]], list[float]] | None = None) -> tuple[int, float]:
+    """(least unplaced bytes, least slowest swap time in s) of one mapping, without stripes
+    (rates: `_rates(problem)` precomputed, for callers that try many mappings)."""
+    m = _check_mapping(problem, mapping)
+    if sum(1 for b in problem.overflow_bytes if b > 0) > MAX_CUT_STAGES:
+        return solve_by_flow(_network(problem, m))
+    t = _cut_table(problem, problem.overflow_bytes, problem.spare_bytes, False, rates)
+    for s, d in enumerate(m):
+        t.place(s, d)
+    u = t.unplaced_bound()
+    return u, t.time_bound(u)
+
+
+def _is_better(a: tuple[int, float], b: tuple[int, float]) -> bool:
+    """a beats b: fewer unplaced bytes, or as many and faster by more than REL_TOL."""
+    return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1] * (1 - REL_TOL))
+
+
+def _reaches(value: tuple[int, float], best: tuple[int, float]) -> bool:
+    """value is a tie with (or beats) the optimum `best`."""
+    return value[0] < best[0] or (value[0] == best[0] and value[1] <= best[1] * (1 + REL_TOL))
+
+
+def brute_force(problem: MappingProblem) -> Assignment:
+    """The optimum by trying every mapping (the paper's method; for tests, small N only).
+
+    Ties: the identity if it is optimal, else the lexicographically smallest optimal mapping.
+    """
+    n, s = problem.num_devices, problem.num_stages
+    rates = _rates(problem)
+    values = [(m, mapping_value(problem, m, rates=rates)) for m in itertools.permutations(range(n), s)]
+    best = min((v for _, v in values), key=lambda v: (v[0], v[1]))
+    identity = tuple(range(s))
+    chosen = next(m for m, v in ([(identity, dict(values)[identity])] + values) if _reaches(v, best))
+    return assign_spare(problem, chosen)
+
+
+def _automorphisms(problem: MappingProblem, colour: Sequence[object]) -> list[tuple[int, ...]]:
+    """Device permutations that keep every link rate and colour (ports, idle spare):
+    mapping values are invariant under them. [identity] when there are too many."""
+    n, bw = problem.num_devices, problem.link_gbps
+    key = [(colour[d], tuple(sorted(bw[d])), tuple(sorted(bw[e][d] for e in range(n)))) for d in range(n)]
+    perm, used, found = [-1] * n, [False] * n, []
+
+    def extend(i: int) -> bool:
+        if i == n:
+            found.append(tuple(perm))
+            return len(found) <= _MAX_AUTOMORPHISMS
+        for v in range(n):
+            if not used[v] and key[v] == key[i] and all(
+                    bw[i][j] == bw[v][perm[j]] and bw[j][i] == bw[perm[j]][v] for j in range(i)):
+                perm[i], used[v] = v, True
+                ok = extend(i + 1)
+                perm[i], used[v] = -1, False
+                if not ok:
+                    return False  # too many: give up on symmetry
+        return True
+
+    return found if extend(0) else [tuple(range(n))]
+
+
+class _Search:
+    """Branch and bound over stage placements.
+
+    - Order: overflowing stages (largest first) and lenders (most spare first), the scarcer
+      kind first, then stages that neither need nor lend. When idle spares are all equal,
+      devices left without a stage get pseudo-stages lending that spare, so a mapping is
+      a permutation and the spares still to place form a pool.
+    - Bound of a partial mapping: `CutTable`, the exact fixed-mapping optimum of a
+      relaxation (waiting overflowing stages dropped, pooled spares placed best per cut
+      family), plus what waiting stages must leave unplaced.
+    - Symmetry: the first block of the order only takes orbit representatives of the
+      topology's automorphisms (stabiliser chain); interchangeable stages in the rest
+      take increasing devices.
+    - Incumbent: pairwise swaps from the identity and from a greedy placement; children
+      are explored best bound first. Ties are settled afterwards by `first_optimal`.
+    """
+
+    def __init__(self, problem: MappingProblem, deadline: float) -> None:
+        n, s = problem.num_devices, problem.num_stages
+        idle = problem.idle_spare_bytes
+        pseudo = n - s if len(set(idle)) == 1 else 0
+        self.problem, self.deadline, self.num_real = problem, deadline, s
+        self.demand = list(problem.overflow_bytes) + [0] * pseudo
+        self.spare = list(problem.spare_bytes) + [idle[0]] * pseudo
+        self.pool = len(self.demand) == n
+        self.rates = _rates(problem)
+        self.link = self.rates[0]
+        ports = problem.port_gbps or (math.inf,) * n
+        self.group = _automorphisms(problem, [(ports[d], 0 if self.pool else idle[d]) for d in range(n)])
+        overflowing = sorted((st for st, b in enumerate(self.demand) if b > 0), key=lambda st: (-self.demand[st], st))
+        lenders = sorted((st for st, b in enumerate(self.demand) if b == 0 and self.spare[st] > 0),
+                         key=lambda st: (-self.spare[st], st))
+        fillers = [st for st, b in enumerate(self.demand) if b == 0 and self.spare[st] == 0]
+        self.greedy_order = overflowing + lenders + fillers
+        # The scarcer kind goes first: its placements constrain the bound most. The first
+        # block is reduced by the automorphisms, the rest by interchangeable stages.
+        first, second = (lenders, overflowing) if len(lenders) < len(overflowing) else (overflowing, lenders)
+        self.order = first + second + fillers
+        self.chain_depth = len(first)
+        self.by_cuts = len(overflowing) <= MAX_CUT_STAGES
+        # No mapping places more than the n largest spares can hold.
+        self.least_unplaced = max(0, sum(self.demand) - sum(sorted(self.spare + ([] if self.pool else list(idle)))[-n:]))
+        self.best: tuple[int, float] = (sys.maxsize, math.inf)
+        self.best_mapping: list[int] = []
+        self.examined = self.nodes = 0
+        self.frontier: list[tuple[list[tuple[int, int]], tuple[int, float] | None]] = []
+        """Open nodes when the deadline struck: (placements, key if known)."""
+
+    def table(self, placed: Sequence[tuple[int, int]] = ()) -> CutTable:
+        t = _cut_table(self.problem, self.demand, self.spare, self.pool, self.rates)
+        for st, d in placed:
+            t.place(st, d)
+        return t
+
+    def key(self, t: CutTable, ref: tuple[int, float] | None = None) -> tuple[int, float]:
+        """Bound of t's completions against ref (default: the incumbent); exact when t is
+        complete and beats ref."""
+        ref_u, ref_t = ref or self.best
+        stop = ref_t * (1 - REL_TOL)
+        if ref_u == 0:
+            return 0, t.time_bound(0, stop)
+        u = max(t.unplaced_bound(), self.least_unplaced)
+        return u, t.time_bound(u, stop if u == ref_u else math.inf)
+
+    def value(self, mapping: Sequence[int], ref: tuple[int, float] = (sys.maxsize, math.inf)) -> tuple[int, float]:
+        """Value of a complete mapping (pseudo-stages included), exact when it beats ref."""
+        self.examined += 1
+        if not self.by_cuts:
+            return mapping_value(self.problem, mapping[:self.num_real])
+        return self.key(self.table(list(enumerate(mapping))), ref)
+
+    def consider(self, value: tuple[int, float], mapping: Sequence[int]) -> bool:
+        better = _is_better(value, self.best)
+        if better:
+            self.best, self.best_mapping = value, list(mapping)
+        return better
+
+    def greedy(self) -> list[int]:
+        """Overflowing stages where most links stay free; lenders next to the most demand."""
+        device_of = [-1] * len(self.demand)
+        for st in self.greedy_order:
+            free = [d for d in range(len(self.link)) if d not in device_of]
+            placed = [(o, d) for o, d in enumerate(device_of) if d >= 0 and self.demand[o] > 0]
+            score = {d: sum(self.link[d][e] for e in free) if self.demand[st] > 0
+                     else sum(self.demand[o] * self.link[v][d] for o, v in placed) for d in free}
+            device_of[st] = max(free, key=lambda d: (score[d], -d))
+        return device_of
+
+    def improve(self, mapping: list[int], until: float) -> None:
+        """Pairwise swaps of device contents until none helps (first improvement)."""
+        current, value = list(mapping), self.value(mapping)
+        self.consider(value, current)
+        improved = True
+        while improved:
+            improved = False
+            for i, j in itertools.combinations(range(len(self.link)), 2):
+                trial = [j if d == i else i if d == j else d for d in current]
+                if trial == current:
+                    continue  # both devices idle
+                if time.perf_counter() > until:
+                    return
+                trial_value = self.value(trial, value)
+                if _is_better(trial_value, value):
+                    current, value, improved = trial, trial_value, True
+                    self.consider(value, current)
+
+    def candidates(self, t: CutTable, depth: int, group: list[tuple[int, ...]]) -> list[int]:
+        st = self.order[depth]
+        free = [d for d, occupant in enumerate(t.stage_on) if occupant < 0]
+        if depth < self.chain_depth:  # orbit representatives under the stabiliser of the placed devices
+            return [d for d in free if all(g[d] >= d for g in group)]
+        prev = self.order[depth - 1]
+        if depth > self.chain_depth and (self.demand[prev], self.spare[prev]) == (self.demand[st], self.spare[st]):
+            return [d for d in free if d > t.device_of[prev]]  # interchangeable stages
+        return free
+
+    def branch(self, t: CutTable, depth: int, group: list[tuple[int, ...]]) -> bool:
+        """Depth-first search below t; True when the deadline stopped it."""
+        placed = [(st, t.device_of[st]) for st in self.order[:depth]]
+        if time.perf_counter() > self.deadline:
+            self.frontier.append((placed, None))
+            return True
+        st = self.order[depth]
+        last = depth == len(self.order) - 1
+        children = []
+        for d in self.candidates(t, depth, group):
+            t.place(st, d)
+            self.nodes += 1
+            key = self.key(t)
+            if last:
+                self.examined += 1
+                self.consider(key, t.device_of)
+            elif _is_better(key, self.best):
+                children.append((key, d))
+            t.unplace(st)
+        children.sort()
+        for i, (key, d) in enumerate(children):
+            if not _is_better(key, self.best):
+                break  # sorted: the rest cannot beat the new incumbent either
+            t.place(st, d)
+            stopped = self.branch(t, depth + 1, [g for g in group if g[d] == d] if depth < self.chain_depth else group)
+            t.unplace(st)
+            if stopped:
+                self.frontier += [(placed + [(st, d2)], key2) for key2, d2 in children[i + 1:]]
+                return True
+        return False
+
+    def first_optimal(self, t: CutTable, depth: int, limit: float) -> list[int] | None:
+        """Lexicographically first mapping with value <= (best unplaced, limit)."""
+        if time.perf_counter() > self.deadline:
+            raise TimeoutError
+        same = [i for i in range(depth) if (self.demand[i], self.spare[i]) == (self.demand[depth], self.spare[depth])]
+        low = t.device_of[same[-1]] if same else -1  # identical stages take increasing devices
+        stop = math.nextafter(limit, math.inf)
+        for d in range(low + 1, len(self.link)):
+            if t.stage_on[d] >= 0:
+                continue
+            t.place(depth, d)
+            self.nodes += 1
+            prefix = t.device_of[:depth + 1]
+            found = None
+            if not any(_smaller(g, prefix) for g in self.group) and t.time_bound(self.best[0], stop) <= limit:
+                if depth == len(self.demand) - 1:
+                    self.examined += 1
+                    found = list(t.device_of)
+                else:
+                    found = self.first_optimal(t, depth + 1, limit)
+            t.unplace(depth)
+            if found is not None:
+                return found
+        return None
+
+    def lower_bounds(self) -> tuple[int, float]:
+        """(unplaced bytes, time) bounds: the least relaxation bound over the unexplored
+        frontier and the incumbent, and the bound from each overflowing stage alone."""
+        u = self.best[0]
+        floor = self.table().single_stage_bound(u)
+        least_u, rest = u, self.best[1]
+        for placed, key in self.frontier:
+            if key is None or key[0] < u:  # its time bound allows fewer unplaced bytes than u: recompute
+                t = self.table(placed)
+                key = (max(t.unplaced_bound(), self.least_unplaced), t.time_bound(u))
+            least_u = min(least_u, key[0])
+            rest = min(rest, key[1] if key[0] <= u else math.inf)
+        return least_u, max(floor, rest)
+
+
+def _smaller(g: tuple[int, ...], prefix: Sequence[int]) -> bool:
+    """The automorphism g maps the prefix to a lexicographically smaller one."""
+    return next((g[d] < d for d in prefix if g[d] != d), False)
+
+
+def map_devices(problem: MappingProblem, *, time_budget_s: float | None = None) -> MapperResult:
+    """Best stage->device mapping for D2D swap, with its spare assignment.
+
+    Objective: fewest unplaced bytes, then the least slowest swap time; ties go to the
+    identity, then to the lexicographically smallest mapping. Exact (proved by branch
+    and bound) unless the time budget (default `DEFAULT_TIME_BUDGET_S`) runs out first;
+    `exact` says which, and `lower_bound_s` bounds the optimum either way.
+    """
+    start = time.perf_counter()
+    budget = DEFAULT_TIME_BUDGET_S if time_budget_s is None else time_budget_s
+    n, s = problem.num_devices, problem.num_stages
+    off_diagonal = {problem.link_gbps[i][j] for i in range(n) for j in range(n) if i != j}
+    if (len(off_diagonal) <= 1 and len(set(problem.port_gbps or (0.0,))) == 1
+            and (n == s or len(set(problem.idle_spare_bytes)) == 1)):
+        a = assign_spare(problem, range(s))
+        return MapperResult(assignment=a, exact=True, lower_bound_s=a.slowest_swap_s,
+                            lower_bound_unplaced_bytes=a.unplaced_bytes, mappings_examined=1,
+                            nodes_visited=0, search_s=time.perf_counter() - start, skipped_symmetric=True,
+                            num_automorphisms=math.factorial(n))
+    search = _Search(problem, start + budget)
+    identity = list(range(len(search.demand)))
+    identity_value = search.value(identity)
+    # Seed the incumbent: swaps from the identity and from a greedy placement, within a
+    # share of the budget so that the bound search has time to prove or to bound.
+    heuristic_end = start + HEURISTIC_SHARE * budget
+    search.improve(identity, heuristic_end)
+    search.improve(search.greedy(), heuristic_end)
+    exact = search.by_cuts and not search.branch(search.table(), 0, search.group)
+    if not search.by_cuts:
+        search.frontier.append(([], None))  # no search: the whole tree is still open
+    mapping = search.best_mapping
+    if exact and _reaches(identity_value, search.best):
+        mapping = identity
+    elif exact:
+        try:
+            mapping = search.first_optimal(search.table(), 0, search.best[1] * (1 + REL_TOL)) or mapping
+        except TimeoutError:
+            pass  # still optimal, only the tie-break toward small mappings is lost
+    a = assign_spare(problem, mapping[:s])
+    least_u, bound = (a.unplaced_bytes, a.slowest_swap_s) if exact else search.lower_bounds()
+    return MapperResult(assignment=a, exact=exact, lower_bound_s=min(bound, a.slowest_swap_s),
+                        lower_bound_unplaced_bytes=min(least_u, a.unplaced_bytes), mappings_examined=search.examined,
+                        nodes_visited=search.nodes, search_s=time.perf_counter() - start, skipped_symmetric=False,
+                        num_automorphisms=len(search.group))

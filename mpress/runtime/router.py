@@ -1,0 +1,180 @@
+"""The saved-tensor router: applies the plan's technique to every tensor autograd saves.
+
+Around each microbatch's forward the router installs
+`torch.autograd.graph.saved_tensors_hooks`; module pre/post hooks keep a stack of the
+running modules, so each saved tensor gets the identity the profilers and plans use:
+`(module path, saved index, microbatch)`, the module being the innermost one running
+and the index counting that module's saved tensors in this forward. Then, per the plan:
+
+- keep: the tensor stays (the pack hook returns it);
+- host: the pack hook hands it to the swap engine (swap-out on its worker thread) and
+  returns a handle; the unpack hook (in backward) fetches it back;
+- recompute: the layer's forward runs under non-reentrant `torch.utils.checkpoint`
+  (RNG state preserved, so dropout masks repeat): its tensors are never saved, only the
+  layer's input, and the backward recomputes them;
+- d2d: not supported by this runtime yet (refused at start-up).
+
+Parameters, and tensors sharing a parameter's storage, are never moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mpress.errors import PlanError
+from mpress.plan import StagePlan
+from mpress.runtime.identity import TensorKey
+from mpress.runtime.swap_engine import SwapEngine, SwapHandle
+
+
+@dataclass(frozen=True)
+class _Swapped:
+    """What the autograd graph holds instead of a swapped-out tensor."""
+
+    handle: SwapHandle
+
+
+def layer_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """The stage's layers by profile name: the module's `layer_names()` when it has them
+    (reference models: embed, layers.N, head), else its top-level children."""
+    names = module.layer_names() if hasattr(module, "layer_names") else [n for n, _ in module.named_children()]
+    found = dict(module.named_modules())
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise PlanError(f"stage module has no layer {missing[0]!r}")
+    return {n: found[n] for n in names}
+
+
+class SavedTensorRouter:
+    """Routes one stage's saved tensors to keep / host swap / recompute per the plan.
+
+    module: the stage module (module paths as in the whole model).
+    plan: this stage's part of the plan.
+    engine: the swap engine (needed when the plan host-swaps anything).
+    """
+
+    def __init__(self, module: nn.Module, plan: StagePlan, engine: SwapEngine | None, *, rank: int) -> None:
+        self.module = module
+        self.plan = plan
+        self.engine = engine
+        self.rank = rank
+        self.stage = plan.stage
+        self._active = False
+        self._microbatch = -1
+        self._stack: list[str] = []
+        self._counts: dict[str, int] = {}
+        self._handles: dict[int, list[SwapHandle]] = {}
+        self._decisions: dict[tuple[str, int], str] = {}
+        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._paths = {m: name for name, m in module.named_modules()}
+        self.layers = layer_modules(module)
+        self._check_plan()
+        self._hooks = []
+        for sub in module.modules():
+            self._hooks.append(sub.register_forward_pre_hook(self._enter))
+            self._hooks.append(sub.register_forward_hook(self._leave))
+        self._originals: dict[str, Callable[..., Any]] = {}
+        for name, layer in self.layers.items():
+            self._originals[name] = layer.forward
+            layer.forward = functools.partial(self._layer_forward, name)  # instance override keeps paths
+
+    def _check_plan(self) -> None:
+        for rule in self.plan.rules:
+            if rule.technique == "d2d" and not rule.tensor.startswith(("optim:", "stash:")):
+                raise PlanError(f"stage {self.stage}: D2D swap of {rule.tensor!r} is not supported by this "
+                                "runtime yet; plan with --strategy recompute, host-swap or none")
+            if rule.technique == "host" and self.engine is None:
+                raise PlanError(f"stage {self.stage}: the plan host-swaps {rule.tensor!r} but no swap engine runs")
+
+    # -- decisions ---------------------------------------------------------------------------
+    def technique(self, tensor: str, microbatch: int) -> str:
+        key = (tensor, microbatch)
+        found = self._decisions.get(key)
+        if found is None:
+            rule = self.plan.technique(tensor, microbatch)
+            found = rule.technique if rule else "keep"
+            self._decisions[key] = found
+        return found
+
+    def recomputes(self, layer: str, microbatch: int) -> bool:
+        """Whether the plan recomputes layer `layer` in `microbatch` (recompute rules
+        cover whole layers, `LAYER.**`, so the layer's own first tensor decides)."""
+        return self.technique(f"{layer}#0", microbatch) == "recompute"
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _enter(self, module: nn.Module, _args: Any) -> None:
+        if self._active:
+            self._stack.append(self._paths.get(module, ""))
+
+    def _leave(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        if self._active and self._stack:
+            self._stack.pop()
+
+    def _layer_forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        forward = self._originals[name]
+        if self._active and self.recomputes(name, self._microbatch):
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return forward(*args, **kwargs)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if not self._active or tensor.untyped_storage().data_ptr() in self._param_storages:
+            return tensor
+        module = self._stack[-1] if self._stack else ""
+        index = self._counts.get(module, 0)
+        self._counts[module] = index + 1
+        tensor_id = f"{module}#{index}"
+        if self.technique(tensor_id, self._microbatch) != "host" or self.engine is None:
+            return tensor
+        key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=tensor_id)
+        handle = self.engine.swap_out(key, tensor)
+        self._handles.setdefault(self._microbatch, []).append(handle)
+        return _Swapped(handle)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Swapped):
+            assert self.engine is not None  # only packed when an engine exists
+            return self.engine.fetch(packed.handle)
+        return packed
+
+    # -- per microbatch ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def microbatch(self, microbatch: int) -> Iterator[None]:
+        """Route the saved tensors of `microbatch`'s forward (use around the forward)."""
+        self._active, self._microbatch = True, microbatch
+        self._stack.clear()
+        self._counts.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._active = False
+
+    def prefetch(self, microbatch: int) -> None:
+        """Start bringing `microbatch`'s swapped tensors back (idempotent)."""
+        if self.engine is not None:
+            for handle in self._handles.get(microbatch, ()):
+                self.engine.prefetch(handle)
+
+    def swapped(self, microbatch: int) -> int:
+        """Number of tensors of `microbatch` that went to host."""
+        return len(self._handles.get(microbatch, ()))
+
+    def finish(self, microbatch: int) -> None:
+        """Forget `microbatch`'s handles after its backward."""
+        self._handles.pop(microbatch, None)
+
+    def close(self) -> None:
+        """Remove the hooks and restore the layers' forwards."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for layer in self.layers.values():
+            del layer.forward  # the class's forward shows through again

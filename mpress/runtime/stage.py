@@ -1,0 +1,183 @@
+"""Wrapping a stage: the user's module + a plan -> what torch's pipeline schedules run.
+
+    stage = wrap_stage(module, plan, stage_index, device=device, input_args=x, output_args=y)
+    schedule = Schedule1F1B(stage, n_microbatches, loss_fn=loss)   # torch's own engine
+
+`MpressStage` is a `torch.distributed.pipelining.PipelineStage`: the schedules (GPipe,
+1F1B, interleaved) call its `forward_one_chunk` / `backward_one_chunk`, which mpress
+wraps to route the microbatch's saved tensors (see `router.py`) and to issue swap-ins
+ahead of the backward that needs them.
+
+Prefetch point: the stage knows its own F/B order (`warmup_order` of the plan's
+schedule: GPipe or 1F1B), so after each compute action it brings back the swapped
+tensors of every backward due within the next `lead` actions (`lead` = the largest
+`prefetch_lead` of the stage's host rules; 1 = the next backward's tensors come in while
+the action before it runs). For schedules whose order it does not know (interleaved) it
+prefetches at the start of the backward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from mpress.actions import Action, Kind, warmup_order
+from mpress.errors import PlanError
+from mpress.plan import Plan
+from mpress.runtime.host_pool import PinnedHostPool
+from mpress.runtime.memory_manager import MemoryManager
+from mpress.runtime.router import SavedTensorRouter
+from mpress.runtime.swap_engine import SwapEngine
+
+MIN_POOL_BYTES = 1 << 20
+"""Smallest pinned pool a stage that host-swaps allocates (the plan may say less)."""
+
+
+@dataclass
+class StageStats:
+    """What one stage's runtime did in its last step(s)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    microbatches_recomputed: int = 0
+    tensors_swapped: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StageRuntime:
+    """Per-stage mpress state: pool, memory manager, swap engine, router, prefetching."""
+
+    def __init__(self, module: nn.Module, plan: Plan, stage_index: int, device: torch.device, *, rank: int,
+                 host_pool_bytes: int | None = None) -> None:
+        self.plan = plan
+        self.stage_plan = plan.stage(stage_index)
+        self.device = device
+        self.rank = rank
+        host_rules = [r for r in self.stage_plan.rules if r.technique == "host"]
+        self.lead = max((r.prefetch_lead for r in host_rules), default=1)
+        self.manager = MemoryManager(device, rank=rank)
+        self.pool: PinnedHostPool | None = None
+        self.engine: SwapEngine | None = None
+        if host_rules:
+            size = host_pool_bytes if host_pool_bytes is not None else self.stage_plan.pinned_host_bytes
+            self.pool = PinnedHostPool(max(size, MIN_POOL_BYTES))
+            self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index)
+        self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank)
+        self.order = stage_order(plan, stage_index)
+        self.position = 0  # compute actions done in this step
+        self.stats = StageStats()
+        self.on_last_backward: list[Callable[[], None]] = []
+        """Called when the stage starts its last backward of a step (optimizer prefetch)."""
+
+    def after_compute(self) -> None:
+        """Issue the swap-ins of the backwards due within the next `lead` actions."""
+        self.position += 1
+        for action in self.order[self.position: self.position + self.lead]:
+            if action.kind is Kind.B and action.microbatch is not None:
+                self.router.prefetch(action.microbatch)
+        if self.engine is not None:
+            self.engine.check()
+
+    def start_step(self) -> None:
+        self.position = 0
+
+    def close(self) -> None:
+        self.router.close()
+        if self.engine is not None:
+            self.engine.close()
+
+
+class MpressStage(PipelineStage):
+    """A `PipelineStage` whose microbatches run under an mpress plan."""
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device, *,
+                 runtime: StageRuntime, **kwargs: Any) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, **kwargs)
+        self.runtime = runtime
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        rt = self.runtime
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"mpress:{self.stage_index}F{fwd_chunk_id}"), \
+                rt.router.microbatch(fwd_chunk_id):
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        rt.stats.forward_s += time.perf_counter() - t0
+        rt.stats.tensors_swapped += rt.router.swapped(fwd_chunk_id)
+        if any(rt.router.recomputes(name, fwd_chunk_id) for name in rt.router.layers):
+            rt.stats.microbatches_recomputed += 1
+        if fwd_chunk_id == 0:
+            rt.start_step()
+        rt.after_compute()
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        rt = self.runtime
+        rt.router.prefetch(bwd_chunk_id)  # no-op when already issued at its prefetch point
+        if last_backward:
+            for callback in rt.on_last_backward:
+                callback()
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"mpress:{self.stage_index}B{bwd_chunk_id}"):
+            out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                             last_backward=last_backward)
+        rt.stats.backward_s += time.perf_counter() - t0
+        rt.router.finish(bwd_chunk_id)
+        rt.after_compute()
+        return out
+
+
+def stage_order(plan: Plan, stage_index: int) -> list[Action]:
+    """This stage's F/B order under the plan's schedule (empty when not known here)."""
+    if plan.schedule in ("1f1b", "pipedream"):
+        warmup = plan.num_stages - 1 - stage_index
+    elif plan.schedule == "gpipe":
+        warmup = plan.num_microbatches - 1
+    else:
+        return []
+    return warmup_order(stage_index, plan.num_microbatches, warmup)
+
+
+def check_plan_for_stage(plan: Plan, module: nn.Module, stage_index: int, num_stages: int, *,
+                         world_size: int | None = None, model_fingerprint: str | None = None) -> None:
+    """Refuse, in one line, a plan made for another model, stage or device count."""
+    if plan.num_stages != num_stages:
+        raise PlanError(f"plan is for {plan.num_stages} stages, the pipeline has {num_stages}")
+    if not 0 <= stage_index < num_stages:
+        raise PlanError(f"stage index {stage_index} is out of range 0..{num_stages - 1}")
+    if world_size is not None and plan.num_ranks != world_size:
+        raise PlanError(f"plan is for {plan.num_ranks} ranks, this job has {world_size}")
+    if model_fingerprint is not None and plan.model_fingerprint != model_fingerprint:
+        raise PlanError(f"plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}), "
+                        f"not this one ({model_fingerprint})")
+    sp = plan.stage(stage_index)
+    names = module.layer_names() if hasattr(module, "layer_names") else None
+    if names is not None and len(names) != sp.end_layer - sp.first_layer:
+        raise PlanError(f"plan stage {stage_index} holds layers {sp.first_layer}..{sp.end_layer - 1}, "
+                        f"the module holds {len(names)} layers ({names[0]}..{names[-1]})")
+
+
+def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch.device,
+               input_args: Any, output_args: Any = None, group: dist.ProcessGroup | None = None,
+               model_fingerprint: str | None = None, host_pool_bytes: int | None = None) -> MpressStage:
+    """The user's stage module under `plan`, as a `PipelineStage` for torch's schedules.
+
+    input_args/output_args: example tensors of one microbatch (static shapes; on gloo
+    they avoid shape inference, which can deadlock there).
+    model_fingerprint: when given, the plan must have been made for that model.
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else None
+    check_plan_for_stage(plan, module, stage_index, plan.num_stages, world_size=world,
+                         model_fingerprint=model_fingerprint)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    runtime = StageRuntime(module, plan, stage_index, device, rank=rank, host_pool_bytes=host_pool_bytes)
+    return MpressStage(module, stage_index, plan.num_stages, device, runtime=runtime,
+                       input_args=input_args, output_args=output_args, group=group)

@@ -1,0 +1,283 @@
+"""Training configuration for the torchrun launcher: `configs/train/<name>.yaml`.
+
+A `TrainConfig` names a model, a pipeline schedule, a memory plan and the data, and
+carries the optimizer, checkpoint and logging settings. YAML is only storage: the file
+is loaded by `mpress.config.from_dict`, which rejects unknown keys, wrong types and
+out-of-range values naming the file and the key; `load_train_config` adds the rules that
+involve several fields or the file system (plan file present, model preset known, ...).
+
+Relative paths in a train config (`model`, `plan`, `hardware` when they are paths,
+`data.path`, `checkpoint.dir`) are relative to the directory of the config file, so a
+config and its plan/data can travel together; `load_train_config` returns them absolute.
+A `model`/`hardware` value without a `.yaml`/`.yml`/`.json` suffix and without a `/` is a
+preset name (`configs/models/`, `configs/hardware/`).
+
+Rules that need the world size (one stage per rank for GPipe/1F1B, a whole number of
+stages per rank for interleaved 1F1B) are checked at launch by `check_world_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from mpress.config import from_dict, load_yaml
+from mpress.errors import ConfigError, UserError
+from mpress.hardware import CONFIG_DIR, HARDWARE_DIR, resolve_config
+from mpress.model_config import ModelConfig, load_model_config
+from mpress.units import parse_bytes
+
+TRAIN_DIR = CONFIG_DIR / "train"
+
+PLAN_AUTO = "auto"
+"""`plan: auto`: rank 0 plans at start-up for `hardware` (and `device_memory`)."""
+PLAN_NONE = "none"
+"""`plan: none`: no mpress compaction; every tensor stays on its device."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """The optimizer every stage runs on its own parameters after each step."""
+
+    name: Literal["adam"] = "adam"
+    """Optimizer; only Adam (two fp32 states per parameter, as the planner assumes)."""
+    lr: float = field(default=1e-3, metadata={"gt": 0})
+    """Learning rate."""
+    betas: tuple[float, ...] = (0.9, 0.999)
+    """Adam's (beta1, beta2), each in [0, 1)."""
+    eps: float = field(default=1e-8, metadata={"gt": 0})
+    """Adam's epsilon."""
+    weight_decay: float = field(default=0.0, metadata={"min": 0})
+    """L2 penalty added to the gradient (torch.optim.Adam's weight_decay)."""
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError("", "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Where training tokens come from (see `mpress.runtime.data`)."""
+
+    kind: Literal["synthetic", "file"] = "synthetic"
+    """synthetic: a fixed random Markov chain with a known loss floor; file: `path`."""
+    path: str | None = None
+    """Token file for kind: file (.bin flat uint16/uint32, .npy, .txt whitespace ints)."""
+    token_dtype: Literal["uint16", "uint32"] | None = None
+    """Element type of a .bin file; default from the file name (`*.uint32.bin`) or the vocabulary size."""
+    branching: int = field(default=4, metadata={"min": 1})
+    """Synthetic only: successors per token in the chain; the GPT loss floor is ln(branching) nats."""
+    mask_prob: float = field(default=0.15, metadata={"gt": 0, "max": 1})
+    """BERT (masked LM) only: probability that a position is masked and predicted."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "file" and not self.path:
+            raise ConfigError("", "path", "kind: file needs a path to a token file (.bin, .npy or .txt)")
+        if self.kind == "synthetic" and self.path is not None:
+            raise ConfigError("", "path", "only for kind: file (remove it, or set kind: file)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """Per-stage checkpoints of parameters and optimizer state."""
+
+    dir: str | None = None
+    """Directory for checkpoints; null = never checkpoint."""
+    every_steps: int = field(default=0, metadata={"min": 0})
+    """Save every this many steps (and after the last step); 0 = only after the last step."""
+    resume: bool = False
+    """Resume from the newest checkpoint in `dir` if there is one."""
+
+    def __post_init__(self) -> None:
+        if self.resume and self.dir is None:
+            raise ConfigError("", "resume", "needs checkpoint.dir (where to resume from)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """One pipeline-parallel training run under torchrun."""
+
+    model: str
+    """Model preset name (configs/models/) or a model YAML path."""
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B)."""
+    num_stages: int | None = field(default=None, metadata={"min": 1})
+    """Pipeline stages; default = world size (one per rank); interleaved: a multiple of it."""
+    microbatch_size: int = field(default=1, metadata={"min": 1})
+    """Samples per microbatch."""
+    num_microbatches: int = field(default=1, metadata={"min": 1})
+    """Microbatches per step; a step trains on microbatch_size x num_microbatches samples."""
+    steps: int = field(default=100, metadata={"min": 1})
+    """Optimizer steps to run."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    plan: str = PLAN_NONE
+    """Memory plan: a plan file path, `auto` (plan on rank 0 at start-up) or `none` (no compaction)."""
+    hardware: str = "cpu-local"
+    """Hardware preset or YAML that `plan: auto` plans for."""
+    device_memory: str | None = None
+    """With `plan: auto`: override the per-device memory the planner sees, e.g. "3MB" (GB = 1e9)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto = nccl where CUDA is available, else gloo."""
+    seed: int = field(default=0, metadata={"min": 0})
+    """Seed of parameter init, synthetic data, masking and dropout."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    dropout: float | None = field(default=None, metadata={"min": 0, "max": 0.99})
+    """Override the model preset's dropout probability; null = keep the preset's."""
+    log_every: int = field(default=10, metadata={"min": 1})
+    """Log the loss every this many steps (and at the first and last step)."""
+
+    def __post_init__(self) -> None:
+        if self.device_memory is not None:
+            if self.plan != PLAN_AUTO:
+                raise ConfigError("", "device_memory", "only used with plan: auto (remove it, or set plan: auto)")
+            try:
+                parse_bytes(self.device_memory, "device_memory")
+            except UserError as exc:
+                raise ConfigError("", "device_memory", str(exc).split(": ", 1)[-1]) from None
+        if self.num_stages is not None:
+            _check_microbatches(self, self.num_stages, "num_microbatches")
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        """`device_memory` in bytes (GB = 1e9, GiB = 2**30), or None."""
+        return None if self.device_memory is None else parse_bytes(self.device_memory, "device_memory")
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step."""
+        return self.microbatch_size * self.num_microbatches
+
+
+def _check_microbatches(cfg: TrainConfig, num_stages: int, key: str, source: str = "") -> None:
+    """1F1B needs at least one microbatch per stage (torch's `Schedule1F1B` refuses fewer)."""
+    if cfg.schedule == "1f1b" and cfg.num_microbatches < num_stages:
+        raise ConfigError(source, key, f"1f1b needs num_microbatches >= num_stages ({num_stages}), "
+                                       f"got {cfg.num_microbatches}")
+
+
+def train_presets() -> list[str]:
+    """Names of the shipped training configs (configs/train/)."""
+    return sorted(p.stem for p in TRAIN_DIR.glob("*.yaml"))
+
+
+def _is_path(value: str) -> bool:
+    return Path(value).suffix in (".yaml", ".yml", ".json") or "/" in value
+
+
+def _absolute(value: str, base: Path) -> str:
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def load_train_config(name_or_path: str | Path) -> TrainConfig:
+    """Load a training config: a preset name (configs/train/<name>.yaml) or a YAML path.
+
+    Returns the config with relative paths made absolute (relative to the file's
+    directory). Raises `ConfigError` (naming the file and key) for unknown keys, wrong
+    types, out-of-range values, an unknown model or hardware preset, a missing plan or
+    token file, or more stages than the model has layers.
+    """
+    path = resolve_config(name_or_path, TRAIN_DIR, "training config")
+    source = str(path)
+    cfg = from_dict(TrainConfig, load_yaml(path), source)
+    base = path.resolve().parent
+
+    model = _absolute(cfg.model, base) if _is_path(cfg.model) else cfg.model
+    hardware = _absolute(cfg.hardware, base) if _is_path(cfg.hardware) else cfg.hardware
+    plan = cfg.plan if cfg.plan in (PLAN_AUTO, PLAN_NONE) else _absolute(cfg.plan, base)
+    data = cfg.data
+    if data.path is not None:
+        data = dataclasses.replace(data, path=_absolute(data.path, base))
+    ckpt = cfg.checkpoint
+    if ckpt.dir is not None:
+        ckpt = dataclasses.replace(ckpt, dir=_absolute(ckpt.dir, base))
+    cfg = dataclasses.replace(cfg, model=model, hardware=hardware, plan=plan, data=data, checkpoint=ckpt)
+
+    try:
+        model_cfg = load_model_config(cfg.model)
+    except UserError as exc:
+        raise ConfigError(source, "model", str(exc)) from None
+    if cfg.plan not in (PLAN_AUTO, PLAN_NONE) and not Path(cfg.plan).is_file():
+        raise ConfigError(source, "plan", f"no such plan file {cfg.plan} (or use auto / none)")
+    if cfg.plan == PLAN_AUTO:
+        try:
+            resolve_config(cfg.hardware, HARDWARE_DIR, "hardware")
+        except UserError as exc:
+            raise ConfigError(source, "hardware", str(exc)) from None
+    if data.path is not None and not Path(data.path).is_file():
+        raise ConfigError(source, "data.path", f"no such token file {data.path}")
+    num_layers = model_cfg.num_layers + 2  # embed + blocks + head
+    if cfg.num_stages is not None and cfg.num_stages > num_layers:
+        raise ConfigError(source, "num_stages", f"{cfg.model} has {num_layers} layers (embed, "
+                                                f"{model_cfg.num_layers} blocks, head); cannot make {cfg.num_stages} stages")
+    return cfg
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model preset `cfg.model` with `cfg.dropout` applied when it is set."""
+    model = load_model_config(cfg.model)
+    return model if cfg.dropout is None else dataclasses.replace(model, dropout=cfg.dropout)
+
+
+def resolve_backend(cfg: TrainConfig) -> str:
+    """"gloo" or "nccl": `auto` picks nccl where CUDA is available; nccl without CUDA is a `UserError`."""
+    cuda = torch.cuda.is_available()
+    if cfg.backend == "auto":
+        return "nccl" if cuda else "gloo"
+    if cfg.backend == "nccl" and not cuda:
+        raise UserError("backend: nccl needs CUDA GPUs and none is available (use backend: gloo or auto)")
+    return cfg.backend
+
+
+def check_world_size(cfg: TrainConfig, world_size: int) -> int:
+    """Check the config against the launch's world size; return the number of stages.
+
+    GPipe and 1F1B run one stage per rank (num_stages == world_size); interleaved 1F1B
+    runs num_stages / world_size stages per rank and needs a whole number of them, and
+    torch's interleaved schedule needs num_microbatches to split into whole rounds.
+    Raises `UserError` naming the key to change.
+    """
+    if world_size < 1:
+        raise UserError(f"world size must be >= 1, got {world_size}")
+    num_stages = cfg.num_stages if cfg.num_stages is not None else world_size
+    if cfg.schedule in ("gpipe", "1f1b") and num_stages != world_size:
+        raise UserError(f"num_stages: {cfg.schedule} runs one stage per rank, so num_stages ({num_stages}) "
+                        f"must equal the world size ({world_size}); change num_stages or --nproc-per-node")
+    if cfg.schedule == "interleaved":
+        if num_stages % world_size:
+            raise UserError(f"num_stages: interleaved needs a multiple of the world size ({world_size}), "
+                            f"got {num_stages}")
+        # torch's ScheduleInterleaved1F1B splits microbatches into rounds of ~world_size.
+        rounds = max(1, cfg.num_microbatches // world_size)
+        if cfg.num_microbatches % rounds:
+            raise UserError(f"num_microbatches: interleaved needs a multiple of the world size ({world_size}), "
+                            f"got {cfg.num_microbatches}")
+    try:
+        _check_microbatches(cfg, num_stages, "num_microbatches")
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    return num_stages
+
+
+__all__ = [
+    "PLAN_AUTO",
+    "PLAN_NONE",
+    "TRAIN_DIR",
+    "CheckpointConfig",
+    "DataConfig",
+    "OptimizerConfig",
+    "TrainConfig",
+    "check_world_size",
+    "load_train_config",
+    "model_config",
+    "resolve_backend",
+    "train_presets",
+]

@@ -1,0 +1,162 @@
+"""One rank of a pipeline training job over torch.distributed.pipelining.
+
+`PipelineJob` builds this rank's stage of a reference model (or takes a user module),
+wraps it with mpress when a plan is given (plain `PipelineStage` otherwise, which is the
+baseline every mpress run must match bit for bit), picks torch's schedule, and runs
+steps. The launcher (`mpress.train`) and the multi-process tests drive it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, Schedule1F1B
+
+from mpress.errors import UserError
+from mpress.model_config import ModelConfig
+from mpress.models import build_stage, lm_loss
+from mpress.models.transformer import TORCH_DTYPES
+from mpress.plan import Plan
+from mpress.runtime.optimizer_offload import OptimizerOffload
+from mpress.runtime.stage import MpressStage, wrap_stage
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "pipedream": Schedule1F1B}
+
+
+@dataclass(kw_only=True)
+class JobSpec:
+    """What one pipeline job trains and how (identical on every rank)."""
+
+    model: ModelConfig
+    schedule: Literal["gpipe", "1f1b"]
+    ranges: list[tuple[int, int]]
+    """Layer range [start, end) of each stage (stage s runs on rank s)."""
+    microbatch_size: int
+    num_microbatches: int
+    seed: int = 0
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """What one step produced on this rank (loss only on the last stage)."""
+
+    loss: float | None
+    peak_bytes: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class PipelineJob:
+    """This rank's stage, schedule and optimizer."""
+
+    def __init__(self, spec: JobSpec, plan: Plan | None, device: torch.device, *,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.spec = spec
+        self.plan = plan
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if len(spec.ranges) != self.world:
+            raise UserError(f"{len(spec.ranges)} stages need {len(spec.ranges)} ranks, the job has {self.world}")
+        self.stage_index = self.rank
+        self.num_stages = self.world
+        start, end = spec.ranges[self.rank]
+        cfg = spec.model
+        self.module: nn.Module = build_stage(cfg, start, end, seed=spec.seed, device=device)
+        self.module.train()
+        b, t = spec.microbatch_size, cfg.seq_len
+        dtype = TORCH_DTYPES[cfg.precision]
+        first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        # static shapes of one microbatch (gloo's shape inference can deadlock); torch takes
+        # requires_grad from them: activations and outputs carry gradients in training
+        x = (torch.zeros(b, t, dtype=torch.long, device=device) if first
+             else torch.zeros(b, t, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True))
+        y = torch.zeros(b, t, cfg.vocab_size if last else cfg.hidden_size, dtype=dtype, device=device,
+                        requires_grad=True)
+        if plan is not None:
+            self.stage: PipelineStage = wrap_stage(self.module, plan, self.stage_index, device=device,
+                                                   input_args=x, output_args=y, group=group,
+                                                   model_fingerprint=cfg.fingerprint())
+        else:
+            self.stage = PipelineStage(self.module, self.stage_index, self.num_stages, device,
+                                       input_args=x, output_args=y, group=group)
+        schedule_cls = SCHEDULES.get(spec.schedule)
+        if schedule_cls is None:
+            raise UserError(f"schedule {spec.schedule!r} is not supported by the launcher (use gpipe or 1f1b)")
+        self.schedule = schedule_cls(self.stage, spec.num_microbatches, loss_fn=lm_loss)
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                          weight_decay=spec.weight_decay)
+        self.offload: OptimizerOffload | None = None
+        if isinstance(self.stage, MpressStage):
+            self.offload = OptimizerOffload.from_plan(self.optimizer, self.module, self.stage.runtime)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One training step on the global batch (every rank passes the same batch)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        losses: list[torch.Tensor] = []
+        if self.offload is not None:
+            self.offload.before_backward()
+        if self.is_first and self.is_last:
+            self.schedule.step(inputs.to(self.device), target=targets.to(self.device), losses=losses)
+        elif self.is_first:
+            self.schedule.step(inputs.to(self.device))
+        elif self.is_last:
+            self.schedule.step(target=targets.to(self.device), losses=losses)
+        else:
+            self.schedule.step()
+        if self.offload is not None:
+            self.offload.before_step()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.offload is not None:
+            self.offload.after_step()
+        loss = float(torch.stack(losses).mean()) if losses else None
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return StepResult(loss=loss, peak_bytes=peak)
+
+    def state(self) -> dict[str, dict]:
+        """Model and optimizer state of this stage (optimizer states brought home first)."""
+        if self.offload is not None:
+            self.offload.before_step()
+        # deep copies: the optimizer's state dict shares its per-parameter dicts, which the
+        # offload empties again right below
+        state = {"model": copy.deepcopy(self.module.state_dict()),
+                 "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        if self.offload is not None:
+            self.offload.after_step()
+        return state
+
+    def load_state(self, state: dict[str, dict]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.offload is not None:
+            self.offload.after_step()
+
+    def close(self) -> None:
+        if isinstance(self.stage, MpressStage):
+            self.stage.runtime.close()
+
+
+def share_loss(loss: float | None, job: PipelineJob) -> float:
+    """The last stage's loss on every rank (one broadcast)."""
+    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    dist.broadcast(t, src=job.num_stages - 1)
+    return float(t.item())
+

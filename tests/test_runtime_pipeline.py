@@ -1,0 +1,142 @@
+"""Multi-process pipelines on CPU (gloo): runs under an mpress plan must equal the plain
+run bit for bit (`torch.equal` on every parameter and loss), dropout on."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mpress.errors import PlanError
+from mpress.model_config import load_model_config
+from mpress.plan import Plan, StagePlan, TensorRule
+from mpress.runtime.trainer import JobSpec, PipelineJob
+
+MODEL = "gpt-tiny"  # 6 layers: embed, layers.0-3, head; dropout 0.1
+STEPS = 3
+MICROBATCH_SIZE = 2
+RANGES = {1: [(0, 6)], 2: [(0, 3), (3, 6)], 4: [(0, 2), (2, 3), (3, 4), (4, 6)]}
+POOL_BYTES = 64 << 20
+
+
+def make_plan(schedule: str, world: int, num_microbatches: int, rules: dict[int, list[TensorRule]]) -> Plan:
+    cfg = load_model_config(MODEL)
+    stages = [StagePlan(stage=s, device=s, first_layer=a, end_layer=b, rules=rules.get(s, []),
+                        pinned_host_bytes=POOL_BYTES)
+              for s, (a, b) in enumerate(RANGES[world])]
+    return Plan(strategy="test", model=MODEL, model_fingerprint=cfg.fingerprint(), profile_fingerprint="test",
+                hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
+                schedule=schedule, num_stages=world, num_ranks=world, num_microbatches=num_microbatches,
+                microbatch_size=MICROBATCH_SIZE, stage_to_device=list(range(world)), stages=stages, fits=True)
+
+
+def batch(step: int, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = load_model_config(MODEL)
+    g = torch.Generator().manual_seed(1000 + step)
+    stream = torch.randint(0, cfg.vocab_size, (MICROBATCH_SIZE * num_microbatches, cfg.seq_len + 1), generator=g)
+    return stream[:, :-1].clone(), stream[:, 1:].clone()
+
+
+def _worker(rank: int, world: int, init: str, schedule: str, num_microbatches: int, plan_path: str | None,
+            out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
+    try:
+        spec = JobSpec(model=load_model_config(MODEL), schedule=schedule, ranges=RANGES[world],
+                       microbatch_size=MICROBATCH_SIZE, num_microbatches=num_microbatches, seed=3)
+        plan = Plan.load(plan_path) if plan_path else None
+        job = PipelineJob(spec, plan, torch.device("cpu"))
+        losses = []
+        extra = {}
+        for step in range(STEPS):
+            x, y = batch(step, num_microbatches)
+            losses.append(job.step(x, y).loss)
+        if plan is not None:
+            rt = job.stage.runtime
+            extra = {"swapped": rt.stats.tensors_swapped, "recomputed": rt.stats.microbatches_recomputed,
+                     "peak_activation_bytes": rt.manager.peak_device_bytes()}
+        torch.save({"losses": losses, "state": job.state(), "extra": extra}, Path(out_dir) / f"rank{rank}.pt")
+        job.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(world: int, schedule: str, num_microbatches: int, plan: Plan | None) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = None
+        if plan is not None:
+            plan_path = os.path.join(tmp, "plan.yaml")
+            plan.save(plan_path)
+        init = os.path.join(tmp, "init")
+        mp.start_processes(_worker, args=(world, init, schedule, num_microbatches, plan_path, tmp),
+                           nprocs=world, join=True, start_method="spawn")
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_identical(a: list[dict], b: list[dict]) -> None:
+    for ra, rb in zip(a, b):
+        assert ra["losses"] == rb["losses"]
+        for name, t in ra["state"]["model"].items():
+            assert torch.equal(t, rb["state"]["model"][name]), name
+        for pid, st in ra["state"]["optimizer"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, rb["state"]["optimizer"]["state"][pid][k]), (pid, k)
+
+
+_BASELINES: dict[tuple[int, str, int], list[dict]] = {}
+
+
+def baseline(world: int, schedule: str, num_microbatches: int) -> list[dict]:
+    key = (world, schedule, num_microbatches)
+    if key not in _BASELINES:
+        _BASELINES[key] = run_job(world, schedule, num_microbatches, None)
+    return _BASELINES[key]
+
+
+HOST = TensorRule(tensor="layers.*.**", technique="host")
+RECOMPUTE_BLOCK = TensorRule(tensor="layers.0.**", technique="recompute")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, schedule, rules", [
+    (2, "1f1b", {0: [TensorRule(tensor="layers.0.**", technique="recompute"),
+                     TensorRule(tensor="layers.1.**", technique="host")],
+                 1: [TensorRule(tensor="layers.2.**", technique="host", microbatches="0-1"),
+                     TensorRule(tensor="layers.2.**", technique="recompute", microbatches="2-3"),
+                     TensorRule(tensor="head.**", technique="recompute")]}),
+    (2, "gpipe", {0: [TensorRule(tensor="embed.**", technique="host"),
+                      TensorRule(tensor="layers.*.**", technique="recompute")],
+                  1: [TensorRule(tensor="*", technique="host")]}),
+    (4, "1f1b", {0: [TensorRule(tensor="optim:*", technique="host"), TensorRule(tensor="layers.0.**", technique="host")],
+                 1: [TensorRule(tensor="layers.1.**", technique="recompute")],
+                 2: [TensorRule(tensor="layers.2.**", technique="host", microbatches="1,3")],
+                 3: [TensorRule(tensor="optim:*", technique="host"), TensorRule(tensor="head.**", technique="host")]}),
+])
+def test_mixed_plans_are_bit_identical_to_the_plain_run(world, schedule, rules):
+    plain = baseline(world, schedule, 4)
+    mixed = run_job(world, schedule, 4, make_plan(schedule, world, 4, rules))
+    assert_identical(plain, mixed)
+    assert all(loss is not None for loss in mixed[-1]["losses"])
+    swapped = sum(r["extra"]["swapped"] for r in mixed)
+    recomputed = sum(r["extra"]["recomputed"] for r in mixed)
+    assert swapped > 0 and recomputed > 0
+
+
+def test_plan_for_another_model_is_refused():
+    plan = make_plan("1f1b", 1, 2, {})
+    bad = Plan(**{**plan.__dict__, "model_fingerprint": "0" * 16})
+    from mpress.models import build_stage
+    from mpress.runtime.stage import check_plan_for_stage
+    module = build_stage(load_model_config(MODEL), 0, 6, seed=0)
+    with pytest.raises(PlanError, match="made for model 'gpt-tiny'"):
+        check_plan_for_stage(bad, module, 0, 1, model_fingerprint=load_model_config(MODEL).fingerprint())
+    with pytest.raises(PlanError, match="plan is for 1 stages, the pipeline has 2"):
+        check_plan_for_stage(plan, module, 0, 2)
+    with pytest.raises(PlanError, match="plan is for 1 ranks, this job has 4"):
+        check_plan_for_stage(plan, module, 0, 1, world_size=4)

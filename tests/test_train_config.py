@@ -1,0 +1,161 @@
+"""Training configs: presets load, bad files are refused naming file and key, world-size
+and backend rules."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpress.errors import ConfigError, UserError
+from mpress.runtime.train_config import (
+    TRAIN_DIR,
+    TrainConfig,
+    check_world_size,
+    load_train_config,
+    model_config,
+    resolve_backend,
+    train_presets,
+)
+
+
+def write(tmp_path: Path, text: str, name: str = "train.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def refused(path: Path, key: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_train_config(path)
+    assert info.value.key == key, str(info.value)
+    assert str(path) in str(info.value)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny-mixed", "gpt-tiny-plain", "gpt-tiny-gpipe", "bert-tiny-1f1b"])
+def test_shipped_presets_load(name):
+    assert name in train_presets()
+    cfg = load_train_config(name)
+    assert cfg == load_train_config(TRAIN_DIR / f"{name}.yaml")
+    assert cfg.num_stages == 4 and cfg.microbatch_size == 4 and cfg.num_microbatches == 8
+    assert 60 <= cfg.steps <= 100
+    assert check_world_size(cfg, 4) == 4
+    assert model_config(cfg).num_layers == 4
+
+
+def test_mixed_and_plain_differ_only_in_plan():
+    mixed = load_train_config("gpt-tiny-mixed")
+    plain = load_train_config("gpt-tiny-plain")
+    assert mixed.schedule == "1f1b" and mixed.plan == "auto" and mixed.hardware == "cpu-local"
+    assert mixed.device_memory_bytes == 3_000_000
+    assert plain.plan == "none" and plain.device_memory is None
+    assert (mixed.model, mixed.schedule, mixed.steps, mixed.seed, mixed.optimizer, mixed.data) == \
+        (plain.model, plain.schedule, plain.steps, plain.seed, plain.optimizer, plain.data)
+    assert load_train_config("gpt-tiny-gpipe").schedule == "gpipe"
+    bert = load_train_config("bert-tiny-1f1b")
+    assert model_config(bert).family == "bert"
+
+
+def test_defaults(tmp_path):
+    cfg = load_train_config(write(tmp_path, "model: gpt-tiny\n"))
+    assert cfg.schedule == "1f1b" and cfg.num_stages is None and cfg.plan == "none"
+    assert cfg.optimizer.name == "adam" and cfg.optimizer.betas == (0.9, 0.999)
+    assert cfg.data.kind == "synthetic" and cfg.checkpoint.dir is None and cfg.backend == "auto"
+    assert cfg.global_batch_size == 1 and cfg.device_memory_bytes is None
+
+
+@pytest.mark.parametrize("text, key", [
+    ("model: gpt-tiny\nstepz: 3\n", "stepz"),
+    ("model: gpt-tiny\noptimizer: {lr: 0.1, momentum: 0.9}\n", "optimizer.momentum"),
+    ("model: gpt-tiny\ndata: {kind: synthetic, shuffle: true}\n", "data.shuffle"),
+    ("model: gpt-tiny\ncheckpoint: {dir: x, every: 3}\n", "checkpoint.every"),
+    ("schedule: 1f1b\n", "model"),
+    ("model: gpt-tiny\nsteps: many\n", "steps"),
+    ("model: gpt-tiny\nsteps: 0\n", "steps"),
+    ("model: gpt-tiny\nnum_stages: 0\n", "num_stages"),
+    ("model: gpt-tiny\nschedule: pipedream\n", "schedule"),
+    ("model: gpt-tiny\nbackend: mpi\n", "backend"),
+    ("model: gpt-tiny\noptimizer: {name: sgd}\n", "optimizer.name"),
+    ("model: gpt-tiny\noptimizer: {lr: 0}\n", "optimizer.lr"),
+    ("model: gpt-tiny\noptimizer: {betas: [0.9]}\n", "optimizer.betas"),
+    ("model: gpt-tiny\noptimizer: {betas: [0.9, 1.0]}\n", "optimizer.betas"),
+    ("model: gpt-tiny\ndropout: 1.5\n", "dropout"),
+    ("model: gpt-tiny\nlog_every: 0\n", "log_every"),
+    ("model: gpt-tiny\ndata: {kind: file}\n", "data.path"),
+    ("model: gpt-tiny\ndata: {kind: synthetic, path: x.bin}\n", "data.path"),
+    ("model: gpt-tiny\ndata: {kind: file, path: nowhere.bin}\n", "data.path"),
+    ("model: gpt-tiny\ndata: {token_dtype: int8}\n", "data.token_dtype"),
+    ("model: gpt-tiny\ncheckpoint: {resume: true}\n", "checkpoint.resume"),
+    ("model: gpt-tiny\nplan: missing-plan.yaml\n", "plan"),
+    ("model: gpt-tiny\nplan: auto\ndevice_memory: lots\n", "device_memory"),
+    ("model: gpt-tiny\ndevice_memory: 3MB\n", "device_memory"),
+    ("model: gpt-tiny\nplan: auto\nhardware: no-such-box\n", "hardware"),
+    ("model: gpt-nano\n", "model"),
+    ("model: gpt-tiny\nnum_stages: 7\nnum_microbatches: 8\n", "num_stages"),
+    ("model: gpt-tiny\nnum_stages: 4\nnum_microbatches: 2\n", "num_microbatches"),
+])
+def test_bad_config_names_file_and_key(tmp_path, text, key):
+    refused(write(tmp_path, text), key)
+
+
+def test_bad_yaml_and_unknown_preset(tmp_path):
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_train_config(write(tmp_path, "model: [gpt-tiny\n"))
+    with pytest.raises(UserError, match="unknown training config 'nope'.*gpt-tiny-mixed"):
+        load_train_config("nope")
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    conf = tmp_path / "conf"
+    (conf / "plans").mkdir(parents=True)
+    (conf / "plans" / "p.yaml").write_text("{}\n")
+    (conf / "tokens.txt").write_text("1 2 3\n")
+    model_text = (TRAIN_DIR.parent / "models" / "gpt-tiny.yaml").read_text()
+    (conf / "my-model.yaml").write_text(model_text)
+    path = write(conf, "model: my-model.yaml\nplan: plans/p.yaml\n"
+                       "data: {kind: file, path: tokens.txt}\ncheckpoint: {dir: ckpt}\n")
+    monkeypatch.chdir(tmp_path)  # somewhere else: the paths must not depend on the CWD
+    cfg = load_train_config(path)
+    assert Path(cfg.plan) == (conf / "plans" / "p.yaml").resolve()
+    assert Path(cfg.data.path) == (conf / "tokens.txt").resolve()
+    assert Path(cfg.checkpoint.dir) == (conf / "ckpt").resolve()
+    assert Path(cfg.model) == (conf / "my-model.yaml").resolve()
+    assert model_config(cfg).name == "gpt-tiny"
+
+
+def test_dropout_override(tmp_path):
+    cfg = load_train_config(write(tmp_path, "model: gpt-tiny\ndropout: 0.0\n"))
+    assert model_config(cfg).dropout == 0.0
+    assert model_config(load_train_config(write(tmp_path, "model: gpt-tiny\n", "b.yaml"))).dropout == 0.1
+
+
+def test_check_world_size():
+    cfg = TrainConfig(model="gpt-tiny", num_microbatches=8)
+    assert check_world_size(cfg, 4) == 4  # default: one stage per rank
+    with pytest.raises(UserError, match="num_stages.*world size"):
+        check_world_size(TrainConfig(model="gpt-tiny", num_stages=4, num_microbatches=8), 2)
+    with pytest.raises(UserError, match="num_microbatches"):
+        check_world_size(TrainConfig(model="gpt-tiny", num_microbatches=2), 4)
+    assert check_world_size(TrainConfig(model="gpt-tiny", schedule="gpipe", num_microbatches=2), 4) == 4
+    inter = TrainConfig(model="gpt-tiny", schedule="interleaved", num_stages=6, num_microbatches=8)
+    assert check_world_size(inter, 2) == 6
+    assert check_world_size(inter, 3) == 6
+    with pytest.raises(UserError, match="num_stages.*multiple of the world size \\(4\\)"):
+        check_world_size(inter, 4)
+    odd = TrainConfig(model="gpt-tiny", schedule="interleaved", num_stages=4, num_microbatches=5)
+    with pytest.raises(UserError, match="num_microbatches: interleaved"):
+        check_world_size(odd, 2)
+    with pytest.raises(UserError):
+        check_world_size(cfg, 0)
+
+
+def test_resolve_backend(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_backend(TrainConfig(model="gpt-tiny")) == "gloo"
+    assert resolve_backend(TrainConfig(model="gpt-tiny", backend="gloo")) == "gloo"
+    with pytest.raises(UserError, match="nccl needs CUDA"):
+        resolve_backend(TrainConfig(model="gpt-tiny", backend="nccl"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend(TrainConfig(model="gpt-tiny")) == "nccl"
+    assert resolve_backend(TrainConfig(model="gpt-tiny", backend="gloo")) == "gloo"

@@ -15,6 +15,7 @@ from torch import nn
 
 from mpress.errors import PlanError
 from mpress.runtime.identity import TensorKey
+from mpress.runtime.memory_manager import Category
 from mpress.runtime.swap_engine import SwapHandle
 
 OFFLOADED_STATES = ("exp_avg", "exp_avg_sq")
@@ -78,5 +79,6 @@ class OptimizerOffload:
                 tensor = st.get(state)
                 if tensor is None:
                     continue
-                self.handles[(name, state)] = self.engine.swap_out(self._key(name, state), tensor)
+                self.handles[(name, state)] = self.engine.swap_out(self._key(name, state), tensor,
+                                                                   category=Category.OPTIMIZER)
                 del st[state]

@@ -18,7 +18,12 @@ from mpress.hardware import Hardware
 from mpress.model_config import ModelConfig, load_model_config, model_presets
 from mpress.models import num_parameters
 from mpress.static.evaluate import ScheduleName, setup_pipeline
-from mpress.static.planner import PlannerOptions, PlanResult, minimum_need_bytes, plan_strategy
+from mpress.static.planner import (
+    PlannerOptions,
+    PlanResult,
+    minimum_need_bytes,
+    plan_strategy,
+)
 
 MAX_LAYERS = 4096
 """Depth at which the search stops doubling."""

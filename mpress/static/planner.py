@@ -51,6 +51,7 @@ from mpress.plan import (
 from mpress.static.evaluate import Evaluation, PipelineSetup
 from mpress.static.liveness import layer_live_intervals, stage_times
 from mpress.static.plan_eval import evaluate_plan
+from mpress.units import fmt_bytes
 
 Strategy = Literal["none", "recompute", "host-swap", "d2d", "mpress"]
 STRATEGIES: tuple[str, ...] = ("none", "recompute", "host-swap", "d2d", "mpress")
@@ -520,11 +521,10 @@ class _Planner:
         host = sum(sp.pinned_host_bytes for sp in plan.stages)
         fits, reason = ev.result.fits, ""
         if host > self.hw.host_memory_bytes:
-            fits, reason = False, (f"host memory too small for the host-swap volume: needs {host / 1e9:.1f} GB, "
-                                   f"{self.hw.name} has {self.hw.host_memory_bytes / 1e9:.1f} GB")
+            fits, reason = False, (f"host memory too small for the host-swap volume: needs {fmt_bytes(host)}, "
+                                   f"{self.hw.name} has {fmt_bytes(self.hw.host_memory_bytes)}")
         elif d.unplaced_bytes:
-            fits, reason = False, (f"{d.unplaced_bytes / 1e9:.1f} GB of D2D data find no spare peer memory "
-                                   "over NVLink")
+            fits, reason = False, f"{fmt_bytes(d.unplaced_bytes)} of D2D data find no spare peer memory over NVLink"
         elif not fits:
             reason = self._why_not(ev)
         plan = replace(plan, fits=fits)
@@ -534,8 +534,8 @@ class _Planner:
 
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)
-        return (f"device {worst} peaks at {ev.result.peak_bytes[worst] / 1e9:.1f} GB of "
-                f"{self.hw.device.memory_bytes / 1e9:.1f} GB")
+        return (f"device {worst} peaks at {fmt_bytes(ev.result.peak_bytes[worst])} of "
+                f"{fmt_bytes(self.hw.device.memory_bytes)}")
 
 
 def _better(a: Evaluation, b: Evaluation) -> bool:

@@ -1,0 +1,271 @@
+"""A pinned host buffer allocated once and carved into aligned blocks.
+
+Host swap needs page-locked (pinned) memory so that device<->host copies can run
+asynchronously on a side stream. Pinning is expensive (`cudaHostAlloc` takes a global
+lock and can take milliseconds per call) and pinned memory fragments badly, so the
+runtime pins ONE buffer at start-up, sized from the plan, and hands out blocks of it:
+
+- first fit over a free list kept sorted by offset; a freed block is merged with free
+  neighbours at once, so the free list never holds two adjacent regions;
+- every block starts on a multiple of `alignment_bytes` (a power of two >= 16) counted
+  from an aligned base address, so a block can be viewed as any dtype (element sizes are
+  at most 16 bytes) and DMA engines see aligned addresses;
+- each block carries an explicit state (`BlockState`); freeing twice is an error, not a
+  silent corruption.
+
+All methods are thread safe: the swap-out worker allocates while the swap-in worker
+frees. Units: bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from bisect import bisect_left
+from collections.abc import Sequence
+
+import torch
+
+from mpress.errors import SwapError, UserError
+
+_MIN_ALIGNMENT_BYTES = 16
+"""Largest element size torch has (complex128); smaller alignments break dtype views."""
+
+
+class BlockState(enum.Enum):
+    """Life cycle of a `HostBlock`: allocated once, freed once."""
+
+    ALLOCATED = "allocated"
+    FREED = "freed"
+
+
+class HostBlock:
+    """One aligned region of a `PinnedHostPool`. Made by `allocate`, ended by `free`.
+
+    `size_bytes` is what the block occupies (the request rounded up to the alignment);
+    `nbytes` is what was asked for.
+    """
+
+    __slots__ = ("_pool", "_state", "block_id", "nbytes", "offset_bytes", "owner", "size_bytes")
+
+    def __init__(self, pool: PinnedHostPool, block_id: int, offset_bytes: int,
+                 size_bytes: int, nbytes: int, owner: str) -> None:
+        self._pool = pool
+        self.block_id = block_id
+        self.offset_bytes = offset_bytes
+        self.size_bytes = size_bytes
+        self.nbytes = nbytes
+        self.owner = owner
+        self._state = BlockState.ALLOCATED
+
+    @property
+    def state(self) -> BlockState:
+        return self._state
+
+    @property
+    def pool(self) -> PinnedHostPool:
+        return self._pool
+
+    def view(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A contiguous tensor of `dtype` and `shape` over this block's bytes (no copy).
+
+        The view aliases the pool buffer: it is valid only until the block is freed, and
+        it is pinned exactly when the pool is. Raises SwapError if the block was freed or
+        is too small for `shape`.
+        """
+        shape = tuple(int(d) for d in shape)
+        need_bytes = math.prod(shape) * dtype.itemsize
+        if self._state is not BlockState.ALLOCATED:
+            raise SwapError(f"host block {self.block_id} of {self.owner} used after free")
+        if need_bytes > self.size_bytes:
+            raise SwapError(f"host block of {self.owner} holds {self.size_bytes} bytes, "
+                            f"a {dtype} tensor of shape {list(shape)} needs {need_bytes}")
+        start = self.offset_bytes
+        flat = self._pool.buffer[start:start + need_bytes]  # (need_bytes,) uint8
+        return flat.view(dtype).view(shape)
+
+    def __repr__(self) -> str:
+        return (f"HostBlock(id={self.block_id}, offset={self.offset_bytes}, "
+                f"size={self.size_bytes}, owner={self.owner!r}, state={self._state.value})")
+
+
+class PinnedHostPool:
+    """One host buffer, pinned when CUDA is available, handed out as aligned blocks.
+
+    `capacity_bytes` is rounded up to a multiple of `alignment_bytes`. `pin_memory=None`
+    pins when CUDA is available; True without CUDA is a UserError. Never pins per tensor.
+    """
+
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
+                 alignment_bytes: int = 512) -> None:
+        if capacity_bytes < 0:
+            raise UserError(f"pinned host pool: capacity must be >= 0 bytes, got {capacity_bytes}")
+        if alignment_bytes < _MIN_ALIGNMENT_BYTES or alignment_bytes & (alignment_bytes - 1):
+            raise UserError(f"pinned host pool: alignment must be a power of two >= "
+                            f"{_MIN_ALIGNMENT_BYTES} bytes, got {alignment_bytes}")
+        cuda = torch.cuda.is_available()
+        if pin_memory and not cuda:
+            raise UserError("pinned host pool: pin_memory=True needs CUDA, which is not available")
+        self.pinned = cuda if pin_memory is None else bool(pin_memory)
+        self.alignment_bytes = alignment_bytes
+        self._capacity_bytes = _round_up(capacity_bytes, alignment_bytes)
+        # Over-allocate by one alignment unit so the usable part starts on an aligned
+        # address whatever the allocator returned.
+        self._raw = torch.empty(self._capacity_bytes + alignment_bytes, dtype=torch.uint8,
+                                pin_memory=self.pinned)
+        pad = (-self._raw.data_ptr()) % alignment_bytes
+        self.buffer = self._raw[pad:pad + self._capacity_bytes]
+        """The whole pool as one (capacity_bytes,) uint8 tensor; blocks are slices of it."""
+
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = (
+            [(0, self._capacity_bytes)] if self._capacity_bytes else [])
+        """Free regions (offset, size), sorted by offset, never adjacent to each other."""
+        self._blocks: dict[int, HostBlock] = {}
+        self._next_id = 0
+        self._in_use_bytes = 0
+        self._high_water_bytes = 0
+
+    @classmethod
+    def for_plan(cls, bytes_needed: int, *, num_tensors: int = 0, alignment_bytes: int = 512,
+                 pin_memory: bool | None = None) -> PinnedHostPool:
+        """A pool that holds `num_tensors` tensors totalling `bytes_needed` at once.
+
+        Adds one alignment unit per tensor for rounding; fragmentation is not covered, so
+        plans should pass their peak host residency plus a margin.
+        """
+        capacity = bytes_needed + num_tensors * alignment_bytes
+        return cls(capacity, pin_memory=pin_memory, alignment_bytes=alignment_bytes)
+
+    # ---- counters --------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes occupied by allocated blocks (rounded sizes)."""
+        with self._lock:
+            return self._in_use_bytes
+
+    @property
+    def high_water_bytes(self) -> int:
+        """Largest `in_use_bytes` ever seen."""
+        with self._lock:
+            return self._high_water_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of allocated (not yet freed) blocks."""
+        with self._lock:
+            return len(self._blocks)
+
+    @property
+    def largest_free_bytes(self) -> int:
+        with self._lock:
+            return max((size for _, size in self._free), default=0)
+
+    def free_regions(self) -> list[tuple[int, int]]:
+        """Snapshot of the free list as (offset_bytes, size_bytes), sorted by offset."""
+        with self._lock:
+            return list(self._free)
+
+    def allocated_blocks(self) -> list[HostBlock]:
+        """Snapshot of the allocated blocks, sorted by offset."""
+        with self._lock:
+            return sorted(self._blocks.values(), key=lambda b: b.offset_bytes)
+
+    # ---- allocation ------------------------------------------------------------------
+
+    def allocate(self, nbytes: int, owner: str) -> HostBlock:
+        """First-fit block of at least `nbytes` (zero gets one alignment unit).
+
+        `owner` names the tensor in messages. Raises SwapError when no free region fits.
+        """
+        if nbytes < 0:
+            raise SwapError(f"host block for {owner}: negative size {nbytes}")
+        size = _round_up(max(nbytes, 1), self.alignment_bytes)
+        with self._lock:
+            for i, (offset, free_size) in enumerate(self._free):
+                if free_size >= size:
+                    break
+            else:
+                largest = max((s for _, s in self._free), default=0)
+                raise SwapError(
+                    f"pinned host pool exhausted: {owner} needs {nbytes} bytes, largest free "
+                    f"block {largest}, in use {self._in_use_bytes} of capacity "
+                    f"{self._capacity_bytes}")
+            if free_size == size:
+                del self._free[i]
+            else:
+                self._free[i] = (offset + size, free_size - size)
+            block = HostBlock(self, self._next_id, offset, size, nbytes, owner)
+            self._next_id += 1
+            self._blocks[block.block_id] = block
+            self._in_use_bytes += size
+            self._high_water_bytes = max(self._high_water_bytes, self._in_use_bytes)
+            return block
+
+    def free(self, block: HostBlock) -> None:
+        """Return `block` to the pool, merging it with free neighbours.
+
+        Raises SwapError on a double free or a block of another pool.
+        """
+        if block.pool is not self:
+            raise SwapError(f"host block {block.block_id} of {block.owner} belongs to another pool")
+        with self._lock:
+            if block.state is not BlockState.ALLOCATED or block.block_id not in self._blocks:
+                raise SwapError(f"double free of host block {block.block_id} of {block.owner}")
+            del self._blocks[block.block_id]
+            block._state = BlockState.FREED
+            self._in_use_bytes -= block.size_bytes
+            offset, size = block.offset_bytes, block.size_bytes
+            i = bisect_left(self._free, (offset, 0))
+            # Merge with the following region, then with the preceding one.
+            if i < len(self._free) and self._free[i][0] == offset + size:
+                size += self._free[i][1]
+                del self._free[i]
+            if i > 0 and sum(self._free[i - 1]) == offset:
+                prev_offset, prev_size = self._free[i - 1]
+                self._free[i - 1] = (prev_offset, prev_size + size)
+            else:
+                self._free.insert(i, (offset, size))
+
+    def validate(self) -> None:
+        """Check the pool's invariants; raise SwapError naming the first one broken.
+
+        Free regions sorted, aligned, non-empty, non-adjacent; no overlap between any two
+        regions or blocks; free + allocated = capacity. Reads only; for tests and debugging.
+        """
+        with self._lock:
+            regions = [(o, s, "free") for o, s in self._free]
+            regions += [(b.offset_bytes, b.size_bytes, f"block {b.block_id}")
+                        for b in self._blocks.values()]
+            regions.sort()
+            end = 0
+            for offset, size, what in regions:
+                if size <= 0 or offset % self.alignment_bytes or size % self.alignment_bytes:
+                    raise SwapError(f"host pool: {what} at {offset} size {size} is not aligned")
+                if offset < end:
+                    raise SwapError(f"host pool: {what} at {offset} overlaps the region before")
+                end = offset + size
+            if end > self._capacity_bytes:
+                raise SwapError(f"host pool: regions end at {end} past capacity {self._capacity_bytes}")
+            covered = sum(s for _, s, _ in regions)
+            if covered != self._capacity_bytes:
+                raise SwapError(f"host pool: regions cover {covered} of {self._capacity_bytes} bytes")
+            for (o1, s1), (o2, _) in zip(self._free, self._free[1:]):
+                if o1 + s1 >= o2:
+                    raise SwapError(f"host pool: free regions at {o1} and {o2} not coalesced")
+            if self._in_use_bytes != sum(b.size_bytes for b in self._blocks.values()):
+                raise SwapError("host pool: in-use counter disagrees with the allocated blocks")
+
+    def __repr__(self) -> str:
+        return (f"PinnedHostPool(capacity={self._capacity_bytes}, in_use={self._in_use_bytes}, "
+                f"blocks={len(self._blocks)}, pinned={self.pinned})")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

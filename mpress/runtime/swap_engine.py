@@ -1,0 +1,544 @@
+"""Host swap: copy tensors into the pinned pool on a side stream and back before use.
+
+One swap-out worker thread and one swap-in worker thread, each with its own CUDA stream,
+take work from FIFO queues filled by the training thread:
+
+    training thread          out-worker (out stream)              in-worker (in stream)
+    swap_out(key, t) ──────► wait ready event (compute stream)
+      record ready event      copy t -> pool block (non_blocking)
+      return handle           wait copy, drop t, manager -> HOST ─► (out done)
+    prefetch(handle) ──────────────────────────────────────────► allocate, copy block -> device
+                                                                  manager -> DEVICE, signal
+    fetch(handle) ◄── current stream waits on the copy's event ─── wait copy, free block
+
+Ordering is by CUDA events, never by a host-wide synchronisation: the out copy waits on an
+event recorded on the compute stream when `swap_out` was called; the consumer's stream
+waits on the in copy's event. Only the worker threads block on the host (on their own
+copy's event), which is what lets a device tensor's storage go back to the caching
+allocator exactly when its copy completed and a pool block be reused only after the copy
+that read it finished. `record_stream` tells the allocator about the cross-stream uses.
+On CPU there are no streams or events: the same code runs with synchronous copies and the
+consumer waits on a `threading.Event`.
+
+Errors: an exception in a worker is stored with the tensor's key and raised on the
+training thread as `SwapError("swap-out failed: rank R stage S microbatch M tensor T:
+<cause>")` by the next `fetch`, `swap_out`, `prefetch`, `check` or `wait_idle`; the first
+error is sticky (the step is broken). `fetch` waits at most `timeout_s`.
+
+Residency: the engine reports every completed copy to the `MemoryManager`. A key the
+caller did not track is tracked by `swap_out` and forgotten again by the engine when its
+handle is dropped (the saved tensor died), discarded, or cancelled by `close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import queue
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from mpress.errors import SwapError
+from mpress.runtime.host_pool import HostBlock, PinnedHostPool
+from mpress.runtime.identity import TensorKey
+from mpress.runtime.memory_manager import Category, MemoryManager, Residency
+
+FaultHook = Callable[[TensorKey, str], None]
+"""Test hook called in a worker before each copy with the key and "out" or "in"."""
+
+_POLL_S = 0.05
+"""Slice of a host wait, so waits notice errors and closing without waiting them out."""
+
+
+class SwapState(enum.Enum):
+    """Where a swapped tensor's data is."""
+
+    OUT_QUEUED = "out-queued"
+    OUT_COPYING = "out-copying"
+    ON_HOST = "on-host"
+    IN_COPYING = "in-copying"
+    ON_DEVICE = "on-device"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_TERMINAL = (SwapState.FAILED, SwapState.CANCELLED)
+
+
+@dataclass
+class SwapStats:
+    """Counters of one engine. Times in seconds, sizes in bytes."""
+
+    bytes_out: int = 0
+    bytes_in: int = 0
+    num_out: int = 0
+    num_in: int = 0
+    wait_s: float = 0.0
+    """Host time `fetch` spent blocked waiting for a swap-in to be enqueued (CPU: done)."""
+    copy_s: float = 0.0
+    """Copy time: CUDA event time on the side streams; wall time of the copy on CPU."""
+
+
+class _Record:
+    """Engine-internal state of one swap; guarded by the engine's lock."""
+
+    def __init__(self, key: TensorKey, src: torch.Tensor, block: HostBlock, owned: bool) -> None:
+        self.key = key
+        self.dtype = src.dtype
+        self.shape = tuple(src.shape)
+        self.nbytes = src.numel() * src.element_size()
+        self.owned = owned                   # the engine tracked the key, so it forgets it
+        self.state = SwapState.OUT_QUEUED
+        self.src: torch.Tensor | None = src  # dropped once the out copy completed
+        self.block: HostBlock | None = block
+        self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
+        self.in_event: torch.cuda.Event | None = None     # in stream, after the in copy
+        self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
+        self.in_ready = threading.Event()    # in copy enqueued (or failed/cancelled)
+        self.in_requested = False
+        self.busy = False                    # a worker is using the block right now
+        self.discard_requested = False
+        self.result: torch.Tensor | None = None
+        self.error: SwapError | None = None
+
+
+class SwapHandle:
+    """Ticket for one swapped-out tensor: pass it to `prefetch`, `fetch` or `discard`.
+
+    Dropping the last reference to a handle releases its host block (the tensor died).
+    """
+
+    __slots__ = ("__weakref__", "_record")
+
+    def __init__(self, record: _Record) -> None:
+        self._record = record
+
+    @property
+    def key(self) -> TensorKey:
+        return self._record.key
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._record.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._record.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self._record.nbytes
+
+    @property
+    def state(self) -> SwapState:
+        return self._record.state
+
+    def __repr__(self) -> str:
+        return f"SwapHandle({self.key}, {self.state.value})"
+
+
+class SwapEngine:
+    """Asynchronous device<->host swaps of one stage's tensors through a pinned pool.
+
+    Use as a context manager or call `close()`; the worker threads hold the engine alive.
+    `fault` is a test hook (see `FaultHook`); it may raise or sleep.
+    """
+
+    def __init__(self, pool: PinnedHostPool, manager: MemoryManager, device: torch.device, *,
+                 rank: int, stage: int, timeout_s: float = 60.0,
+                 fault: FaultHook | None = None) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.rank = rank
+        self.stage = stage
+        self.timeout_s = timeout_s
+        self._pool = pool
+        self._manager = manager
+        self._fault = fault
+        self._cuda = device.type == "cuda"
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._num_pending = 0                # queued or running work items
+        self._stats = SwapStats()
+        self._error: SwapError | None = None
+        self._closing = False
+        self._owned: dict[TensorKey, _Record] = {}
+        self._with_block: set[_Record] = set()  # records holding a pool block, for close()
+        self._out_queue: queue.SimpleQueue[_Record | None] = queue.SimpleQueue()
+        self._in_queue: queue.SimpleQueue[_Record | None] = queue.SimpleQueue()
+        self._dropped: queue.SimpleQueue[_Record] = queue.SimpleQueue()
+        """Records whose handle died; a finalizer may run on any thread at any allocation,
+        so it only enqueues here (reentrant-safe) and the engine releases them later."""
+        self._out_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._in_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._out_thread = threading.Thread(target=self._worker, args=(self._out_queue, self._run_out),
+                                            name=f"mpress-swap-out-r{rank}s{stage}", daemon=True)
+        self._in_thread = threading.Thread(target=self._worker, args=(self._in_queue, self._run_in),
+                                           name=f"mpress-swap-in-r{rank}s{stage}", daemon=True)
+        self._out_thread.start()
+        self._in_thread.start()
+
+    # ---- training-thread API ---------------------------------------------------------
+
+    def swap_out(self, key: TensorKey, tensor: torch.Tensor, *,
+                 category: Category = Category.ACTIVATION) -> SwapHandle:
+        """Start copying `tensor` to host; returns at once (see module docstring).
+
+        The engine keeps `tensor` alive until the copy completed. Pool exhaustion, a
+        tensor on another device or a non-strided tensor raise SwapError here.
+        """
+        self.check()
+        self._reap_dropped()  # frees their blocks and keys before this one needs them
+        if tensor.layout is not torch.strided:
+            raise SwapError(f"cannot swap out {key}: {tensor.layout} tensors are not supported")
+        if tensor.device != self.device:
+            raise SwapError(f"cannot swap out {key}: it is on {tensor.device}, the engine "
+                            f"serves {self.device}")
+        nbytes = tensor.numel() * tensor.element_size()
+        with torch.profiler.record_function("mpress:swap_out"), self._lock:
+            owned = self._claim_key(key, nbytes, category)
+            try:
+                block = self._pool.allocate(nbytes, owner=str(key))
+            except SwapError as exc:
+                if owned:
+                    self._owned.pop(key, None)
+                    self._manager.forget(key)
+                raise SwapError(f"swap-out failed: {key}: {exc}") from exc
+            record = _Record(key, tensor.detach(), block, owned)
+            if owned:
+                self._owned[key] = record
+            self._with_block.add(record)
+            if self._cuda:
+                record.ready_event = torch.cuda.Event()
+                record.ready_event.record(torch.cuda.current_stream(self.device))
+            self._num_pending += 1
+        handle = SwapHandle(record)
+        weakref.finalize(handle, self._handle_dropped, record).atexit = False
+        self._out_queue.put(record)
+        return handle
+
+    def prefetch(self, handle: SwapHandle) -> None:
+        """Enqueue the swap-in of `handle` (idempotent); returns at once."""
+        self.check()
+        self._reap_dropped()
+        record = handle._record
+        with self._lock:
+            self._raise_for(record)
+            if record.in_requested:
+                return
+            record.in_requested = True
+            self._num_pending += 1
+        self._in_queue.put(record)
+
+    def fetch(self, handle: SwapHandle) -> torch.Tensor:
+        """The swapped tensor back on the device, usable on the current stream.
+
+        Prefetches if needed. Blocks the host only until the copy is enqueued (CUDA) or
+        done (CPU), at most `timeout_s`; on CUDA the current stream then waits on the
+        copy's event. May be called again; returns the same tensor.
+        """
+        self.prefetch(handle)
+        record = handle._record
+        start = time.perf_counter()
+        deadline = start + self.timeout_s
+        with torch.profiler.record_function("mpress:swap_in_wait"):
+            while not record.in_ready.wait(_POLL_S):
+                self.check()
+                if time.perf_counter() >= deadline:
+                    raise SwapError(
+                        f"timed out after {self.timeout_s:g} s waiting for swap-in of "
+                        f"{record.key} (state {record.state.value})")
+        with self._lock:
+            self._stats.wait_s += time.perf_counter() - start
+            self._raise_for(record)
+            tensor = record.result
+            if tensor is None:
+                raise SwapError(f"swap-in of {record.key} produced no tensor "
+                                f"(state {record.state.value})")
+            if self._cuda:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(record.in_event)
+                # Allocated on the in stream, used on this one: the allocator must not
+                # hand the memory back to the in stream before this stream is done.
+                tensor.record_stream(stream)
+        return tensor
+
+    def discard(self, handle: SwapHandle) -> None:
+        """The tensor is no longer needed: release its host block and device copy.
+
+        Safe at any state; a copy in progress finishes first. Forgets the key in the
+        manager if the engine tracked it. A later `fetch` raises SwapError.
+        """
+        self._discard(handle._record, "it was discarded")
+
+    def check(self) -> None:
+        """Raise the first worker error (sticky), or SwapError if the engine is closed."""
+        with self._lock:
+            if self._error is not None:
+                raise SwapError(str(self._error)) from self._error.__cause__
+            if self._closing:
+                raise SwapError(f"swap engine of rank {self.rank} stage {self.stage} is closed")
+
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Block until every queued swap finished (tests, end of iteration); then `check`."""
+        self._reap_dropped()
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._num_pending == 0, timeout=limit):
+                raise SwapError(f"timed out after {limit:g} s waiting for {self._num_pending} "
+                                f"swaps of rank {self.rank} stage {self.stage}")
+        self.check()
+
+    @property
+    def stats(self) -> SwapStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return replace(self._stats)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the workers; idempotent.
+
+        Copies already running finish; queued work is dropped (its handles raise
+        SwapError on fetch); every host block still held is returned to the pool and keys
+        the engine tracked are forgotten. Joins each thread for at most `timeout_s`
+        (default: the engine's), warning instead of hanging if one is stuck.
+        """
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._out_queue.put(None)
+        self._in_queue.put(None)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        for thread in (self._out_thread, self._in_thread):
+            thread.join(limit)
+            if thread.is_alive():
+                warnings.warn(f"{thread.name} did not stop within {limit:g} s", RuntimeWarning,
+                              stacklevel=2)
+        self._reap_dropped()
+        with self._lock:
+            for record in list(self._with_block):
+                if not record.busy:
+                    self._cancel(record, "the swap engine was closed")
+
+    def __enter__(self) -> SwapEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- workers ---------------------------------------------------------------------
+
+    def _worker(self, work: queue.SimpleQueue, run: Callable[[_Record], None]) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+        with torch.no_grad():
+            while (record := work.get()) is not None:
+                try:
+                    run(record)
+                except BaseException as exc:  # noqa: BLE001 - a bug here must not kill the worker silently
+                    self._fail(record, "swap", exc)
+                finally:
+                    del record  # so a dropped handle's record is not kept by this frame
+                    with self._idle:
+                        self._num_pending -= 1
+                        self._idle.notify_all()
+                self._reap_dropped()
+
+    def _run_out(self, record: _Record) -> None:
+        with self._lock:
+            if record.state in _TERMINAL:
+                return
+            if self._closing:
+                self._cancel(record, "the swap engine was closed")
+                return
+            record.state, record.busy = SwapState.OUT_COPYING, True
+        try:
+            if self._fault is not None:
+                self._fault(record.key, "out")
+            with torch.profiler.record_function("mpress:swap_out_copy"), self._on(self._out_stream):
+                if self._out_stream is not None:
+                    self._out_stream.wait_event(record.ready_event)
+                    # Made on the compute stream, read on this one: the allocator must
+                    # not reuse the storage before this stream's work is done.
+                    record.src.record_stream(self._out_stream)
+                host = record.block.view(record.dtype, record.shape)
+                copy_s = _issue_copy(host, record.src, self._out_stream).wait_s()
+            with self._lock:
+                if not record.discard_requested:  # else the key may belong to a newer tensor
+                    self._manager.move(record.key, Residency.HOST)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
+            self._fail(record, "swap-out", exc)
+            return
+        with self._lock:
+            record.src = None  # the copy completed: the storage may go back to the allocator
+            record.busy = False
+            record.state = SwapState.ON_HOST
+            self._stats.bytes_out += record.nbytes
+            self._stats.num_out += 1
+            self._stats.copy_s += copy_s
+            if record.discard_requested:
+                self._cancel(record, "it was discarded")
+            record.out_done.set()
+
+    def _run_in(self, record: _Record) -> None:
+        # FIFO: a prefetch waits for its own swap-out, even if later ones are ready.
+        while not record.out_done.wait(_POLL_S):
+            if self._closing and not self._out_thread.is_alive():
+                break
+        with self._lock:
+            if record.state in _TERMINAL:
+                return
+            if self._closing or not record.out_done.is_set():
+                self._cancel(record, "the swap engine was closed")
+                return
+            record.state, record.busy = SwapState.IN_COPYING, True
+        try:
+            if self._fault is not None:
+                self._fault(record.key, "in")
+            with torch.profiler.record_function("mpress:swap_in_copy"), self._on(self._in_stream):
+                # Allocated on the in stream; `fetch` records the consumer's stream.
+                tensor = torch.empty(record.shape, dtype=record.dtype, device=self.device)
+                host = record.block.view(record.dtype, record.shape)
+                copy = _issue_copy(tensor, host, self._in_stream)
+            with self._lock:
+                if not record.discard_requested:
+                    self._manager.move(record.key, Residency.DEVICE)
+                record.result, record.in_event = tensor, copy.done
+                record.state = SwapState.ON_DEVICE
+                record.in_ready.set()  # consumers may go on; their stream waits on the event
+            copy_s = copy.wait_s()  # the block may be reused only after the copy read it
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
+            self._fail(record, "swap-in", exc)
+            return
+        with self._lock:
+            record.busy = False
+            self._release_block(record)
+            self._stats.bytes_in += record.nbytes
+            self._stats.num_in += 1
+            self._stats.copy_s += copy_s
+            if record.discard_requested:
+                self._cancel(record, "it was discarded")
+
+    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    # ---- bookkeeping (callers hold self._lock unless noted) ---------------------------
+
+    def _claim_key(self, key: TensorKey, nbytes: int, category: Category) -> bool:
+        """Track `key` as on-device if the caller did not; True if the engine did."""
+        if not self._manager.is_tracked(key):
+            self._manager.track(key, nbytes, category, Residency.DEVICE)
+            return True
+        if key in self._owned:
+            raise SwapError(f"cannot swap out {key}: a swap of the same tensor is still live "
+                            f"({self._owned[key].state.value})")
+        where = self._manager.residency(key)
+        if where is not Residency.DEVICE:
+            raise SwapError(f"cannot swap out {key}: the memory manager has it on {where.value}")
+        return False
+
+    def _raise_for(self, record: _Record) -> None:
+        if record.error is not None:
+            raise SwapError(str(record.error)) from record.error.__cause__
+
+    def _fail(self, record: _Record, direction: str, exc: BaseException) -> None:
+        """Called by a worker without the lock."""
+        error = SwapError(f"{direction} failed: {record.key}: {exc}")
+        error.__cause__ = exc
+        with self._lock:
+            record.busy = False
+            record.error = error
+            record.state = SwapState.FAILED
+            record.src = record.result = None
+            self._release_block(record)
+            if self._error is None:
+                self._error = error
+            record.out_done.set()
+            record.in_ready.set()
+
+    def _cancel(self, record: _Record, reason: str) -> None:
+        record.state = SwapState.CANCELLED
+        if record.error is None:
+            record.error = SwapError(f"swap of {record.key} was cancelled: {reason}")
+        record.src = record.result = None
+        self._release_block(record)
+        self._forget_owned(record)
+        record.out_done.set()
+        record.in_ready.set()
+
+    def _release_block(self, record: _Record) -> None:
+        if record.block is not None:
+            self._pool.free(record.block)
+            record.block = None
+            self._with_block.discard(record)
+
+    def _forget_owned(self, record: _Record) -> None:
+        if record.owned and self._owned.get(record.key) is record:
+            del self._owned[record.key]
+            if self._manager.is_tracked(record.key):
+                self._manager.forget(record.key)
+
+    def _discard(self, record: _Record, reason: str) -> None:
+        with self._lock:
+            if record.busy:
+                # The worker finishes the copy, then cancels; the key is free at once.
+                record.discard_requested = True
+                self._forget_owned(record)
+            elif record.state is SwapState.FAILED:
+                self._forget_owned(record)
+            elif record.state is not SwapState.CANCELLED:
+                self._cancel(record, reason)
+
+    def _handle_dropped(self, record: _Record) -> None:
+        """weakref.finalize callback: nobody can fetch this tensor any more."""
+        self._dropped.put(record)
+
+    def _reap_dropped(self) -> None:
+        """Discard the records of dropped handles (call without holding the lock)."""
+        while True:
+            try:
+                record = self._dropped.get_nowait()
+            except queue.Empty:
+                return
+            self._discard(record, "its handle was dropped")
+
+
+@dataclass
+class _Copy:
+    """A copy issued by `_issue_copy`."""
+
+    done: torch.cuda.Event | None
+    """CUDA: recorded on the copy's stream right after it; None on CPU (copy finished)."""
+    start: torch.cuda.Event | None
+    wall_s: float
+
+    def wait_s(self) -> float:
+        """Block the calling (worker) thread until the copy completed; its duration in s."""
+        if self.done is None:
+            return self.wall_s
+        self.done.synchronize()
+        return self.start.elapsed_time(self.done) / 1e3
+
+
+def _issue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> _Copy:
+    """Copy `src` into `dst`: on CPU at once, on CUDA enqueued on `stream` (non_blocking;
+    a non-contiguous source is gathered on that stream first, so only its elements move)."""
+    if stream is None:
+        start_s = time.perf_counter()
+        dst.copy_(src)
+        return _Copy(done=None, start=None, wall_s=time.perf_counter() - start_s)
+    start = torch.cuda.Event(enable_timing=True)
+    done = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    dst.copy_(src, non_blocking=True)
+    done.record(stream)
+    return _Copy(done=done, start=start, wall_s=0.0)

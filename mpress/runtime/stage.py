@@ -38,6 +38,10 @@ from mpress.runtime.swap_engine import SwapEngine
 
 MIN_POOL_BYTES = 1 << 20
 """Smallest pinned pool a stage that host-swaps allocates (the plan may say less)."""
+POOL_SLACK = 1.25
+"""Pool size over the plan's pinned-host bytes: block alignment, fragmentation, and
+tensors autograd saves twice (the plan counts a storage once, the router swaps each
+saved tensor)."""
 
 
 @dataclass
@@ -66,7 +70,8 @@ class StageRuntime:
         self.pool: PinnedHostPool | None = None
         self.engine: SwapEngine | None = None
         if host_rules:
-            size = host_pool_bytes if host_pool_bytes is not None else self.stage_plan.pinned_host_bytes
+            size = host_pool_bytes if host_pool_bytes is not None else int(
+                self.stage_plan.pinned_host_bytes * POOL_SLACK)
             self.pool = PinnedHostPool(max(size, MIN_POOL_BYTES))
             self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index)
         self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank)

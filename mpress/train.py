@@ -1,0 +1,249 @@
+"""The torchrun entry: train a reference model with pipeline parallelism under a plan.
+
+    python3 -m torch.distributed.run --nproc-per-node 4 -m mpress.train \\
+        --config configs/train/gpt-tiny-mixed.yaml
+
+One stage per rank (GPipe or 1F1B from torch.distributed.pipelining). The config names
+the plan: a file from `mpress plan`, `auto` (rank 0 plans at start-up for the config's
+hardware and broadcasts the plan) or `none` (plain pipelining, the baseline). Rank 0
+shows a progress bar (step, loss, samples/s, per-rank peak) and a report per rank at the
+end. Without torchrun it runs as a single process (one stage). Bad input: one line,
+exit status 2; a failure on any rank: one line naming the rank, exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mpress.errors import UserError
+from mpress.hardware import load_hardware
+from mpress.model_config import ModelConfig
+from mpress.plan import Plan
+from mpress.runtime.data import batches, build_dataset
+from mpress.runtime.stage import MpressStage
+from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
+from mpress.runtime.trainer import JobSpec, PipelineJob, share_loss
+from mpress.ui import make_console
+from mpress.units import fmt_bytes, fmt_seconds
+
+
+def _single_process_env() -> None:
+    """Let `python -m mpress.train` run without torchrun as a world of one."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def plan_for(cfg: TrainConfig, model: ModelConfig, world: int) -> tuple[Plan | None, list[tuple[int, int]]]:
+    """The plan (None for `plan: none`) and the stage layer ranges; rank 0 only."""
+    from mpress.static.evaluate import setup_pipeline
+    from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
+
+    if cfg.plan not in ("auto", "none"):
+        plan = Plan.load(cfg.plan)
+        return plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages]
+    hardware = load_hardware(cfg.hardware, num_devices=world, memory_bytes=cfg.device_memory_bytes)
+    setup = setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=world,  # type: ignore[arg-type]
+                           microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches)
+    if cfg.plan == "none":
+        return None, setup.ranges
+    check_fits_at_all(setup)
+    # this runtime has no D2D yet: plan without D2D rounds
+    result = plan_strategy(setup, "mpress", PlannerOptions(max_d2d_rounds=0))
+    if not result.fits:
+        raise UserError(f"plan: auto: {model.name} does not fit {hardware.name}: {result.reason}")
+    return result.plan, setup.ranges
+
+
+def _broadcast(obj: object, device: torch.device) -> object:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]
+
+
+def _checkpoint_dir(cfg: TrainConfig) -> Path | None:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+
+
+def save_checkpoint(cfg: TrainConfig, job: PipelineJob, step: int) -> None:
+    """Stage state, optimizer state (offloaded states brought home) and RNG per rank."""
+    root = _checkpoint_dir(cfg)
+    if root is None:
+        return
+    folder = root / f"step{step:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, **job.state(), "rng": torch.get_rng_state()}
+    tmp = folder / f".rank{job.rank}.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(folder / f"rank{job.rank}.pt")
+
+
+def resume(cfg: TrainConfig, job: PipelineJob) -> int:
+    """Load the newest complete checkpoint; returns the next step (0 if none)."""
+    root = _checkpoint_dir(cfg)
+    if root is None or not cfg.checkpoint.resume or not root.is_dir():
+        return 0
+    for folder in sorted(root.glob("step*"), reverse=True):
+        if all((folder / f"rank{r}.pt").is_file() for r in range(job.world)):
+            state = torch.load(folder / f"rank{job.rank}.pt", weights_only=False)
+            job.load_state(state)
+            torch.set_rng_state(state["rng"])
+            return int(state["step"]) + 1
+    return 0
+
+
+def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
+    """This rank's figures for the final table."""
+    out: dict[str, object] = {"rank": job.rank, "stage": job.stage_index,
+                              "cuda_peak": torch.cuda.max_memory_allocated(job.device)
+                              if job.device.type == "cuda" else None}
+    if plan is not None:
+        sp = plan.stage(job.stage_index)
+        out.update(need=sp.need_bytes, planned=sp.predicted_peak_bytes,
+                   rules=", ".join(sorted({r.technique for r in sp.rules})) or "keep")
+    if isinstance(job.stage, MpressStage):
+        rt = job.stage.runtime
+        stats = rt.engine.stats if rt.engine is not None else None
+        out.update(tracked_peak=rt.manager.peak_device_bytes(), swapped=rt.stats.tensors_swapped,
+                   recomputed=rt.stats.microbatches_recomputed,
+                   bytes_out=stats.bytes_out if stats else 0, wait_s=stats.wait_s if stats else 0.0)
+    return out
+
+
+def report_table(rows: list[dict[str, object]]) -> Table:
+    t = Table(title="per rank")
+    cols = ["rank", "stage", "plan", "need w/o mpress (planned)", "peak with mpress (planned)",
+            "tracked device peak", "CUDA peak", "tensors swapped", "bytes to host", "microbatches recomputed",
+            "swap wait"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in rows:
+        def b(key: str) -> str:
+            v = r.get(key)
+            return fmt_bytes(v) if isinstance(v, int) and v else "-"
+        t.add_row(str(r["rank"]), str(r["stage"]), str(r.get("rules", "none")), b("need"), b("planned"),
+                  b("tracked_peak"), b("cuda_peak"), str(r.get("swapped", "-")), b("bytes_out"),
+                  str(r.get("recomputed", "-")), fmt_seconds(float(r.get("wait_s", 0.0))))  # type: ignore[arg-type]
+    return t
+
+
+def train(cfg: TrainConfig) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_stages = check_world_size(cfg, world)
+    if cfg.schedule not in ("gpipe", "1f1b"):
+        raise UserError(f"schedule: the launcher runs gpipe and 1f1b (one stage per rank), not {cfg.schedule}")
+    model = model_config(cfg)
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    payload: object = None
+    if rank == 0:
+        try:
+            payload = plan_for(cfg, model, world)
+        except UserError as exc:
+            payload = exc
+    payload = _broadcast(payload, device)
+    if isinstance(payload, UserError):
+        raise payload
+    plan, ranges = payload  # type: ignore[misc]
+    spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
+                   num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
+                   betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,  # type: ignore[arg-type]
+                   weight_decay=cfg.optimizer.weight_decay)
+    torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
+    dataset = build_dataset(cfg.data, model, seed=cfg.seed)
+    job = PipelineJob(spec, plan, device)
+    first = resume(cfg, job)
+    console = make_console()
+    if rank == 0:
+        what = "no plan (plain pipelining)" if plan is None else f"plan {plan.strategy} ({cfg.plan})"
+        console.print(f"mpress.train: {model.name}, {cfg.schedule}, {num_stages} stages x {cfg.num_microbatches} "
+                      f"microbatches of {cfg.microbatch_size}, {what}, backend {dist.get_backend()}"
+                      + (f", resuming at step {first}" if first else ""))
+    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                        disable=rank != 0)
+    with progress:
+        task = progress.add_task("train", total=cfg.steps, completed=first, info="")
+        for step in range(first, cfg.steps):
+            x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
+                           step=step)
+            t0 = time.perf_counter()
+            result = job.step(x, y)
+            loss = share_loss(result.loss, job)
+            elapsed = time.perf_counter() - t0
+            peaks = [0] * world
+            dist.all_gather_object(peaks, result.peak_bytes or _tracked_peak(job))
+            info = (f"loss {loss:.4f}  {cfg.global_batch_size / elapsed:.1f} samples/s  peak/rank "
+                    + " ".join(fmt_bytes(p) for p in peaks))
+            progress.update(task, advance=1, info=info)
+            if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+                progress.console.print(f"step {step}: loss {loss:.4f}")
+            every = cfg.checkpoint.every_steps
+            if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
+                save_checkpoint(cfg, job, step)
+    rows: list[dict[str, object]] = [{} for _ in range(world)]
+    dist.all_gather_object(rows, rank_report(job, plan))
+    if rank == 0:
+        console.print(report_table(rows))
+    job.close()
+    return 0
+
+
+def _tracked_peak(job: PipelineJob) -> int:
+    return job.stage.runtime.manager.peak_device_bytes() if isinstance(job.stage, MpressStage) else 0
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line: the innermost cause (torch wraps stage failures in generic errors)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="training config: configs/train/<name>.yaml or a name")
+    args = parser.parse_args(argv)
+    _single_process_env()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = load_train_config(args.config)
+        dist.init_process_group(resolve_backend(cfg))
+    except UserError as exc:
+        if rank == 0:
+            print(f"mpress.train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return train(cfg)
+    except UserError as exc:
+        if rank == 0:
+            print(f"mpress.train: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a failure on any rank: one line naming the rank, never a hang
+        if os.environ.get("MPRESS_DEBUG"):
+            raise
+        print(f"mpress.train: rank {rank}: {root_cause(exc)}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

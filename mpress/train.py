@@ -68,6 +68,18 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, world: int) -> tuple[Plan | N
     return result.plan, setup.ranges
 
 
+def _pool_override() -> int | None:
+    """$MPRESS_HOST_POOL_BYTES: pinned pool per stage instead of the plan's (for sizing
+    experiments and fault tests); unset = the plan's."""
+    value = os.environ.get("MPRESS_HOST_POOL_BYTES")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"MPRESS_HOST_POOL_BYTES: expected a whole number of bytes, got {value!r}") from None
+
+
 def _broadcast(obj: object, device: torch.device) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
@@ -163,7 +175,7 @@ def train(cfg: TrainConfig) -> int:
     spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
                    num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
                    betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,  # type: ignore[arg-type]
-                   weight_decay=cfg.optimizer.weight_decay)
+                   weight_decay=cfg.optimizer.weight_decay, host_pool_bytes=_pool_override())
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     dataset = build_dataset(cfg.data, model, seed=cfg.seed)
     job = PipelineJob(spec, plan, device)

@@ -70,9 +70,9 @@ class StageRuntime:
         self.pool: PinnedHostPool | None = None
         self.engine: SwapEngine | None = None
         if host_rules:
-            size = host_pool_bytes if host_pool_bytes is not None else int(
-                self.stage_plan.pinned_host_bytes * POOL_SLACK)
-            self.pool = PinnedHostPool(max(size, MIN_POOL_BYTES))
+            size = (host_pool_bytes if host_pool_bytes is not None
+                    else max(int(self.stage_plan.pinned_host_bytes * POOL_SLACK), MIN_POOL_BYTES))
+            self.pool = PinnedHostPool(size)
             self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index)
         self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank)
         self.order = stage_order(plan, stage_index)

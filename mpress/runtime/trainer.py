@@ -43,6 +43,8 @@ class JobSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    host_pool_bytes: int | None = None
+    """Pinned pool per stage; None = the plan's pinned-host bytes (with slack)."""
 
 
 @dataclass
@@ -84,7 +86,8 @@ class PipelineJob:
         if plan is not None:
             self.stage: PipelineStage = wrap_stage(self.module, plan, self.stage_index, device=device,
                                                    input_args=x, output_args=y, group=group,
-                                                   model_fingerprint=cfg.fingerprint())
+                                                   model_fingerprint=cfg.fingerprint(),
+                                                   host_pool_bytes=spec.host_pool_bytes)
         else:
             self.stage = PipelineStage(self.module, self.stage_index, self.num_stages, device,
                                        input_args=x, output_args=y, group=group)

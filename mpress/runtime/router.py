@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from mpress.errors import PlanError
 from mpress.plan import StagePlan
 from mpress.runtime.identity import TensorKey
+from mpress.runtime.memory_manager import Category, MemoryManager
 from mpress.runtime.swap_engine import SwapEngine, SwapHandle
 
 
@@ -61,10 +62,15 @@ class SavedTensorRouter:
     engine: the swap engine (needed when the plan host-swaps anything).
     """
 
-    def __init__(self, module: nn.Module, plan: StagePlan, engine: SwapEngine | None, *, rank: int) -> None:
+    def __init__(self, module: nn.Module, plan: StagePlan, engine: SwapEngine | None, *, rank: int,
+                 manager: MemoryManager | None = None) -> None:
         self.module = module
         self.plan = plan
         self.engine = engine
+        self.manager = manager
+        """When given, every kept saved tensor is accounted there (swapped ones by the engine)."""
+        self._kept: dict[int, list[TensorKey]] = {}
+        self._kept_storages: dict[int, set[int]] = {}
         self.rank = rank
         self.stage = plan.stage
         self._active = False
@@ -131,12 +137,25 @@ class SavedTensorRouter:
         index = self._counts.get(module, 0)
         self._counts[module] = index + 1
         tensor_id = f"{module}#{index}"
-        if self.technique(tensor_id, self._microbatch) != "host" or self.engine is None:
-            return tensor
         key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=tensor_id)
+        if self.technique(tensor_id, self._microbatch) != "host" or self.engine is None:
+            self._account_kept(key, tensor)
+            return tensor
         handle = self.engine.swap_out(key, tensor)
         self._handles.setdefault(self._microbatch, []).append(handle)
         return _Swapped(handle)
+
+    def _account_kept(self, key: TensorKey, tensor: torch.Tensor) -> None:
+        """Track a kept tensor once per storage (autograd may save one storage twice)."""
+        if self.manager is None:
+            return
+        storages = self._kept_storages.setdefault(self._microbatch, set())
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in storages:
+            return
+        storages.add(ptr)
+        self.manager.track(key, tensor.untyped_storage().nbytes(), Category.ACTIVATION)
+        self._kept.setdefault(self._microbatch, []).append(key)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Swapped):
@@ -168,8 +187,12 @@ class SavedTensorRouter:
         return len(self._handles.get(microbatch, ()))
 
     def finish(self, microbatch: int) -> None:
-        """Forget `microbatch`'s handles after its backward."""
+        """After `microbatch`'s backward: forget its handles and kept tensors."""
         self._handles.pop(microbatch, None)
+        for key in self._kept.pop(microbatch, ()):
+            if self.manager is not None:
+                self.manager.forget(key)
+        self._kept_storages.pop(microbatch, None)
 
     def close(self) -> None:
         """Remove the hooks and restore the layers' forwards."""

@@ -74,7 +74,7 @@ class StageRuntime:
                     else max(int(self.stage_plan.pinned_host_bytes * POOL_SLACK), MIN_POOL_BYTES))
             self.pool = PinnedHostPool(size)
             self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index)
-        self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank)
+        self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank, manager=self.manager)
         self.order = stage_order(plan, stage_index)
         self.position = 0  # compute actions done in this step
         self.stats = StageStats()

@@ -138,7 +138,7 @@ def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
 def report_table(rows: list[dict[str, object]]) -> Table:
     t = Table(title="per rank")
     cols = ["rank", "stage", "plan", "need w/o mpress (planned)", "peak with mpress (planned)",
-            "tracked device peak", "CUDA peak", "tensors swapped", "bytes to host", "microbatches recomputed",
+            "tracked peak (saved + optimizer)", "CUDA peak", "tensors swapped", "bytes to host", "microbatches recomputed",
             "swap wait"]
     for c in cols:
         t.add_column(c, justify="right")

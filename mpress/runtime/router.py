@@ -68,26 +68,35 @@ class SavedTensorRouter:
         self.plan = plan
         self.engine = engine
         self.manager = manager
-        """When given, every kept saved tensor is accounted there (swapped ones by the engine)."""
-        self._kept: dict[int, list[TensorKey]] = {}
-        self._kept_storages: dict[int, set[int]] = {}
+        """When given, kept saved bytes are accounted there per microbatch (swapped ones
+        per tensor, by the engine)."""
         self.rank = rank
         self.stage = plan.stage
         self._active = False
         self._microbatch = -1
         self._stack: list[str] = []
         self._counts: dict[str, int] = {}
+        self._ids: dict[tuple[str, int], str] = {}
         self._handles: dict[int, list[SwapHandle]] = {}
         self._decisions: dict[tuple[str, int], str] = {}
+        self._kept_bytes = 0
+        self._kept_storages: set[int] = set()
+        self._kept_keys: dict[int, TensorKey] = {}
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self._paths = {m: name for name, m in module.named_modules()}
         self.layers = layer_modules(module)
         self._check_plan()
+        # No rule about activations (a keep-all plan, or model data only): no hooks at
+        # all, so such a plan costs nothing over plain pipelining. An explicit `keep`
+        # rule still routes (and accounts) every saved tensor.
+        self.routing = any(not r.tensor.startswith(("optim:", "stash:")) for r in plan.rules)
         self._hooks = []
+        self._originals: dict[str, Callable[..., Any]] = {}
+        if not self.routing:
+            return
         for sub in module.modules():
             self._hooks.append(sub.register_forward_pre_hook(self._enter))
             self._hooks.append(sub.register_forward_hook(self._leave))
-        self._originals: dict[str, Callable[..., Any]] = {}
         for name, layer in self.layers.items():
             self._originals[name] = layer.forward
             layer.forward = functools.partial(self._layer_forward, name)  # instance override keeps paths
@@ -131,31 +140,26 @@ class SavedTensorRouter:
         return forward(*args, **kwargs)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if not self._active or tensor.untyped_storage().data_ptr() in self._param_storages:
+        if not self._active:
+            return tensor
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in self._param_storages:
             return tensor
         module = self._stack[-1] if self._stack else ""
         index = self._counts.get(module, 0)
         self._counts[module] = index + 1
-        tensor_id = f"{module}#{index}"
-        key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=tensor_id)
-        if self.technique(tensor_id, self._microbatch) != "host" or self.engine is None:
-            self._account_kept(key, tensor)
+        tensor_id = self._ids.get((module, index))
+        if tensor_id is None:
+            tensor_id = self._ids[(module, index)] = f"{module}#{index}"
+        if self.engine is None or self.technique(tensor_id, self._microbatch) != "host":
+            if storage not in self._kept_storages:  # autograd may save one storage twice
+                self._kept_storages.add(storage)
+                self._kept_bytes += tensor.untyped_storage().nbytes()
             return tensor
+        key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=tensor_id)
         handle = self.engine.swap_out(key, tensor)
         self._handles.setdefault(self._microbatch, []).append(handle)
         return _Swapped(handle)
-
-    def _account_kept(self, key: TensorKey, tensor: torch.Tensor) -> None:
-        """Track a kept tensor once per storage (autograd may save one storage twice)."""
-        if self.manager is None:
-            return
-        storages = self._kept_storages.setdefault(self._microbatch, set())
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr in storages:
-            return
-        storages.add(ptr)
-        self.manager.track(key, tensor.untyped_storage().nbytes(), Category.ACTIVATION)
-        self._kept.setdefault(self._microbatch, []).append(key)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Swapped):
@@ -167,14 +171,27 @@ class SavedTensorRouter:
     @contextlib.contextmanager
     def microbatch(self, microbatch: int) -> Iterator[None]:
         """Route the saved tensors of `microbatch`'s forward (use around the forward)."""
+        if not self.routing:
+            yield
+            return
         self._active, self._microbatch = True, microbatch
         self._stack.clear()
         self._counts.clear()
+        self._kept_bytes = 0
+        self._kept_storages.clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._active = False
+            if self.manager is not None and self._kept_bytes:
+                key = TensorKey(rank=self.rank, stage=self.stage, microbatch=microbatch, tensor="kept")
+                self.manager.track(key, self._kept_bytes, Category.ACTIVATION)
+                self._kept_keys[microbatch] = key
+
+    def identities(self) -> list[str]:
+        """Every saved-tensor identity (`module#index`) routed so far, first-seen order."""
+        return list(self._ids.values())
 
     def prefetch(self, microbatch: int) -> None:
         """Start bringing `microbatch`'s swapped tensors back (idempotent)."""
@@ -187,17 +204,17 @@ class SavedTensorRouter:
         return len(self._handles.get(microbatch, ()))
 
     def finish(self, microbatch: int) -> None:
-        """After `microbatch`'s backward: forget its handles and kept tensors."""
+        """After `microbatch`'s backward: forget its handles and its kept bytes."""
         self._handles.pop(microbatch, None)
-        for key in self._kept.pop(microbatch, ()):
-            if self.manager is not None:
-                self.manager.forget(key)
-        self._kept_storages.pop(microbatch, None)
+        key = self._kept_keys.pop(microbatch, None)
+        if key is not None and self.manager is not None:
+            self.manager.forget(key)
 
     def close(self) -> None:
         """Remove the hooks and restore the layers' forwards."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for layer in self.layers.values():
-            del layer.forward  # the class's forward shows through again
+        for name in self._originals:
+            del self.layers[name].forward  # the class's forward shows through again
+        self._originals.clear()

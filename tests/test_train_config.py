@@ -48,7 +48,7 @@ def test_mixed_and_plain_differ_only_in_plan():
     mixed = load_train_config("gpt-tiny-mixed")
     plain = load_train_config("gpt-tiny-plain")
     assert mixed.schedule == "1f1b" and mixed.plan == "auto" and mixed.hardware == "cpu-local"
-    assert mixed.device_memory_bytes == 3_000_000
+    assert mixed.device_memory_bytes == 1_700_000
     assert plain.plan == "none" and plain.device_memory is None
     assert (mixed.model, mixed.schedule, mixed.steps, mixed.seed, mixed.optimizer, mixed.data) == \
         (plain.model, plain.schedule, plain.steps, plain.seed, plain.optimizer, plain.data)
@@ -159,3 +159,15 @@ def test_resolve_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_backend(TrainConfig(model="gpt-tiny")) == "nccl"
     assert resolve_backend(TrainConfig(model="gpt-tiny", backend="gloo")) == "gloo"
+
+
+def test_the_mixed_example_plans_a_mix_of_techniques():
+    from mpress.train import plan_for
+
+    cfg = load_train_config("gpt-tiny-mixed")
+    plan, ranges = plan_for(cfg, model_config(cfg), 4)
+    assert plan is not None and plan.fits and len(ranges) == 4
+    techniques = {(r.tensor.split(":")[0] if ":" in r.tensor else "activation", r.technique)
+                  for sp in plan.stages for r in sp.rules}
+    assert ("optim", "host") in techniques
+    assert ("activation", "host") in techniques and ("activation", "recompute") in techniques

@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -42,41 +44,51 @@ def batch(step: int, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]
     return stream[:, :-1].clone(), stream[:, 1:].clone()
 
 
-def _worker(rank: int, world: int, init: str, schedule: str, num_microbatches: int, plan_path: str | None,
-            out_dir: str) -> None:
+def _worker(rank: int, world: int, init: str, schedule: str, num_microbatches: int,
+            plan_paths: list[str | None], out_dir: str) -> None:
+    """Runs one job per plan (None = plain pipelining), one after the other, on one group."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
     try:
         spec = JobSpec(model=load_model_config(MODEL), schedule=schedule, ranges=RANGES[world],
                        microbatch_size=MICROBATCH_SIZE, num_microbatches=num_microbatches, seed=3)
-        plan = Plan.load(plan_path) if plan_path else None
-        job = PipelineJob(spec, plan, torch.device("cpu"))
-        losses = []
-        extra = {}
-        for step in range(STEPS):
-            x, y = batch(step, num_microbatches)
-            losses.append(job.step(x, y).loss)
-        if plan is not None:
-            rt = job.stage.runtime
-            extra = {"swapped": rt.stats.tensors_swapped, "recomputed": rt.stats.microbatches_recomputed,
-                     "peak_activation_bytes": rt.manager.peak_device_bytes()}
-        torch.save({"losses": losses, "state": job.state(), "extra": extra}, Path(out_dir) / f"rank{rank}.pt")
-        job.close()
+        for i, plan_path in enumerate(plan_paths):
+            torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
+            plan = Plan.load(plan_path) if plan_path else None
+            job = PipelineJob(spec, plan, torch.device("cpu"))
+            losses = []
+            extra = {}
+            for step in range(STEPS):
+                x, y = batch(step, num_microbatches)
+                losses.append(job.step(x, y).loss)
+            if plan is not None:
+                rt = job.stage.runtime
+                extra = {"swapped": rt.stats.tensors_swapped, "recomputed": rt.stats.microbatches_recomputed}
+            torch.save({"losses": losses, "state": job.state(), "extra": extra}, Path(out_dir) / f"{i}-{rank}.pt")
+            job.close()
     finally:
         dist.destroy_process_group()
 
 
-def run_job(world: int, schedule: str, num_microbatches: int, plan: Plan | None) -> list[dict]:
+def run_jobs(world: int, schedule: str, num_microbatches: int, plans: list[Plan | None]) -> list[list[dict]]:
+    """Per plan, per rank: losses, final state and counters, from one spawn of `world` processes."""
     with tempfile.TemporaryDirectory() as tmp:
-        plan_path = None
-        if plan is not None:
-            plan_path = os.path.join(tmp, "plan.yaml")
-            plan.save(plan_path)
+        paths: list[str | None] = []
+        for i, plan in enumerate(plans):
+            if plan is None:
+                paths.append(None)
+                continue
+            paths.append(os.path.join(tmp, f"plan{i}.yaml"))
+            plan.save(paths[-1])
         init = os.path.join(tmp, "init")
-        mp.start_processes(_worker, args=(world, init, schedule, num_microbatches, plan_path, tmp),
+        mp.start_processes(_worker, args=(world, init, schedule, num_microbatches, paths, tmp),
                            nprocs=world, join=True, start_method="spawn")
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        return [[torch.load(Path(tmp) / f"{i}-{r}.pt", weights_only=False) for r in range(world)]
+                for i in range(len(plans))]
+
+
+def run_job(world: int, schedule: str, num_microbatches: int, plan: Plan | None) -> list[dict]:
+    return run_jobs(world, schedule, num_microbatches, [plan])[0]
 
 
 def assert_identical(a: list[dict], b: list[dict]) -> None:
@@ -140,3 +152,37 @@ def test_plan_for_another_model_is_refused():
         check_plan_for_stage(plan, module, 0, 2)
     with pytest.raises(PlanError, match="plan is for 1 ranks, this job has 4"):
         check_plan_for_stage(plan, module, 0, 1, world_size=4)
+
+
+LAYERS = {0: ["embed", "layers.0", "layers.1"], 1: ["layers.2", "layers.3", "head"]}
+
+
+@st.composite
+def random_plan(draw) -> Plan:
+    """Per stage: random layers, each with a technique for a random set of microbatches,
+    and optimizer offload or not."""
+    rules: dict[int, list[TensorRule]] = {}
+    for stage, layers in LAYERS.items():
+        stage_rules = []
+        if draw(st.booleans()):
+            stage_rules.append(TensorRule(tensor="optim:*", technique="host"))
+        for layer in draw(st.lists(st.sampled_from(layers), unique=True, max_size=3)):
+            mbs = draw(st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=4))
+            technique = draw(st.sampled_from(["host", "recompute", "keep"]))
+            stage_rules.append(TensorRule(tensor=f"{layer}.**", technique=technique,
+                                          microbatches=",".join(map(str, sorted(mbs)))))
+        rules[stage] = stage_rules
+    return make_plan(draw(st.sampled_from(["1f1b", "gpipe"])), 2, 4, rules)
+
+
+@pytest.mark.slow
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans=st.lists(random_plan(), min_size=3, max_size=3))
+def test_random_plans_are_bit_identical_to_the_plain_run(plans):
+    for schedule in ("1f1b", "gpipe"):
+        chosen = [p for p in plans if p.schedule == schedule]
+        if not chosen:
+            continue
+        results = run_jobs(2, schedule, 4, [None, *chosen])
+        for result in results[1:]:
+            assert_identical(results[0], result)

@@ -94,3 +94,44 @@ def test_identities_follow_the_profilers_naming():
     # (the block itself saves nothing: its tensors all belong to its submodules)
     assert [t for t in router.identities() if t.startswith("layers.0.")] == expected
     router.close()
+
+
+def _cuda_run(host: bool):
+    """Forwards of 4 microbatches, then backwards, on the GPU; returns grads and the
+    peak allocated bytes during the forwards."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_stage(CFG, 0, CFG.num_layers + 2, seed=5, device=device)
+    batches = [tuple(t.to(device) for t in example_batch(CFG, 8, seed=m)) for m in range(4)]
+    rules = [TensorRule(tensor="layers.*.**", technique="host" if host else "keep")]
+    manager = MemoryManager(device, rank=0)
+    pool = PinnedHostPool(256 << 20)
+    engine = SwapEngine(pool, manager, device, rank=0, stage=0)
+    router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=CFG.num_layers + 2,
+                                                rules=rules), engine, rank=0, manager=manager)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    outs = []
+    for m, (x, y) in enumerate(batches):
+        with router.microbatch(m):
+            outs.append(lm_loss(model(x), y))
+        engine.wait_idle(30.0)
+    peak = torch.cuda.max_memory_allocated()
+    for m, loss in enumerate(outs):
+        router.prefetch(m)
+        loss.backward()
+        router.finish(m)
+    grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+    router.close()
+    engine.close()
+    return grads, peak, engine.stats, pool
+
+
+@pytest.mark.cuda
+def test_cuda_host_swap_is_identical_and_lowers_the_peak():
+    keep, keep_peak, _, _ = _cuda_run(host=False)
+    swap, swap_peak, stats, pool = _cuda_run(host=True)
+    for name, g in keep.items():
+        assert torch.equal(g, swap[name]), name
+    assert stats.bytes_out > 0 and swap_peak < keep_peak
+    assert pool.buffer.is_pinned()  # one pinned allocation, no pinning per tensor

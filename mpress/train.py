@@ -25,7 +25,7 @@ import torch.distributed as dist
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mpress.errors import UserError
+from mpress.errors import MpressError, UserError
 from mpress.hardware import load_hardware
 from mpress.model_config import ModelConfig
 from mpress.plan import Plan
@@ -221,8 +221,10 @@ def _tracked_peak(job: PipelineJob) -> int:
 
 
 def root_cause(exc: BaseException) -> str:
-    """One line: the innermost cause (torch wraps stage failures in generic errors)."""
-    while exc.__cause__ is not None:
+    """One line for a failure: torch wraps stage failures in generic errors, so follow the
+    causes to mpress's own error (it names rank, stage, microbatch and tensor) or, if
+    there is none, to the innermost cause."""
+    while exc.__cause__ is not None and not isinstance(exc, MpressError):
         exc = exc.__cause__
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,45 @@ def test_random_plans_are_bit_identical_to_the_plain_run(plans):
         results = run_jobs(2, schedule, 4, [None, *chosen])
         for result in results[1:]:
             assert_identical(results[0], result)
+
+
+def _faulty_worker(rank: int, world: int, init: str, plan_path: str, out_dir: str) -> None:
+    """Rank 0's swap-in worker thread fails on microbatch 2; every rank must end with an
+    error, none may hang."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    message = "finished without error"
+    try:
+        spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[world],
+                       microbatch_size=MICROBATCH_SIZE, num_microbatches=4, seed=3)
+        job = PipelineJob(spec, Plan.load(plan_path), torch.device("cpu"))
+        if rank == 0:
+            def fault(key, direction):
+                if direction == "in" and key.microbatch == 2:
+                    raise OSError("injected copy failure")
+            job.stage.runtime.engine._fault = fault  # the engine's test hook
+        x, y = batch(0, 4)
+        job.step(x, y)
+    except Exception as exc:  # what the launcher prints, in one line
+        from mpress.train import root_cause
+        message = root_cause(exc)
+    finally:
+        Path(out_dir, f"{rank}.txt").write_text(message)
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_failing_swap_worker_stops_every_rank_with_the_tensor_named():
+    plan = make_plan("1f1b", 2, 4, {0: [TensorRule(tensor="layers.1.**", technique="host")]})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plan.yaml")
+        plan.save(path)
+        t0 = time.perf_counter()
+        mp.start_processes(_faulty_worker, args=(2, os.path.join(tmp, "init"), path, tmp), nprocs=2, join=True,
+                           start_method="spawn")
+        elapsed = time.perf_counter() - t0
+        messages = [Path(tmp, f"{r}.txt").read_text() for r in range(2)]
+    assert messages[0].startswith("SwapError: swap-in failed: rank 0 stage 0 microbatch 2 tensor layers.1."), messages
+    assert "injected copy failure" in messages[0]
+    assert messages[1] != "finished without error"  # the peer notices instead of waiting forever
+    assert elapsed < 120

@@ -63,7 +63,9 @@ def variants(plan, cfg):
 def worker(rank: int, init: str, steps: int, warmup: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
-    from mpress.train import plan_for  # the launcher's planning step, as `plan: auto` runs it
+    from mpress.train import (
+        plan_for,  # the launcher's planning step, as `plan: auto` runs it
+    )
     tcfg = load_train_config("gpt-tiny-mixed")
     cfg = model_config(tcfg)
     box = [plan_for(tcfg, cfg, WORLD) if rank == 0 else None]

@@ -31,7 +31,13 @@ from mpress.model_config import ModelConfig
 from mpress.plan import Plan
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.stage import MpressStage
-from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
+from mpress.runtime.train_config import (
+    TrainConfig,
+    check_world_size,
+    load_train_config,
+    model_config,
+    resolve_backend,
+)
 from mpress.runtime.trainer import JobSpec, PipelineJob, share_loss
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mpress.errors import PlanError
 from mpress.model_config import load_model_config
@@ -92,14 +92,19 @@ def run_job(world: int, schedule: str, num_microbatches: int, plan: Plan | None)
     return run_jobs(world, schedule, num_microbatches, [plan])[0]
 
 
+def assert_states_equal(a: dict, b: dict) -> None:
+    """Model and optimizer states equal tensor for tensor (`torch.equal`)."""
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    for pid, per_param in a["optimizer"]["state"].items():
+        for k, v in per_param.items():
+            assert torch.equal(v, b["optimizer"]["state"][pid][k]), (pid, k)
+
+
 def assert_identical(a: list[dict], b: list[dict]) -> None:
     for ra, rb in zip(a, b):
         assert ra["losses"] == rb["losses"]
-        for name, t in ra["state"]["model"].items():
-            assert torch.equal(t, rb["state"]["model"][name]), name
-        for pid, st in ra["state"]["optimizer"]["state"].items():
-            for k, v in st.items():
-                assert torch.equal(v, rb["state"]["optimizer"]["state"][pid][k]), (pid, k)
+        assert_states_equal(ra["state"], rb["state"])
 
 
 _BASELINES: dict[tuple[int, str, int], list[dict]] = {}

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_runtime_pipeline import assert_states_equal, make_plan
 
-from test_runtime_pipeline import make_plan
 from mpress.plan import TensorRule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,11 +65,7 @@ def test_train_with_plan_then_resume_matches_uninterrupted(plan_file, tmp_path):
     for rank in (0, 1):
         x = torch.load(tmp_path / "a" / "step000005" / f"rank{rank}.pt", weights_only=False)
         y = torch.load(tmp_path / "b" / "step000005" / f"rank{rank}.pt", weights_only=False)
-        for name, t in x["model"].items():
-            assert torch.equal(t, y["model"][name]), name
-        for pid, st in x["optimizer"]["state"].items():
-            for k, v in st.items():
-                assert torch.equal(v, y["optimizer"]["state"][pid][k]), (pid, k)
+        assert_states_equal(x, y)
 
 
 @pytest.mark.slow

@@ -14,8 +14,6 @@ Usage: python bench/mapper.py [--repeats N] [--budget S] [--enumerate first|all|
 from __future__ import annotations
 
 import argparse
-import itertools
-import random
 import statistics
 import time
 
@@ -28,6 +26,7 @@ from mpress.d2d.mapper import (
     brute_force,
     map_devices,
     mapping_value,
+    mesh16,
 )
 from mpress.hardware import load_hardware
 from mpress.units import fmt_bytes, fmt_seconds
@@ -44,15 +43,6 @@ DGX1_PATTERNS = {
 """Per stage, GB: (overflow, spare). Early stages overflow, late stages lend."""
 
 
-def mesh16(seed: int = 1) -> list[list[float]]:
-    """A hypothetical 16-GPU server: two 8-GPU boards, dense inside, sparse across
-    (1 or 2 NVLink2 links per pair, 22.5 GB/s effective each)."""
-    rng = random.Random(seed)
-    link = [[0.0] * 16 for _ in range(16)]
-    for i, j in itertools.combinations(range(16), 2):
-        if rng.random() < (0.5 if i // 8 == j // 8 else 0.12):
-            link[i][j] = link[j][i] = 22.5 * rng.choice([1, 2])
-    return link
 
 
 def timed(problem: MappingProblem, repeats: int, budget: float | None) -> tuple[MapperResult, float]:

@@ -1,4 +1,5 @@
-"""Shared test set-up: `@pytest.mark.cuda` tests skip where no GPU is present."""
+"""Shared test set-up: `@pytest.mark.cuda` tests skip where no GPU is present; every test
+runs torch on one intra-op thread."""
 
 import pytest
 import torch
@@ -11,3 +12,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models on a shared 2-core machine: intra-op threads fighting other processes
+    # make a step ~100x slower than one thread does.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,6 +21,7 @@ from mpress.d2d.mapper import (
     brute_force,
     map_devices,
     mapping_value,
+    mesh16,
 )
 from mpress.d2d.maxflow import SwapNetwork, solve_by_flow, solve_concave, stage_levels
 from mpress.errors import PlanError, UserError
@@ -323,14 +324,6 @@ def test_dgx1_search_equals_enumerating_all_8_factorial_mappings():
     assert r.assignment.slowest_swap_s == pytest.approx(b.slowest_swap_s, rel=1e-9)
 
 
-def mesh16(seed: int) -> list[list[float]]:
-    """A hypothetical 16-GPU server: two 8-GPU boards, dense inside, sparse across."""
-    rng = random.Random(seed)
-    link = [[0.0] * 16 for _ in range(16)]
-    for i, j in itertools.combinations(range(16), 2):
-        if rng.random() < (0.5 if i // 8 == j // 8 else 0.12):
-            link[i][j] = link[j][i] = 22.5 * rng.choice([1, 2])
-    return link
 
 
 def test_16_gpus_heuristic_reports_a_valid_bound():

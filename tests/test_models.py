@@ -22,16 +22,6 @@ from mpress.models.transformer import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core machine: intra-op threads fighting other processes
-    # make a step ~100x slower than one thread does.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(name: str, **changes):
     return dataclasses.replace(load_model_config(name), **changes)
 

@@ -31,15 +31,6 @@ from mpress.static.measured import (
 from mpress.static.profile import Profile
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core machine: oversubscribed intra-op threads are ~100x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(name: str, **changes):
     return dataclasses.replace(load_model_config(name), **changes)
 

@@ -18,12 +18,6 @@ CFG = load_model_config("gpt-tiny")
 NUM_MB = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run(rules: list[TensorRule] | None):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from test_hardware import DGX1_LINKS  # the matrix as typed in from nvidia-smi topo -m
 
 from mpress import cli
 from mpress.commands import topo as topo_cmd
@@ -23,16 +24,6 @@ from mpress.errors import TopologyError
 from mpress.hardware import HARDWARE_DIR, load_hardware
 
 # DGX-1V link counts (DESIGN.md, `nvidia-smi topo -m`), typed in independently of the preset.
-DGX1_LINKS = [
-    [0, 1, 1, 2, 2, 0, 0, 0],
-    [1, 0, 2, 1, 0, 2, 0, 0],
-    [1, 2, 0, 2, 0, 0, 1, 0],
-    [2, 1, 2, 0, 0, 0, 0, 1],
-    [2, 0, 0, 0, 0, 1, 1, 2],
-    [0, 2, 0, 0, 1, 0, 2, 1],
-    [0, 0, 1, 0, 1, 2, 0, 2],
-    [0, 0, 0, 1, 2, 1, 2, 0],
-]
 
 # A DGX-1-like machine written out by hand: each GPU's own bus id (NVML's 8-digit domain)
 # and the far end of each of its 6 active links (legacy 4-digit domain, upper case,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -516,3 +517,15 @@ def map_devices(problem: MappingProblem, *, time_budget_s: float | None = None) 
                         lower_bound_unplaced_bytes=min(least_u, a.unplaced_bytes), mappings_examined=search.examined,
                         nodes_visited=search.nodes, search_s=time.perf_counter() - start, skipped_symmetric=False,
                         num_automorphisms=len(search.group))
+
+
+def mesh16(seed: int = 1) -> list[list[float]]:
+    """A hypothetical 16-GPU server for scaling studies of the search: two 8-GPU boards,
+    dense inside, sparse across (1 or 2 NVLink2 links per pair, 22.5 GB/s effective each).
+    Link GB/s per directed pair, 0 = no NVLink."""
+    rng = random.Random(seed)
+    link = [[0.0] * 16 for _ in range(16)]
+    for i, j in itertools.combinations(range(16), 2):
+        if rng.random() < (0.5 if i // 8 == j // 8 else 0.12):
+            link[i][j] = link[j][i] = 22.5 * rng.choice([1, 2])
+    return link

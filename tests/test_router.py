@@ -129,3 +129,33 @@ def test_cuda_host_swap_is_identical_and_lowers_the_peak():
         assert torch.equal(g, swap[name]), name
     assert stats.bytes_out > 0 and swap_peak < keep_peak
     assert pool.buffer.is_pinned()  # one pinned allocation, no pinning per tensor
+
+
+def _runtime(budget_bytes: int):
+    from mpress.plan import Plan
+    from mpress.runtime.stage import StageRuntime
+
+    model = build_stage(CFG, 0, CFG.num_layers + 2, seed=5)
+    stage = StagePlan(stage=0, device=0, first_layer=0, end_layer=CFG.num_layers + 2,
+                      rules=[TensorRule(tensor="layers.*.**", technique="host")], pinned_host_bytes=32 << 20)
+    plan = Plan(strategy="test", model=CFG.name, model_fingerprint=CFG.fingerprint(), profile_fingerprint="-",
+                hardware="cpu-local", hardware_fingerprint="-", num_devices=1, device_memory_bytes=budget_bytes,
+                schedule="gpipe", num_stages=1, num_ranks=1, num_microbatches=3, microbatch_size=2,
+                stage_to_device=[0], stages=[stage], fits=True)
+    return model, StageRuntime(model, plan, 0, torch.device("cpu"), rank=0)
+
+
+@pytest.mark.parametrize("budget, early", [(1 << 40, True), (1, False)])
+def test_capacity_policy_prefetches_as_early_as_the_budget_allows(budget, early):
+    # GPipe order F0 F1 F2 B0 B1 B2 with lead 1: without room, microbatch 0 comes back only
+    # when B0 is the next action (after F2); with room, right after its own forward.
+    model, rt = _runtime(budget)
+    for m in range(3):
+        x, y = example_batch(CFG, 2, seed=m)
+        with rt.router.microbatch(m):
+            lm_loss(model(x), y)
+        rt.after_compute()
+        if m == 0:
+            assert (rt.router.pending_bytes(0) == 0) is early
+    assert rt.router.pending_bytes(0) == 0  # B0 is next: always on its way back
+    rt.close()

@@ -78,6 +78,7 @@ class SavedTensorRouter:
         self._counts: dict[str, int] = {}
         self._ids: dict[tuple[str, int], str] = {}
         self._handles: dict[int, list[SwapHandle]] = {}
+        self._prefetched: set[int] = set()
         self._decisions: dict[tuple[str, int], str] = {}
         self._kept_bytes = 0
         self._kept_storages: set[int] = set()
@@ -195,9 +196,16 @@ class SavedTensorRouter:
 
     def prefetch(self, microbatch: int) -> None:
         """Start bringing `microbatch`'s swapped tensors back (idempotent)."""
-        if self.engine is not None:
+        if self.engine is not None and microbatch not in self._prefetched:
+            self._prefetched.add(microbatch)
             for handle in self._handles.get(microbatch, ()):
                 self.engine.prefetch(handle)
+
+    def pending_bytes(self, microbatch: int) -> int:
+        """Bytes of `microbatch` on host whose swap-in has not been issued."""
+        if microbatch in self._prefetched:
+            return 0
+        return sum(h.nbytes for h in self._handles.get(microbatch, ()))
 
     def swapped(self, microbatch: int) -> int:
         """Number of tensors of `microbatch` that went to host."""
@@ -206,6 +214,7 @@ class SavedTensorRouter:
     def finish(self, microbatch: int) -> None:
         """After `microbatch`'s backward: forget its handles and its kept bytes."""
         self._handles.pop(microbatch, None)
+        self._prefetched.discard(microbatch)
         key = self._kept_keys.pop(microbatch, None)
         if key is not None and self.manager is not None:
             self.manager.forget(key)

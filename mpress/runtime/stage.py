@@ -12,7 +12,9 @@ Prefetch point: the stage knows its own F/B order (`warmup_order` of the plan's
 schedule: GPipe or 1F1B), so after each compute action it brings back the swapped
 tensors of every backward due within the next `lead` actions (`lead` = the largest
 `prefetch_lead` of the stage's host rules; 1 = the next backward's tensors come in while
-the action before it runs). For schedules whose order it does not know (interleaved) it
+the action before it runs). Under the plan's default "capacity" policy it also brings
+back later backwards' tensors, in order, while the device budget (the plan's device
+memory) has room. For schedules whose order it does not know (interleaved) it
 prefetches at the start of the backward.
 """
 
@@ -82,13 +84,34 @@ class StageRuntime:
         """Called when the stage starts its last backward of a step (optimizer prefetch)."""
 
     def after_compute(self) -> None:
-        """Issue the swap-ins of the backwards due within the next `lead` actions."""
+        """Issue swap-ins: always those of the backwards due within the next `lead`
+        actions; under the plan's "capacity" policy also later ones, in backward order,
+        as far as the device budget allows."""
         self.position += 1
-        for action in self.order[self.position: self.position + self.lead]:
+        upcoming = self.order[self.position:]
+        for action in upcoming[: self.lead]:
             if action.kind is Kind.B and action.microbatch is not None:
                 self.router.prefetch(action.microbatch)
+        if self.engine is not None and self.plan.swap_in_policy == "capacity":
+            used = self.device_used_bytes()
+            for action in upcoming:
+                if action.kind is not Kind.B or action.microbatch is None:
+                    continue
+                need = self.router.pending_bytes(action.microbatch)
+                if used + need > self.plan.device_memory_bytes:
+                    break
+                if need:
+                    self.router.prefetch(action.microbatch)
+                    used += need
         if self.engine is not None:
             self.engine.check()
+
+    def device_used_bytes(self) -> int:
+        """What the budget check counts as used: the allocator's bytes on CUDA; on CPU (a
+        stand-in device) the bytes the memory manager tracks."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return self.manager.device_bytes()
 
     def start_step(self) -> None:
         self.position = 0

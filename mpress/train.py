@@ -135,6 +135,8 @@ def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
     if isinstance(job.stage, MpressStage):
         rt = job.stage.runtime
         stats = rt.engine.stats if rt.engine is not None else None
+        if job.device.type == "cuda":
+            out["cuda_check"] = rt.stats.extra.get("cuda_check", "ok")
         out.update(tracked_peak=rt.manager.peak_device_bytes(), swapped=rt.stats.tensors_swapped,
                    recomputed=rt.stats.microbatches_recomputed,
                    bytes_out=stats.bytes_out if stats else 0, wait_s=stats.wait_s if stats else 0.0)
@@ -218,6 +220,9 @@ def train(cfg: TrainConfig) -> int:
     dist.all_gather_object(rows, rank_report(job, plan))
     if rank == 0:
         console.print(report_table(rows))
+        for r in rows:
+            if r.get("cuda_check", "ok") != "ok":
+                console.print(f"[red]accounting check failed[/]: {r['cuda_check']}")
     job.close()
     return 0
 

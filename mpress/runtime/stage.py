@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.actions import Action, Kind, warmup_order
-from mpress.errors import PlanError
+from mpress.errors import PlanError, SwapError
 from mpress.plan import Plan
 from mpress.runtime.host_pool import PinnedHostPool
 from mpress.runtime.memory_manager import MemoryManager
@@ -106,6 +106,16 @@ class StageRuntime:
         if self.engine is not None:
             self.engine.check()
 
+    def cross_check(self) -> None:
+        """On CUDA, check the manager's accounting against the allocator after a forward
+        (the stage's fullest moment); the first violation is kept for the report."""
+        if self.device.type != "cuda" or "cuda_check" in self.stats.extra:
+            return
+        try:
+            self.manager.check_cuda_consistency()
+        except SwapError as exc:
+            self.stats.extra["cuda_check"] = str(exc)
+
     def device_used_bytes(self) -> int:
         """What the budget check counts as used: the allocator's bytes on CUDA; on CPU (a
         stand-in device) the bytes the memory manager tracks."""
@@ -138,6 +148,7 @@ class MpressStage(PipelineStage):
                 rt.router.microbatch(fwd_chunk_id):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         rt.stats.forward_s += time.perf_counter() - t0
+        rt.cross_check()
         rt.stats.tensors_swapped += rt.router.swapped(fwd_chunk_id)
         if any(rt.router.recomputes(name, fwd_chunk_id) for name in rt.router.layers):
             rt.stats.microbatches_recomputed += 1

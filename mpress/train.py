@@ -14,6 +14,7 @@ exit status 2; a failure on any rank: one line naming the rank, exit status 1.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import socket
 import sys
@@ -41,6 +42,9 @@ from mpress.runtime.train_config import (
 from mpress.runtime.trainer import JobSpec, PipelineJob, share_loss
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds
+
+COLLECTIVE_TIMEOUT_S = 300
+"""Longest a collective or pipeline send/recv may wait for a peer before the rank fails."""
 
 
 def _single_process_env() -> None:
@@ -103,7 +107,8 @@ def save_checkpoint(cfg: TrainConfig, job: PipelineJob, step: int) -> None:
         return
     folder = root / f"step{step:06d}"
     folder.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, **job.state(), "rng": torch.get_rng_state()}
+    state = {"step": step, **job.state(), "rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
     tmp = folder / f".rank{job.rank}.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(folder / f"rank{job.rank}.pt")
@@ -119,6 +124,8 @@ def resume(cfg: TrainConfig, job: PipelineJob) -> int:
             state = torch.load(folder / f"rank{job.rank}.pt", weights_only=False)
             job.load_state(state)
             torch.set_rng_state(state["rng"])
+            if state.get("cuda_rng") is not None:  # dropout on the GPU draws from its own generator
+                torch.cuda.set_rng_state(state["cuda_rng"], job.device)
             return int(state["step"]) + 1
     return 0
 
@@ -177,8 +184,10 @@ def train(cfg: TrainConfig) -> int:
         except UserError as exc:
             payload = exc
     payload = _broadcast(payload, device)
-    if isinstance(payload, UserError):
-        raise payload
+    if isinstance(payload, UserError):  # the same on every rank: rank 0 says it once
+        if rank == 0:
+            print(f"mpress.train: error: {payload}", file=sys.stderr)
+        return 2
     plan, ranges = payload  # type: ignore[misc]
     spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
                    num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
@@ -249,16 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_train_config(args.config)
-        dist.init_process_group(resolve_backend(cfg))
+        # a bounded timeout: with NCCL a dead peer would otherwise block the others for 10 minutes
+        dist.init_process_group(resolve_backend(cfg), timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except UserError as exc:
         if rank == 0:
             print(f"mpress.train: error: {exc}", file=sys.stderr)
         return 2
     try:
         return train(cfg)
-    except UserError as exc:
-        if rank == 0:
-            print(f"mpress.train: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # may concern one stage only (its plan part): every rank says its own
+        print(f"mpress.train: rank {rank}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a failure on any rank: one line naming the rank, never a hang
         if os.environ.get("MPRESS_DEBUG"):

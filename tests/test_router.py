@@ -159,3 +159,20 @@ def test_capacity_policy_prefetches_as_early_as_the_budget_allows(budget, early)
             assert (rt.router.pending_bytes(0) == 0) is early
     assert rt.router.pending_bytes(0) == 0  # B0 is next: always on its way back
     rt.close()
+
+
+def test_prefetch_before_the_forward_does_not_disable_it_and_finish_releases_copies():
+    # a lead window can reach a backward whose forward has not run yet
+    model, rt = _runtime(1 << 40)
+    rt.router.prefetch(1)
+    x, y = example_batch(CFG, 2, seed=1)
+    with rt.router.microbatch(1):
+        loss = lm_loss(model(x), y)
+    assert rt.router.pending_bytes(1) > 0  # its swap-outs still count as waiting to come back
+    rt.router.prefetch(1)
+    assert rt.router.pending_bytes(1) == 0
+    loss.backward()
+    rt.router.finish(1)
+    rt.engine.wait_idle(10.0)
+    assert rt.manager.device_bytes(Category.ACTIVATION) == 0  # nothing of microbatch 1 stays
+    rt.close()

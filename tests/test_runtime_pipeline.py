@@ -234,3 +234,14 @@ def test_a_failing_swap_worker_stops_every_rank_with_the_tensor_named():
     assert "injected copy failure" in messages[0]
     assert messages[1] != "finished without error"  # the peer notices instead of waiting forever
     assert elapsed < 120
+
+
+def test_plan_for_another_schedule_or_microbatching_is_refused():
+    from mpress.runtime.trainer import check_plan_shape
+    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[2], microbatch_size=2,
+                   num_microbatches=4)
+    check_plan_shape(make_plan("1f1b", 2, 4, {}), spec)
+    with pytest.raises(PlanError, match="plan is for gpipe with 4 microbatches of 2; this job runs 1f1b"):
+        check_plan_shape(make_plan("gpipe", 2, 4, {}), spec)
+    with pytest.raises(PlanError, match="8 microbatches"):
+        check_plan_shape(make_plan("1f1b", 2, 8, {}), spec)

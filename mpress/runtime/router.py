@@ -196,7 +196,9 @@ class SavedTensorRouter:
 
     def prefetch(self, microbatch: int) -> None:
         """Start bringing `microbatch`'s swapped tensors back (idempotent)."""
-        if self.engine is not None and microbatch not in self._prefetched:
+        # a microbatch whose forward has not swapped anything yet is not marked: its
+        # swap-outs may still come
+        if self.engine is not None and microbatch not in self._prefetched and microbatch in self._handles:
             self._prefetched.add(microbatch)
             for handle in self._handles.get(microbatch, ()):
                 self.engine.prefetch(handle)
@@ -213,7 +215,9 @@ class SavedTensorRouter:
 
     def finish(self, microbatch: int) -> None:
         """After `microbatch`'s backward: forget its handles and its kept bytes."""
-        self._handles.pop(microbatch, None)
+        for handle in self._handles.pop(microbatch, ()):
+            if self.engine is not None:  # the swapped-in copies die with the backward
+                self.engine.discard(handle)
         self._prefetched.discard(microbatch)
         key = self._kept_keys.pop(microbatch, None)
         if key is not None and self.manager is not None:

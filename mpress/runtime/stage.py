@@ -13,8 +13,9 @@ schedule: GPipe or 1F1B), so after each compute action it brings back the swappe
 tensors of every backward due within the next `lead` actions (`lead` = the largest
 `prefetch_lead` of the stage's host rules; 1 = the next backward's tensors come in while
 the action before it runs). Under the plan's default "capacity" policy it also brings
-back later backwards' tensors, in order, while the device budget (the plan's device
-memory) has room. For schedules whose order it does not know (interleaved) it
+back later backwards' tensors, in order, while the budget has room: the stage's planned
+peak, which leaves room for its own compute (the whole device when the plan has no
+prediction). For schedules whose order it does not know (interleaved) it
 prefetches at the start of the backward.
 """
 
@@ -89,7 +90,9 @@ class StageRuntime:
         as far as the device budget allows."""
         self.position += 1
         upcoming = self.order[self.position:]
-        for action in upcoming[: self.lead]:
+        # lead 1 = the swap-in overlaps the one action before the backward, so it starts
+        # now when the backward is the action after next (as the rewriter places it)
+        for action in upcoming[: self.lead + 1]:
             if action.kind is Kind.B and action.microbatch is not None:
                 self.router.prefetch(action.microbatch)
         if self.engine is not None and self.plan.swap_in_policy == "capacity":
@@ -98,13 +101,19 @@ class StageRuntime:
                 if action.kind is not Kind.B or action.microbatch is None:
                     continue
                 need = self.router.pending_bytes(action.microbatch)
-                if used + need > self.plan.device_memory_bytes:
+                if used + need > self.budget_bytes:
                     break
                 if need:
                     self.router.prefetch(action.microbatch)
                     used += need
         if self.engine is not None:
             self.engine.check()
+
+    @property
+    def budget_bytes(self) -> int:
+        """What capacity-based prefetching may fill: the stage's planned peak (which keeps
+        room for its own forwards and backwards), or the device when the plan has none."""
+        return self.stage_plan.predicted_peak_bytes or self.plan.device_memory_bytes
 
     def cross_check(self) -> None:
         """On CUDA, check the manager's accounting against the allocator after a forward

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from mpress.errors import UserError
+from mpress.errors import PlanError, UserError
 from mpress.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
@@ -84,6 +84,7 @@ class PipelineJob:
         y = torch.zeros(b, t, cfg.vocab_size if last else cfg.hidden_size, dtype=dtype, device=device,
                         requires_grad=True)
         if plan is not None:
+            check_plan_shape(plan, spec)
             self.stage: PipelineStage = wrap_stage(self.module, plan, self.stage_index, device=device,
                                                    input_args=x, output_args=y, group=group,
                                                    model_fingerprint=cfg.fingerprint(),
@@ -147,6 +148,8 @@ class PipelineJob:
         return state
 
     def load_state(self, state: dict[str, dict]) -> None:
+        if self.offload is not None:
+            self.offload.before_step()  # take back what is out: the loaded states replace it
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.offload is not None:
@@ -157,9 +160,20 @@ class PipelineJob:
             self.stage.runtime.close()
 
 
+def check_plan_shape(plan: Plan, spec: JobSpec) -> None:
+    """Refuse a plan made for another schedule, microbatch count or size (its prefetch
+    points and microbatch selectors would not mean what they say)."""
+    planned = ("1f1b" if plan.schedule == "pipedream" else plan.schedule, plan.num_microbatches,
+               plan.microbatch_size)
+    if planned != (spec.schedule, spec.num_microbatches, spec.microbatch_size):
+        raise PlanError(f"plan is for {plan.schedule} with {plan.num_microbatches} microbatches of "
+                        f"{plan.microbatch_size}; this job runs {spec.schedule} with {spec.num_microbatches} of "
+                        f"{spec.microbatch_size}")
+
+
 def share_loss(loss: float | None, job: PipelineJob) -> float:
     """The last stage's loss on every rank (one broadcast)."""
-    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=job.device)  # NCCL: CUDA
     dist.broadcast(t, src=job.num_stages - 1)
     return float(t.item())
 

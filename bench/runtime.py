@@ -68,7 +68,7 @@ def worker(rank: int, init: str, steps: int, warmup: int, out: str) -> None:
     )
     tcfg = load_train_config("gpt-tiny-mixed")
     cfg = model_config(tcfg)
-    box = [plan_for(tcfg, cfg, WORLD) if rank == 0 else None]
+    box = [plan_for(tcfg, cfg, WORLD, WORLD) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     plan, ranges = box[0]
     dataset = build_dataset(tcfg.data, cfg, seed=0)

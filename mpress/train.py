@@ -3,7 +3,7 @@
     python3 -m torch.distributed.run --nproc-per-node 4 -m mpress.train \\
         --config configs/train/gpt-tiny-mixed.yaml
 
-One stage per rank (GPipe or 1F1B from torch.distributed.pipelining). The config names
+One stage per rank (GPipe, 1F1B), or several (interleaved 1F1B), with torch.distributed.pipelining's schedules. The config names
 the plan: a file from `mpress plan`, `auto` (rank 0 plans at start-up for the config's
 hardware and broadcasts the plan) or `none` (plain pipelining, the baseline). Rank 0
 shows a progress bar (step, loss, samples/s, per-rank peak) and a report per rank at the
@@ -31,7 +31,6 @@ from mpress.hardware import load_hardware
 from mpress.model_config import ModelConfig
 from mpress.plan import Plan
 from mpress.runtime.data import batches, build_dataset
-from mpress.runtime.stage import MpressStage
 from mpress.runtime.train_config import (
     TrainConfig,
     check_world_size,
@@ -57,7 +56,8 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def plan_for(cfg: TrainConfig, model: ModelConfig, world: int) -> tuple[Plan | None, list[tuple[int, int]]]:
+def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int,
+             world: int) -> tuple[Plan | None, list[tuple[int, int]]]:
     """The plan (None for `plan: none`) and the stage layer ranges; rank 0 only."""
     from mpress.static.evaluate import setup_pipeline
     from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
@@ -66,7 +66,8 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, world: int) -> tuple[Plan | N
         plan = Plan.load(cfg.plan)
         return plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages]
     hardware = load_hardware(cfg.hardware, num_devices=world, memory_bytes=cfg.device_memory_bytes)
-    setup = setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=world,  # type: ignore[arg-type]
+    setup = setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
+                           num_ranks=world if cfg.schedule == "interleaved" else None,
                            microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches)
     if cfg.plan == "none":
         return None, setup.ranges
@@ -131,22 +132,24 @@ def resume(cfg: TrainConfig, job: PipelineJob) -> int:
 
 
 def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
-    """This rank's figures for the final table."""
-    out: dict[str, object] = {"rank": job.rank, "stage": job.stage_index,
+    """This rank's figures for the final table (summed over its stages)."""
+    out: dict[str, object] = {"rank": job.rank, "stage": ",".join(map(str, job.stage_ids)),
                               "cuda_peak": torch.cuda.max_memory_allocated(job.device)
                               if job.device.type == "cuda" else None}
     if plan is not None:
-        sp = plan.stage(job.stage_index)
-        out.update(need=sp.need_bytes, planned=sp.predicted_peak_bytes,
-                   rules=", ".join(sorted({r.technique for r in sp.rules})) or "keep")
-    if isinstance(job.stage, MpressStage):
-        rt = job.stage.runtime
-        stats = rt.engine.stats if rt.engine is not None else None
+        parts = [plan.stage(s) for s in job.stage_ids]
+        # a stage's need is its own; its predicted peak is its device's (shared by the rank's stages)
+        out.update(need=sum(sp.need_bytes for sp in parts), planned=max(sp.predicted_peak_bytes for sp in parts),
+                   rules=", ".join(sorted({r.technique for sp in parts for r in sp.rules})) or "keep")
+    runtimes = job.runtimes
+    if runtimes:
+        engines = [rt.engine.stats for rt in runtimes if rt.engine is not None]
         if job.device.type == "cuda":
-            out["cuda_check"] = rt.stats.extra.get("cuda_check", "ok")
-        out.update(tracked_peak=rt.manager.peak_device_bytes(), swapped=rt.stats.tensors_swapped,
-                   recomputed=rt.stats.microbatches_recomputed,
-                   bytes_out=stats.bytes_out if stats else 0, wait_s=stats.wait_s if stats else 0.0)
+            out["cuda_check"] = next((rt.stats.extra["cuda_check"] for rt in runtimes
+                                      if "cuda_check" in rt.stats.extra), "ok")
+        out.update(tracked_peak=_tracked_peak(job), swapped=sum(rt.stats.tensors_swapped for rt in runtimes),
+                   recomputed=sum(rt.stats.microbatches_recomputed for rt in runtimes),
+                   bytes_out=sum(st.bytes_out for st in engines), wait_s=sum(st.wait_s for st in engines))
     return out
 
 
@@ -170,8 +173,6 @@ def report_table(rows: list[dict[str, object]]) -> Table:
 def train(cfg: TrainConfig) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     num_stages = check_world_size(cfg, world)
-    if cfg.schedule not in ("gpipe", "1f1b"):
-        raise UserError(f"schedule: the launcher runs gpipe and 1f1b (one stage per rank), not {cfg.schedule}")
     model = model_config(cfg)
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl"
               else torch.device("cpu"))
@@ -180,7 +181,7 @@ def train(cfg: TrainConfig) -> int:
     payload: object = None
     if rank == 0:
         try:
-            payload = plan_for(cfg, model, world)
+            payload = plan_for(cfg, model, num_stages, world)
         except UserError as exc:
             payload = exc
     payload = _broadcast(payload, device)
@@ -237,7 +238,8 @@ def train(cfg: TrainConfig) -> int:
 
 
 def _tracked_peak(job: PipelineJob) -> int:
-    return job.stage.runtime.manager.peak_device_bytes() if isinstance(job.stage, MpressStage) else 0
+    """Tracked peaks of this rank's stages, added (an upper bound when it holds several)."""
+    return sum(rt.manager.peak_device_bytes() for rt in job.runtimes)
 
 
 def root_cause(exc: BaseException) -> str:

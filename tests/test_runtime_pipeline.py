@@ -27,15 +27,21 @@ RANGES = {1: [(0, 6)], 2: [(0, 3), (3, 6)], 4: [(0, 2), (2, 3), (3, 4), (4, 6)]}
 POOL_BYTES = 64 << 20
 
 
+def num_stages_of(schedule: str, world: int) -> int:
+    return 2 * world if schedule == "interleaved" else world
+
+
 def make_plan(schedule: str, world: int, num_microbatches: int, rules: dict[int, list[TensorRule]]) -> Plan:
     cfg = load_model_config(MODEL)
-    stages = [StagePlan(stage=s, device=s, first_layer=a, end_layer=b, rules=rules.get(s, []),
+    n = num_stages_of(schedule, world)
+    stages = [StagePlan(stage=s, device=s % world, first_layer=a, end_layer=b, rules=rules.get(s, []),
                         pinned_host_bytes=POOL_BYTES)
-              for s, (a, b) in enumerate(RANGES[world])]
+              for s, (a, b) in enumerate(RANGES[n])]
     return Plan(strategy="test", model=MODEL, model_fingerprint=cfg.fingerprint(), profile_fingerprint="test",
                 hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
-                schedule=schedule, num_stages=world, num_ranks=world, num_microbatches=num_microbatches,
-                microbatch_size=MICROBATCH_SIZE, stage_to_device=list(range(world)), stages=stages, fits=True)
+                schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,
+                microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % world for s in range(n)], stages=stages,
+                fits=True)
 
 
 def batch(step: int, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +57,7 @@ def _worker(rank: int, world: int, init: str, schedule: str, num_microbatches: i
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        spec = JobSpec(model=load_model_config(MODEL), schedule=schedule, ranges=RANGES[world],
+        spec = JobSpec(model=load_model_config(MODEL), schedule=schedule, ranges=RANGES[num_stages_of(schedule, world)],
                        microbatch_size=MICROBATCH_SIZE, num_microbatches=num_microbatches, seed=3)
         for i, plan_path in enumerate(plan_paths):
             torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
@@ -63,8 +69,8 @@ def _worker(rank: int, world: int, init: str, schedule: str, num_microbatches: i
                 x, y = batch(step, num_microbatches)
                 losses.append(job.step(x, y).loss)
             if plan is not None:
-                rt = job.stage.runtime
-                extra = {"swapped": rt.stats.tensors_swapped, "recomputed": rt.stats.microbatches_recomputed}
+                extra = {"swapped": sum(rt.stats.tensors_swapped for rt in job.runtimes),
+                         "recomputed": sum(rt.stats.microbatches_recomputed for rt in job.runtimes)}
             torch.save({"losses": losses, "state": job.state(), "extra": extra}, Path(out_dir) / f"{i}-{rank}.pt")
             job.close()
     finally:
@@ -131,6 +137,11 @@ RECOMPUTE_BLOCK = TensorRule(tensor="layers.0.**", technique="recompute")
     (2, "gpipe", {0: [TensorRule(tensor="embed.**", technique="host"),
                       TensorRule(tensor="layers.*.**", technique="recompute")],
                   1: [TensorRule(tensor="*", technique="host")]}),
+    (2, "interleaved", {0: [TensorRule(tensor="optim:*", technique="host"),
+                            TensorRule(tensor="embed.**", technique="host")],
+                        1: [TensorRule(tensor="layers.1.**", technique="recompute")],
+                        2: [TensorRule(tensor="layers.2.**", technique="host", microbatches="0,3")],
+                        3: [TensorRule(tensor="head.**", technique="recompute")]}),
     (4, "1f1b", {0: [TensorRule(tensor="optim:*", technique="host"), TensorRule(tensor="layers.0.**", technique="host")],
                  1: [TensorRule(tensor="layers.1.**", technique="recompute")],
                  2: [TensorRule(tensor="layers.2.**", technique="host", microbatches="1,3")],

@@ -165,7 +165,7 @@ def test_the_mixed_example_plans_a_mix_of_techniques():
     from mpress.train import plan_for
 
     cfg = load_train_config("gpt-tiny-mixed")
-    plan, ranges = plan_for(cfg, model_config(cfg), 4)
+    plan, ranges = plan_for(cfg, model_config(cfg), 4, 4)
     assert plan is not None and plan.fits and len(ranges) == 4
     techniques = {(r.tensor.split(":")[0] if ":" in r.tensor else "activation", r.technique)
                   for sp in plan.stages for r in sp.rules}

@@ -60,9 +60,6 @@ class OptimizerOffload:
         for handle in self.handles.values():
             self.engine.prefetch(handle)
 
-    def before_backward(self) -> None:
-        """Nothing to do: kept for symmetry with the step hooks (states are out)."""
-
     def before_step(self) -> None:
         """Put the states back into the optimizer (waits for the swap-ins)."""
         for (name, state), handle in self.handles.items():

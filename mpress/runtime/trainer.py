@@ -15,7 +15,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from mpress.errors import PlanError, UserError
 from mpress.model_config import ModelConfig
@@ -33,9 +38,9 @@ class JobSpec:
     """What one pipeline job trains and how (identical on every rank)."""
 
     model: ModelConfig
-    schedule: Literal["gpipe", "1f1b"]
+    schedule: Literal["gpipe", "1f1b", "interleaved"]
     ranges: list[tuple[int, int]]
-    """Layer range [start, end) of each stage (stage s runs on rank s)."""
+    """Layer range [start, end) of each stage (stage s runs on rank s % world size)."""
     microbatch_size: int
     num_microbatches: int
     seed: int = 0
@@ -57,7 +62,11 @@ class StepResult:
 
 
 class PipelineJob:
-    """This rank's stage, schedule and optimizer."""
+    """This rank's stage(s), schedule and optimizer.
+
+    GPipe and 1F1B: stage s on rank s. Interleaved 1F1B: stage s on rank s % world, so a
+    rank holds num_stages / world stages (torch's `ScheduleInterleaved1F1B`).
+    """
 
     def __init__(self, spec: JobSpec, plan: Plan | None, device: torch.device, *,
                  group: dist.ProcessGroup | None = None) -> None:
@@ -66,57 +75,92 @@ class PipelineJob:
         self.device = device
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        if len(spec.ranges) != self.world:
-            raise UserError(f"{len(spec.ranges)} stages need {len(spec.ranges)} ranks, the job has {self.world}")
-        self.stage_index = self.rank
-        self.num_stages = self.world
-        start, end = spec.ranges[self.rank]
-        cfg = spec.model
-        self.module: nn.Module = build_stage(cfg, start, end, seed=spec.seed, device=device)
-        self.module.train()
+        self.num_stages = len(spec.ranges)
+        interleaved = spec.schedule == "interleaved"
+        if (self.num_stages % self.world) if interleaved else (self.num_stages != self.world):
+            raise UserError(f"{self.num_stages} stages cannot run on {self.world} ranks with {spec.schedule} "
+                            f"({'a multiple of the ranks' if interleaved else 'one stage per rank'})")
+        if plan is not None:
+            check_plan_shape(plan, spec)
+        self.stage_ids = list(range(self.rank, self.num_stages, self.world))
+        self.modules: list[nn.Module] = []
+        self.stages: list[PipelineStage] = []
+        for s in self.stage_ids:
+            module, stage = self._build_stage(s, group)
+            self.modules.append(module)
+            self.stages.append(stage)
+        if interleaved:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=lm_loss)
+        else:
+            schedule_cls = SCHEDULES.get(spec.schedule)
+            if schedule_cls is None:
+                raise UserError(f"schedule {spec.schedule!r} is not supported (use gpipe, 1f1b or interleaved)")
+            self.schedule = schedule_cls(self.stages[0], spec.num_microbatches, loss_fn=lm_loss)
+        params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                          weight_decay=spec.weight_decay)
+        self.offloads: list[OptimizerOffload] = []
+        for module, stage in zip(self.modules, self.stages):
+            if isinstance(stage, MpressStage):
+                offload = OptimizerOffload.from_plan(self.optimizer, module, stage.runtime)
+                if offload is not None:
+                    self.offloads.append(offload)
+
+    def _build_stage(self, s: int, group: dist.ProcessGroup | None) -> tuple[nn.Module, PipelineStage]:
+        spec, cfg, device = self.spec, self.spec.model, self.device
+        start, end = spec.ranges[s]
+        module = build_stage(cfg, start, end, seed=spec.seed, device=device)
+        module.train()
         b, t = spec.microbatch_size, cfg.seq_len
         dtype = TORCH_DTYPES[cfg.precision]
-        first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        first, last = s == 0, s == self.num_stages - 1
         # static shapes of one microbatch (gloo's shape inference can deadlock); torch takes
         # requires_grad from them: activations and outputs carry gradients in training
         x = (torch.zeros(b, t, dtype=torch.long, device=device) if first
              else torch.zeros(b, t, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True))
         y = torch.zeros(b, t, cfg.vocab_size if last else cfg.hidden_size, dtype=dtype, device=device,
                         requires_grad=True)
-        if plan is not None:
-            check_plan_shape(plan, spec)
-            self.stage: PipelineStage = wrap_stage(self.module, plan, self.stage_index, device=device,
-                                                   input_args=x, output_args=y, group=group,
-                                                   model_fingerprint=cfg.fingerprint(),
-                                                   host_pool_bytes=spec.host_pool_bytes)
-        else:
-            self.stage = PipelineStage(self.module, self.stage_index, self.num_stages, device,
-                                       input_args=x, output_args=y, group=group)
-        schedule_cls = SCHEDULES.get(spec.schedule)
-        if schedule_cls is None:
-            raise UserError(f"schedule {spec.schedule!r} is not supported by the launcher (use gpipe or 1f1b)")
-        self.schedule = schedule_cls(self.stage, spec.num_microbatches, loss_fn=lm_loss)
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                          weight_decay=spec.weight_decay)
-        self.offload: OptimizerOffload | None = None
-        if isinstance(self.stage, MpressStage):
-            self.offload = OptimizerOffload.from_plan(self.optimizer, self.module, self.stage.runtime)
+        if self.plan is not None:
+            return module, wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
+                                      model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes)
+        return module, PipelineStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group)
+
+    @property
+    def stage(self) -> PipelineStage:
+        """This rank's first stage (its only one outside interleaved schedules)."""
+        return self.stages[0]
+
+    @property
+    def module(self) -> nn.Module:
+        return self.modules[0]
+
+    @property
+    def stage_index(self) -> int:
+        return self.stage_ids[0]
+
+    @property
+    def runtimes(self) -> list:
+        """The mpress runtimes of this rank's stages (none without a plan)."""
+        return [st.runtime for st in self.stages if isinstance(st, MpressStage)]
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.stage_ids
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def last_rank(self) -> int:
+        """The rank holding the last stage (it computes the loss)."""
+        return (self.num_stages - 1) % self.world
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """One training step on the global batch (every rank passes the same batch)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         losses: list[torch.Tensor] = []
-        if self.offload is not None:
-            self.offload.before_backward()
         if self.is_first and self.is_last:
             self.schedule.step(inputs.to(self.device), target=targets.to(self.device), losses=losses)
         elif self.is_first:
@@ -125,39 +169,43 @@ class PipelineJob:
             self.schedule.step(target=targets.to(self.device), losses=losses)
         else:
             self.schedule.step()
-        if self.offload is not None:
-            self.offload.before_step()
+        for offload in self.offloads:
+            offload.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.offload is not None:
-            self.offload.after_step()
-        loss = float(torch.stack(losses).mean()) if losses else None
+        for offload in self.offloads:
+            offload.after_step()
+        loss = float(torch.stack(losses).detach().mean()) if losses else None
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         return StepResult(loss=loss, peak_bytes=peak)
 
     def state(self) -> dict[str, dict]:
-        """Model and optimizer state of this stage (optimizer states brought home first)."""
-        if self.offload is not None:
-            self.offload.before_step()
+        """Model and optimizer state of this rank (optimizer states brought home first).
+        Parameter names are the whole model's, so the stages' state dicts merge."""
+        for offload in self.offloads:
+            offload.before_step()
         # deep copies: the optimizer's state dict shares its per-parameter dicts, which the
         # offload empties again right below
-        state = {"model": copy.deepcopy(self.module.state_dict()),
-                 "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-        if self.offload is not None:
-            self.offload.after_step()
+        model: dict = {}
+        for m in self.modules:
+            model.update(m.state_dict())
+        state = {"model": copy.deepcopy(model), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        for offload in self.offloads:
+            offload.after_step()
         return state
 
     def load_state(self, state: dict[str, dict]) -> None:
-        if self.offload is not None:
-            self.offload.before_step()  # take back what is out: the loaded states replace it
-        self.module.load_state_dict(state["model"])
+        for offload in self.offloads:
+            offload.before_step()  # take back what is out: the loaded states replace it
+        for m in self.modules:
+            m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.offload is not None:
-            self.offload.after_step()
+        for offload in self.offloads:
+            offload.after_step()
 
     def close(self) -> None:
-        if isinstance(self.stage, MpressStage):
-            self.stage.runtime.close()
+        for rt in self.runtimes:
+            rt.close()
 
 
 def check_plan_shape(plan: Plan, spec: JobSpec) -> None:
@@ -174,6 +222,6 @@ def check_plan_shape(plan: Plan, spec: JobSpec) -> None:
 def share_loss(loss: float | None, job: PipelineJob) -> float:
     """The last stage's loss on every rank (one broadcast)."""
     t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=job.device)  # NCCL: CUDA
-    dist.broadcast(t, src=job.num_stages - 1)
+    dist.broadcast(t, src=job.last_rank)
     return float(t.item())
 

@@ -11,6 +11,7 @@ import argparse
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mpress.errors import UserError
 from mpress.hardware import load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
 from mpress.static.planner import STRATEGIES
@@ -56,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
-        from mpress.errors import UserError
         raise UserError(f"--strategies: unknown strategy {unknown[0] if unknown else '(none)'!r} "
                         f"(allowed: {', '.join(STRATEGIES)})")
     memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None

@@ -18,6 +18,7 @@ from mpress.plan import TECHNIQUES
 from mpress.static.evaluate import PipelineSetup
 from mpress.static.planner import (
     STRATEGIES,
+    PlannerOptions,
     PlanResult,
     check_fits_at_all,
     plan_strategy,
@@ -40,7 +41,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def plan_all(setup: PipelineSetup, policy: str, console: Console) -> dict[str, PlanResult]:
     """Plan every strategy with a progress display; results by strategy name."""
-    from mpress.static.planner import PlannerOptions
     options = PlannerOptions(swap_in_policy=policy)  # type: ignore[arg-type]
     results: dict[str, PlanResult] = {}
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),

@@ -21,7 +21,6 @@ prefetches at the start of the backward.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +50,6 @@ saved tensor)."""
 class StageStats:
     """What one stage's runtime did in its last step(s)."""
 
-    forward_s: float = 0.0
-    backward_s: float = 0.0
     microbatches_recomputed: int = 0
     tensors_swapped: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -152,11 +149,9 @@ class MpressStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
                           save_forward_output: bool = True) -> Any:
         rt = self.runtime
-        t0 = time.perf_counter()
         with torch.profiler.record_function(f"mpress:{self.stage_index}F{fwd_chunk_id}"), \
                 rt.router.microbatch(fwd_chunk_id):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        rt.stats.forward_s += time.perf_counter() - t0
         rt.cross_check()
         rt.stats.tensors_swapped += rt.router.swapped(fwd_chunk_id)
         if any(rt.router.recomputes(name, fwd_chunk_id) for name in rt.router.layers):
@@ -173,11 +168,9 @@ class MpressStage(PipelineStage):
         if last_backward:
             for callback in rt.on_last_backward:
                 callback()
-        t0 = time.perf_counter()
         with torch.profiler.record_function(f"mpress:{self.stage_index}B{bwd_chunk_id}"):
             out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                              last_backward=last_backward)
-        rt.stats.backward_s += time.perf_counter() - t0
         rt.router.finish(bwd_chunk_id)
         rt.after_compute()
         return out

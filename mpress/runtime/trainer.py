@@ -9,7 +9,7 @@ steps. The launcher (`mpress.train`) and the multi-process tests drive it.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -58,7 +58,6 @@ class StepResult:
 
     loss: float | None
     peak_bytes: int
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class PipelineJob:

@@ -237,6 +237,14 @@ _TECHNIQUE: dict[Kind, Technique] = {
 }
 
 
+def tensor_info(action: Action, tensors: dict[str, TensorInfo]) -> TensorInfo:
+    """What `tensors` says about the tensor `action` names; a `UserError` if nothing."""
+    info = tensors.get(action.tensor or "")
+    if info is None:
+        raise UserError(f"action {action} names tensor {action.tensor!r}, which the plan does not describe")
+    return info
+
+
 def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Hardware,
                  tensors: dict[str, TensorInfo], weight_stashing: bool = False, dropped_bytes: int = 0,
                  recomputed_peak_bytes: int = 0) -> Task:
@@ -261,9 +269,7 @@ def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Ha
     if kind is Kind.OPT and action.tensor is None:
         num_params = (costs.optim_bytes // 8) if costs.optim_bytes else costs.param_bytes // 4
         return Task(action, compute_s=optimizer_step_s(num_params, hardware))
-    info = tensors.get(action.tensor or "")
-    if info is None:
-        raise UserError(f"action {action} names tensor {action.tensor!r}, which the plan does not describe")
+    info = tensor_info(action, tensors)
     technique = _TECHNIQUE.get(kind, "compute")
     to_peers = kind in (Kind.DO, Kind.DI) or (kind in (Kind.OO, Kind.OI) and bool(info.stripes))
     if kind in (Kind.SO, Kind.OO) and not to_peers:
@@ -323,9 +329,7 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
     for actions in schedule.ranks:
         for a in actions:
             if a.kind is Kind.DR:
-                info = table.get(a.tensor or "")
-                if info is None:
-                    raise UserError(f"action {a} names tensor {a.tensor!r}, which the plan does not describe")
+                info = tensor_info(a, table)
                 key = (a.stage, a.microbatch)
                 dropped[key] = dropped.get(key, 0) + info.bytes
                 largest[key] = max(largest.get(key, 0), info.bytes)

@@ -82,7 +82,7 @@ def test_round_trip_is_bit_identical(make_engine, dtype, shape):
     expected = tensor.clone()
     handle = engine.swap_out(key("t#0"), tensor)
     engine.wait_idle()
-    assert handle.state is SwapState.ON_HOST
+    assert handle.state is SwapState.OFF_DEVICE
     assert manager.residency(key("t#0")) is Residency.HOST
     assert manager.host_bytes() == tensor.numel() * dtype.itemsize
     back = engine.fetch(handle)
@@ -410,7 +410,7 @@ def test_cuda_swap_out_does_not_block_the_compute_stream(make_engine):
     y = x * 2  # produced after the sleep: the copy must wait for it
     handle = engine.swap_out(key("y#0"), y)
     assert not torch.cuda.current_stream().query()  # no host sync on the training thread
-    assert engine._out_stream != torch.cuda.current_stream()
+    assert engine.store._out_stream != torch.cuda.current_stream()
     expected = x * 2
     assert torch.equal(engine.fetch(handle), expected)
 

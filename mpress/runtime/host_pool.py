@@ -1,4 +1,8 @@
-"""A pinned host buffer allocated once and carved into aligned blocks.
+"""A buffer allocated once and carved into aligned blocks; the pinned host pool.
+
+`BlockPool` carves any flat uint8 buffer: the pinned host pool below, and the quota an
+exporter holds in a peer GPU's pool (`mpress/d2d/peer_pool.py`), where the buffer is a
+CUDA IPC mapping of the importer's memory or a shared-memory segment on CPU.
 
 Host swap needs page-locked (pinned) memory so that device<->host copies can run
 asynchronously on a side stream. Pinning is expensive (`cudaHostAlloc` takes a global
@@ -41,7 +45,7 @@ class BlockState(enum.Enum):
 
 
 class HostBlock:
-    """One aligned region of a `PinnedHostPool`. Made by `allocate`, ended by `free`.
+    """One aligned region of a `BlockPool`. Made by `allocate`, ended by `free`.
 
     `size_bytes` is what the block occupies (the request rounded up to the alignment);
     `nbytes` is what was asked for.
@@ -49,7 +53,7 @@ class HostBlock:
 
     __slots__ = ("_pool", "_state", "block_id", "nbytes", "offset_bytes", "owner", "size_bytes")
 
-    def __init__(self, pool: PinnedHostPool, block_id: int, offset_bytes: int,
+    def __init__(self, pool: BlockPool, block_id: int, offset_bytes: int,
                  size_bytes: int, nbytes: int, owner: str) -> None:
         self._pool = pool
         self.block_id = block_id
@@ -64,7 +68,7 @@ class HostBlock:
         return self._state
 
     @property
-    def pool(self) -> PinnedHostPool:
+    def pool(self) -> BlockPool:
         return self._pool
 
     def view(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -77,9 +81,9 @@ class HostBlock:
         shape = tuple(int(d) for d in shape)
         need_bytes = math.prod(shape) * dtype.itemsize
         if self._state is not BlockState.ALLOCATED:
-            raise SwapError(f"host block {self.block_id} of {self.owner} used after free")
+            raise SwapError(f"{self._pool.name} block {self.block_id} of {self.owner} used after free")
         if need_bytes > self.size_bytes:
-            raise SwapError(f"host block of {self.owner} holds {self.size_bytes} bytes, "
+            raise SwapError(f"{self._pool.name} block of {self.owner} holds {self.size_bytes} bytes, "
                             f"a {dtype} tensor of shape {list(shape)} needs {need_bytes}")
         start = self.offset_bytes
         flat = self._pool.buffer[start:start + need_bytes]  # (need_bytes,) uint8
@@ -90,34 +94,25 @@ class HostBlock:
                 f"size={self.size_bytes}, owner={self.owner!r}, state={self._state.value})")
 
 
-class PinnedHostPool:
-    """One host buffer, pinned when CUDA is available, handed out as aligned blocks.
+class BlockPool:
+    """A flat uint8 `buffer` (any device) handed out as aligned blocks.
 
-    `capacity_bytes` is rounded up to a multiple of `alignment_bytes`. `pin_memory=None`
-    pins when CUDA is available; True without CUDA is a UserError. Never pins per tensor.
+    `buffer` must start on an `alignment_bytes` boundary and its length must be a
+    multiple of it; `name` is used in messages ("pinned host pool", "peer pool of ...").
     """
 
-    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
-                 alignment_bytes: int = 512) -> None:
-        if capacity_bytes < 0:
-            raise UserError(f"pinned host pool: capacity must be >= 0 bytes, got {capacity_bytes}")
-        if alignment_bytes < _MIN_ALIGNMENT_BYTES or alignment_bytes & (alignment_bytes - 1):
-            raise UserError(f"pinned host pool: alignment must be a power of two >= "
-                            f"{_MIN_ALIGNMENT_BYTES} bytes, got {alignment_bytes}")
-        cuda = torch.cuda.is_available()
-        if pin_memory and not cuda:
-            raise UserError("pinned host pool: pin_memory=True needs CUDA, which is not available")
-        self.pinned = cuda if pin_memory is None else bool(pin_memory)
+    def __init__(self, buffer: torch.Tensor, *, alignment_bytes: int = 512, name: str = "block pool") -> None:
+        _check_alignment(name, alignment_bytes)
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise UserError(f"{name}: the buffer must be a flat uint8 tensor, got {buffer.dtype} {list(buffer.shape)}")
+        if buffer.numel() % alignment_bytes or (buffer.numel() and buffer.data_ptr() % alignment_bytes):
+            raise UserError(f"{name}: the buffer ({buffer.numel()} bytes at {buffer.data_ptr():#x}) is not "
+                            f"aligned to {alignment_bytes} bytes")
+        self.name = name
         self.alignment_bytes = alignment_bytes
-        self._capacity_bytes = _round_up(capacity_bytes, alignment_bytes)
-        # Over-allocate by one alignment unit so the usable part starts on an aligned
-        # address whatever the allocator returned.
-        self._raw = torch.empty(self._capacity_bytes + alignment_bytes, dtype=torch.uint8,
-                                pin_memory=self.pinned)
-        pad = (-self._raw.data_ptr()) % alignment_bytes
-        self.buffer = self._raw[pad:pad + self._capacity_bytes]
+        self.buffer = buffer
         """The whole pool as one (capacity_bytes,) uint8 tensor; blocks are slices of it."""
-
+        self._capacity_bytes = buffer.numel()
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = (
             [(0, self._capacity_bytes)] if self._capacity_bytes else [])
@@ -126,17 +121,6 @@ class PinnedHostPool:
         self._next_id = 0
         self._in_use_bytes = 0
         self._high_water_bytes = 0
-
-    @classmethod
-    def for_plan(cls, bytes_needed: int, *, num_tensors: int = 0, alignment_bytes: int = 512,
-                 pin_memory: bool | None = None) -> PinnedHostPool:
-        """A pool that holds `num_tensors` tensors totalling `bytes_needed` at once.
-
-        Adds one alignment unit per tensor for rounding; fragmentation is not covered, so
-        plans should pass their peak host residency plus a margin.
-        """
-        capacity = bytes_needed + num_tensors * alignment_bytes
-        return cls(capacity, pin_memory=pin_memory, alignment_bytes=alignment_bytes)
 
     # ---- counters --------------------------------------------------------------------
 
@@ -185,7 +169,7 @@ class PinnedHostPool:
         `owner` names the tensor in messages. Raises SwapError when no free region fits.
         """
         if nbytes < 0:
-            raise SwapError(f"host block for {owner}: negative size {nbytes}")
+            raise SwapError(f"{self.name} block for {owner}: negative size {nbytes}")
         size = _round_up(max(nbytes, 1), self.alignment_bytes)
         with self._lock:
             for i, (offset, free_size) in enumerate(self._free):
@@ -194,7 +178,7 @@ class PinnedHostPool:
             else:
                 largest = max((s for _, s in self._free), default=0)
                 raise SwapError(
-                    f"pinned host pool exhausted: {owner} needs {nbytes} bytes, largest free "
+                    f"{self.name} exhausted: {owner} needs {nbytes} bytes, largest free "
                     f"block {largest}, in use {self._in_use_bytes} of capacity "
                     f"{self._capacity_bytes}")
             if free_size == size:
@@ -214,10 +198,10 @@ class PinnedHostPool:
         Raises SwapError on a double free or a block of another pool.
         """
         if block.pool is not self:
-            raise SwapError(f"host block {block.block_id} of {block.owner} belongs to another pool")
+            raise SwapError(f"{self.name}: block {block.block_id} of {block.owner} belongs to another pool")
         with self._lock:
             if block.state is not BlockState.ALLOCATED or block.block_id not in self._blocks:
-                raise SwapError(f"double free of host block {block.block_id} of {block.owner}")
+                raise SwapError(f"{self.name}: double free of block {block.block_id} of {block.owner}")
             del self._blocks[block.block_id]
             block._state = BlockState.FREED
             self._in_use_bytes -= block.size_bytes
@@ -247,25 +231,66 @@ class PinnedHostPool:
             end = 0
             for offset, size, what in regions:
                 if size <= 0 or offset % self.alignment_bytes or size % self.alignment_bytes:
-                    raise SwapError(f"host pool: {what} at {offset} size {size} is not aligned")
+                    raise SwapError(f"{self.name}: {what} at {offset} size {size} is not aligned")
                 if offset < end:
-                    raise SwapError(f"host pool: {what} at {offset} overlaps the region before")
+                    raise SwapError(f"{self.name}: {what} at {offset} overlaps the region before")
                 end = offset + size
             if end > self._capacity_bytes:
-                raise SwapError(f"host pool: regions end at {end} past capacity {self._capacity_bytes}")
+                raise SwapError(f"{self.name}: regions end at {end} past capacity {self._capacity_bytes}")
             covered = sum(s for _, s, _ in regions)
             if covered != self._capacity_bytes:
-                raise SwapError(f"host pool: regions cover {covered} of {self._capacity_bytes} bytes")
+                raise SwapError(f"{self.name}: regions cover {covered} of {self._capacity_bytes} bytes")
             for (o1, s1), (o2, _) in zip(self._free, self._free[1:]):
                 if o1 + s1 >= o2:
-                    raise SwapError(f"host pool: free regions at {o1} and {o2} not coalesced")
+                    raise SwapError(f"{self.name}: free regions at {o1} and {o2} not coalesced")
             if self._in_use_bytes != sum(b.size_bytes for b in self._blocks.values()):
-                raise SwapError("host pool: in-use counter disagrees with the allocated blocks")
+                raise SwapError(f"{self.name}: in-use counter disagrees with the allocated blocks")
 
     def __repr__(self) -> str:
-        return (f"PinnedHostPool(capacity={self._capacity_bytes}, in_use={self._in_use_bytes}, "
-                f"blocks={len(self._blocks)}, pinned={self.pinned})")
+        return (f"{type(self).__name__}({self.name}, capacity={self._capacity_bytes}, "
+                f"in_use={self._in_use_bytes}, blocks={len(self._blocks)})")
+
+
+class PinnedHostPool(BlockPool):
+    """One host buffer, pinned when CUDA is available, handed out as aligned blocks.
+
+    `capacity_bytes` is rounded up to a multiple of `alignment_bytes`. `pin_memory=None`
+    pins when CUDA is available; True without CUDA is a UserError. Never pins per tensor.
+    """
+
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
+                 alignment_bytes: int = 512) -> None:
+        if capacity_bytes < 0:
+            raise UserError(f"pinned host pool: capacity must be >= 0 bytes, got {capacity_bytes}")
+        _check_alignment("pinned host pool", alignment_bytes)
+        cuda = torch.cuda.is_available()
+        if pin_memory and not cuda:
+            raise UserError("pinned host pool: pin_memory=True needs CUDA, which is not available")
+        self.pinned = cuda if pin_memory is None else bool(pin_memory)
+        capacity = _round_up(capacity_bytes, alignment_bytes)
+        # Over-allocate by one alignment unit so the usable part starts on an aligned
+        # address whatever the allocator returned.
+        self._raw = torch.empty(capacity + alignment_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        pad = (-self._raw.data_ptr()) % alignment_bytes
+        super().__init__(self._raw[pad:pad + capacity], alignment_bytes=alignment_bytes, name="pinned host pool")
+
+    @classmethod
+    def for_plan(cls, bytes_needed: int, *, num_tensors: int = 0, alignment_bytes: int = 512,
+                 pin_memory: bool | None = None) -> PinnedHostPool:
+        """A pool that holds `num_tensors` tensors totalling `bytes_needed` at once.
+
+        Adds one alignment unit per tensor for rounding; fragmentation is not covered, so
+        plans should pass their peak host residency plus a margin.
+        """
+        capacity = bytes_needed + num_tensors * alignment_bytes
+        return cls(capacity, pin_memory=pin_memory, alignment_bytes=alignment_bytes)
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def _check_alignment(name: str, alignment_bytes: int) -> None:
+    if alignment_bytes < _MIN_ALIGNMENT_BYTES or alignment_bytes & (alignment_bytes - 1):
+        raise UserError(f"{name}: alignment must be a power of two >= "
+                        f"{_MIN_ALIGNMENT_BYTES} bytes, got {alignment_bytes}")

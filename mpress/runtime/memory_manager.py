@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,17 @@ class _Record:
     nbytes: int
     category: Category
     residency: Residency
-    peer: int | None
+    peer: dict[int | None, int] | None
+    """PEER only: bytes per peer device."""
+
+
+def _peer_split(key: TensorKey, nbytes: int, peer: int | Mapping[int, int] | None) -> dict[int | None, int]:
+    if peer is None or isinstance(peer, int):
+        return {peer: nbytes}
+    split = dict(peer)
+    if sum(split.values()) != nbytes:
+        raise SwapError(f"{key}: stripes hold {sum(split.values())} bytes, the tensor has {nbytes}")
+    return split
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,7 @@ class MemoryManager:
     # ---- updates ---------------------------------------------------------------------
 
     def track(self, key: TensorKey, nbytes: int, category: Category,
-              residency: Residency = Residency.DEVICE, *, peer: int | None = None) -> None:
+              residency: Residency = Residency.DEVICE, *, peer: int | Mapping[int, int] | None = None) -> None:
         """Start accounting for `key`. Raises SwapError if it is already tracked."""
         if nbytes < 0:
             raise SwapError(f"cannot track {key}: negative size {nbytes}")
@@ -105,17 +116,21 @@ class MemoryManager:
                 raise SwapError(f"{key} is already tracked (as "
                                 f"{self._records[key].residency.value})")
             self._forgotten.discard(key)
-            record = _Record(nbytes, category, residency, peer)
+            record = _Record(nbytes, category, residency,
+                             _peer_split(key, nbytes, peer) if residency is Residency.PEER else None)
             self._records[key] = record
             self._add(record, +1)
 
-    def move(self, key: TensorKey, residency: Residency, *, peer: int | None = None) -> None:
-        """Record that `key`'s bytes now live in `residency` (peer index for PEER)."""
+    def move(self, key: TensorKey, residency: Residency, *,
+             peer: int | Mapping[int, int] | None = None) -> None:
+        """Record that `key`'s bytes now live in `residency`. For PEER, `peer` is the
+        peer device, or {device: bytes} for a tensor striped over several peers."""
         with self._lock:
             record = self._get(key, f"move to {residency.value}")
             old = record.residency
             self._add(record, -1)
-            record.residency, record.peer = residency, peer if residency is Residency.PEER else None
+            record.residency = residency
+            record.peer = _peer_split(key, record.nbytes, peer) if residency is Residency.PEER else None
             self._add(record, +1)
             if old is Residency.DEVICE and residency in _OFF_DEVICE:
                 self._bytes_moved_out += record.nbytes
@@ -149,7 +164,8 @@ class MemoryManager:
         elif record.residency is Residency.HOST:
             self._host_bytes += nbytes
         elif record.residency is Residency.PEER:
-            self._peer_bytes[record.peer] = self._peer_bytes.get(record.peer, 0) + nbytes
+            for peer, part in record.peer.items():
+                self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + sign * part
 
     # ---- queries ---------------------------------------------------------------------
 

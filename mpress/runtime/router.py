@@ -7,12 +7,12 @@ running modules, so each saved tensor gets the identity the profilers and plans 
 and the index counting that module's saved tensors in this forward. Then, per the plan:
 
 - keep: the tensor stays (the pack hook returns it);
-- host: the pack hook hands it to the swap engine (swap-out on its worker thread) and
-  returns a handle; the unpack hook (in backward) fetches it back;
+- host: the pack hook hands it to the host swap engine (swap-out on its worker thread)
+  and returns a handle; the unpack hook (in backward) fetches it back;
+- d2d: the same through the D2D swap engine, which stripes it over the rule's peers;
 - recompute: the layer's forward runs under non-reentrant `torch.utils.checkpoint`
   (RNG state preserved, so dropout masks repeat): its tensors are never saved, only the
-  layer's input, and the backward recomputes them;
-- d2d: not supported by this runtime yet (refused at start-up).
+  layer's input, and the backward recomputes them.
 
 Parameters, and tensors sharing a parameter's storage, are never moved.
 """
@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mpress.errors import PlanError
-from mpress.plan import StagePlan
+from mpress.plan import StagePlan, TensorRule
 from mpress.runtime.identity import TensorKey
 from mpress.runtime.memory_manager import Category, MemoryManager
 from mpress.runtime.swap_engine import SwapEngine, SwapHandle
@@ -40,6 +40,7 @@ from mpress.runtime.swap_engine import SwapEngine, SwapHandle
 class _Swapped:
     """What the autograd graph holds instead of a swapped-out tensor."""
 
+    engine: SwapEngine
     handle: SwapHandle
 
 
@@ -55,18 +56,20 @@ def layer_modules(module: nn.Module) -> dict[str, nn.Module]:
 
 
 class SavedTensorRouter:
-    """Routes one stage's saved tensors to keep / host swap / recompute per the plan.
+    """Routes one stage's saved tensors to keep / host swap / D2D swap / recompute.
 
     module: the stage module (module paths as in the whole model).
     plan: this stage's part of the plan.
-    engine: the swap engine (needed when the plan host-swaps anything).
+    engine: the host swap engine (needed when the plan host-swaps anything).
+    d2d_engine: the D2D swap engine (needed when the plan D2D-swaps anything).
     """
 
     def __init__(self, module: nn.Module, plan: StagePlan, engine: SwapEngine | None, *, rank: int,
-                 manager: MemoryManager | None = None) -> None:
+                 manager: MemoryManager | None = None, d2d_engine: SwapEngine | None = None) -> None:
         self.module = module
         self.plan = plan
         self.engine = engine
+        self.d2d_engine = d2d_engine
         self.manager = manager
         """When given, kept saved bytes are accounted there per microbatch (swapped ones
         per tensor, by the engine)."""
@@ -77,9 +80,9 @@ class SavedTensorRouter:
         self._stack: list[str] = []
         self._counts: dict[str, int] = {}
         self._ids: dict[tuple[str, int], str] = {}
-        self._handles: dict[int, list[SwapHandle]] = {}
+        self._handles: dict[int, list[_Swapped]] = {}
         self._prefetched: set[int] = set()
-        self._decisions: dict[tuple[str, int], str] = {}
+        self._decisions: dict[tuple[str, int], TensorRule | None] = {}
         self._kept_bytes = 0
         self._kept_storages: set[int] = set()
         self._kept_keys: dict[int, TensorKey] = {}
@@ -104,21 +107,24 @@ class SavedTensorRouter:
 
     def _check_plan(self) -> None:
         for rule in self.plan.rules:
-            if rule.technique == "d2d" and not rule.tensor.startswith(("optim:", "stash:")):
-                raise PlanError(f"stage {self.stage}: D2D swap of {rule.tensor!r} is not supported by this "
-                                "runtime yet; plan with --strategy recompute, host-swap or none")
             if rule.technique == "host" and self.engine is None:
                 raise PlanError(f"stage {self.stage}: the plan host-swaps {rule.tensor!r} but no swap engine runs")
+            if rule.technique == "d2d" and self.d2d_engine is None:
+                raise PlanError(f"stage {self.stage}: the plan D2D-swaps {rule.tensor!r} but no peer pools were "
+                                "set up (call mpress.d2d.peer_pool.setup_peer_pools on every rank and pass them "
+                                "to wrap_stage)")
 
     # -- decisions ---------------------------------------------------------------------------
-    def technique(self, tensor: str, microbatch: int) -> str:
+    def rule(self, tensor: str, microbatch: int) -> TensorRule | None:
+        """The plan's rule for `tensor` in `microbatch` (None: keep), cached."""
         key = (tensor, microbatch)
-        found = self._decisions.get(key)
-        if found is None:
-            rule = self.plan.technique(tensor, microbatch)
-            found = rule.technique if rule else "keep"
-            self._decisions[key] = found
-        return found
+        if key not in self._decisions:
+            self._decisions[key] = self.plan.technique(tensor, microbatch)
+        return self._decisions[key]
+
+    def technique(self, tensor: str, microbatch: int) -> str:
+        rule = self.rule(tensor, microbatch)
+        return rule.technique if rule else "keep"
 
     def recomputes(self, layer: str, microbatch: int) -> bool:
         """Whether the plan recomputes layer `layer` in `microbatch` (recompute rules
@@ -152,20 +158,26 @@ class SavedTensorRouter:
         tensor_id = self._ids.get((module, index))
         if tensor_id is None:
             tensor_id = self._ids[(module, index)] = f"{module}#{index}"
-        if self.engine is None or self.technique(tensor_id, self._microbatch) != "host":
+        rule = self.rule(tensor_id, self._microbatch)
+        engine = None
+        if rule is not None and rule.technique == "host":
+            engine = self.engine
+        elif rule is not None and rule.technique == "d2d":
+            engine = self.d2d_engine
+        if engine is None:
             if storage not in self._kept_storages:  # autograd may save one storage twice
                 self._kept_storages.add(storage)
                 self._kept_bytes += tensor.untyped_storage().nbytes()
             return tensor
         key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=tensor_id)
-        handle = self.engine.swap_out(key, tensor)
-        self._handles.setdefault(self._microbatch, []).append(handle)
-        return _Swapped(handle)
+        weights = tuple((s.device, s.fraction) for s in rule.stripes) or None
+        swapped = _Swapped(engine, engine.swap_out(key, tensor, weights=weights))
+        self._handles.setdefault(self._microbatch, []).append(swapped)
+        return swapped
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Swapped):
-            assert self.engine is not None  # only packed when an engine exists
-            return self.engine.fetch(packed.handle)
+            return packed.engine.fetch(packed.handle)
         return packed
 
     # -- per microbatch ---------------------------------------------------------------------------
@@ -198,26 +210,25 @@ class SavedTensorRouter:
         """Start bringing `microbatch`'s swapped tensors back (idempotent)."""
         # a microbatch whose forward has not swapped anything yet is not marked: its
         # swap-outs may still come
-        if self.engine is not None and microbatch not in self._prefetched and microbatch in self._handles:
+        if microbatch not in self._prefetched and microbatch in self._handles:
             self._prefetched.add(microbatch)
-            for handle in self._handles.get(microbatch, ()):
-                self.engine.prefetch(handle)
+            for swapped in self._handles[microbatch]:
+                swapped.engine.prefetch(swapped.handle)
 
     def pending_bytes(self, microbatch: int) -> int:
         """Bytes of `microbatch` on host whose swap-in has not been issued."""
         if microbatch in self._prefetched:
             return 0
-        return sum(h.nbytes for h in self._handles.get(microbatch, ()))
+        return sum(s.handle.nbytes for s in self._handles.get(microbatch, ()))
 
     def swapped(self, microbatch: int) -> int:
-        """Number of tensors of `microbatch` that went to host."""
+        """Number of tensors of `microbatch` that went to host or peers."""
         return len(self._handles.get(microbatch, ()))
 
     def finish(self, microbatch: int) -> None:
         """After `microbatch`'s backward: forget its handles and its kept bytes."""
-        for handle in self._handles.pop(microbatch, ()):
-            if self.engine is not None:  # the swapped-in copies die with the backward
-                self.engine.discard(handle)
+        for swapped in self._handles.pop(microbatch, ()):  # the swapped-in copies die with the backward
+            swapped.engine.discard(swapped.handle)
         self._prefetched.discard(microbatch)
         key = self._kept_keys.pop(microbatch, None)
         if key is not None and self.manager is not None:

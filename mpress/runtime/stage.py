@@ -31,6 +31,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.actions import Action, Kind, warmup_order
+from mpress.d2d.peer_pool import PeerPools
+from mpress.d2d.peer_store import PeerStore
 from mpress.errors import PlanError, SwapError
 from mpress.plan import Plan
 from mpress.runtime.host_pool import PinnedHostPool
@@ -56,25 +58,34 @@ class StageStats:
 
 
 class StageRuntime:
-    """Per-stage mpress state: pool, memory manager, swap engine, router, prefetching."""
+    """Per-stage mpress state: pool, memory manager, swap engines (host, D2D), router,
+    prefetching. `peer_pools` (from `setup_peer_pools`) is needed when the stage's plan
+    D2D-swaps anything."""
 
     def __init__(self, module: nn.Module, plan: Plan, stage_index: int, device: torch.device, *, rank: int,
-                 host_pool_bytes: int | None = None) -> None:
+                 host_pool_bytes: int | None = None, peer_pools: PeerPools | None = None) -> None:
         self.plan = plan
         self.stage_plan = plan.stage(stage_index)
         self.device = device
         self.rank = rank
         host_rules = [r for r in self.stage_plan.rules if r.technique == "host"]
-        self.lead = max((r.prefetch_lead for r in host_rules), default=1)
+        d2d_rules = [r for r in self.stage_plan.rules if r.technique == "d2d"]
+        self.lead = max((r.prefetch_lead for r in host_rules + d2d_rules), default=1)
         self.manager = MemoryManager(device, rank=rank)
         self.pool: PinnedHostPool | None = None
         self.engine: SwapEngine | None = None
+        self.d2d_engine: SwapEngine | None = None
         if host_rules:
             size = (host_pool_bytes if host_pool_bytes is not None
                     else max(int(self.stage_plan.pinned_host_bytes * POOL_SLACK), MIN_POOL_BYTES))
             self.pool = PinnedHostPool(size)
             self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index)
-        self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank, manager=self.manager)
+        if d2d_rules and peer_pools is not None:
+            weights = tuple((st.device, st.fraction) for st in d2d_rules[0].stripes)
+            store = PeerStore(peer_pools, stage_index, device, weights)
+            self.d2d_engine = SwapEngine(store, self.manager, device, rank=rank, stage=stage_index)
+        self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank, manager=self.manager,
+                                        d2d_engine=self.d2d_engine)
         self.order = stage_order(plan, stage_index)
         self.position = 0  # compute actions done in this step
         self.stats = StageStats()
@@ -92,7 +103,7 @@ class StageRuntime:
         for action in upcoming[: self.lead + 1]:
             if action.kind is Kind.B and action.microbatch is not None:
                 self.router.prefetch(action.microbatch)
-        if self.engine is not None and self.plan.swap_in_policy == "capacity":
+        if self.engines and self.plan.swap_in_policy == "capacity":
             used = self.device_used_bytes()
             for action in upcoming:
                 if action.kind is not Kind.B or action.microbatch is None:
@@ -103,8 +114,13 @@ class StageRuntime:
                 if need:
                     self.router.prefetch(action.microbatch)
                     used += need
-        if self.engine is not None:
-            self.engine.check()
+        for engine in self.engines:
+            engine.check()
+
+    @property
+    def engines(self) -> list[SwapEngine]:
+        """The stage's swap engines (host, D2D) that exist."""
+        return [e for e in (self.engine, self.d2d_engine) if e is not None]
 
     @property
     def budget_bytes(self) -> int:
@@ -134,8 +150,9 @@ class StageRuntime:
 
     def close(self) -> None:
         self.router.close()
-        if self.engine is not None:
-            self.engine.close()
+        for engine in self.engines:
+            engine.close()
+            engine.store.close()
 
 
 class MpressStage(PipelineStage):
@@ -208,17 +225,21 @@ def check_plan_for_stage(plan: Plan, module: nn.Module, stage_index: int, num_st
 
 def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch.device,
                input_args: Any, output_args: Any = None, group: dist.ProcessGroup | None = None,
-               model_fingerprint: str | None = None, host_pool_bytes: int | None = None) -> MpressStage:
+               model_fingerprint: str | None = None, host_pool_bytes: int | None = None,
+               peer_pools: PeerPools | None = None) -> MpressStage:
     """The user's stage module under `plan`, as a `PipelineStage` for torch's schedules.
 
     input_args/output_args: example tensors of one microbatch (static shapes; on gloo
     they avoid shape inference, which can deadlock there).
     model_fingerprint: when given, the plan must have been made for that model.
+    peer_pools: the job's peer pools (`mpress.d2d.peer_pool.setup_peer_pools`, called on
+    every rank), needed when the plan D2D-swaps.
     """
     world = dist.get_world_size(group) if dist.is_initialized() else None
     check_plan_for_stage(plan, module, stage_index, plan.num_stages, world_size=world,
                          model_fingerprint=model_fingerprint)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    runtime = StageRuntime(module, plan, stage_index, device, rank=rank, host_pool_bytes=host_pool_bytes)
+    runtime = StageRuntime(module, plan, stage_index, device, rank=rank, host_pool_bytes=host_pool_bytes,
+                           peer_pools=peer_pools)
     return MpressStage(module, stage_index, plan.num_stages, device, runtime=runtime,
                        input_args=input_args, output_args=output_args, group=group)

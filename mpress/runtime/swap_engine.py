@@ -1,15 +1,23 @@
-"""Host swap: copy tensors into the pinned pool on a side stream and back before use.
+"""Swaps: copy tensors off the device on side streams and back before use.
 
-One swap-out worker thread and one swap-in worker thread, each with its own CUDA stream,
-take work from FIFO queues filled by the training thread:
+The engine drives one destination, a `SwapStore` (`swap_store.py`): the pinned host pool
+(`HostStore`) or peer GPUs' pools (`PeerStore`, D2D swap). One swap-out worker thread and
+one swap-in worker thread use the store's CUDA streams (one per direction for host, one
+per peer link and direction for D2D) and take work from FIFO queues filled by the
+training thread:
 
     training thread          out-worker (out stream)              in-worker (in stream)
     swap_out(key, t) ──────► wait ready event (compute stream)
-      record ready event      copy t -> pool block (non_blocking)
-      return handle           wait copy, drop t, manager -> HOST ─► (out done)
-    prefetch(handle) ──────────────────────────────────────────► allocate, copy block -> device
+      reserve room            copy t -> block(s) (non_blocking)
+      record ready event      wait copies, drop t, manager -> HOST/PEER ─► (out done)
+      return handle
+    prefetch(handle) ──────────────────────────────────────────► allocate, copy block(s) -> device
                                                                   manager -> DEVICE, signal
-    fetch(handle) ◄── current stream waits on the copy's event ─── wait copy, free block
+    fetch(handle) ◄── current stream waits on the copies' events ── wait copies, free block(s)
+
+Batching: the out worker takes every swap-out already queued (up to `MAX_BATCH`) and
+issues all their copies before waiting on any, so a burst of small tensors costs one
+host round trip per stream, not one per tensor.
 
 Ordering is by CUDA events, never by a host-wide synchronisation: the out copy waits on an
 event recorded on the compute stream when `swap_out` was called; the consumer's stream
@@ -32,7 +40,6 @@ handle is dropped (the saved tensor died), discarded, or cancelled by `close`.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import queue
 import threading
@@ -45,9 +52,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from mpress.errors import SwapError
-from mpress.runtime.host_pool import HostBlock, PinnedHostPool
+from mpress.runtime.host_pool import PinnedHostPool
 from mpress.runtime.identity import TensorKey
 from mpress.runtime.memory_manager import Category, MemoryManager, Residency
+from mpress.runtime.swap_store import HostStore, Placement, SwapStore, wait_copies
 
 FaultHook = Callable[[TensorKey, str], None]
 """Test hook called in a worker before each copy with the key and "out" or "in"."""
@@ -55,13 +63,17 @@ FaultHook = Callable[[TensorKey, str], None]
 _POLL_S = 0.05
 """Slice of a host wait, so waits notice errors and closing without waiting them out."""
 
+MAX_BATCH = 32
+"""Most queued swap-outs whose copies are issued together before waiting on them."""
+
 
 class SwapState(enum.Enum):
     """Where a swapped tensor's data is."""
 
     OUT_QUEUED = "out-queued"
     OUT_COPYING = "out-copying"
-    ON_HOST = "on-host"
+    OFF_DEVICE = "off-device"
+    """On host (host store) or striped over peers (D2D store)."""
     IN_COPYING = "in-copying"
     ON_DEVICE = "on-device"
     FAILED = "failed"
@@ -88,7 +100,7 @@ class SwapStats:
 class _Record:
     """Engine-internal state of one swap; guarded by the engine's lock."""
 
-    def __init__(self, key: TensorKey, src: torch.Tensor, block: HostBlock, owned: bool) -> None:
+    def __init__(self, key: TensorKey, src: torch.Tensor, placement: Placement, owned: bool) -> None:
         self.key = key
         self.dtype = src.dtype
         self.shape = tuple(src.shape)
@@ -96,13 +108,13 @@ class _Record:
         self.owned = owned                   # the engine tracked the key, so it forgets it
         self.state = SwapState.OUT_QUEUED
         self.src: torch.Tensor | None = src  # dropped once the out copy completed
-        self.block: HostBlock | None = block
+        self.placement: Placement | None = placement
         self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
-        self.in_event: torch.cuda.Event | None = None     # in stream, after the in copy
+        self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies
         self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
         self.in_ready = threading.Event()    # in copy enqueued (or failed/cancelled)
         self.in_requested = False
-        self.busy = False                    # a worker is using the block right now
+        self.busy = False                    # a worker is using the placement right now
         self.discard_requested = False
         self.result: torch.Tensor | None = None
         self.error: SwapError | None = None
@@ -144,13 +156,14 @@ class SwapHandle:
 
 
 class SwapEngine:
-    """Asynchronous device<->host swaps of one stage's tensors through a pinned pool.
+    """Asynchronous swaps of one stage's tensors to one destination (`store`).
 
-    Use as a context manager or call `close()`; the worker threads hold the engine alive.
-    `fault` is a test hook (see `FaultHook`); it may raise or sleep.
+    `store` is a `SwapStore`, or a `PinnedHostPool` for host swap. Use as a context
+    manager or call `close()`; the worker threads hold the engine alive. `fault` is a
+    test hook (see `FaultHook`); it may raise or sleep.
     """
 
-    def __init__(self, pool: PinnedHostPool, manager: MemoryManager, device: torch.device, *,
+    def __init__(self, store: SwapStore | PinnedHostPool, manager: MemoryManager, device: torch.device, *,
                  rank: int, stage: int, timeout_s: float = 60.0,
                  fault: FaultHook | None = None) -> None:
         device = torch.device(device)
@@ -160,7 +173,7 @@ class SwapEngine:
         self.rank = rank
         self.stage = stage
         self.timeout_s = timeout_s
-        self._pool = pool
+        self.store = HostStore(store, device) if isinstance(store, PinnedHostPool) else store
         self._manager = manager
         self._fault = fault
         self._cuda = device.type == "cuda"
@@ -171,29 +184,29 @@ class SwapEngine:
         self._error: SwapError | None = None
         self._closing = False
         self._owned: dict[TensorKey, _Record] = {}
-        self._with_block: set[_Record] = set()  # records holding a pool block, for close()
+        self._with_block: set[_Record] = set()  # records holding a placement, for close()
         self._out_queue: queue.SimpleQueue[_Record | None] = queue.SimpleQueue()
         self._in_queue: queue.SimpleQueue[_Record | None] = queue.SimpleQueue()
         self._dropped: queue.SimpleQueue[_Record] = queue.SimpleQueue()
         """Records whose handle died; a finalizer may run on any thread at any allocation,
         so it only enqueues here (reentrant-safe) and the engine releases them later."""
-        self._out_stream = torch.cuda.Stream(device) if self._cuda else None
-        self._in_stream = torch.cuda.Stream(device) if self._cuda else None
-        self._out_thread = threading.Thread(target=self._worker, args=(self._out_queue, self._run_out),
-                                            name=f"mpress-swap-out-r{rank}s{stage}", daemon=True)
+        kind = self.store.kind
+        self._out_thread = threading.Thread(target=self._out_worker, name=f"mpress-{kind}-out-r{rank}s{stage}",
+                                            daemon=True)
         self._in_thread = threading.Thread(target=self._worker, args=(self._in_queue, self._run_in),
-                                           name=f"mpress-swap-in-r{rank}s{stage}", daemon=True)
+                                           name=f"mpress-{kind}-in-r{rank}s{stage}", daemon=True)
         self._out_thread.start()
         self._in_thread.start()
 
     # ---- training-thread API ---------------------------------------------------------
 
     def swap_out(self, key: TensorKey, tensor: torch.Tensor, *,
-                 category: Category = Category.ACTIVATION) -> SwapHandle:
-        """Start copying `tensor` to host; returns at once (see module docstring).
+                 category: Category = Category.ACTIVATION, weights: object = None) -> SwapHandle:
+        """Start copying `tensor` off the device; returns at once (see module docstring).
 
-        The engine keeps `tensor` alive until the copy completed. Pool exhaustion, a
-        tensor on another device or a non-strided tensor raise SwapError here.
+        The engine keeps `tensor` alive until the copy completed. Pool exhaustion, a dead
+        peer, a tensor on another device or a non-strided tensor raise SwapError here.
+        `weights` goes to the store (D2D: the rule's stripe weights).
         """
         self.check()
         self._reap_dropped()  # frees their blocks and keys before this one needs them
@@ -206,13 +219,13 @@ class SwapEngine:
         with torch.profiler.record_function("mpress:swap_out"), self._lock:
             owned = self._claim_key(key, nbytes, category)
             try:
-                block = self._pool.allocate(nbytes, owner=str(key))
+                placement = self.store.reserve(str(key), nbytes, weights)
             except SwapError as exc:
                 if owned:
                     self._owned.pop(key, None)
                     self._manager.forget(key)
                 raise SwapError(f"swap-out failed: {key}: {exc}") from exc
-            record = _Record(key, tensor.detach(), block, owned)
+            record = _Record(key, tensor.detach(), placement, owned)
             if owned:
                 self._owned[key] = record
             self._with_block.add(record)
@@ -265,14 +278,15 @@ class SwapEngine:
                                 f"(state {record.state.value})")
             if self._cuda:
                 stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(record.in_event)
-                # Allocated on the in stream, used on this one: the allocator must not
+                for event in record.in_events:
+                    stream.wait_event(event)
+                # Allocated on an in stream, used on this one: the allocator must not
                 # hand the memory back to the in stream before this stream is done.
                 tensor.record_stream(stream)
         return tensor
 
     def discard(self, handle: SwapHandle) -> None:
-        """The tensor is no longer needed: release its host block and device copy.
+        """The tensor is no longer needed: release its room off the device and its copy.
 
         Safe at any state; a copy in progress finishes first. Forgets the key in the
         manager if the engine tracked it. A later `fetch` raises SwapError.
@@ -280,12 +294,14 @@ class SwapEngine:
         self._discard(handle._record, "it was discarded")
 
     def check(self) -> None:
-        """Raise the first worker error (sticky), or SwapError if the engine is closed."""
+        """Raise the first worker error (sticky), SwapError if the engine is closed, or
+        the store's error (a peer holding stripes died)."""
         with self._lock:
             if self._error is not None:
                 raise SwapError(str(self._error)) from self._error.__cause__
             if self._closing:
                 raise SwapError(f"swap engine of rank {self.rank} stage {self.stage} is closed")
+        self.store.check()
 
     def wait_idle(self, timeout_s: float | None = None) -> None:
         """Block until every queued swap finished (tests, end of iteration); then `check`."""
@@ -307,7 +323,7 @@ class SwapEngine:
         """Stop the workers; idempotent.
 
         Copies already running finish; queued work is dropped (its handles raise
-        SwapError on fetch); every host block still held is returned to the pool and keys
+        SwapError on fetch); every placement still held is released and keys
         the engine tracked are forgotten. Joins each thread for at most `timeout_s`
         (default: the engine's), warning instead of hanging if one is stuck.
         """
@@ -337,6 +353,37 @@ class SwapEngine:
 
     # ---- workers ---------------------------------------------------------------------
 
+    def _out_worker(self) -> None:
+        """Takes the queued swap-outs in batches: issue all their copies, then wait."""
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+        stop = False
+        with torch.no_grad():
+            while not stop:
+                batch = [self._out_queue.get()]
+                if batch[0] is None:
+                    break
+                while len(batch) < MAX_BATCH:
+                    try:
+                        item = self._out_queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        stop = True
+                        break
+                    batch.append(item)
+                try:
+                    issued = [(record, self._issue_out(record)) for record in batch]
+                    for record, copies in issued:
+                        if copies is not None:
+                            self._finish_out(record, copies)
+                finally:
+                    with self._idle:
+                        self._num_pending -= len(batch)
+                        self._idle.notify_all()
+                    del batch, issued  # so dropped handles' records are not kept by this frame
+                self._reap_dropped()
+
     def _worker(self, work: queue.SimpleQueue, run: Callable[[_Record], None]) -> None:
         if self._cuda:
             torch.cuda.set_device(self.device)
@@ -353,35 +400,39 @@ class SwapEngine:
                         self._idle.notify_all()
                 self._reap_dropped()
 
-    def _run_out(self, record: _Record) -> None:
+    def _issue_out(self, record: _Record) -> list | None:
+        """Enqueue `record`'s out copies; None when it needs none (cancelled or failed)."""
         with self._lock:
             if record.state in _TERMINAL:
-                return
+                return None
             if self._closing:
                 self._cancel(record, "the swap engine was closed")
-                return
+                return None
             record.state, record.busy = SwapState.OUT_COPYING, True
         try:
             if self._fault is not None:
                 self._fault(record.key, "out")
-            with torch.profiler.record_function("mpress:swap_out_copy"), self._on(self._out_stream):
-                if self._out_stream is not None:
-                    self._out_stream.wait_event(record.ready_event)
-                    # Made on the compute stream, read on this one: the allocator must
-                    # not reuse the storage before this stream's work is done.
-                    record.src.record_stream(self._out_stream)
-                host = record.block.view(record.dtype, record.shape)
-                copy_s = _issue_copy(host, record.src, self._out_stream).wait_s()
+            with torch.profiler.record_function("mpress:swap_out_copy"):
+                return self.store.copy_out(record.placement, record.src, record.ready_event)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
+            self._fail(record, "swap-out", exc)
+            return None
+
+    def _finish_out(self, record: _Record, copies: list) -> None:
+        """Wait for `record`'s out copies, then free its device storage (drop `src`)."""
+        try:
+            copy_s = wait_copies(copies)
             with self._lock:
                 if not record.discard_requested:  # else the key may belong to a newer tensor
-                    self._manager.move(record.key, Residency.HOST)
+                    self._manager.move(record.key, self.store.residency, peer=record.placement.peer_bytes() or None)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self._fail(record, "swap-out", exc)
             return
         with self._lock:
+            self.store.completed(record.placement, "out")
             record.src = None  # the copy completed: the storage may go back to the allocator
             record.busy = False
-            record.state = SwapState.ON_HOST
+            record.state = SwapState.OFF_DEVICE
             self._stats.bytes_out += record.nbytes
             self._stats.num_out += 1
             self._stats.copy_s += copy_s
@@ -404,32 +455,29 @@ class SwapEngine:
         try:
             if self._fault is not None:
                 self._fault(record.key, "in")
-            with torch.profiler.record_function("mpress:swap_in_copy"), self._on(self._in_stream):
-                # Allocated on the in stream; `fetch` records the consumer's stream.
-                tensor = torch.empty(record.shape, dtype=record.dtype, device=self.device)
-                host = record.block.view(record.dtype, record.shape)
-                copy = _issue_copy(tensor, host, self._in_stream)
+            self.store.check()  # a dead peer's stripes cannot come back
+            with torch.profiler.record_function("mpress:swap_in_copy"):
+                tensor, copies = self.store.copy_in(record.placement, record.dtype, record.shape)
             with self._lock:
                 if not record.discard_requested:
                     self._manager.move(record.key, Residency.DEVICE)
-                record.result, record.in_event = tensor, copy.done
+                record.result = tensor
+                record.in_events = [c.done for c in copies if c.done is not None]
                 record.state = SwapState.ON_DEVICE
-                record.in_ready.set()  # consumers may go on; their stream waits on the event
-            copy_s = copy.wait_s()  # the block may be reused only after the copy read it
+                record.in_ready.set()  # consumers may go on; their stream waits on the events
+            copy_s = wait_copies(copies)  # the blocks may be reused only after the copies read them
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self._fail(record, "swap-in", exc)
             return
         with self._lock:
             record.busy = False
+            self.store.completed(record.placement, "in")
             self._release_block(record)
             self._stats.bytes_in += record.nbytes
             self._stats.num_in += 1
             self._stats.copy_s += copy_s
             if record.discard_requested:
                 self._cancel(record, "it was discarded")
-
-    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     # ---- bookkeeping (callers hold self._lock unless noted) ---------------------------
 
@@ -476,9 +524,9 @@ class SwapEngine:
         record.in_ready.set()
 
     def _release_block(self, record: _Record) -> None:
-        if record.block is not None:
-            self._pool.free(record.block)
-            record.block = None
+        if record.placement is not None:
+            self.store.release(record.placement)
+            record.placement = None
             self._with_block.discard(record)
 
     def _forget_owned(self, record: _Record) -> None:
@@ -511,34 +559,3 @@ class SwapEngine:
                 return
             self._discard(record, "its handle was dropped")
 
-
-@dataclass
-class _Copy:
-    """A copy issued by `_issue_copy`."""
-
-    done: torch.cuda.Event | None
-    """CUDA: recorded on the copy's stream right after it; None on CPU (copy finished)."""
-    start: torch.cuda.Event | None
-    wall_s: float
-
-    def wait_s(self) -> float:
-        """Block the calling (worker) thread until the copy completed; its duration in s."""
-        if self.done is None:
-            return self.wall_s
-        self.done.synchronize()
-        return self.start.elapsed_time(self.done) / 1e3
-
-
-def _issue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> _Copy:
-    """Copy `src` into `dst`: on CPU at once, on CUDA enqueued on `stream` (non_blocking;
-    a non-contiguous source is gathered on that stream first, so only its elements move)."""
-    if stream is None:
-        start_s = time.perf_counter()
-        dst.copy_(src)
-        return _Copy(done=None, start=None, wall_s=time.perf_counter() - start_s)
-    start = torch.cuda.Event(enable_timing=True)
-    done = torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    dst.copy_(src, non_blocking=True)
-    done.record(stream)
-    return _Copy(done=done, start=start, wall_s=0.0)

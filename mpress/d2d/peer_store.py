@@ -1,0 +1,198 @@
+"""D2D swap destination: a tensor striped over peer GPUs' pools.
+
+`PeerStore` is the `SwapStore` the swap engine drives for D2D rules. For each tensor it
+asks the rule's `StripeSpreader` for the stripes (bandwidth-weighted; small tensors
+whole, on the peer furthest behind its share), carves a block per stripe out of this
+stage's quota of that peer's pool, and records the stripes in its `StripeTable`. Copies
+run one stream per peer link and direction, so stripes to different peers move in
+parallel:
+
+- out: stripe k of the tensor's bytes -> its block on peer k, on this GPU's out stream
+  for peer k (a peer-to-peer write over NVLink; torch enables peer access);
+- in: each block -> its range of a fresh tensor on this GPU; torch runs a cross-device
+  copy on the *source* device's current stream, so the copy is issued on a stream of
+  the peer's device, with this GPU's in stream for peer k as the destination's current
+  stream (it waits for the copy); the consumer waits on events recorded there.
+
+On CPU (shared-memory pools) the copies are plain memcpys on the worker thread.
+Before each reservation and swap-in, and at most every `check_interval_s` from `check`,
+the store checks that the processes holding its peers' pools are alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from mpress.d2d.peer_pool import PeerPools
+from mpress.d2d.striping import (
+    DEFAULT_MIN_STRIPE_BYTES,
+    StripeEntry,
+    StripeInfo,
+    StripeSpreader,
+    StripeState,
+    StripeTable,
+)
+from mpress.errors import SwapError
+from mpress.runtime.memory_manager import Residency
+from mpress.runtime.swap_store import (
+    Copy,
+    Placement,
+    Slot,
+    SwapStore,
+    byte_view,
+    issue_copy,
+)
+
+Weights = tuple[tuple[int, float], ...]
+"""(peer device, fraction) per stripe, as a D2D rule gives them."""
+
+
+class PeerStore(SwapStore):
+    """Swaps one stage's tensors into its quotas of peer pools (see the module docstring).
+
+    weights: the stripe weights tensors get when `reserve` is called without any (the
+        stage's first D2D rule); a reservation may name other weights.
+    """
+
+    residency = Residency.PEER
+    kind = "d2d"
+
+    def __init__(self, pools: PeerPools, stage: int, device: torch.device, weights: Sequence[tuple[int, float]], *,
+                 min_stripe_bytes: int = DEFAULT_MIN_STRIPE_BYTES, check_interval_s: float = 0.5) -> None:
+        super().__init__(device)
+        self.pools = pools
+        self.stage = stage
+        self.default_weights: Weights = tuple(weights)
+        self.min_stripe_bytes = min_stripe_bytes
+        self.check_interval_s = check_interval_s
+        self.table = StripeTable()
+        self._spreaders: dict[Weights, StripeSpreader] = {}
+        self._lock = threading.Lock()
+        self._checked_at = 0.0
+        self._peers: set[int] = set()
+        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+        self.spreader(self.default_weights)
+
+    def spreader(self, weights: Weights) -> StripeSpreader:
+        """The spreader of one weight set; opens the quotas and streams it needs."""
+        with self._lock:
+            found = self._spreaders.get(weights)
+            if found is None:
+                found = self._spreaders[weights] = StripeSpreader(weights, min_stripe_bytes=self.min_stripe_bytes)
+                for peer, _ in weights:
+                    self.pools.quota(self.stage, peer)  # raises when the plan gave no quota
+                    self._peers.add(peer)
+                    if self.cuda:
+                        own = self.device
+                        other = torch.device("cuda", peer)
+                        self._streams[("out", peer)] = torch.cuda.Stream(own)
+                        self._streams[("in", peer)] = torch.cuda.Stream(own)
+                        self._streams[("in-src", peer)] = (torch.cuda.Stream(other) if other != own
+                                                            else self._streams[("in", peer)])
+            return found
+
+    # ---- SwapStore ---------------------------------------------------------------------
+
+    def reserve(self, owner: str, nbytes: int, weights: Weights | None = None) -> Placement:
+        stripes = self.spreader(weights or self.default_weights).split(nbytes)
+        for peer, _ in stripes:
+            self.pools.check_peer(peer)
+        slots: list[Slot] = []
+        offset = 0
+        try:
+            for peer, size in stripes:
+                block = self.pools.quota(self.stage, peer).allocate(size, owner)
+                slots.append(Slot(peer, block, offset, size))
+                offset += size
+        except SwapError:
+            for slot in slots:
+                slot.block.pool.free(slot.block)
+            raise
+        placement = Placement(tuple(slots))
+        self.table.add(StripeEntry(owner=owner, nbytes=nbytes, state=StripeState.RESERVED, stripes=tuple(
+            StripeInfo(peer=s.peer, pool_offset_bytes=s.block.offset_bytes, tensor_offset_bytes=s.tensor_offset_bytes,
+                       nbytes=s.nbytes) for s in slots)))
+        return placement
+
+    def release(self, placement: Placement) -> None:
+        owner = placement.slots[0].block.owner
+        for slot in placement.slots:
+            slot.block.pool.free(slot.block)
+        self.table.remove(owner)
+
+    def copy_out(self, placement: Placement, src: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
+        owner = placement.slots[0].block.owner
+        self.table.update(owner, StripeState.WRITING)
+        flat = byte_view(src.contiguous()) if src.is_contiguous() or not self.cuda else None
+        if flat is None:  # gather on the first stream, the others wait for it
+            first = self._streams[("out", placement.slots[0].peer)]
+            first.wait_event(ready)
+            with torch.cuda.stream(first):
+                flat = byte_view(src.contiguous())
+            ready = torch.cuda.Event()
+            ready.record(first)
+        copies = []
+        for slot in placement.slots:
+            stream = self._streams.get(("out", slot.peer))
+            if stream is not None:
+                stream.wait_event(ready)
+                flat.record_stream(stream)
+            dst = slot.block.view(torch.uint8, (slot.nbytes,))
+            copies.append(issue_copy(dst, flat[slot.tensor_offset_bytes:slot.tensor_offset_bytes + slot.nbytes],
+                                     stream))
+        return copies
+
+    def copy_in(self, placement: Placement, dtype: torch.dtype,
+                shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
+        owner = placement.slots[0].block.owner
+        entry = self.table.update(owner, StripeState.READING)
+        first = self._streams.get(("in", entry.stripes[0].peer))
+        with torch.cuda.stream(first) if first is not None else contextlib.nullcontext():
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        flat = byte_view(tensor)
+        copies = []
+        for slot, info in zip(placement.slots, entry.stripes):
+            dst = flat[info.tensor_offset_bytes:info.tensor_offset_bytes + info.nbytes]
+            src = slot.block.view(torch.uint8, (info.nbytes,))
+            if first is None:
+                copies.append(issue_copy(dst, src, None))
+                continue
+            stream = self._streams[("in", slot.peer)]
+            source_stream = self._streams[("in-src", slot.peer)]
+            if stream is not first:
+                stream.wait_stream(first)  # the tensor was allocated on `first`
+                tensor.record_stream(stream)
+            copies.append(_peer_copy_in(dst, src, stream, source_stream))
+        return tensor, copies
+
+    def completed(self, placement: Placement, direction: str) -> None:
+        owner = placement.slots[0].block.owner
+        self.table.update(owner, StripeState.ON_PEERS if direction == "out" else StripeState.READ)
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now - self._checked_at < self.check_interval_s:
+            return
+        self._checked_at = now
+        for peer in sorted(self._peers):
+            self.pools.check_peer(peer)
+
+
+def _peer_copy_in(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
+                  source_stream: torch.cuda.Stream) -> Copy:
+    """Copy a peer block into this GPU's tensor: issued on the peer device's
+    `source_stream` (torch runs cross-device copies on the source's current stream) with
+    `stream` as the destination's current stream, which torch makes wait for the copy;
+    the returned events are recorded on `stream`."""
+    start = torch.cuda.Event(enable_timing=True)
+    done = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    with torch.cuda.stream(stream), torch.cuda.stream(source_stream):
+        dst.copy_(src, non_blocking=True)
+    done.record(stream)
+    return Copy(done=done, start=start, wall_s=0.0)

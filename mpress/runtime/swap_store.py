@@ -1,0 +1,181 @@
+"""Where a swapped-out tensor's bytes go: the destination half of the swap engine.
+
+The swap engine (`swap_engine.py`) owns the life cycle of a swap: queues, worker
+threads, states, errors, residency reports. A `SwapStore` owns the destination: it
+reserves room for a tensor (`reserve`, on the training thread, so exhaustion is raised
+where the tensor is named), issues the copies out and back on its own CUDA streams, and
+releases the room. Two stores exist:
+
+- `HostStore`: one block of the pinned host pool per tensor, one out and one in stream;
+- `PeerStore` (`mpress/d2d/peer_store.py`): the tensor striped over peer GPUs' pools,
+  one stream per peer link and direction.
+
+A `Placement` lists the tensor's `Slot`s: which byte range of the tensor lies in which
+block of which pool. Units: bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpress.runtime.host_pool import HostBlock, PinnedHostPool
+from mpress.runtime.memory_manager import Residency
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One contiguous byte range of a swapped tensor and the block that holds it."""
+
+    peer: int | None
+    """Device of the pool holding the bytes (None: host)."""
+    block: HostBlock
+    tensor_offset_bytes: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where all bytes of one swapped tensor are; slots cover the tensor in order."""
+
+    slots: tuple[Slot, ...]
+
+    def peer_bytes(self) -> dict[int, int]:
+        """Bytes per peer device (empty for host placements)."""
+        out: dict[int, int] = {}
+        for slot in self.slots:
+            if slot.peer is not None:
+                out[slot.peer] = out.get(slot.peer, 0) + slot.nbytes
+        return out
+
+
+@dataclass
+class Copy:
+    """A copy issued by `issue_copy`."""
+
+    done: torch.cuda.Event | None
+    """CUDA: recorded on the copy's stream right after it; None on CPU (copy finished)."""
+    start: torch.cuda.Event | None
+    wall_s: float
+
+    def wait_s(self) -> float:
+        """Block the calling (worker) thread until the copy completed; its duration in s."""
+        if self.done is None:
+            return self.wall_s
+        self.done.synchronize()
+        return self.start.elapsed_time(self.done) / 1e3
+
+
+def issue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> Copy:
+    """Copy `src` into `dst`: on CPU at once, on CUDA enqueued on `stream` (non_blocking;
+    a non-contiguous source is gathered on that stream first, so only its elements move)."""
+    if stream is None:
+        start_s = time.perf_counter()
+        dst.copy_(src)
+        return Copy(done=None, start=None, wall_s=time.perf_counter() - start_s)
+    start = torch.cuda.Event(enable_timing=True)
+    done = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    done.record(stream)
+    return Copy(done=done, start=start, wall_s=0.0)
+
+
+def wait_copies(copies: list[Copy]) -> float:
+    """Wait for every copy; the longest one's time (they ran in parallel), in s."""
+    return max((c.wait_s() for c in copies), default=0.0)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class SwapStore(abc.ABC):
+    """Destination of one swap engine (see the module docstring). Thread safety: `reserve`
+    and `release` may be called from any thread; `copy_out` only from the out worker and
+    `copy_in` only from the in worker."""
+
+    residency: Residency
+    """Where the manager is told the bytes are once the out copy completed."""
+    kind: str
+    """"host" or "d2d", for thread names and messages."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    @abc.abstractmethod
+    def reserve(self, owner: str, nbytes: int, weights: Any = None) -> Placement:
+        """Room for `nbytes`; raises SwapError naming `owner` when there is none.
+        `weights`: how to spread it (D2D stripe weights; the host store ignores it)."""
+
+    @abc.abstractmethod
+    def release(self, placement: Placement) -> None:
+        """Give the room back (once per placement)."""
+
+    @abc.abstractmethod
+    def copy_out(self, placement: Placement, src: torch.Tensor,
+                 ready: torch.cuda.Event | None) -> list[Copy]:
+        """Issue the copies of `src` into `placement`, each after `ready` (CUDA)."""
+
+    @abc.abstractmethod
+    def copy_in(self, placement: Placement, dtype: torch.dtype,
+                shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
+        """A new device tensor and the copies filling it from `placement`."""
+
+    def completed(self, placement: Placement, direction: str) -> None:
+        """The engine saw the "out" or "in" copies of `placement` complete."""
+
+    def check(self) -> None:
+        """Raise SwapError if the destination became unusable (a peer died). Host: never."""
+
+    def close(self) -> None:
+        """Release what the store holds beyond its placements."""
+
+
+class HostStore(SwapStore):
+    """Swaps to the pinned host pool: one block per tensor, one stream per direction."""
+
+    residency = Residency.HOST
+    kind = "host"
+
+    def __init__(self, pool: PinnedHostPool, device: torch.device) -> None:
+        super().__init__(device)
+        self.pool = pool
+        self._out_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._in_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def reserve(self, owner: str, nbytes: int, weights: Any = None) -> Placement:
+        return Placement((Slot(None, self.pool.allocate(nbytes, owner=owner), 0, nbytes),))
+
+    def release(self, placement: Placement) -> None:
+        for slot in placement.slots:
+            self.pool.free(slot.block)
+
+    def copy_out(self, placement: Placement, src: torch.Tensor,
+                 ready: torch.cuda.Event | None) -> list[Copy]:
+        (slot,) = placement.slots
+        stream = self._out_stream
+        if stream is not None:
+            stream.wait_event(ready)
+            # Made on the compute stream, read on this one: the allocator must not reuse
+            # the storage before this stream's work is done.
+            src.record_stream(stream)
+        return [issue_copy(slot.block.view(src.dtype, src.shape), src, stream)]
+
+    def copy_in(self, placement: Placement, dtype: torch.dtype,
+                shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
+        (slot,) = placement.slots
+        stream = self._in_stream
+        # Allocated on the in stream; the engine's `fetch` records the consumer's stream.
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        return tensor, [issue_copy(tensor, slot.block.view(dtype, shape), stream)]
+

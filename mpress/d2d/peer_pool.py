@@ -17,8 +17,8 @@ Two transports implement the same interface:
 - `SharedMemoryTransport`: the pool is a `multiprocessing.shared_memory` segment, so the
   whole protocol runs on CPU-only machines and in CI (a test vehicle, not a fast path).
 
-A small shared-memory ledger per pool holds each exporter's bytes in use and high-water
-mark, written by the exporter on every allocation, so the importer (and its report) can
+A small shared-memory ledger per pool holds each exporter's bytes in use, high-water mark
+and tensor bytes held, written by the exporter on every allocation and free, so the importer (and its report) can
 see how much of its pool is used without taking part. Liveness: every rank publishes its
 pid and process start time; `dead_ranks` tells which rank's process is gone, so a dead
 importer is named instead of surfacing as a broken socket or a hang.
@@ -30,6 +30,7 @@ import _posixshmem  # POSIX shared memory, as multiprocessing.shared_memory uses
 import abc
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -43,7 +44,7 @@ from mpress.runtime.host_pool import BlockPool, HostBlock
 
 ALIGNMENT_BYTES = 512
 """Alignment of quotas inside a pool and of blocks inside a quota."""
-_LEDGER_FIELDS = 2  # per quota: bytes in use, high-water mark
+_LEDGER_FIELDS = 3  # per quota: bytes in use (aligned blocks), high-water mark, tensor bytes held
 
 
 # ---- pure: who exports to whom, how much ------------------------------------------------
@@ -250,20 +251,28 @@ class QuotaPool(BlockPool):
         super().__init__(buffer, alignment_bytes=ALIGNMENT_BYTES,
                          name=f"peer pool quota of stage {quota.stage} on device {quota.device}")
         self.quota = quota
-        self._ledger = ledger[slot * _LEDGER_FIELDS:(slot + 1) * _LEDGER_FIELDS]
+        self.ledger_counters = ledger
+        """The whole pool's ledger (every exporter's slots)."""
+        self.ledger_slot = ledger[slot * _LEDGER_FIELDS:(slot + 1) * _LEDGER_FIELDS]
+        """This quota's counters in the ledger."""
+        self._ledger_lock = threading.Lock()
+        self._data_bytes = 0
 
     def allocate(self, nbytes: int, owner: str) -> HostBlock:
         block = super().allocate(nbytes, owner)
-        self._publish()
+        self._publish(block.nbytes)
         return block
 
     def free(self, block: HostBlock) -> None:
         super().free(block)
-        self._publish()
+        self._publish(-block.nbytes)
 
-    def _publish(self) -> None:
-        self._ledger[0] = self.in_use_bytes
-        self._ledger[1] = self.high_water_bytes
+    def _publish(self, data_delta: int) -> None:
+        with self._ledger_lock:  # the out worker allocates while the in worker frees
+            self._data_bytes += data_delta
+            self.ledger_slot[0] = self.in_use_bytes
+            self.ledger_slot[1] = self.high_water_bytes
+            self.ledger_slot[2] = self._data_bytes
 
 
 # ---- liveness --------------------------------------------------------------------------------
@@ -364,9 +373,13 @@ class PeerPools:
                             "peer pool, has died")
 
     def dead_ranks(self) -> list[str]:
-        """One line per rank of the job whose process is gone (pool holders first)."""
+        """One line per other rank of the job whose process is gone: first those holding
+        pools this rank writes into, then other pool holders, then the rest."""
+        mine = {peer for _stage, peer in self._quotas}
+        def order(info: _RankInfo) -> tuple[bool, bool, int]:
+            return (not any(e.device in mine for e in info.exports), not info.exports, info.rank)
         lines = []
-        for info in sorted(self._infos, key=lambda i: not i.exports):
+        for info in sorted(self._infos, key=order):
             if info.rank != self.rank and not info.process.alive():
                 role = (f"holds the D2D peer pool of device(s) {', '.join(str(e.device) for e in info.exports)}"
                         if info.exports else "holds no peer pool")
@@ -374,18 +387,27 @@ class PeerPools:
         return lines
 
     def pool_usage(self) -> dict[int, dict[str, int]]:
-        """For the pools this rank holds: capacity, bytes in use and high-water mark
-        (summed over exporters), read from the ledgers."""
+        """For the pools this rank holds: capacity, bytes in use (aligned blocks), tensor
+        bytes held and high-water mark (summed over exporters), read from the ledgers."""
         out = {}
         for info in self._infos:
             if info.rank != self.rank:
                 continue
             for export, ledger in zip(info.exports, self._ledgers):
-                counters = torch.frombuffer(ledger.buf, dtype=torch.int64)
-                out[export.device] = {"capacity_bytes": export.nbytes,
-                                      "in_use_bytes": int(counters[0::_LEDGER_FIELDS].sum()),
-                                      "high_water_bytes": int(counters[1::_LEDGER_FIELDS].sum())}
+                out[export.device] = _usage(export, torch.frombuffer(ledger.buf, dtype=torch.int64))
         return out
+
+    def peer_usage(self, device: int, stage: int | None = None) -> dict[str, int]:
+        """The same figures for a pool this rank writes into, read from its ledger: all
+        exporters', or only stage `stage`'s quota."""
+        for (quota_stage, peer), quota in self._quotas.items():
+            if peer == device and stage in (None, quota_stage):
+                export = next(e for i in self._infos for e in i.exports if e.device == device)
+                if stage is None:
+                    return _usage(export, quota.ledger_counters)
+                return dict(_usage(export, quota.ledger_slot), capacity_bytes=quota.capacity_bytes)
+        raise PlanError(f"rank {self.rank} writes into no peer pool on device {device}"
+                        + (f" for stage {stage}" if stage is not None else ""))
 
     def close(self) -> None:
         """Unmap and free (importers unlink their pools and ledgers)."""
@@ -399,6 +421,13 @@ class PeerPools:
         self._attached.clear()
         _close_all(self.transport, self._ledgers)
         self._ledgers.clear()
+
+
+def _usage(export: _Export, counters: torch.Tensor) -> dict[str, int]:
+    return {"capacity_bytes": export.nbytes,
+            "in_use_bytes": int(counters[0::_LEDGER_FIELDS].sum()),
+            "high_water_bytes": int(counters[1::_LEDGER_FIELDS].sum()),
+            "data_bytes": int(counters[2::_LEDGER_FIELDS].sum())}
 
 
 def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,

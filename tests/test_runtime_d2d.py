@@ -1,0 +1,255 @@
+"""D2D swap in multi-process pipelines on CPU (gloo + shared-memory peer pools).
+
+Runs under plans that stripe saved tensors into other ranks' pools must equal the plain
+run bit for bit; the exporter's device bytes must drop, and the importer's pool fill, by
+exactly the swapped bytes; a dead importer and a pool too small must end every rank with
+an error that names them, without hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mpress.model_config import load_model_config
+from mpress.plan import PeerQuota, Plan, Stripe, TensorRule
+from mpress.runtime.trainer import JobSpec, PipelineJob
+from test_runtime_pipeline import RANGES, STEPS, assert_identical, batch, make_plan
+
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+MICROBATCHES = 4
+POOL = 16 << 20
+STAGE_LAYERS = {0: ["embed", "layers.0"], 1: ["layers.1"], 2: ["layers.2"], 3: ["layers.3", "head"]}
+
+
+def d2d(tensor: str, stripes: dict[int, float], microbatches: str = "all") -> TensorRule:
+    return TensorRule(tensor=tensor, technique="d2d", microbatches=microbatches,
+                      stripes=[Stripe(device=d, fraction=f) for d, f in stripes.items()])
+
+
+def with_pools(plan: Plan, pools: dict[int, int], quotas: dict[int, dict[int, int]] | None = None) -> Plan:
+    """`plan` with peer pools on the given devices (and explicit exporter quotas)."""
+    stages = [dataclasses.replace(sp, peer_pool_bytes=pools.get(sp.device, 0),
+                                  peer_quotas=[PeerQuota(device=d, quota_bytes=b)
+                                               for d, b in (quotas or {}).get(sp.stage, {}).items()])
+              for sp in plan.stages]
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _probe(job: PipelineJob, records: list[dict]) -> None:
+    """After every forward of this rank's first stage: settle the swaps and record the
+    device bytes of saved tensors, bytes on each peer, and what the pools' ledgers hold."""
+    stage = job.stages[0]
+    original = stage.forward_one_chunk
+
+    def forward(chunk: int, *args, **kwargs):
+        out = original(chunk, *args, **kwargs)
+        rt = stage.runtime
+        for engine in rt.engines:
+            engine.wait_idle()
+        peers = {d: rt.manager.peer_bytes(d) for d in range(WORLD) if d != rt.stage_plan.device}
+        ledger = {d: job.peer_pools.peer_usage(d, stage=rt.stage_plan.stage)["data_bytes"] for d in peers
+                  if job.peer_pools is not None and peers[d]}
+        table = ([[(s.peer, s.nbytes) for s in e.stripes] for e in rt.d2d_engine.store.table.entries()]
+                 if rt.d2d_engine is not None else [])
+        records.append({"microbatch": chunk, "device_bytes": rt.manager.device_bytes(), "peer_bytes": peers,
+                        "moved_in": rt.manager.bytes_moved_in,
+                        "ledger_bytes": ledger, "stripes": table})
+        return out
+
+    stage.forward_one_chunk = forward
+
+
+def _worker(rank: int, world: int, init: str, plan_paths: list[str | None], out_dir: str,
+            options: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=options.get("timeout_s", 60)))
+    try:
+        spec = JobSpec(model=load_model_config("gpt-tiny"), schedule="1f1b", ranges=RANGES[world],
+                       microbatch_size=2, num_microbatches=MICROBATCHES, seed=3,
+                       peer_pool_bytes=options.get("peer_pool_bytes"))
+        for i, plan_path in enumerate(plan_paths):
+            torch.manual_seed(7 + rank)
+            plan = Plan.load(plan_path) if plan_path else None
+            job = PipelineJob(spec, plan, torch.device("cpu"))
+            records: list[dict] = []
+            if plan is not None:
+                _probe(job, records)
+            if rank == options.get("kill_rank"):
+                _die_in_forward(job, options["kill_step"])
+            losses = []
+            for step in range(STEPS):
+                job.current_step = step
+                x, y = batch(step, MICROBATCHES)
+                losses.append(job.step(x, y).loss)
+            dist.barrier()  # every exporter finished its step before the importers read their pools
+            usage = job.peer_pools.pool_usage() if job.peer_pools is not None else {}
+            torch.save({"losses": losses, "state": job.state(), "probes": records, "pool_usage": usage},
+                       Path(out_dir) / f"{i}-{rank}.pt")
+            job.close()
+    except BaseException as exc:  # noqa: BLE001 - report every failure to the test, then leave at once
+        Path(out_dir, f"error-{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        os._exit(1)  # no destroy_process_group: peers may be dead
+    dist.destroy_process_group()
+
+
+def _die_in_forward(job: PipelineJob, step: int) -> None:
+    stage = job.stages[0]
+    original = stage.forward_one_chunk
+
+    def forward(chunk: int, *args, **kwargs):
+        if job.current_step == step and chunk == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk = forward
+
+
+def run(plans: list[Plan | None], **options) -> tuple[list[list[dict]], dict[int, str], float]:
+    """Per plan, per rank: the worker's results; the errors by rank; the wall time."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths: list[str | None] = []
+        for i, plan in enumerate(plans):
+            paths.append(None if plan is None else os.path.join(tmp, f"plan{i}.yaml"))
+            if plan is not None:
+                plan.save(paths[-1])
+        init = os.path.join(tmp, "init")
+        start = time.monotonic()
+        procs = [ctx.Process(target=_worker, args=(r, WORLD, init, paths, tmp, options)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=max(1.0, 240 - (time.monotonic() - start)))
+        elapsed = time.monotonic() - start
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert not hung, f"ranks {hung} hung"
+        errors = {r: Path(tmp, f"error-{r}.txt").read_text() for r in range(WORLD)
+                  if Path(tmp, f"error-{r}.txt").exists()}
+        results = [[torch.load(Path(tmp, f"{i}-{r}.pt"), weights_only=False) if Path(tmp, f"{i}-{r}.pt").exists()
+                    else None for r in range(WORLD)] for i in range(len(plans))]
+        return results, errors, elapsed
+
+
+D2D_ONLY = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
+    0: [d2d("*", {2: 0.75, 3: 0.25})],
+    1: [d2d("layers.1.**", {3: 1.0})]}), {2: POOL, 3: POOL}, quotas={0: {2: 8 << 20, 3: 4 << 20}, 1: {3: 4 << 20}})
+D2D_LAYER_AHEAD = dataclasses.replace(D2D_ONLY, swap_in_policy="layer-ahead")
+"""Swap-ins only `prefetch_lead` ahead: tensors stay on the peers between forward and backward."""
+
+MIXED = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
+    0: [TensorRule(tensor="embed.**", technique="host"),
+        TensorRule(tensor="layers.0.**", technique="recompute", microbatches="0-1"),
+        d2d("layers.0.**", {2: 0.5, 3: 0.5}, "2-3")],
+    1: [d2d("layers.1.**", {3: 1.0}, "0,2"), TensorRule(tensor="layers.1.**", technique="host", microbatches="1,3")],
+    2: [TensorRule(tensor="layers.2.**", technique="recompute")],
+    3: [d2d("head.**", {0: 0.6, 1: 0.4}), TensorRule(tensor="layers.3.**", technique="host")]}),
+    {0: POOL, 1: POOL, 2: POOL, 3: POOL}, quotas={0: {2: 4 << 20, 3: 4 << 20}})
+
+KEEP_ALL = make_plan("1f1b", WORLD, MICROBATCHES, {0: [TensorRule(tensor="*", technique="keep")]})
+
+
+def test_d2d_and_mixed_plans_equal_the_plain_run_and_move_exactly_the_swapped_bytes():
+    (plain, d2d_only, mixed, keep, d2d_ahead), errors, _ = run([None, D2D_ONLY, MIXED, KEEP_ALL, D2D_LAYER_AHEAD])
+    assert not errors, errors
+    for result in (d2d_only, mixed, keep, d2d_ahead):
+        assert_identical(plain, result)
+
+    # rank 0 (stage 0) after each forward: what left its device is what its peers hold
+    kept, swapped = keep[0]["probes"], d2d_ahead[0]["probes"]
+    assert [p["microbatch"] for p in kept] == [p["microbatch"] for p in swapped]
+    moved_any = False
+    for k, s in zip(kept, swapped):
+        on_peers = sum(s["peer_bytes"].values())
+        assert on_peers == sum(size for stripes in s["stripes"] for _, size in stripes)  # the metadata table
+        if s["moved_in"] == 0:  # before the first swap-in: the device holds what the keep
+            # run holds less what went to the peers; a kept tensor counts its storage's
+            # bytes, a swapped one its own, so views of larger storages leave a little slack
+            drop = k["device_bytes"] - s["device_bytes"]
+            assert 0 <= drop - on_peers <= 0.01 * k["device_bytes"], (drop, on_peers)
+        for device, nbytes in s["peer_bytes"].items():
+            assert s["ledger_bytes"].get(device, 0) == nbytes  # the importer's pool holds exactly that
+        moved_any |= on_peers > 0
+        # stripes follow the weights: large tensors 3:1 over devices 2 and 3
+        for stripes in s["stripes"]:
+            sizes = dict(stripes)
+            if len(sizes) == 2:
+                assert abs(sizes[2] - 3 * sizes[3]) <= 4 * 512, sizes
+    assert moved_any
+    assert sum(1 for s in swapped if s["moved_in"] == 0 and sum(s["peer_bytes"].values())) >= 2
+    peer_total = {d: sum(p["peer_bytes"][d] for p in swapped) for d in (2, 3)}
+    assert peer_total[2] > 2 * peer_total[3] > 0  # 0.75 / 0.25 by bytes over the step
+    # the importers' pools are empty again after the step
+    for rank in (2, 3):
+        assert d2d_ahead[rank]["pool_usage"][rank]["data_bytes"] == 0
+        assert d2d_ahead[rank]["pool_usage"][rank]["high_water_bytes"] > 0
+
+
+@st.composite
+def random_d2d_plan(draw) -> Plan:
+    rules: dict[int, list[TensorRule]] = {}
+    for stage, layers in STAGE_LAYERS.items():
+        peers = [d for d in range(WORLD) if d != stage]
+        for layer in draw(st.lists(st.sampled_from(layers), unique=True, max_size=2)):
+            mbs = draw(st.lists(st.integers(0, MICROBATCHES - 1), unique=True, min_size=1, max_size=4))
+            selector = ",".join(map(str, sorted(mbs)))
+            technique = draw(st.sampled_from(["d2d", "d2d", "host", "recompute", "keep"]))
+            if technique == "d2d":
+                chosen = draw(st.lists(st.sampled_from(peers), unique=True, min_size=1, max_size=3))
+                weights = draw(st.lists(st.integers(1, 4), min_size=len(chosen), max_size=len(chosen)))
+                stripes = {d: w / sum(weights) for d, w in zip(chosen, weights)}
+                rules.setdefault(stage, []).append(d2d(f"{layer}.**", stripes, selector))
+            else:
+                rules.setdefault(stage, []).append(TensorRule(tensor=f"{layer}.**", technique=technique,
+                                                              microbatches=selector))
+    return with_pools(make_plan("1f1b", WORLD, MICROBATCHES, rules), {d: POOL for d in range(WORLD)})
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans=st.lists(random_d2d_plan(), min_size=3, max_size=3))
+def test_random_d2d_plans_are_bit_identical_to_the_plain_run(plans):
+    results, errors, _ = run([None, *plans])
+    assert not errors, errors
+    for result in results[1:]:
+        assert_identical(results[0], result)
+
+
+def test_a_dead_importer_stops_every_rank_with_an_error_naming_it():
+    results, errors, elapsed = run([D2D_ONLY], kill_rank=3, kill_step=1, timeout_s=30)
+    assert set(errors) == {0, 1, 2}, errors  # rank 3 was killed and wrote nothing
+    for rank, text in errors.items():
+        first = text.splitlines()[0]
+        assert "rank 3 (pid" in first and "holds the D2D peer pool of device(s) 3" in first and "has died" in first, \
+            (rank, first)
+    assert elapsed < 120  # bounded: far below the hang a blocked collective would mean
+
+
+def test_a_peer_pool_too_small_for_the_plan_fails_at_start_up_on_every_rank():
+    results, errors, elapsed = run([D2D_ONLY], peer_pool_bytes=1 << 20, timeout_s=30)
+    assert set(errors) == set(range(WORLD)), errors
+    for text in errors.values():
+        first = text.splitlines()[0]
+        assert first.startswith("PlanError: peer pools: rank "), first
+        assert "peer pool of device 2 is too small: 1048576 bytes" in first or \
+               "peer pool of device 3 is too small: 1048576 bytes" in first, first
+    assert all(r is None for r in results[0])  # nothing trained

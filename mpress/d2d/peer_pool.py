@@ -108,6 +108,12 @@ def plan_quotas(plan: Plan, pool_override_bytes: int | None = None) -> dict[int,
                             "(peer_pool_bytes of its stages is 0)")
         fixed = sum(_round_up(b, ALIGNMENT_BYTES) for _, b in exporters if b is not None)
         open_count = sum(1 for _, b in exporters if b is None)
+        if fixed > capacity or (open_count and capacity - fixed < open_count * ALIGNMENT_BYTES):
+            need = ", ".join(f"stage {s} needs {_round_up(b, ALIGNMENT_BYTES)} bytes" for s, b in exporters
+                             if b is not None)
+            left = f"; {open_count} exporter(s) without a quota share what is left" if open_count else ""
+            raise PlanError(f"peer pool of device {device} is too small: {capacity} bytes for its exporters' "
+                            f"quotas ({need}; total {fixed}{left})")
         share = ((capacity - fixed) // open_count // ALIGNMENT_BYTES * ALIGNMENT_BYTES) if open_count else 0
         sizes = [(s, _round_up(b, ALIGNMENT_BYTES) if b is not None else share) for s, b in exporters]
         total = sum(b for _, b in sizes)

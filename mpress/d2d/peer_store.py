@@ -22,6 +22,7 @@ the store checks that the processes holding its peers' pools are alive.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -73,19 +74,22 @@ class PeerStore(SwapStore):
         self.table = StripeTable()
         self._spreaders: dict[Weights, StripeSpreader] = {}
         self._lock = threading.Lock()
+        self._ids = itertools.count()
         self._checked_at = 0.0
         self._peers: set[int] = set()
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
         self.spreader(self.default_weights)
 
     def spreader(self, weights: Weights) -> StripeSpreader:
-        """The spreader of one weight set; opens the quotas and streams it needs."""
+        """The spreader of one weight set; opens the quotas and streams it needs (one
+        stream per peer link and direction, shared by every weight set)."""
         with self._lock:
             found = self._spreaders.get(weights)
             if found is None:
-                found = self._spreaders[weights] = StripeSpreader(weights, min_stripe_bytes=self.min_stripe_bytes)
                 for peer, _ in weights:
                     self.pools.quota(self.stage, peer)  # raises when the plan gave no quota
+                    if peer in self._peers:
+                        continue
                     self._peers.add(peer)
                     if self.cuda:
                         own = self.device
@@ -94,40 +98,43 @@ class PeerStore(SwapStore):
                         self._streams[("in", peer)] = torch.cuda.Stream(own)
                         self._streams[("in-src", peer)] = (torch.cuda.Stream(other) if other != own
                                                             else self._streams[("in", peer)])
+                found = self._spreaders[weights] = StripeSpreader(weights, min_stripe_bytes=self.min_stripe_bytes)
             return found
 
     # ---- SwapStore ---------------------------------------------------------------------
 
     def reserve(self, owner: str, nbytes: int, weights: Weights | None = None) -> Placement:
-        stripes = self.spreader(weights or self.default_weights).split(nbytes)
-        for peer, _ in stripes:
-            self.pools.check_peer(peer)
+        spreader = self.spreader(weights or self.default_weights)
+        stripes = spreader.split(nbytes)
         slots: list[Slot] = []
         offset = 0
         try:
+            for peer, _ in stripes:
+                self.pools.check_peer(peer)
             for peer, size in stripes:
                 block = self.pools.quota(self.stage, peer).allocate(size, owner)
                 slots.append(Slot(peer, block, offset, size))
                 offset += size
+            placement = Placement(tuple(slots), entry_id=next(self._ids))
+            self.table.add(placement.entry_id, StripeEntry(owner=owner, nbytes=nbytes, state=StripeState.RESERVED,
+                                                           stripes=tuple(StripeInfo(
+                                                               peer=s.peer, pool_offset_bytes=s.block.offset_bytes,
+                                                               tensor_offset_bytes=s.tensor_offset_bytes,
+                                                               nbytes=s.nbytes) for s in slots)))
         except SwapError:
             for slot in slots:
                 slot.block.pool.free(slot.block)
+            spreader.undo(stripes)
             raise
-        placement = Placement(tuple(slots))
-        self.table.add(StripeEntry(owner=owner, nbytes=nbytes, state=StripeState.RESERVED, stripes=tuple(
-            StripeInfo(peer=s.peer, pool_offset_bytes=s.block.offset_bytes, tensor_offset_bytes=s.tensor_offset_bytes,
-                       nbytes=s.nbytes) for s in slots)))
         return placement
 
     def release(self, placement: Placement) -> None:
-        owner = placement.slots[0].block.owner
         for slot in placement.slots:
             slot.block.pool.free(slot.block)
-        self.table.remove(owner)
+        self.table.remove(placement.entry_id)
 
     def copy_out(self, placement: Placement, src: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
-        owner = placement.slots[0].block.owner
-        self.table.update(owner, StripeState.WRITING)
+        self.table.update(placement.entry_id, StripeState.WRITING)
         flat = byte_view(src.contiguous()) if src.is_contiguous() or not self.cuda else None
         if flat is None:  # gather on the first stream, the others wait for it
             first = self._streams[("out", placement.slots[0].peer)]
@@ -149,8 +156,9 @@ class PeerStore(SwapStore):
 
     def copy_in(self, placement: Placement, dtype: torch.dtype,
                 shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
-        owner = placement.slots[0].block.owner
-        entry = self.table.update(owner, StripeState.READING)
+        for slot in placement.slots:  # a dead peer's pool must not be read (CUDA: freed IPC memory)
+            self.pools.check_peer(slot.peer)
+        entry = self.table.update(placement.entry_id, StripeState.READING)
         first = self._streams.get(("in", entry.stripes[0].peer))
         with torch.cuda.stream(first) if first is not None else contextlib.nullcontext():
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
@@ -171,8 +179,7 @@ class PeerStore(SwapStore):
         return tensor, copies
 
     def completed(self, placement: Placement, direction: str) -> None:
-        owner = placement.slots[0].block.owner
-        self.table.update(owner, StripeState.ON_PEERS if direction == "out" else StripeState.READ)
+        self.table.update(placement.entry_id, StripeState.ON_PEERS if direction == "out" else StripeState.READ)
 
     def check(self) -> None:
         now = time.monotonic()

@@ -93,6 +93,13 @@ class StripeSpreader:
                 self._sent[peer] += size
         return stripes
 
+    def undo(self, stripes: list[tuple[int, int]]) -> None:
+        """Forget a `split` whose reservation failed, so later tensors are spread as if it
+        never happened."""
+        with self._lock:
+            for peer, size in stripes:
+                self._sent[peer] -= size
+
     def sent_bytes(self) -> dict[int, int]:
         """Bytes assigned to each peer so far."""
         with self._lock:
@@ -133,42 +140,55 @@ class StripeEntry:
 
 
 class StripeTable:
-    """The D2D metadata table of one exporter: owner -> `StripeEntry`."""
+    """The D2D metadata table of one exporter: entry id -> `StripeEntry`.
+
+    Entries are keyed by an id per swap, not by the tensor's identity: a tensor that was
+    discarded while its copy still ran may be swapped out again under the same identity
+    before the old entry is gone.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[str, StripeEntry] = {}
+        self._entries: dict[int, StripeEntry] = {}
 
-    def add(self, entry: StripeEntry) -> None:
+    def add(self, entry_id: int, entry: StripeEntry) -> None:
         with self._lock:
-            if entry.owner in self._entries:
-                raise SwapError(f"D2D table: {entry.owner} is already swapped out")
-            self._entries[entry.owner] = entry
+            if entry_id in self._entries:
+                raise SwapError(f"D2D table: entry {entry_id} ({entry.owner}) exists already")
+            self._entries[entry_id] = entry
 
-    def update(self, owner: str, state: StripeState) -> StripeEntry:
-        """Set `owner`'s state; returns the new entry."""
+    def update(self, entry_id: int, state: StripeState) -> StripeEntry:
+        """Set the entry's state; returns the new entry."""
         with self._lock:
-            entry = replace(self._lookup(owner), state=state)
-            self._entries[owner] = entry
+            entry = replace(self._lookup(entry_id), state=state)
+            self._entries[entry_id] = entry
             return entry
 
-    def get(self, owner: str) -> StripeEntry:
+    def get(self, entry_id: int) -> StripeEntry:
         with self._lock:
-            return self._lookup(owner)
+            return self._lookup(entry_id)
 
-    def remove(self, owner: str) -> StripeEntry:
+    def remove(self, entry_id: int) -> StripeEntry:
         with self._lock:
-            entry = self._lookup(owner)
-            del self._entries[owner]
+            entry = self._lookup(entry_id)
+            del self._entries[entry_id]
             return entry
+
+    def find(self, owner: str) -> StripeEntry:
+        """The newest entry of tensor `owner` (for reports and tests)."""
+        with self._lock:
+            for entry in reversed(self._entries.values()):
+                if entry.owner == owner:
+                    return entry
+        raise SwapError(f"D2D table has no entry for {owner}")
 
     def entries(self) -> list[StripeEntry]:
         """Snapshot, oldest first."""
         with self._lock:
             return list(self._entries.values())
 
-    def _lookup(self, owner: str) -> StripeEntry:
-        entry = self._entries.get(owner)
+    def _lookup(self, entry_id: int) -> StripeEntry:
+        entry = self._entries.get(entry_id)
         if entry is None:
-            raise SwapError(f"D2D table has no entry for {owner}")
+            raise SwapError(f"D2D table has no entry {entry_id}")
         return entry

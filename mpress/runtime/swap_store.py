@@ -44,6 +44,8 @@ class Placement:
     """Where all bytes of one swapped tensor are; slots cover the tensor in order."""
 
     slots: tuple[Slot, ...]
+    entry_id: int = -1
+    """The store's id for this placement (D2D: its metadata table entry)."""
 
     def peer_bytes(self) -> dict[int, int]:
         """Bytes per peer device (empty for host placements)."""

@@ -40,14 +40,13 @@ handle is dropped (the saved tensor died), discarded, or cancelled by `close`.
 
 from __future__ import annotations
 
-import enum
 import queue
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -55,7 +54,16 @@ from mpress.errors import SwapError
 from mpress.runtime.host_pool import PinnedHostPool
 from mpress.runtime.identity import TensorKey
 from mpress.runtime.memory_manager import Category, MemoryManager, Residency
-from mpress.runtime.swap_store import HostStore, Placement, SwapStore, wait_copies
+from mpress.runtime.swap_record import (
+    TERMINAL_STATES,
+    SwapHandle,
+    SwapRecord,
+    SwapState,
+    SwapStats,
+)
+from mpress.runtime.swap_store import HostStore, SwapStore, wait_copies
+
+__all__ = ["FaultHook", "SwapEngine", "SwapHandle", "SwapState", "SwapStats"]
 
 FaultHook = Callable[[TensorKey, str], None]
 """Test hook called in a worker before each copy with the key and "out" or "in"."""
@@ -65,94 +73,6 @@ _POLL_S = 0.05
 
 MAX_BATCH = 32
 """Most queued swap-outs whose copies are issued together before waiting on them."""
-
-
-class SwapState(enum.Enum):
-    """Where a swapped tensor's data is."""
-
-    OUT_QUEUED = "out-queued"
-    OUT_COPYING = "out-copying"
-    OFF_DEVICE = "off-device"
-    """On host (host store) or striped over peers (D2D store)."""
-    IN_COPYING = "in-copying"
-    ON_DEVICE = "on-device"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-_TERMINAL = (SwapState.FAILED, SwapState.CANCELLED)
-
-
-@dataclass
-class SwapStats:
-    """Counters of one engine. Times in seconds, sizes in bytes."""
-
-    bytes_out: int = 0
-    bytes_in: int = 0
-    num_out: int = 0
-    num_in: int = 0
-    wait_s: float = 0.0
-    """Host time `fetch` spent blocked waiting for a swap-in to be enqueued (CPU: done)."""
-    copy_s: float = 0.0
-    """Copy time: CUDA event time on the side streams; wall time of the copy on CPU."""
-
-
-class _Record:
-    """Engine-internal state of one swap; guarded by the engine's lock."""
-
-    def __init__(self, key: TensorKey, src: torch.Tensor, placement: Placement, owned: bool) -> None:
-        self.key = key
-        self.dtype = src.dtype
-        self.shape = tuple(src.shape)
-        self.nbytes = src.numel() * src.element_size()
-        self.owned = owned                   # the engine tracked the key, so it forgets it
-        self.state = SwapState.OUT_QUEUED
-        self.src: torch.Tensor | None = src  # dropped once the out copy completed
-        self.placement: Placement | None = placement
-        self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
-        self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies
-        self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
-        self.in_ready = threading.Event()    # in copy enqueued (or failed/cancelled)
-        self.in_requested = False
-        self.busy = False                    # a worker is using the placement right now
-        self.discard_requested = False
-        self.result: torch.Tensor | None = None
-        self.error: SwapError | None = None
-
-
-class SwapHandle:
-    """Ticket for one swapped-out tensor: pass it to `prefetch`, `fetch` or `discard`.
-
-    Dropping the last reference to a handle releases its host block (the tensor died).
-    """
-
-    __slots__ = ("__weakref__", "_record")
-
-    def __init__(self, record: _Record) -> None:
-        self._record = record
-
-    @property
-    def key(self) -> TensorKey:
-        return self._record.key
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._record.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._record.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self._record.nbytes
-
-    @property
-    def state(self) -> SwapState:
-        return self._record.state
-
-    def __repr__(self) -> str:
-        return f"SwapHandle({self.key}, {self.state.value})"
 
 
 class SwapEngine:
@@ -183,11 +103,11 @@ class SwapEngine:
         self._stats = SwapStats()
         self._error: SwapError | None = None
         self._closing = False
-        self._owned: dict[TensorKey, _Record] = {}
-        self._with_block: set[_Record] = set()  # records holding a placement, for close()
-        self._out_queue: queue.SimpleQueue[_Record | None] = queue.SimpleQueue()
-        self._in_queue: queue.SimpleQueue[_Record | None] = queue.SimpleQueue()
-        self._dropped: queue.SimpleQueue[_Record] = queue.SimpleQueue()
+        self._owned: dict[TensorKey, SwapRecord] = {}
+        self._with_block: set[SwapRecord] = set()  # records holding a placement, for close()
+        self._out_queue: queue.SimpleQueue[SwapRecord | None] = queue.SimpleQueue()
+        self._in_queue: queue.SimpleQueue[SwapRecord | None] = queue.SimpleQueue()
+        self._dropped: queue.SimpleQueue[SwapRecord] = queue.SimpleQueue()
         """Records whose handle died; a finalizer may run on any thread at any allocation,
         so it only enqueues here (reentrant-safe) and the engine releases them later."""
         kind = self.store.kind
@@ -225,7 +145,7 @@ class SwapEngine:
                     self._owned.pop(key, None)
                     self._manager.forget(key)
                 raise SwapError(f"swap-out failed: {key}: {exc}") from exc
-            record = _Record(key, tensor.detach(), placement, owned)
+            record = SwapRecord(key, tensor.detach(), placement, owned)
             if owned:
                 self._owned[key] = record
             self._with_block.add(record)
@@ -384,7 +304,7 @@ class SwapEngine:
                     del batch, issued  # so dropped handles' records are not kept by this frame
                 self._reap_dropped()
 
-    def _worker(self, work: queue.SimpleQueue, run: Callable[[_Record], None]) -> None:
+    def _worker(self, work: queue.SimpleQueue, run: Callable[[SwapRecord], None]) -> None:
         if self._cuda:
             torch.cuda.set_device(self.device)
         with torch.no_grad():
@@ -400,10 +320,10 @@ class SwapEngine:
                         self._idle.notify_all()
                 self._reap_dropped()
 
-    def _issue_out(self, record: _Record) -> list | None:
+    def _issue_out(self, record: SwapRecord) -> list | None:
         """Enqueue `record`'s out copies; None when it needs none (cancelled or failed)."""
         with self._lock:
-            if record.state in _TERMINAL:
+            if record.state in TERMINAL_STATES:
                 return None
             if self._closing:
                 self._cancel(record, "the swap engine was closed")
@@ -418,7 +338,7 @@ class SwapEngine:
             self._fail(record, "swap-out", exc)
             return None
 
-    def _finish_out(self, record: _Record, copies: list) -> None:
+    def _finish_out(self, record: SwapRecord, copies: list) -> None:
         """Wait for `record`'s out copies, then free its device storage (drop `src`)."""
         try:
             copy_s = wait_copies(copies)
@@ -440,13 +360,13 @@ class SwapEngine:
                 self._cancel(record, "it was discarded")
             record.out_done.set()
 
-    def _run_in(self, record: _Record) -> None:
+    def _run_in(self, record: SwapRecord) -> None:
         # FIFO: a prefetch waits for its own swap-out, even if later ones are ready.
         while not record.out_done.wait(_POLL_S):
             if self._closing and not self._out_thread.is_alive():
                 break
         with self._lock:
-            if record.state in _TERMINAL:
+            if record.state in TERMINAL_STATES:
                 return
             if self._closing or not record.out_done.is_set():
                 self._cancel(record, "the swap engine was closed")
@@ -494,11 +414,11 @@ class SwapEngine:
             raise SwapError(f"cannot swap out {key}: the memory manager has it on {where.value}")
         return False
 
-    def _raise_for(self, record: _Record) -> None:
+    def _raise_for(self, record: SwapRecord) -> None:
         if record.error is not None:
             raise SwapError(str(record.error)) from record.error.__cause__
 
-    def _fail(self, record: _Record, direction: str, exc: BaseException) -> None:
+    def _fail(self, record: SwapRecord, direction: str, exc: BaseException) -> None:
         """Called by a worker without the lock."""
         error = SwapError(f"{direction} failed: {record.key}: {exc}")
         error.__cause__ = exc
@@ -513,7 +433,7 @@ class SwapEngine:
             record.out_done.set()
             record.in_ready.set()
 
-    def _cancel(self, record: _Record, reason: str) -> None:
+    def _cancel(self, record: SwapRecord, reason: str) -> None:
         record.state = SwapState.CANCELLED
         if record.error is None:
             record.error = SwapError(f"swap of {record.key} was cancelled: {reason}")
@@ -523,19 +443,19 @@ class SwapEngine:
         record.out_done.set()
         record.in_ready.set()
 
-    def _release_block(self, record: _Record) -> None:
+    def _release_block(self, record: SwapRecord) -> None:
         if record.placement is not None:
             self.store.release(record.placement)
             record.placement = None
             self._with_block.discard(record)
 
-    def _forget_owned(self, record: _Record) -> None:
+    def _forget_owned(self, record: SwapRecord) -> None:
         if record.owned and self._owned.get(record.key) is record:
             del self._owned[record.key]
             if self._manager.is_tracked(record.key):
                 self._manager.forget(record.key)
 
-    def _discard(self, record: _Record, reason: str) -> None:
+    def _discard(self, record: SwapRecord, reason: str) -> None:
         with self._lock:
             if record.busy:
                 # The worker finishes the copy, then cancels; the key is free at once.
@@ -546,7 +466,7 @@ class SwapEngine:
             elif record.state is not SwapState.CANCELLED:
                 self._cancel(record, reason)
 
-    def _handle_dropped(self, record: _Record) -> None:
+    def _handle_dropped(self, record: SwapRecord) -> None:
         """weakref.finalize callback: nobody can fetch this tensor any more."""
         self._dropped.put(record)
 

@@ -108,6 +108,16 @@ class Stripe:
 
 
 @dataclass(kw_only=True, frozen=True)
+class PeerQuota:
+    """How much of one peer device's pool an exporter stage may fill at once."""
+
+    device: int = field(metadata={"min": 0})
+    """The importer device (it reserves the pool)."""
+    quota_bytes: int = field(metadata={"gt": 0})
+    """Bytes of that pool set aside for this stage's stripes."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class TensorRule:
     """The technique for the tensors matching `tensor` in the selected microbatches."""
 
@@ -165,10 +175,29 @@ class StagePlan:
     """Pinned host pool this stage's process allocates at start-up."""
     peer_pool_bytes: int = field(default=0, metadata={"min": 0})
     """Bytes this stage's device reserves and exports for its D2D exporters."""
+    peer_quotas: list[PeerQuota] = field(default_factory=list)
+    """Exporter side: this stage's share of each peer pool it stripes to. A peer without
+    an entry gets an equal share of what its pool has left."""
     need_bytes: int = field(default=0, metadata={"min": 0})
     """Peak need without compaction (memory model)."""
     predicted_peak_bytes: int = field(default=0, metadata={"min": 0})
     """Emulated peak with this plan, peer pool included."""
+    optimizer_step: Literal["device", "host"] = "device"
+    """Where the stage's optimizer step runs. `device`: Adam states and fp32 master
+    weights live on the stage's device, or, for layers an `optim:` host rule names, in the
+    pinned pool between steps (back on the device for the step). `host`: they live in host
+    memory for good; each step copies the gradients to the host, runs Adam on the CPU and
+    copies the updated parameters back. A host step subsumes `optim:` rules: `keep` and
+    `host` rules of such a stage change nothing, `d2d` ones are refused."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer_step != "host":
+            return
+        for rule in self.rules:
+            if rule.technique == "d2d" and rule.tensor.startswith("optim:"):
+                raise ConfigError("", "optimizer_step",
+                                  f"stage {self.stage} steps on the host, so its optimizer states cannot go to "
+                                  f"peers ({rule.tensor!r} is d2d); drop the rule or use optimizer_step: device")
 
     def technique(self, tensor: str, microbatch: int | None) -> TensorRule | None:
         """The rule deciding `tensor` in `microbatch`, or None (keep)."""
@@ -238,6 +267,10 @@ class Plan:
                     if stripe.device == sp.device:
                         raise ConfigError("", f"stages[{sp.stage}].rules[{r}].stripes",
                                           "a stripe cannot go to the exporter's own device")
+            quota_devices = [q.device for q in sp.peer_quotas]
+            if len(set(quota_devices)) != len(quota_devices) or sp.device in quota_devices:
+                raise ConfigError("", f"stages[{sp.stage}].peer_quotas",
+                                  "one entry per peer device, never the stage's own device")
 
     # -- queries -----------------------------------------------------------------------
     def stage(self, stage: int) -> StagePlan:

@@ -14,6 +14,7 @@ exit status 2; a failure on any rank: one line naming the rank, exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import socket
@@ -26,12 +27,14 @@ import torch.distributed as dist
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mpress.errors import MpressError, UserError
-from mpress.hardware import load_hardware
+from mpress.d2d.topology import compare_topology, detect_local_hardware
+from mpress.errors import MpressError, PlanError, TopologyError, UserError
+from mpress.hardware import Hardware, load_hardware
 from mpress.model_config import ModelConfig
 from mpress.plan import Plan
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import (
+    HARDWARE_DETECT,
     TrainConfig,
     check_world_size,
     load_train_config,
@@ -62,39 +65,97 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int,
     from mpress.static.evaluate import setup_pipeline
     from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
 
+    cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     if cfg.plan not in ("auto", "none"):
         plan = Plan.load(cfg.plan)
+        if cuda:
+            check_topology(load_hardware(plan.hardware, num_devices=plan.num_devices,
+                                         memory_bytes=plan.device_memory_bytes))
         return plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages]
-    hardware = load_hardware(cfg.hardware, num_devices=world, memory_bytes=cfg.device_memory_bytes)
+    hardware = hardware_for(cfg, world, cuda)
     setup = setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
                            num_ranks=world if cfg.schedule == "interleaved" else None,
                            microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches)
     if cfg.plan == "none":
         return None, setup.ranges
     check_fits_at_all(setup)
-    # this runtime has no D2D yet: plan without D2D rounds
-    result = plan_strategy(setup, "mpress", PlannerOptions(max_d2d_rounds=0))
+    result = plan_strategy(setup, cfg.strategy, PlannerOptions())
     if not result.fits:
         raise UserError(f"plan: auto: {model.name} does not fit {hardware.name}: {result.reason}")
     return result.plan, setup.ranges
 
 
-def _pool_override() -> int | None:
-    """$MPRESS_HOST_POOL_BYTES: pinned pool per stage instead of the plan's (for sizing
-    experiments and fault tests); unset = the plan's."""
-    value = os.environ.get("MPRESS_HOST_POOL_BYTES")
+def hardware_for(cfg: TrainConfig, world: int, cuda: bool) -> Hardware:
+    """What `plan: auto` plans for: the config's preset (its device count and memory as
+    the run has them), checked against this machine's GPUs on CUDA; or, with `hardware:
+    detect`, the GPUs pynvml finds."""
+    if cfg.hardware == HARDWARE_DETECT:
+        topology, why = detect_local_hardware()
+        if topology is None:
+            raise TopologyError(f"hardware: detect: {why}")
+        hardware = topology.hardware
+        if cfg.device_memory_bytes is not None:
+            hardware = dataclasses.replace(hardware, device=dataclasses.replace(
+                hardware.device, memory_bytes=cfg.device_memory_bytes))
+        return hardware
+    hardware = load_hardware(cfg.hardware, num_devices=world, memory_bytes=cfg.device_memory_bytes)
+    if cuda:
+        check_topology(hardware)
+    return hardware
+
+
+def check_topology(expected: Hardware) -> None:
+    """Refuse to train when this machine's GPUs are not linked as `expected` says (a plan
+    for another topology would stripe over links that do not exist). A subset of the
+    machine's GPUs may be used: a larger machine is not a mismatch."""
+    topology, why = detect_local_hardware()
+    if topology is None:
+        raise TopologyError(f"cannot check the topology of {expected.name} against this machine: {why}")
+    problems = [p for p in compare_topology(expected, topology.hardware)
+                if not (p.startswith("device count") and expected.num_devices < topology.hardware.num_devices)]
+    if problems:
+        raise TopologyError(f"the plan's hardware {expected.name} does not match this machine: {'; '.join(problems)}")
+
+
+def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool) -> torch.device:
+    """The device this rank trains on: on CUDA the plan's stage-to-device map decides
+    (without a plan: LOCAL_RANK); gloo ranks all use the CPU."""
+    if not cuda:
+        return torch.device("cpu")
+    if plan is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    devices = {plan.stage_to_device[s] for s in range(rank, plan.num_stages, world)}
+    if len(devices) != 1:
+        raise PlanError(f"plan puts the stages of rank {rank} on devices {sorted(devices)}; a rank has one device")
+    index = devices.pop()
+    if index >= torch.cuda.device_count():
+        raise PlanError(f"plan maps rank {rank} to GPU {index}, this process sees {torch.cuda.device_count()} GPUs")
+    return torch.device("cuda", index)
+
+
+def _pool_override(variable: str) -> int | None:
+    """$MPRESS_HOST_POOL_BYTES (pinned pool per stage) or $MPRESS_PEER_POOL_BYTES (peer
+    pool per importer device) instead of the plan's, for sizing experiments and fault
+    tests; unset = the plan's."""
+    value = os.environ.get(variable)
     if not value:
         return None
     try:
         return int(value)
     except ValueError:
-        raise UserError(f"MPRESS_HOST_POOL_BYTES: expected a whole number of bytes, got {value!r}") from None
+        raise UserError(f"{variable}: expected a whole number of bytes, got {value!r}") from None
 
 
-def _broadcast(obj: object, device: torch.device) -> object:
+def _broadcast(obj: object, group: dist.ProcessGroup | None) -> object:
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """A gloo group for object collectives before the device is known (the plan's
+    broadcast, the peer pools' handshake); None = the default group, when it is gloo."""
+    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
 
 
 def _checkpoint_dir(cfg: TrainConfig) -> Path | None:
@@ -144,59 +205,82 @@ def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
     runtimes = job.runtimes
     if runtimes:
         engines = [rt.engine.stats for rt in runtimes if rt.engine is not None]
+        d2d = [rt.d2d_engine.stats for rt in runtimes if rt.d2d_engine is not None]
         if job.device.type == "cuda":
             out["cuda_check"] = next((rt.stats.extra["cuda_check"] for rt in runtimes
                                       if "cuda_check" in rt.stats.extra), "ok")
         out.update(tracked_peak=_tracked_peak(job), swapped=sum(rt.stats.tensors_swapped for rt in runtimes),
                    recomputed=sum(rt.stats.microbatches_recomputed for rt in runtimes),
-                   bytes_out=sum(st.bytes_out for st in engines), wait_s=sum(st.wait_s for st in engines))
+                   bytes_out=sum(st.bytes_out for st in engines), peer_out=sum(st.bytes_out for st in d2d),
+                   wait_s=sum(st.wait_s for st in engines + d2d))
+    if job.peer_pools is not None:
+        usage = job.peer_pools.pool_usage().values()
+        out["pool"] = (sum(u["high_water_bytes"] for u in usage), sum(u["capacity_bytes"] for u in usage))
     return out
 
 
-def report_table(rows: list[dict[str, object]]) -> Table:
-    t = Table(title="per rank")
-    cols = ["rank", "stage", "plan", "need w/o mpress (planned)", "peak with mpress (planned)",
-            "tracked peak (saved + optimizer)", "CUDA peak", "tensors swapped", "bytes to host", "microbatches recomputed",
-            "swap wait"]
-    for c in cols:
-        t.add_column(c, justify="right")
+def report_tables(rows: list[dict[str, object]]) -> list[Table]:
+    """The end-of-run report: memory per rank, then what mpress moved and recomputed."""
+    def b(r: dict[str, object], key: str) -> str:
+        v = r.get(key)
+        return fmt_bytes(v) if isinstance(v, int) and v else "-"
+
+    memory = Table(title="per rank: memory")
+    # need/peak: the plan's figures without and with compaction; tracked peak: saved
+    # tensors + optimizer data on the device as the memory manager saw them
+    for c in ["rank", "stage", "plan", "need w/o mpress (planned)", "peak with mpress (planned)",
+              "tracked peak (saved + optimizer)", "CUDA peak"]:
+        memory.add_column(c, justify="right")
+    traffic = Table(title="per rank: swaps and recompute")
+    for c in ["rank", "tensors swapped", "bytes to host", "bytes to peers", "peer pool held (high water / size)",
+              "microbatches recomputed", "swap wait"]:
+        traffic.add_column(c, justify="right")
     for r in rows:
-        def b(key: str) -> str:
-            v = r.get(key)
-            return fmt_bytes(v) if isinstance(v, int) and v else "-"
-        t.add_row(str(r["rank"]), str(r["stage"]), str(r.get("rules", "none")), b("need"), b("planned"),
-                  b("tracked_peak"), b("cuda_peak"), str(r.get("swapped", "-")), b("bytes_out"),
-                  str(r.get("recomputed", "-")), fmt_seconds(float(r.get("wait_s", 0.0))))  # type: ignore[arg-type]
-    return t
+        memory.add_row(str(r["rank"]), str(r["stage"]), str(r.get("rules", "none")), b(r, "need"), b(r, "planned"),
+                       b(r, "tracked_peak"), b(r, "cuda_peak"))
+        traffic.add_row(str(r["rank"]), str(r.get("swapped", "-")), b(r, "bytes_out"), b(r, "peer_out"),
+                        _pool_cell(r.get("pool")), str(r.get("recomputed", "-")),
+                        fmt_seconds(float(r.get("wait_s", 0.0))))  # type: ignore[arg-type]
+    return [memory, traffic]
+
+
+def _pool_cell(pool: object) -> str:
+    if not pool:
+        return "-"
+    high, size = pool  # type: ignore[misc]
+    if not size:
+        return "-"
+    return f"{fmt_bytes(high)} / {fmt_bytes(size)}"
 
 
 def train(cfg: TrainConfig) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     num_stages = check_world_size(cfg, world)
     model = model_config(cfg)
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl"
-              else torch.device("cpu"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    control = control_group()
     payload: object = None
     if rank == 0:
         try:
             payload = plan_for(cfg, model, num_stages, world)
         except UserError as exc:
             payload = exc
-    payload = _broadcast(payload, device)
+    payload = _broadcast(payload, control)
     if isinstance(payload, UserError):  # the same on every rank: rank 0 says it once
         if rank == 0:
             print(f"mpress.train: error: {payload}", file=sys.stderr)
         return 2
     plan, ranges = payload  # type: ignore[misc]
+    device = rank_device(plan, rank, world, dist.get_backend() == "nccl")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
                    num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
                    betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,  # type: ignore[arg-type]
-                   weight_decay=cfg.optimizer.weight_decay, host_pool_bytes=_pool_override())
+                   weight_decay=cfg.optimizer.weight_decay, host_pool_bytes=_pool_override("MPRESS_HOST_POOL_BYTES"),
+                   peer_pool_bytes=_pool_override("MPRESS_PEER_POOL_BYTES"))
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     dataset = build_dataset(cfg.data, model, seed=cfg.seed)
-    job = PipelineJob(spec, plan, device)
+    job = PipelineJob(spec, plan, device, control_group=control)
     first = resume(cfg, job)
     console = make_console()
     if rank == 0:
@@ -229,7 +313,8 @@ def train(cfg: TrainConfig) -> int:
     rows: list[dict[str, object]] = [{} for _ in range(world)]
     dist.all_gather_object(rows, rank_report(job, plan))
     if rank == 0:
-        console.print(report_table(rows))
+        for table in report_tables(rows):
+            console.print(table)
         for r in rows:
             if r.get("cuda_check", "ok") != "ok":
                 console.print(f"[red]accounting check failed[/]: {r['cuda_check']}")

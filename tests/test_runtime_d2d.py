@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_runtime_pipeline import RANGES, STEPS, assert_identical, batch, make_plan
 
 from mpress.model_config import load_model_config
 from mpress.plan import PeerQuota, Plan, Stripe, TensorRule
 from mpress.runtime.trainer import JobSpec, PipelineJob
-from test_runtime_pipeline import RANGES, STEPS, assert_identical, batch, make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -166,14 +166,22 @@ MIXED = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
     3: [d2d("head.**", {0: 0.6, 1: 0.4}), TensorRule(tensor="layers.3.**", technique="host")]}),
     {0: POOL, 1: POOL, 2: POOL, 3: POOL}, quotas={0: {2: 4 << 20, 3: 4 << 20}})
 
+OPTIM_TO_PEERS = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
+    0: [d2d("optim:*", {2: 0.5, 3: 0.5}), d2d("layers.0.**", {2: 1.0})],
+    1: [d2d("optim:layers.1", {3: 1.0}), TensorRule(tensor="layers.1.**", technique="host")]}),
+    {2: POOL, 3: POOL})
+"""Adam states between steps in peer pools, with activations swapped too."""
+
 KEEP_ALL = make_plan("1f1b", WORLD, MICROBATCHES, {0: [TensorRule(tensor="*", technique="keep")]})
 
 
 def test_d2d_and_mixed_plans_equal_the_plain_run_and_move_exactly_the_swapped_bytes():
-    (plain, d2d_only, mixed, keep, d2d_ahead), errors, _ = run([None, D2D_ONLY, MIXED, KEEP_ALL, D2D_LAYER_AHEAD])
+    (plain, d2d_only, mixed, keep, d2d_ahead, optim), errors, _ = run(
+        [None, D2D_ONLY, MIXED, KEEP_ALL, D2D_LAYER_AHEAD, OPTIM_TO_PEERS])
     assert not errors, errors
-    for result in (d2d_only, mixed, keep, d2d_ahead):
+    for result in (d2d_only, mixed, keep, d2d_ahead, optim):
         assert_identical(plain, result)
+    assert all(optim[r]["pool_usage"][r]["high_water_bytes"] > 0 for r in (2, 3))
 
     # rank 0 (stage 0) after each forward: what left its device is what its peers hold
     kept, swapped = keep[0]["probes"], d2d_ahead[0]["probes"]

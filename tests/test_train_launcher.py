@@ -86,3 +86,31 @@ def test_swap_failure_stops_every_rank_with_its_name(plan_file, tmp_path):
     assert any(x.startswith("mpress.train: rank 0: SwapError: swap-out failed: rank 0 stage 0 microbatch")
                and "pinned host pool exhausted" in x for x in lines), res.stderr[-3000:]
     assert any(x.startswith("mpress.train: rank 1:") for x in lines)
+
+
+def test_plan_auto_with_d2d_trains_and_reports_the_peer_traffic(tmp_path):
+    """The shipped D2D example, shortened: rank 0 plans with the d2d strategy, the ranks
+    set up shared-memory peer pools and train; the report shows bytes sent to peers and
+    the pools the importers held."""
+    config = yaml.safe_load((ROOT / "configs/train/gpt-tiny-d2d.yaml").read_text())
+    config.update(steps=3, log_every=1)
+    res = launch(config, tmp_path, nproc=4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "plan d2d (auto)" in res.stdout
+    traffic = res.stdout[res.stdout.index("per rank: swaps and recompute"):]
+    rows = [line for line in traffic.splitlines() if line.startswith("│")]
+    assert len(rows) == 4
+    sent = [row.split("│")[4].strip() for row in rows]
+    pools = [row.split("│")[5].strip() for row in rows]
+    assert any(s != "-" for s in sent) and any(p != "-" for p in pools), traffic
+
+
+def test_a_peer_pool_too_small_stops_every_rank_at_start_up(tmp_path):
+    config = yaml.safe_load((ROOT / "configs/train/gpt-tiny-d2d.yaml").read_text())
+    config.update(steps=3)
+    res = launch(config, tmp_path, nproc=4, env={"MPRESS_PEER_POOL_BYTES": "4096"}, timeout=120)
+    assert res.returncode != 0  # torchrun's own status for failed workers
+    lines = [x for x in res.stderr.splitlines() if x.startswith("mpress.train: rank")]
+    assert len(lines) == 4, res.stderr[-3000:]
+    assert all(": error: peer pools: rank " in x and "is too small: 4096 bytes" in x for x in lines), lines
+    assert "step 0:" not in res.stdout  # nothing trained

@@ -97,6 +97,10 @@ class CheckpointConfig:
             raise ConfigError("", "resume", "needs checkpoint.dir (where to resume from)")
 
 
+HARDWARE_DETECT = "detect"
+"""`hardware: detect`: plan for the GPUs pynvml finds on this machine."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """One pipeline-parallel training run under torchrun."""
@@ -117,8 +121,13 @@ class TrainConfig:
     """Optimizer settings."""
     plan: str = PLAN_NONE
     """Memory plan: a plan file path, `auto` (plan on rank 0 at start-up) or `none` (no compaction)."""
+    strategy: Literal["none", "recompute", "host-swap", "d2d", "mpress"] = "mpress"
+    """With `plan: auto`: the planner strategy (mpress = the cheapest technique per tensor,
+    D2D rounds included; the others use one technique only)."""
     hardware: str = "cpu-local"
-    """Hardware preset or YAML that `plan: auto` plans for."""
+    """Hardware preset or YAML that `plan: auto` plans for; `detect` = the GPUs of this
+    machine as pynvml reports them. On CUDA the detected topology must match a named
+    preset's, or training does not start."""
     device_memory: str | None = None
     """With `plan: auto`: override the per-device memory the planner sees, e.g. "3MB" (GB = 1e9)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -142,6 +151,8 @@ class TrainConfig:
                 parse_bytes(self.device_memory, "device_memory")
             except UserError as exc:
                 raise ConfigError("", "device_memory", str(exc).split(": ", 1)[-1]) from None
+        if self.strategy != "mpress" and self.plan != PLAN_AUTO:
+            raise ConfigError("", "strategy", "only used with plan: auto (remove it, or set plan: auto)")
         if self.num_stages is not None:
             _check_microbatches(self, self.num_stages, "num_microbatches")
 
@@ -207,7 +218,7 @@ def load_train_config(name_or_path: str | Path) -> TrainConfig:
         raise ConfigError(source, "model", str(exc)) from None
     if cfg.plan not in (PLAN_AUTO, PLAN_NONE) and not Path(cfg.plan).is_file():
         raise ConfigError(source, "plan", f"no such plan file {cfg.plan} (or use auto / none)")
-    if cfg.plan == PLAN_AUTO:
+    if cfg.plan == PLAN_AUTO and cfg.hardware != HARDWARE_DETECT:
         try:
             resolve_config(cfg.hardware, HARDWARE_DIR, "hardware")
         except UserError as exc:

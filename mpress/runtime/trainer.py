@@ -22,12 +22,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from mpress.errors import PlanError, UserError
+from mpress.d2d.peer_pool import PeerPools, setup_peer_pools, uses_peer_pools
+from mpress.errors import PlanError, SwapError, UserError
 from mpress.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
 from mpress.plan import Plan
-from mpress.runtime.optimizer_offload import OptimizerOffload
+from mpress.runtime.master_weights import MasterWeights
+from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload
 from mpress.runtime.stage import MpressStage, wrap_stage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "pipedream": Schedule1F1B}
@@ -50,6 +52,8 @@ class JobSpec:
     weight_decay: float = 0.0
     host_pool_bytes: int | None = None
     """Pinned pool per stage; None = the plan's pinned-host bytes (with slack)."""
+    peer_pool_bytes: int | None = None
+    """Peer pool per importer device; None = the plan's (a smaller one fails at start-up)."""
 
 
 @dataclass
@@ -68,7 +72,9 @@ class PipelineJob:
     """
 
     def __init__(self, spec: JobSpec, plan: Plan | None, device: torch.device, *,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, control_group: dist.ProcessGroup | None = None) -> None:
+        """group: the pipeline's process group (send/recv); control_group: a gloo group
+        for the peer pools' handshake when `group` is NCCL (default: `group`)."""
         self.spec = spec
         self.plan = plan
         self.device = device
@@ -82,6 +88,10 @@ class PipelineJob:
         if plan is not None:
             check_plan_shape(plan, spec)
         self.stage_ids = list(range(self.rank, self.num_stages, self.world))
+        self.peer_pools: PeerPools | None = None
+        if plan is not None and uses_peer_pools(plan):  # a collective: every rank of the job takes part
+            self.peer_pools = setup_peer_pools(plan, self.stage_ids, device, group=control_group or group,
+                                               pool_override_bytes=spec.peer_pool_bytes)
         self.modules: list[nn.Module] = []
         self.stages: list[PipelineStage] = []
         for s in self.stage_ids:
@@ -95,15 +105,23 @@ class PipelineJob:
             if schedule_cls is None:
                 raise UserError(f"schedule {spec.schedule!r} is not supported (use gpipe, 1f1b or interleaved)")
             self.schedule = schedule_cls(self.stages[0], spec.num_microbatches, loss_fn=lm_loss)
-        params = [p for m in self.modules for p in m.parameters()]
-        self.optimizer = torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                          weight_decay=spec.weight_decay)
-        self.offloads: list[OptimizerOffload] = []
+        # Adam steps the fp32 parameters themselves, fp32 masters of half-precision ones, or
+        # host copies for stages the plan steps on the host; one optimizer over all of
+        # them in parameter order, so checkpoints read the same whatever the plan.
+        params = {name: p for m in self.modules for name, p in m.named_parameters()}
+        host = [name for m, st in zip(self.modules, self.stages)
+                if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step == "host"
+                for name, _p in m.named_parameters()]
+        self.masters = MasterWeights(params, lambda tensors: torch.optim.Adam(
+            tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay), host=host)
+        self.optimizer = self.masters.optimizer
+        self.offloads: list[OptimizerOffload | HostOptimizerStep] = []
         for module, stage in zip(self.modules, self.stages):
             if isinstance(stage, MpressStage):
-                offload = OptimizerOffload.from_plan(self.optimizer, module, stage.runtime)
-                if offload is not None:
-                    self.offloads.append(offload)
+                for kind in (OptimizerOffload, HostOptimizerStep):
+                    offload = kind.from_plan(self.masters, module, stage.runtime)
+                    if offload is not None:
+                        self.offloads.append(offload)
 
     def _build_stage(self, s: int, group: dist.ProcessGroup | None) -> tuple[nn.Module, PipelineStage]:
         spec, cfg, device = self.spec, self.spec.model, self.device
@@ -121,7 +139,8 @@ class PipelineJob:
                         requires_grad=True)
         if self.plan is not None:
             return module, wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
-                                      model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes)
+                                      model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
+                                      peer_pools=self.peer_pools)
         return module, PipelineStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group)
 
     @property
@@ -159,27 +178,41 @@ class PipelineJob:
         """One training step on the global batch (every rank passes the same batch)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        losses: list[torch.Tensor] = []
-        if self.is_first and self.is_last:
-            self.schedule.step(inputs.to(self.device), target=targets.to(self.device), losses=losses)
-        elif self.is_first:
-            self.schedule.step(inputs.to(self.device))
-        elif self.is_last:
-            self.schedule.step(target=targets.to(self.device), losses=losses)
-        else:
-            self.schedule.step()
+        losses = self._run_schedule(inputs, targets)
         for offload in self.offloads:
             offload.before_step()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.masters.step()  # grads -> masters, Adam, masters -> params, grads cleared
         for offload in self.offloads:
             offload.after_step()
         loss = float(torch.stack(losses).detach().mean()) if losses else None
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         return StepResult(loss=loss, peak_bytes=peak)
 
+    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """The pipeline's forwards and backwards; the last stage's losses. A failure while
+        a rank of the job is dead is reported as that rank's death (the pipeline's own
+        error is then only a broken connection)."""
+        losses: list[torch.Tensor] = []
+        try:
+            if self.is_first and self.is_last:
+                self.schedule.step(inputs.to(self.device), target=targets.to(self.device), losses=losses)
+            elif self.is_first:
+                self.schedule.step(inputs.to(self.device))
+            elif self.is_last:
+                self.schedule.step(target=targets.to(self.device), losses=losses)
+            else:
+                self.schedule.step()
+        except Exception as exc:
+            dead = self.peer_pools.dead_ranks() if self.peer_pools is not None else []
+            if dead:
+                stages = ", ".join(str(s) for s in self.stage_ids)
+                raise SwapError(f"rank {self.rank} stage {stages}: {'; '.join(dead)}; the step stopped ({exc})") from exc
+            raise
+        return losses
+
     def state(self) -> dict[str, dict]:
-        """Model and optimizer state of this rank (optimizer states brought home first).
+        """Model and optimizer state of this rank (optimizer states brought home first),
+        plus `masters` (fp32 master weights by parameter name) under mixed precision.
         Parameter names are the whole model's, so the stages' state dicts merge."""
         for offload in self.offloads:
             offload.before_step()
@@ -189,6 +222,9 @@ class PipelineJob:
         for m in self.modules:
             model.update(m.state_dict())
         state = {"model": copy.deepcopy(model), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        masters = self.masters.state_dict()
+        if masters:
+            state["masters"] = masters
         for offload in self.offloads:
             offload.after_step()
         return state
@@ -198,13 +234,18 @@ class PipelineJob:
             offload.before_step()  # take back what is out: the loaded states replace it
         for m in self.modules:
             m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
-        self.optimizer.load_state_dict(state["optimizer"])
+        # masters from the checkpoint; without them (an fp32 run's) from the loaded parameters
+        names = set(self.masters.names())
+        self.masters.load_state_dict({k: v for k, v in state.get("masters", {}).items() if k in names})
+        self.optimizer.load_state_dict(state["optimizer"])  # states go to each master's device
         for offload in self.offloads:
             offload.after_step()
 
     def close(self) -> None:
         for rt in self.runtimes:
             rt.close()
+        if self.peer_pools is not None:
+            self.peer_pools.close()
 
 
 def check_plan_shape(plan: Plan, spec: JobSpec) -> None:

@@ -40,6 +40,7 @@ from mpress.d2d.mapper import MappingProblem, map_devices
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.plan import (
+    PeerQuota,
     Plan,
     StagePlan,
     Stripe,
@@ -96,6 +97,17 @@ class PlanResult:
     mapping_s: float
 
 
+QUOTA_SLACK = 1.02
+QUOTA_SLACK_BYTES = 32 << 10
+"""A peer quota holds the mapper's bytes plus this slack: the runtime rounds every stripe
+up to the pool's 512-byte alignment, and spreads small tensors whole over the peers."""
+
+
+def peer_quota_bytes(nbytes: float) -> int:
+    """The quota (whole 512-byte units) an exporter gets for `nbytes` of D2D data."""
+    return -(-int(math.ceil(nbytes * QUOTA_SLACK + QUOTA_SLACK_BYTES)) // 512) * 512
+
+
 @dataclass
 class _Draft:
     """A plan under construction: a technique per (stage, layer, microbatch)."""
@@ -111,12 +123,15 @@ class _Draft:
     """Per stage: D2D stripes (peer device, fraction) shared by its D2D units."""
     pool_bytes: dict[int, int] = field(default_factory=dict)
     """Per device: peer pool reserved for D2D exporters."""
+    quotas: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    """Per stage: (peer device, bytes) of each peer pool it may fill."""
     unplaced_bytes: int = 0
     """D2D bytes no peer could take (the plan then does not fit)."""
 
     def copy(self) -> "_Draft":
         return _Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
-                      list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), self.unplaced_bytes)
+                      list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
+                      self.unplaced_bytes)
 
 
 class _Planner:
@@ -160,6 +175,7 @@ class _Planner:
                 stage=s, device=d.stage_to_device[s], first_layer=c.first_layer, end_layer=c.end_layer,
                 rules=rules, pinned_host_bytes=self._host_bytes(d, s),
                 peer_pool_bytes=sum(b for dev, b in d.pool_bytes.items() if dev == d.stage_to_device[s]),
+                peer_quotas=[PeerQuota(device=dev, quota_bytes=b) for dev, b in (d.quotas[s] if d.quotas else ())],
                 need_bytes=self.setup.memory[s].total_bytes, predicted_peak_bytes=peak,
             ))
         return Plan(
@@ -432,12 +448,15 @@ class _Planner:
         d.stage_to_device = list(a.mapping)
         d.stripes = []
         d.pool_bytes = {}
+        d.quotas = []
         for s in range(n_st):
             stripes = a.stripes.get(s, [])
             total = sum(b for _dev, b in stripes)
+            d.quotas.append(tuple((dev, peer_quota_bytes(b)) for dev, b in stripes if b > 0))
             d.stripes.append(tuple((dev, b / total) for dev, b in stripes if b > 0) if total else ())
             for dev, b in stripes:
-                d.pool_bytes[dev] = d.pool_bytes.get(dev, 0) + b
+                if b > 0:
+                    d.pool_bytes[dev] = d.pool_bytes.get(dev, 0) + peer_quota_bytes(b)
             if overflow[s] and not total:  # no peer can take any of it: it stays on the device
                 d.layer_tech[s] = [["keep" if t == "d2d" else t for t in mbs] for mbs in d.layer_tech[s]]
                 d.optim[s] = "keep" if d.optim[s] == "d2d" else d.optim[s]

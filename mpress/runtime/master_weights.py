@@ -1,0 +1,247 @@
+"""What the optimizer steps: the parameters themselves, or fp32 master copies of them.
+
+Mixed precision here is "half model" style: the stage's parameters are fp16/bf16 and
+forward/backward run on them, while Adam steps fp32 *master weights* (a half-precision
+parameter cannot take updates smaller than half an ulp of its value; the fp32 master
+accumulates them). `MasterWeights` holds, per parameter, the tensor the optimizer steps:
+
+    parameter                        optimizer steps           kind
+    fp32, step on its device         the parameter itself      Kind.PARAM (no copy)
+    fp16/bf16, step on its device    an fp32 copy there        Kind.DEVICE_MASTER
+    any dtype, step on the host      an fp32 copy on the host  Kind.HOST_COPY
+
+and `step()` is one optimizer step over them:
+
+    1. gradients in: each copy's `.grad` = its parameter's gradient, upcast to fp32
+       (host copies: copied device -> host first, through a pinned staging buffer in the
+       parameter's dtype, so PCIe carries half the bytes under mixed precision);
+    2. `optimizer.step()` on the copies (on the CPU for host copies);
+    3. parameters out: each parameter = its copy, rounded to the parameter's dtype
+       (host copies: rounded on the host, then copied host -> device);
+    4. every gradient is cleared (set to None), parameters' and copies'.
+
+Upcasting is exact and rounding (round to nearest even) is the same on every device, so
+a run stepping host copies or offloaded masters equals one stepping device masters bit
+for bit, as long as the optimizer's arithmetic is the same (true on the CPU; on CUDA the
+host step runs the CPU's Adam, the device step CUDA's).
+
+fp16 runs without loss scaling: gradients that underflow fp16 are lost. bf16 (fp32's
+exponent range) is the supported mixed precision; use fp16 only where its gradients are
+known to stay in range.
+
+The optimizer is built by the caller's factory over `tensors()` (one tensor per parameter,
+in the parameters' order), so its state dict indexes parameters exactly as an optimizer
+over the parameters would: checkpoints do not depend on where the step runs. Between
+steps the masters may leave the device (`release`/`restore`, used by the optimizer
+offload); they must be back before `step`, `state_dict` or `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpress.errors import SwapError, UserError
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the optimizer over the tensors it steps (e.g. `lambda ts: torch.optim.Adam(ts)`)."""
+
+MASTER_DTYPE = torch.float32
+
+
+class Kind(enum.Enum):
+    """Which tensor the optimizer steps for one parameter (see the module docstring)."""
+
+    PARAM = "param"
+    DEVICE_MASTER = "device-master"
+    HOST_COPY = "host-copy"
+
+
+@dataclass
+class _Entry:
+    """One parameter and the tensor the optimizer steps for it."""
+
+    name: str
+    param: nn.Parameter
+    kind: Kind
+    target: torch.Tensor
+    """What the optimizer steps: `param` (PARAM) or an fp32 copy (leaf, no autograd)."""
+    staging: torch.Tensor | None = None
+    """HOST_COPY of a parameter on an accelerator: pinned host buffer in the parameter's
+    dtype that gradients come into and rounded parameters go out from."""
+    released: bool = False
+    """DEVICE_MASTER only: its storage is away (`release`) until `restore`."""
+
+    @property
+    def is_copy(self) -> bool:
+        return self.kind is not Kind.PARAM
+
+
+class MasterWeights:
+    """The tensors one optimizer steps for a set of parameters, and the copies between them.
+
+    params: the model's parameters by name (their order is the optimizer's order).
+    make_optimizer: builds the optimizer over `tensors()`.
+    host: names of parameters whose step runs on the host (`optimizer_step: host`).
+    Pinned host memory is used for host copies exactly when their parameter is on CUDA.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], make_optimizer: OptimizerFactory, *,
+                 host: Collection[str] = ()) -> None:
+        unknown = sorted(set(host) - set(params))
+        if unknown:
+            raise UserError(f"host optimizer step for unknown parameters: {', '.join(unknown[:3])}")
+        self._entries: dict[str, _Entry] = {}
+        with torch.no_grad():
+            for name, p in params.items():
+                self._entries[name] = _make_entry(name, p, on_host=name in host)
+        self.optimizer = make_optimizer([e.target for e in self._entries.values()])
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the optimizer steps, one per parameter, in the parameters' order."""
+        return [e.target for e in self._entries.values()]
+
+    def target(self, name: str) -> torch.Tensor:
+        """The tensor the optimizer steps for parameter `name` (its key in `optimizer.state`)."""
+        return self._entry(name).target
+
+    def kind(self, name: str) -> Kind:
+        return self._entry(name).kind
+
+    def names(self, kind: Kind | None = None) -> list[str]:
+        """Parameter names (of one kind), in order."""
+        return [n for n, e in self._entries.items() if kind is None or e.kind is kind]
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of the stepped tensor of `name` (a master's fp32 bytes; 0 for PARAM)."""
+        e = self._entry(name)
+        return e.param.numel() * MASTER_DTYPE.itemsize if e.is_copy else 0
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Gradients in, `optimizer.step()`, parameters out, gradients cleared (see the
+        module docstring). Released masters must have been restored."""
+        self._check_home("step")
+        with torch.no_grad():
+            self._grads_in()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)  # the copies' grads and PARAM entries'
+            for e in self._entries.values():
+                if e.is_copy:
+                    e.param.grad = None
+            self._params_out()
+
+    def _grads_in(self) -> None:
+        devices: set[torch.device] = set()
+        for e in self._entries.values():
+            if e.staging is not None and e.param.grad is not None:
+                e.staging.copy_(e.param.grad, non_blocking=True)  # device -> pinned host
+                devices.add(e.param.device)
+        for device in devices:
+            # the CPU reads the staging buffers next: wait for these copies (an event on the
+            # stream that ran them), not for the whole device
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            done.synchronize()
+        for e in self._entries.values():
+            grad = e.param.grad
+            if not e.is_copy:
+                continue
+            if grad is None:
+                e.target.grad = None  # an unused parameter: the optimizer skips it, as it would the param
+                continue
+            source = e.staging if e.staging is not None else grad
+            # always a new fp32 tensor when the source is the parameter's own gradient
+            e.target.grad = source.to(MASTER_DTYPE, copy=source is grad)
+
+    def _params_out(self) -> None:
+        for e in self._entries.values():
+            if e.staging is not None:
+                e.staging.copy_(e.target)                   # round on the host
+                e.param.copy_(e.staging, non_blocking=True)  # pinned host -> device
+                # The staging buffer is written again only by the next step's gradient
+                # copy, which the same stream runs after this one.
+            elif e.is_copy:
+                e.param.copy_(e.target)  # round (device master) or copy back (host copy, CPU params)
+
+    # ---- masters off the device (optimizer offload) ------------------------------------
+
+    def release(self, name: str) -> torch.Tensor:
+        """Detach the storage of `name`'s device master and return a tensor over it (for the
+        caller to move away); the master keeps its identity (the optimizer's key) with no
+        storage until `restore`. Only DEVICE_MASTER entries can be released."""
+        e = self._entry(name)
+        if e.kind is not Kind.DEVICE_MASTER or e.released:
+            raise UserError(f"parameter {name}: only a device master on the device can be released "
+                            f"({e.kind.value}{', released' if e.released else ''})")
+        data = e.target.detach()  # a new tensor over the same storage
+        with torch.no_grad():
+            e.target.set_(torch.empty(0, dtype=MASTER_DTYPE, device=e.param.device))
+        e.released = True
+        return data
+
+    def restore(self, name: str, data: torch.Tensor) -> None:
+        """Give `name`'s master the storage of `data` (the value `release` handed out)."""
+        e = self._entry(name)
+        if not e.released or tuple(data.shape) != tuple(e.param.shape) or data.dtype != MASTER_DTYPE:
+            raise UserError(f"parameter {name}: cannot restore a {data.dtype} {tuple(data.shape)} master "
+                            f"for a {tuple(e.param.shape)} parameter ({e.kind.value}"
+                            f"{', released' if e.released else ', not released'})")
+        with torch.no_grad():
+            e.target.set_(data)
+        e.released = False
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 masters of the parameters that are not fp32 (their values are not in the
+        model's state dict), by parameter name; empty for an fp32 model. Copies on CPU."""
+        self._check_home("state_dict")
+        return {n: e.target.detach().to("cpu", copy=True) for n, e in self._entries.items()
+                if e.is_copy and e.param.dtype != MASTER_DTYPE}
+
+    def load_state_dict(self, masters: dict[str, torch.Tensor]) -> None:
+        """Set every copy: from `masters` where it has the parameter, else from the
+        parameter (upcast; call after loading the model). Unknown names are an error."""
+        self._check_home("load_state_dict")
+        unknown = sorted(set(masters) - set(self._entries))
+        if unknown:
+            raise UserError(f"checkpoint has master weights for unknown parameters: {', '.join(unknown[:3])}")
+        with torch.no_grad():
+            for name, e in self._entries.items():
+                if e.is_copy:
+                    e.target.copy_(masters[name] if name in masters else e.param)
+
+    def _check_home(self, action: str) -> None:
+        away = [n for n, e in self._entries.items() if e.released]
+        if away:
+            raise SwapError(f"cannot {action}: the master weights of {', '.join(away[:3])} are off the device "
+                            "(restore them first)")
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise UserError(f"no parameter named {name!r}") from None
+
+
+def _make_entry(name: str, p: nn.Parameter, *, on_host: bool) -> _Entry:
+    if not p.is_floating_point():
+        raise UserError(f"parameter {name} is {p.dtype}; the optimizer steps floating-point parameters")
+    if on_host:
+        pin = p.device.type == "cuda"
+        target = torch.empty(p.shape, dtype=MASTER_DTYPE, pin_memory=pin)
+        target.copy_(p.detach())
+        staging = torch.empty(p.shape, dtype=p.dtype, pin_memory=True) if pin else None
+        return _Entry(name=name, param=p, kind=Kind.HOST_COPY, target=target, staging=staging)
+    if p.dtype == MASTER_DTYPE:
+        return _Entry(name=name, param=p, kind=Kind.PARAM, target=p)
+    target = p.detach().to(MASTER_DTYPE, copy=True)
+    return _Entry(name=name, param=p, kind=Kind.DEVICE_MASTER, target=target)

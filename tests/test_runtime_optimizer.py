@@ -1,0 +1,226 @@
+"""The optimizer under a plan: fp32 master weights (bf16 model), their offload with the
+Adam states (`optim:` host rules), and the step on the host (`optimizer_step: host`).
+Pure plan tests first, then one spawn of 2 CPU (gloo) ranks running every job: each must
+equal plain pipelining of the same precision bit for bit (`torch.equal`), dropout on."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_runtime_pipeline import (
+    MICROBATCH_SIZE,
+    MODEL,
+    POOL_BYTES,
+    RANGES,
+    assert_states_equal,
+    batch,
+)
+
+from mpress.errors import ConfigError
+from mpress.model_config import ModelConfig, load_model_config
+from mpress.plan import Plan, StagePlan, Stripe, TensorRule
+from mpress.runtime.trainer import JobSpec, PipelineJob
+
+STEPS = 3
+NUM_MICROBATCHES = 4
+WORLD = 2
+BYTES_PER_PARAM_OFF_DEVICE = 12
+"""fp32 master (or host copy) + Adam's exp_avg and exp_avg_sq, 4 bytes each."""
+OFFLOAD = TensorRule(tensor="optim:*", technique="host")
+ACTIVATIONS = TensorRule(tensor="layers.*.**", technique="host")
+
+
+def model(precision: str) -> ModelConfig:
+    return dataclasses.replace(load_model_config(MODEL), precision=precision)
+
+
+def plan_for(precision: str, schedule: str, rules: dict[int, list[TensorRule]],
+             host_step: tuple[int, ...] = ()) -> Plan:
+    cfg = model(precision)
+    n = 2 * WORLD if schedule == "interleaved" else WORLD
+    stages = [StagePlan(stage=s, device=s % WORLD, first_layer=a, end_layer=b, rules=rules.get(s, []),
+                        pinned_host_bytes=POOL_BYTES, optimizer_step="host" if s in host_step else "device")
+              for s, (a, b) in enumerate(RANGES[n])]
+    return Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), profile_fingerprint="test",
+                hardware="cpu-local", hardware_fingerprint="test", num_devices=WORLD, device_memory_bytes=1 << 30,
+                schedule=schedule, num_stages=n, num_ranks=WORLD, num_microbatches=NUM_MICROBATCHES,
+                microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % WORLD for s in range(n)], stages=stages,
+                fits=True)
+
+
+# ---- the plan field (pure) -----------------------------------------------------------
+
+def test_optimizer_step_round_trips_through_yaml(tmp_path):
+    plan = plan_for("bf16", "1f1b", {0: [OFFLOAD]}, host_step=(1,))
+    plan.save(tmp_path / "plan.yaml")
+    loaded = Plan.load(tmp_path / "plan.yaml")
+    assert loaded == plan
+    assert [sp.optimizer_step for sp in loaded.stages] == ["device", "host"]
+
+
+def test_bad_optimizer_step_values_are_refused(tmp_path):
+    text = plan_for("bf16", "1f1b", {}, host_step=(0,)).to_yaml().replace("optimizer_step: host",
+                                                                           "optimizer_step: cpu")
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="optimizer_step"):
+        Plan.load(tmp_path / "bad.yaml")
+    d2d = TensorRule(tensor="optim:*", technique="d2d", stripes=[Stripe(device=1, fraction=1.0)])
+    with pytest.raises(ConfigError, match="steps on the host"):
+        StagePlan(stage=0, device=0, first_layer=0, end_layer=3, rules=[d2d], optimizer_step="host")
+
+
+def test_a_plan_without_the_field_loads_with_device_steps(tmp_path):
+    text = plan_for("fp32", "1f1b", {}).to_yaml()
+    assert "optimizer_step: device" in text
+    (tmp_path / "old.yaml").write_text(text.replace("  optimizer_step: device\n", ""))
+    assert all(sp.optimizer_step == "device" for sp in Plan.load(tmp_path / "old.yaml").stages)
+
+
+# ---- multi-process -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    precision: str
+    schedule: str = "1f1b"
+    plan: Plan | None = None
+    resume_after: int | None = None
+    """Save the state after this many steps, build a new job, load it and go on."""
+
+
+def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
+    n = 2 * WORLD if job.schedule == "interleaved" else WORLD
+    spec = JobSpec(model=model(job.precision), schedule=job.schedule, ranges=RANGES[n],
+                   microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=3)
+    plan = Plan.load(plan_path) if plan_path else None
+    torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
+    pj = PipelineJob(spec, plan, torch.device("cpu"))
+    losses = []
+    for step in range(STEPS):
+        if step == job.resume_after:
+            saved, rng = pj.state(), torch.get_rng_state()
+            pj.close()
+            pj = PipelineJob(spec, plan, torch.device("cpu"))
+            pj.load_state(saved)
+            torch.set_rng_state(rng)
+        x, y = batch(step, NUM_MICROBATCHES)
+        losses.append(pj.step(x, y).loss)
+    stages = []
+    for rt, module in zip(pj.runtimes, pj.modules):
+        if rt.engine is not None:
+            rt.engine.wait_idle()  # swap-outs after the step land in the manager's table
+        report = rt.manager.report()
+        stages.append({"stage": rt.stage_plan.stage, "host_bytes": report["host_bytes"],
+                       "masters": report["categories"]["master"]["num_tensors"],
+                       "num_params": sum(p.numel() for p in module.parameters()),
+                       "num_tensors": len(list(module.parameters())),
+                       "bytes_out": rt.engine.stats.bytes_out if rt.engine is not None else 0})
+    result = {"losses": losses, "state": pj.state(), "stages": stages,
+              "dtypes": {p.dtype for m in pj.modules for p in m.parameters()}}
+    pj.close()
+    return result
+
+
+def _worker(rank: int, init: str, jobs: list[Job], plan_paths: list[str | None], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    try:
+        for i, (job, path) in enumerate(zip(jobs, plan_paths)):
+            torch.save(_run_one(job, path, rank), Path(out_dir) / f"{i}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run(jobs: list[Job]) -> list[list[dict]]:
+    """Per job, per rank: losses, final state and per-stage accounting (one spawn)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths: list[str | None] = []
+        for i, job in enumerate(jobs):
+            paths.append(None if job.plan is None else os.path.join(tmp, f"plan{i}.yaml"))
+            if job.plan is not None:
+                job.plan.save(paths[-1])
+        mp.start_processes(_worker, args=(os.path.join(tmp, "init"), jobs, paths, tmp), nprocs=WORLD,
+                           join=True, start_method="spawn")
+        return [[torch.load(Path(tmp) / f"{i}-{r}.pt", weights_only=False) for r in range(WORLD)]
+                for i in range(len(jobs))]
+
+
+def assert_identical(a: list[dict], b: list[dict]) -> None:
+    for ra, rb in zip(a, b):
+        assert ra["losses"] == rb["losses"]
+        assert_states_equal(ra["state"], rb["state"])
+        masters = ra["state"].get("masters", {})
+        assert masters.keys() == rb["state"].get("masters", {}).keys()
+        for name, t in masters.items():
+            assert torch.equal(t, rb["state"]["masters"][name]), name
+
+
+def stage_records(result: list[dict]) -> dict[int, dict]:
+    return {st["stage"]: st for r in result for st in r["stages"]}
+
+
+JOBS = {
+    "bf16": Job(precision="bf16"),
+    "bf16-offload": Job(precision="bf16", plan=plan_for("bf16", "1f1b", {0: [OFFLOAD, ACTIVATIONS], 1: [OFFLOAD]})),
+    "bf16-host-step": Job(precision="bf16", plan=plan_for("bf16", "1f1b", {0: [OFFLOAD, ACTIVATIONS]},
+                                                          host_step=(0, 1))),
+    "bf16-mixed-resumed": Job(precision="bf16", resume_after=2,
+                              plan=plan_for("bf16", "1f1b", {1: [OFFLOAD, ACTIVATIONS]}, host_step=(0,))),
+    "fp32": Job(precision="fp32"),
+    "fp32-host-step": Job(precision="fp32", plan=plan_for("fp32", "1f1b", {1: [ACTIVATIONS]}, host_step=(0, 1))),
+    "bf16-interleaved": Job(precision="bf16", schedule="interleaved"),
+    # rank 0 holds stages 0 (host step) and 2 (offload): one optimizer over CPU and device masters
+    "bf16-interleaved-mixed": Job(precision="bf16", schedule="interleaved",
+                                  plan=plan_for("bf16", "interleaved", {2: [OFFLOAD], 1: [OFFLOAD]}, host_step=(0, 3))),
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict]]:
+    return dict(zip(JOBS, run(list(JOBS.values()))))
+
+
+@pytest.mark.slow
+def test_bf16_trains_half_parameters_with_fp32_masters(results):
+    plain = results["bf16"]
+    assert all(r["dtypes"] == {torch.bfloat16} for r in plain)
+    masters = {k: v for r in plain for k, v in r["state"]["masters"].items()}
+    model_state = {k: v for r in plain for k, v in r["state"]["model"].items()}
+    assert masters.keys() == model_state.keys()
+    assert all(m.dtype == torch.float32 and torch.equal(m.to(torch.bfloat16), model_state[k])
+               for k, m in masters.items())
+    assert any(not torch.equal(m, model_state[k].float()) for k, m in masters.items())
+    assert all("masters" not in r["state"] for r in results["fp32"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, plain", [
+    ("bf16-offload", "bf16"), ("bf16-host-step", "bf16"), ("bf16-mixed-resumed", "bf16"),
+    ("fp32-host-step", "fp32"), ("bf16-interleaved-mixed", "bf16-interleaved"),
+])
+def test_runs_equal_plain_pipelining_bit_for_bit(results, name, plain):
+    assert all(loss is not None for loss in results[name][-1]["losses"])
+    assert_identical(results[plain], results[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bf16-offload", "bf16-host-step", "bf16-mixed-resumed", "fp32-host-step",
+                                  "bf16-interleaved-mixed"])
+def test_optimizer_data_off_the_device_is_in_the_managers_report(results, name):
+    """Every stage with an `optim:*` host rule or a host step has its masters (or host
+    copies) and both Adam states on the host after a step, and its manager says so."""
+    plan = JOBS[name].plan
+    for s, st in stage_records(results[name]).items():
+        sp = plan.stage(s)
+        off = sp.optimizer_step == "host" or OFFLOAD in sp.rules
+        assert st["host_bytes"] == (BYTES_PER_PARAM_OFF_DEVICE * st["num_params"] if off else 0), s
+        assert st["masters"] == (st["num_tensors"] if off else 0), s
+        # a host step moves nothing through the swap engine between steps; an offload does
+        swaps_optimizer = sp.optimizer_step == "device" and OFFLOAD in sp.rules
+        assert (st["bytes_out"] > 0) == (swaps_optimizer or ACTIVATIONS in sp.rules), s

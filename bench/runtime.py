@@ -7,6 +7,8 @@ In one run, on the same process group, one after the other:
   the hooks themselves);
 - recompute-only (every layer of every stage checkpointed);
 - host-swap-only (every saved tensor swapped to the pinned pool and back);
+- d2d-only (every saved tensor striped over the other ranks' peer pools and back; on CPU
+  the pools are shared memory, so this shows the protocol's overhead, not NVLink);
 - mixed: the planner's plan for a 1.7 MB budget on cpu-local (as `gpt-tiny-mixed`).
 The variants run in interleaved rounds of a few steps each, so load drift on the machine
 hits them alike. Per variant: median step time, its ratio to plain,
@@ -33,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mpress.models import layer_names
-from mpress.plan import TensorRule
+from mpress.plan import Stripe, TensorRule
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.memory_manager import Category
 from mpress.runtime.stage import MpressStage
@@ -55,9 +57,15 @@ def variants(plan, cfg):
                            for n in names[sp.first_layer:sp.end_layer]]) for sp in plan.stages])
     host = replace(plan, stages=[replace(sp, rules=[TensorRule(tensor="*", technique="host")],
                                          pinned_host_bytes=64 << 20) for sp in plan.stages])
+    n = plan.num_stages
+    d2d = replace(plan, stages=[
+        replace(sp, rules=[TensorRule(tensor="*", technique="d2d", stripes=[
+            Stripe(device=(sp.device + k) % n, fraction=0.5) for k in (1, 2)])],
+                peer_pool_bytes=64 << 20) for sp in plan.stages])
     return [("plain pipelining", None), ("mpress, keep-all plan", keep),
             ("mpress, keep rule (every tensor routed)", routed), ("mpress, recompute-only", recompute),
-            ("mpress, host-swap-only", host), ("mpress, planner's mixed plan", plan)]
+            ("mpress, host-swap-only", host), ("mpress, d2d-only (2 peers each)", d2d),
+            ("mpress, planner's mixed plan", plan)]
 
 
 def worker(rank: int, init: str, steps: int, warmup: int, out: str) -> None:

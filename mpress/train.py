@@ -104,11 +104,12 @@ def hardware_for(cfg: TrainConfig, world: int, cuda: bool) -> Hardware:
     return hardware
 
 
-def check_topology(expected: Hardware) -> None:
+def check_topology(expected: Hardware, *, nvml: object = None) -> None:
     """Refuse to train when this machine's GPUs are not linked as `expected` says (a plan
     for another topology would stripe over links that do not exist). A subset of the
-    machine's GPUs may be used: a larger machine is not a mismatch."""
-    topology, why = detect_local_hardware()
+    machine's GPUs may be used: a larger machine is not a mismatch. `nvml` replaces the
+    pynvml module (tests)."""
+    topology, why = detect_local_hardware(nvml=nvml)
     if topology is None:
         raise TopologyError(f"cannot check the topology of {expected.name} against this machine: {why}")
     problems = [p for p in compare_topology(expected, topology.hardware)

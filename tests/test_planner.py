@@ -12,7 +12,7 @@ from mpress.model_config import load_model_config
 from mpress.static.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.memory import memory_model, stage_costs
 from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
-from mpress.static.planner import STRATEGIES, check_fits_at_all, plan_strategy
+from mpress.static.planner import STRATEGIES, check_fits_at_all, peer_quota_bytes, plan_strategy
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import build_schedule
 
@@ -92,7 +92,9 @@ def test_short_lived_expensive_tensor_gets_d2d():
     assert [r.plan.technique(0, "x.op#0", m) for m in range(4)] == ["d2d"] * 4
     lender = r.plan.stage_to_device[1]
     assert r.peers[0] == [lender]
-    assert r.plan.stages[1].peer_pool_bytes == 3 * GB  # 2 in flight x 1.5 GB
+    # 2 in flight x 1.5 GB, plus the quota's slack for the runtime's stripe alignment
+    assert r.plan.stages[1].peer_pool_bytes == peer_quota_bytes(3 * GB)
+    assert [(q.device, q.quota_bytes) for q in r.plan.stages[0].peer_quotas] == [(lender, peer_quota_bytes(3 * GB))]
     rec = plan_strategy(setup, "recompute")
     assert rec.fits and r.evaluation.result.iteration_s < rec.evaluation.result.iteration_s
 

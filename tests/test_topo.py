@@ -343,3 +343,16 @@ def test_link_label_and_pair_gbps() -> None:
     assert topo_cmd.link_label(hw, 2, 4) == "PCIe"
     assert topo_cmd.pair_gbps(hw, 2, 3) == (hw.nvlink_gbps(2, 3), True)
     assert topo_cmd.pair_gbps(hw, 2, 4) == (min(hw.pcie_gbps("h2d"), hw.pcie_gbps("d2h")), False)
+
+
+# -- the launcher's check before training --------------------------------------------------------
+def test_launcher_refuses_a_plan_for_another_topology() -> None:
+    from mpress.errors import TopologyError
+    from mpress.train import check_topology
+
+    check_topology(load_hardware("dgx1-v100"), nvml=fake_dgx1())  # the machine the preset describes
+    check_topology(load_hardware("dgx-a100", num_devices=4), nvml=fake_a100())  # a subset of its GPUs
+    with pytest.raises(TopologyError, match=r"the plan's hardware dgx-a100 does not match this machine: NVSwitch"):
+        check_topology(load_hardware("dgx-a100"), nvml=fake_dgx1())
+    with pytest.raises(TopologyError, match="cannot check the topology of dgx1-v100 against this machine"):
+        check_topology(load_hardware("dgx1-v100"), nvml=fake_dgx1(init_error="driver not loaded"))

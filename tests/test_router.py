@@ -176,3 +176,29 @@ def test_prefetch_before_the_forward_does_not_disable_it_and_finish_releases_cop
     rt.engine.wait_idle(10.0)
     assert rt.manager.device_bytes(Category.ACTIVATION) == 0  # nothing of microbatch 1 stays
     rt.close()
+
+
+def test_prefetch_brings_tensors_back_in_the_order_the_backward_needs_them():
+    """The in worker copies in request order; the backward needs the last-saved tensor
+    first, so a microbatch's swap-ins are requested in reverse forward order."""
+    order: list[tuple[str, str]] = []
+    model = build_stage(CFG, 0, CFG.num_layers + 2, seed=5)
+    manager = MemoryManager(torch.device("cpu"), rank=0)
+    engine = SwapEngine(PinnedHostPool(64 << 20), manager, torch.device("cpu"), rank=0, stage=0,
+                        fault=lambda key, direction: order.append((direction, key.tensor)))
+    router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=CFG.num_layers + 2,
+                                                rules=[TensorRule(tensor="layers.*.**", technique="host")]),
+                               engine, rank=0, manager=manager)
+    x, y = example_batch(CFG, 2, seed=0)
+    with router.microbatch(0):
+        loss = lm_loss(model(x), y)
+    engine.wait_idle(10.0)
+    router.prefetch(0)
+    engine.wait_idle(10.0)
+    outs = [t for d, t in order if d == "out"]
+    ins = [t for d, t in order if d == "in"]
+    assert len(outs) > 4 and ins == outs[::-1]
+    loss.backward()
+    router.finish(0)
+    router.close()
+    engine.close()

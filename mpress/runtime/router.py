@@ -212,7 +212,9 @@ class SavedTensorRouter:
         # swap-outs may still come
         if microbatch not in self._prefetched and microbatch in self._handles:
             self._prefetched.add(microbatch)
-            for swapped in self._handles[microbatch]:
+            # the backward needs the last-saved tensor first, and each engine's in worker
+            # copies in the order it is asked: ask in reverse forward order
+            for swapped in reversed(self._handles[microbatch]):
                 swapped.engine.prefetch(swapped.handle)
 
     def pending_bytes(self, microbatch: int) -> int:

@@ -19,6 +19,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -156,7 +157,9 @@ def _broadcast(obj: object, group: dist.ProcessGroup | None) -> object:
 def control_group() -> dist.ProcessGroup | None:
     """A gloo group for object collectives before the device is known (the plan's
     broadcast, the peer pools' handshake); None = the default group, when it is gloo."""
-    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+    if dist.get_backend() != "nccl":
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 def _checkpoint_dir(cfg: TrainConfig) -> Path | None:
@@ -254,6 +257,38 @@ def _pool_cell(pool: object) -> str:
     return f"{fmt_bytes(high)} / {fmt_bytes(size)}"
 
 
+class PeerWatch:
+    """Stops this rank, naming the dead one, when another rank of a D2D job dies.
+
+    A rank blocked in a pipeline recv from a dead rank would otherwise wait for the
+    collective timeout and, on NCCL, be aborted by its watchdog without a word. Runs while
+    the job trains; `stop` it before the ranks part (they leave at different times).
+    """
+
+    def __init__(self, job: PipelineJob, interval_s: float = 1.0) -> None:
+        self._job = job
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpress-peer-watch", daemon=True)
+        if job.peer_pools is not None:
+            self._thread.start()
+
+    def _run(self) -> None:
+        pools = self._job.peer_pools
+        while not self._stopped.wait(self._interval_s):
+            dead = pools.dead_ranks()
+            if dead and not self._stopped.is_set():
+                stages = ",".join(map(str, self._job.stage_ids))
+                print(f"mpress.train: rank {self._job.rank}: SwapError: rank {self._job.rank} stage {stages}: "
+                      f"{'; '.join(dead)}; stopping", file=sys.stderr, flush=True)
+                os._exit(1)  # the training thread may be stuck in a collective with the dead rank
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def train(cfg: TrainConfig) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     num_stages = check_world_size(cfg, world)
@@ -282,6 +317,7 @@ def train(cfg: TrainConfig) -> int:
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     dataset = build_dataset(cfg.data, model, seed=cfg.seed)
     job = PipelineJob(spec, plan, device, control_group=control)
+    watch = PeerWatch(job)
     first = resume(cfg, job)
     console = make_console()
     if rank == 0:
@@ -319,6 +355,7 @@ def train(cfg: TrainConfig) -> int:
         for r in rows:
             if r.get("cuda_check", "ok") != "ok":
                 console.print(f"[red]accounting check failed[/]: {r['cuda_check']}")
+    watch.stop()  # every rank got here (the gather above): none has left yet
     job.close()
     return 0
 

@@ -172,16 +172,31 @@ OPTIM_TO_PEERS = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
     {2: POOL, 3: POOL})
 """Adam states between steps in peer pools, with activations swapped too."""
 
+def _idle_lender() -> Plan:
+    """Stages on devices 0, 1, 2 and 4 of a 5-device machine; device 3 runs no stage but
+    lends its memory: rank 0, its lowest exporter, allocates and exports that pool."""
+    plan = make_plan("1f1b", WORLD, MICROBATCHES, {0: [d2d("layers.0.**", {3: 0.5, 2: 0.5})],
+                                                   1: [d2d("layers.1.**", {3: 1.0})]})
+    devices = [0, 1, 2, 4]
+    stages = [dataclasses.replace(sp, device=devices[sp.stage], peer_pool_bytes=POOL if sp.stage == 2 else 0,
+                                  peer_quotas=[PeerQuota(device=3, quota_bytes=4 << 20)] if sp.stage < 2 else [])
+              for sp in plan.stages]
+    return dataclasses.replace(plan, num_devices=5, stage_to_device=devices, stages=stages)
+
+
+IDLE_LENDER = _idle_lender()
+
 KEEP_ALL = make_plan("1f1b", WORLD, MICROBATCHES, {0: [TensorRule(tensor="*", technique="keep")]})
 
 
 def test_d2d_and_mixed_plans_equal_the_plain_run_and_move_exactly_the_swapped_bytes():
-    (plain, d2d_only, mixed, keep, d2d_ahead, optim), errors, _ = run(
-        [None, D2D_ONLY, MIXED, KEEP_ALL, D2D_LAYER_AHEAD, OPTIM_TO_PEERS])
+    (plain, d2d_only, mixed, keep, d2d_ahead, optim, idle), errors, _ = run(
+        [None, D2D_ONLY, MIXED, KEEP_ALL, D2D_LAYER_AHEAD, OPTIM_TO_PEERS, IDLE_LENDER])
     assert not errors, errors
-    for result in (d2d_only, mixed, keep, d2d_ahead, optim):
+    for result in (d2d_only, mixed, keep, d2d_ahead, optim, idle):
         assert_identical(plain, result)
     assert all(optim[r]["pool_usage"][r]["high_water_bytes"] > 0 for r in (2, 3))
+    assert idle[0]["pool_usage"][3]["high_water_bytes"] > 0 and idle[0]["pool_usage"][3]["data_bytes"] == 0
 
     # rank 0 (stage 0) after each forward: what left its device is what its peers hold
     kept, swapped = keep[0]["probes"], d2d_ahead[0]["probes"]
@@ -230,6 +245,8 @@ def random_d2d_plan(draw) -> Plan:
             else:
                 rules.setdefault(stage, []).append(TensorRule(tensor=f"{layer}.**", technique=technique,
                                                               microbatches=selector))
+    if not any(r.technique == "d2d" for rs in rules.values() for r in rs):  # never a vacuous example
+        rules.setdefault(0, []).insert(0, d2d("embed.**", {1: 1.0}))
     return with_pools(make_plan("1f1b", WORLD, MICROBATCHES, rules), {d: POOL for d in range(WORLD)})
 
 

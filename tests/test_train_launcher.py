@@ -111,6 +111,24 @@ def test_a_peer_pool_too_small_stops_every_rank_at_start_up(tmp_path):
     res = launch(config, tmp_path, nproc=4, env={"MPRESS_PEER_POOL_BYTES": "4096"}, timeout=120)
     assert res.returncode != 0  # torchrun's own status for failed workers
     lines = [x for x in res.stderr.splitlines() if x.startswith("mpress.train: rank")]
-    assert len(lines) == 4, res.stderr[-3000:]
+    # torchrun stops the other workers once one has failed, so not every rank may get to
+    # print (tests/test_runtime_d2d.py checks every rank's error without torchrun)
+    assert lines, res.stderr[-3000:]
     assert all(": error: peer pools: rank " in x and "is too small: 4096 bytes" in x for x in lines), lines
     assert "step 0:" not in res.stdout  # nothing trained
+
+
+def test_peer_watch_ends_the_rank_naming_the_dead_one():
+    """The launcher's watch over a D2D job's ranks: when one is gone, this rank prints who
+    and leaves at once (a rank blocked in a recv from it would wait out the timeout)."""
+    code = (
+        "import time, types\n"
+        "from mpress.train import PeerWatch\n"
+        "pools = types.SimpleNamespace(dead_ranks=lambda: ['rank 3 (pid 99, holds the D2D peer pool of device(s) 3)"
+        " has died'])\n"
+        "PeerWatch(types.SimpleNamespace(peer_pools=pools, rank=1, stage_ids=[1]), interval_s=0.05)\n"
+        "time.sleep(30)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.strip() == ("mpress.train: rank 1: SwapError: rank 1 stage 1: rank 3 (pid 99, holds the D2D peer "
+                                  "pool of device(s) 3) has died; stopping")

@@ -3,7 +3,8 @@
 At start-up every rank whose device the plan gives a peer pool (`StagePlan.
 peer_pool_bytes`, the importer) allocates it in one piece and exports it; the handles go
 to every rank in one `all_gather_object`; each exporter stage opens the pools its
-stripes go to and keeps, per pool, a `QuotaPool`: a `BlockPool` over its own slice of
+stripes go to (on CUDA after checking `can_device_access_peer`; torch enables peer access
+when the first copy runs) and keeps, per pool, a `QuotaPool`: a `BlockPool` over its own slice of
 the pool (its quota, from `StagePlan.peer_quotas`, or an equal share of the pool when
 the plan gives none). From then on the importer takes no part: exporters carve their
 quota and copy stripes with one-sided copies on their own streams.
@@ -73,6 +74,19 @@ def uses_peer_pools(plan: Plan) -> bool:
     return any(sp.peer_pool_bytes or any(r.technique == "d2d" for r in sp.rules) for sp in plan.stages)
 
 
+def rank_of_stage(plan: Plan, stage: int) -> int:
+    """The rank that runs `stage` (stage s on rank s % ranks: one stage per rank, or
+    several under interleaved schedules)."""
+    return stage % plan.num_ranks
+
+
+def pool_holders(plan: Plan, quotas: dict[int, list[Quota]]) -> dict[int, int]:
+    """Per pool device, the rank that allocates and exports it: the rank running a stage
+    there, or, for an idle device, the lowest rank among its exporters."""
+    owner = {plan.stage_to_device[s]: rank_of_stage(plan, s) for s in range(plan.num_stages)}
+    return {d: owner.get(d, min(rank_of_stage(plan, q.stage) for q in qs)) for d, qs in quotas.items()}
+
+
 def exporter_peers(plan: Plan, stage: int) -> list[int]:
     """Devices stage `stage` stripes to (any D2D rule), in first-seen order."""
     peers: list[int] = []
@@ -87,21 +101,31 @@ def plan_quotas(plan: Plan, pool_override_bytes: int | None = None) -> dict[int,
     """Per importer device, the quotas of its exporters, laid out one after the other.
 
     Quotas come from the exporters' `peer_quotas`; a device an exporter stripes to without
-    a quota gets an equal share of what the pool has left. `pool_override_bytes` replaces
-    every pool's size (a sizing experiment). Raises PlanError, with the numbers, when a
-    pool cannot hold its quotas or a stage stripes to a device without a pool.
+    a quota gets an equal share of what the pool has left. A device no stage runs on (an
+    idle GPU, a fine lender) has a pool exactly as large as its exporters' quotas, which
+    they must then all give. `pool_override_bytes` replaces every pool's size (a sizing
+    experiment). Raises PlanError, with the numbers, when a pool cannot hold its quotas or
+    a stage stripes to a device without a pool.
     """
     pools = pool_bytes_by_device(plan)
-    if pool_override_bytes is not None:
-        pools = {d: pool_override_bytes for d in pools}
     wanted: dict[int, list[tuple[int, int | None]]] = {}
     for sp in plan.stages:
         given = {q.device: q.quota_bytes for q in sp.peer_quotas}
         for device in exporter_peers(plan, sp.stage):
             wanted.setdefault(device, []).append((sp.stage, given.get(device)))
+    busy = set(plan.stage_to_device)
+    for device, exporters in wanted.items():
+        if device not in busy and all(b is not None for _, b in exporters):
+            pools[device] = sum(_round_up(b, ALIGNMENT_BYTES) for _, b in exporters)  # type: ignore[arg-type]
+    if pool_override_bytes is not None:
+        pools = {d: pool_override_bytes for d in pools}
     out: dict[int, list[Quota]] = {}
     for device, exporters in sorted(wanted.items()):
         capacity = pools.get(device, 0)
+        if capacity <= 0 and device not in busy:
+            stages = ", ".join(str(s) for s, b in exporters if b is None)
+            raise PlanError(f"stage(s) {stages} stripe to device {device}, which runs no stage, without a "
+                            "peer_quotas entry for it (the size of such a pool is the sum of its quotas)")
         if capacity <= 0:
             stages = ", ".join(str(s) for s, _ in exporters)
             raise PlanError(f"stage(s) {stages} stripe to device {device}, which reserves no peer pool "
@@ -169,6 +193,15 @@ class SharedMemoryTransport(PoolTransport):
         except OSError as exc:
             raise SwapError(f"cannot allocate a {nbytes}-byte shared-memory peer pool: {exc}") from exc
         self._created.append(shm)
+        fd = getattr(shm, "_fd", -1)
+        if fd >= 0 and hasattr(os, "posix_fallocate"):
+            # the segment is sparse until written: reserve it now, so a full /dev/shm is a
+            # start-up error here and not a SIGBUS at the first swap
+            try:
+                os.posix_fallocate(fd, 0, nbytes + ALIGNMENT_BYTES)
+            except OSError as exc:
+                raise SwapError(f"cannot reserve a {nbytes}-byte shared-memory peer pool in /dev/shm: "
+                                f"{exc.strerror}") from exc
         buffer = self._aligned(shm, nbytes)
         return buffer, (shm.name, nbytes)
 
@@ -222,6 +255,8 @@ class CudaIpcTransport(PoolTransport):
         return buffer, reduce_tensor(buffer)
 
     def open(self, payload: Any, device: torch.device) -> torch.Tensor:
+        # the handle names the importer's GPU by index: every rank must see the GPUs
+        # numbered alike (the same CUDA_VISIBLE_DEVICES), which torchrun's default gives
         rebuild, args = payload
         buffer = rebuild(*args)
         self._keep.append(buffer)
@@ -338,7 +373,8 @@ class _RankInfo:
     process: ProcessId
     devices: tuple[int, ...]
     exports: tuple[_Export, ...]
-    error: str | None
+    error: tuple[str, str] | None
+    """(error class, message) when this rank's part of the setup failed."""
 
 
 class PeerPools:
@@ -349,8 +385,10 @@ class PeerPools:
 
     def __init__(self, rank: int, device: torch.device, transport: PoolTransport, infos: list[_RankInfo],
                  local_buffers: dict[int, torch.Tensor], ledgers: list[shared_memory.SharedMemory],
-                 quotas: dict[tuple[int, int], QuotaPool], attached: list[mmap.mmap]) -> None:
+                 quotas: dict[tuple[int, int], QuotaPool], attached: list[mmap.mmap],
+                 group: dist.ProcessGroup | None = None) -> None:
         self.rank = rank
+        self.group = group
         self.device = device
         self.transport = transport
         self._infos = infos
@@ -359,7 +397,8 @@ class PeerPools:
         self._quotas = quotas
         self._attached = attached
         """Other ranks' ledgers this rank writes its quotas' use into."""
-        self._owner = {d: info.rank for info in infos for d in info.devices}
+        self._owner = {e.device: info.rank for info in infos for e in info.exports}
+        """Pool device -> the rank that holds (allocated and exported) it."""
 
     def quota(self, stage: int, device: int) -> QuotaPool:
         """Stage `stage`'s quota on device `device`'s pool."""
@@ -415,8 +454,15 @@ class PeerPools:
         raise PlanError(f"rank {self.rank} writes into no peer pool on device {device}"
                         + (f" for stage {stage}" if stage is not None else ""))
 
-    def close(self) -> None:
-        """Unmap and free (importers unlink their pools and ledgers)."""
+    def close(self, *, barrier: bool = False) -> None:
+        """Unmap and free (holders unlink their pools and ledgers). `barrier`: first wait
+        until every rank is done with the pools (a collective; skipped if it fails), so no
+        holder frees memory an exporter still maps."""
+        if barrier and dist.is_initialized():
+            try:
+                dist.barrier(group=self.group)
+            except Exception:  # noqa: BLE001 - a dead peer: nobody is left to wait for
+                pass
         self._quotas.clear()
         self._local_buffers.clear()
         for ledger in self._attached:
@@ -442,8 +488,10 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
     """Allocate, exchange and open the job's peer pools (a collective over `group`).
 
     stage_ids: the stages this rank runs (their plan devices are its devices).
-    Every rank raises the same error when any rank failed (a pool too small for its
-    quotas, an allocation that failed, a peer that cannot be reached), so none hangs.
+    Two rounds, each ending in an all-gather of every rank's outcome: allocate and export
+    (a pool too small for its quotas, an allocation that failed), then open the peers'
+    pools (a peer that cannot be reached). Every rank raises the same error when any rank
+    failed, having freed what it made, so none hangs and none trains on alone.
     """
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -455,34 +503,61 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
     error = None
     try:
         quotas = plan_quotas(plan, pool_override_bytes)  # the same on every rank
-        for d in devices:
-            if d not in quotas:
+        for d, holder in sorted(pool_holders(plan, quotas).items()):
+            if holder != rank:
                 continue
             nbytes = sum(q.nbytes for q in quotas[d])
-            buffer, payload = transport.create(nbytes, device)
-            ledger = shared_memory.SharedMemory(create=True, size=max(8, 8 * _LEDGER_FIELDS * len(quotas[d])))
-            torch.frombuffer(ledger.buf, dtype=torch.int64).zero_()
-            ledgers.append(ledger)
+            buffer, payload = transport.create(nbytes, _peer_device(device, d))
             local[d] = buffer
+            ledger = shared_memory.SharedMemory(create=True, size=max(8, 8 * _LEDGER_FIELDS * len(quotas[d])))
+            ledgers.append(ledger)
+            torch.frombuffer(ledger.buf, dtype=torch.int64).zero_()
             exports.append(_Export(device=d, nbytes=nbytes, payload=payload, ledger=ledger.name,
                                    quotas=tuple(quotas[d])))
-    except (PlanError, SwapError) as exc:
-        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the other ranks must hear of it
+        error = _describe_failure(exc)
     mine = _RankInfo(rank=rank, process=ProcessId.current(), devices=devices, exports=tuple(exports), error=error)
     infos: list[Any] = [None] * world
     dist.all_gather_object(infos, mine, group=group)
-    failed = [i for i in infos if i.error]
-    if failed:
-        _close_all(transport, ledgers)
-        first = failed[0]
-        raise PlanError(f"peer pools: rank {first.rank}: {first.error}")
+    _raise_if_any_failed(infos, transport, ledgers, [])
     attached: list[mmap.mmap] = []
+    opened: dict[tuple[int, int], QuotaPool] = {}
+    error = None
     try:
         opened = _open_quotas(infos, stage_ids, device, transport, plan, attached)
-    except (SwapError, TopologyError, OSError) as exc:
-        _close_all(transport, ledgers)
-        raise SwapError(f"peer pools: rank {rank}: {exc}") from exc
-    return PeerPools(rank, device, transport, infos, local, ledgers, opened, attached)
+    except Exception as exc:  # noqa: BLE001 - as above
+        error = _describe_failure(exc)
+    outcomes: list[Any] = [None] * world
+    dist.all_gather_object(outcomes, _RankInfo(rank=rank, process=mine.process, devices=devices, exports=(),
+                                               error=error), group=group)
+    _raise_if_any_failed(outcomes, transport, ledgers, attached)
+    return PeerPools(rank, device, transport, infos, local, ledgers, opened, attached, group)
+
+
+def _raise_if_any_failed(infos: list[_RankInfo], transport: PoolTransport, ledgers: list[shared_memory.SharedMemory],
+                         attached: list[mmap.mmap]) -> None:
+    failed = [i for i in infos if i.error]
+    if not failed:
+        return
+    for segment in attached:
+        try:
+            segment.close()
+        except BufferError:
+            pass
+    _close_all(transport, ledgers)
+    first = failed[0]
+    kind, text = first.error
+    raise _ERRORS.get(kind, SwapError)(f"peer pools: rank {first.rank}: {text}")
+
+
+_ERRORS: dict[str, type[Exception]] = {"PlanError": PlanError, "TopologyError": TopologyError, "SwapError": SwapError}
+"""Errors a rank's setup failure is raised as on every rank (anything else: SwapError)."""
+
+
+def _describe_failure(exc: Exception) -> tuple[str, str]:
+    """(error class name, message) of a setup failure, to send to the other ranks."""
+    name = type(exc).__name__
+    return (name, str(exc)) if name in _ERRORS else ("SwapError", f"{name}: {exc}")
 
 
 def _open_quotas(infos: list[_RankInfo], stage_ids: list[int], device: torch.device, transport: PoolTransport,
@@ -526,6 +601,9 @@ def _close_all(transport: PoolTransport, ledgers: list[shared_memory.SharedMemor
     for ledger in ledgers:
         try:
             ledger.close()
+        except BufferError:  # a counter view is still alive; the OS unmaps at exit
+            pass
+        try:
             ledger.unlink()
-        except (BufferError, FileNotFoundError):
+        except FileNotFoundError:
             pass

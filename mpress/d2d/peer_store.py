@@ -135,6 +135,7 @@ class PeerStore(SwapStore):
 
     def copy_out(self, placement: Placement, src: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
         self.table.update(placement.entry_id, StripeState.WRITING)
+        src = src.resolve_conj().resolve_neg()  # lazy conjugate/negative views have no plain bytes
         flat = byte_view(src.contiguous()) if src.is_contiguous() or not self.cuda else None
         if flat is None:  # gather on the first stream, the others wait for it
             first = self._streams[("out", placement.slots[0].peer)]

@@ -140,11 +140,13 @@ class SwapEngine:
             owned = self._claim_key(key, nbytes, category)
             try:
                 placement = self.store.reserve(str(key), nbytes, weights)
-            except SwapError as exc:
+            except Exception as exc:
                 if owned:
                     self._owned.pop(key, None)
                     self._manager.forget(key)
-                raise SwapError(f"swap-out failed: {key}: {exc}") from exc
+                if isinstance(exc, SwapError):
+                    raise SwapError(f"swap-out failed: {key}: {exc}") from exc
+                raise
             record = SwapRecord(key, tensor.detach(), placement, owned)
             if owned:
                 self._owned[key] = record
@@ -297,11 +299,16 @@ class SwapEngine:
                     for record, copies in issued:
                         if copies is not None:
                             self._finish_out(record, copies)
+                    del issued
+                except BaseException as exc:  # noqa: BLE001 - a bug here must not kill the worker silently
+                    for record in batch:
+                        if record.state not in TERMINAL_STATES and not record.out_done.is_set():
+                            self._fail(record, "swap-out", exc)
                 finally:
                     with self._idle:
                         self._num_pending -= len(batch)
                         self._idle.notify_all()
-                    del batch, issued  # so dropped handles' records are not kept by this frame
+                    del batch  # so dropped handles' records are not kept by this frame
                 self._reap_dropped()
 
     def _worker(self, work: queue.SimpleQueue, run: Callable[[SwapRecord], None]) -> None:

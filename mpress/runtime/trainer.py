@@ -9,6 +9,7 @@ steps. The launcher (`mpress.train`) and the multi-process tests drive it.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -203,12 +204,22 @@ class PipelineJob:
             else:
                 self.schedule.step()
         except Exception as exc:
-            dead = self.peer_pools.dead_ranks() if self.peer_pools is not None else []
+            dead = self._dead_ranks()
             if dead:
                 stages = ", ".join(str(s) for s in self.stage_ids)
                 raise SwapError(f"rank {self.rank} stage {stages}: {'; '.join(dead)}; the step stopped ({exc})") from exc
             raise
         return losses
+
+    def _dead_ranks(self, wait_s: float = 1.0) -> list[str]:
+        """Other ranks found dead (one line each), waiting up to `wait_s` for a process
+        whose sockets already closed to show as gone; [] without peer pools."""
+        if self.peer_pools is None:
+            return []
+        deadline = time.monotonic() + wait_s
+        while not (dead := self.peer_pools.dead_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return dead
 
     def state(self) -> dict[str, dict]:
         """Model and optimizer state of this rank (optimizer states brought home first),
@@ -245,7 +256,7 @@ class PipelineJob:
         for rt in self.runtimes:
             rt.close()
         if self.peer_pools is not None:
-            self.peer_pools.close()
+            self.peer_pools.close(barrier=True)
 
 
 def check_plan_shape(plan: Plan, spec: JobSpec) -> None:

@@ -14,7 +14,7 @@ import sys
 from mpress import __version__
 from mpress.errors import UserError
 
-SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize"]
+SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "tile"]
 
 
 class _Parser(argparse.ArgumentParser):

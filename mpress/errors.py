@@ -42,5 +42,10 @@ class TopologyError(UserError):
     """The hardware topology is inconsistent or does not match the detected one."""
 
 
+class TilingError(UserError):
+    """Fused-tiled execution cannot run as asked: an out-of-memory verdict (with the
+    numbers), an operator that cannot be tiled, or a bad tiling option."""
+
+
 class SwapError(MpressError):
     """A swap (host or peer) failed at run time; the message names the tensor."""

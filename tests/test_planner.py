@@ -12,7 +12,12 @@ from mpress.model_config import load_model_config
 from mpress.static.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.memory import memory_model, stage_costs
 from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
-from mpress.static.planner import STRATEGIES, check_fits_at_all, peer_quota_bytes, plan_strategy
+from mpress.static.planner import (
+    STRATEGIES,
+    check_fits_at_all,
+    peer_quota_bytes,
+    plan_strategy,
+)
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import build_schedule
 

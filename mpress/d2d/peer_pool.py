@@ -371,7 +371,6 @@ class _Export:
 class _RankInfo:
     rank: int
     process: ProcessId
-    devices: tuple[int, ...]
     exports: tuple[_Export, ...]
     error: tuple[str, str] | None
     """(error class, message) when this rank's part of the setup failed."""
@@ -478,6 +477,7 @@ class PeerPools:
 def _usage(export: _Export, counters: torch.Tensor) -> dict[str, int]:
     return {"capacity_bytes": export.nbytes,
             "in_use_bytes": int(counters[0::_LEDGER_FIELDS].sum()),
+            # the sum of the exporters' high-water marks: an upper bound of the pool's own
             "high_water_bytes": int(counters[1::_LEDGER_FIELDS].sum()),
             "data_bytes": int(counters[2::_LEDGER_FIELDS].sum())}
 
@@ -496,7 +496,6 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     transport = transport or make_transport(device)
-    devices = tuple(sorted({plan.stage_to_device[s] for s in stage_ids}))
     exports: list[_Export] = []
     ledgers: list[shared_memory.SharedMemory] = []
     local: dict[int, torch.Tensor] = {}
@@ -516,7 +515,7 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
                                    quotas=tuple(quotas[d])))
     except Exception as exc:  # noqa: BLE001 - whatever failed, the other ranks must hear of it
         error = _describe_failure(exc)
-    mine = _RankInfo(rank=rank, process=ProcessId.current(), devices=devices, exports=tuple(exports), error=error)
+    mine = _RankInfo(rank=rank, process=ProcessId.current(), exports=tuple(exports), error=error)
     infos: list[Any] = [None] * world
     dist.all_gather_object(infos, mine, group=group)
     _raise_if_any_failed(infos, transport, ledgers, [])
@@ -528,7 +527,7 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
     except Exception as exc:  # noqa: BLE001 - as above
         error = _describe_failure(exc)
     outcomes: list[Any] = [None] * world
-    dist.all_gather_object(outcomes, _RankInfo(rank=rank, process=mine.process, devices=devices, exports=(),
+    dist.all_gather_object(outcomes, _RankInfo(rank=rank, process=mine.process, exports=(),
                                                error=error), group=group)
     _raise_if_any_failed(outcomes, transport, ledgers, attached)
     return PeerPools(rank, device, transport, infos, local, ledgers, opened, attached, group)

@@ -1,8 +1,11 @@
 """Shared test set-up: `@pytest.mark.cuda` tests skip where no GPU is present; every test
-runs torch on one intra-op thread."""
+runs torch on one intra-op thread; `group` is a one-rank process group."""
+
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,3 +25,19 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A world-1 gloo group, for collectives run in one process (peer-pool setup); reuses
+    an existing single-rank group."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            pytest.skip("a process group of several ranks is already initialised")
+        yield None
+        return
+    init = tmp_path_factory.mktemp("dist") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield None
+    dist.destroy_process_group()

@@ -37,21 +37,6 @@ def key(name: str) -> TensorKey:
     return TensorKey(rank=0, stage=0, microbatch=0, tensor=name)
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A world-1 gloo group (setup_peer_pools is a collective)."""
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a process group of several ranks is already initialised")
-        yield None
-        return
-    init = tmp_path_factory.mktemp("dist") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield None
-    dist.destroy_process_group()
-
-
 @pytest.fixture
 def d2d_engine(group):
     """(engine, manager) swapping stage 0 of `three_stage_plan` into shared-memory pools."""

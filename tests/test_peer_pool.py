@@ -144,21 +144,6 @@ def test_no_d2d_no_quotas():
 
 # ---- (b) pools in one process ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A world-1 gloo group (setup_peer_pools is a collective)."""
-    if dist.is_initialized():  # another module's group: use it if it is a single rank
-        if dist.get_world_size() != 1:
-            pytest.skip("a process group of several ranks is already initialised")
-        yield None
-        return
-    init = tmp_path_factory.mktemp("dist") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield None
-    dist.destroy_process_group()
-
-
 @pytest.fixture
 def make_pools(group):
     """setup_peer_pools for a plan whose stages all run on this rank; closed afterwards."""

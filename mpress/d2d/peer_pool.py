@@ -32,6 +32,7 @@ import abc
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -220,16 +221,7 @@ class SharedMemoryTransport(PoolTransport):
 
     def close(self) -> None:
         self._buffers.clear()
-        for shm in self._opened + self._created:
-            try:
-                shm.close()
-            except BufferError:  # a tensor view is still alive somewhere; the OS unmaps at exit
-                pass
-        for shm in self._created:
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
+        _release([*self._opened, *self._created], unlink=self._created)
         self._opened.clear()
         self._created.clear()
 
@@ -464,13 +456,8 @@ class PeerPools:
                 pass
         self._quotas.clear()
         self._local_buffers.clear()
-        for ledger in self._attached:
-            try:
-                ledger.close()
-            except BufferError:  # a counter view is still alive; the OS unmaps at exit
-                pass
+        _close_all(self.transport, self._ledgers, self._attached)
         self._attached.clear()
-        _close_all(self.transport, self._ledgers)
         self._ledgers.clear()
 
 
@@ -538,12 +525,7 @@ def _raise_if_any_failed(infos: list[_RankInfo], transport: PoolTransport, ledge
     failed = [i for i in infos if i.error]
     if not failed:
         return
-    for segment in attached:
-        try:
-            segment.close()
-        except BufferError:
-            pass
-    _close_all(transport, ledgers)
+    _close_all(transport, ledgers, attached)
     first = failed[0]
     kind, text = first.error
     raise _ERRORS.get(kind, SwapError)(f"peer pools: rank {first.rank}: {text}")
@@ -595,14 +577,23 @@ def _check_peer_access(device: torch.device, peer: int) -> None:
                             "stripes D2D swaps to it")
 
 
-def _close_all(transport: PoolTransport, ledgers: list[shared_memory.SharedMemory]) -> None:
+def _close_all(transport: PoolTransport, ledgers: list[shared_memory.SharedMemory],
+               attached: list[mmap.mmap]) -> None:
+    """Free this rank's pools and ledgers and unmap the other ranks' ledgers."""
     transport.close()
-    for ledger in ledgers:
+    _release([*attached, *ledgers], unlink=ledgers)
+
+
+def _release(segments: Sequence[shared_memory.SharedMemory | mmap.mmap],
+             unlink: Sequence[shared_memory.SharedMemory] = ()) -> None:
+    """Unmap `segments` and remove the names of those this process created (`unlink`)."""
+    for segment in segments:
         try:
-            ledger.close()
-        except BufferError:  # a counter view is still alive; the OS unmaps at exit
+            segment.close()
+        except BufferError:  # a tensor view is still alive somewhere; the OS unmaps at exit
             pass
+    for shm in unlink:
         try:
-            ledger.unlink()
+            shm.unlink()
         except FileNotFoundError:
             pass

@@ -42,13 +42,13 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
-from mpress.d2d.peer_pool import setup_peer_pools
-from mpress.d2d.peer_store import PeerStore
+from mpress.d2d.runtime.peer_pool import setup_peer_pools
+from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.plan import Plan, StagePlan, Stripe, TensorRule
-from mpress.runtime.host_pool import PinnedHostPool
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.memory_manager import MemoryManager
-from mpress.runtime.swap_engine import SwapEngine
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.identity import TensorKey
+from mpress.runtime.memory.manager import MemoryManager
+from mpress.runtime.swap.engine import SwapEngine
 
 MiB = 1 << 20
 SLACK_BYTES = 1 * MiB

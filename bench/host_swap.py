@@ -67,10 +67,11 @@ from mpress.model_config import ModelConfig, load_model_config
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES, check_layer_range
 from mpress.plan import StagePlan, TensorRule
-from mpress.runtime.host_pool import PinnedHostPool
-from mpress.runtime.memory_manager import MemoryManager
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.units import ALIGNMENT_BYTES
+from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.router import SavedTensorRouter, layer_modules
-from mpress.runtime.swap_engine import SwapEngine, SwapStats
+from mpress.runtime.swap.engine import SwapEngine, SwapStats
 
 MiB = 1 << 20
 POOL_SLACK = 1.25
@@ -230,7 +231,8 @@ def build_variants(cfg: ModelConfig, first_layer: int, end_layer: int, device: t
 
     host_stage = stage()
     pool_bytes = int(census.activation_bytes * POOL_SLACK)
-    pool = PinnedHostPool.for_plan(pool_bytes, num_tensors=census.num_activations)  # pinned when CUDA is there
+    # one alignment unit per tensor for block rounding; pinned when CUDA is there
+    pool = PinnedHostPool(pool_bytes + census.num_activations * ALIGNMENT_BYTES)
     host_manager = MemoryManager(device, rank=0)
     engine = SwapEngine(pool, host_manager, device, rank=0, stage=0)
     host_plan = stage_plan(first_layer, end_layer, [TensorRule(tensor="*", technique="host")], pool_bytes)

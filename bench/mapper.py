@@ -20,7 +20,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from mpress.d2d.mapper import (
+from mpress.d2d.static.mapper import (
     MapperResult,
     MappingProblem,
     brute_force,

@@ -37,7 +37,7 @@ from rich.table import Table
 from mpress.models import layer_names
 from mpress.plan import Stripe, TensorRule
 from mpress.runtime.data import batches, build_dataset
-from mpress.runtime.memory_manager import Category
+from mpress.runtime.memory.manager import Category
 from mpress.runtime.stage import MpressStage
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec, PipelineJob
@@ -71,9 +71,7 @@ def variants(plan, cfg):
 def worker(rank: int, init: str, steps: int, warmup: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
-    from mpress.train import (
-        plan_for,  # the launcher's planning step, as `plan: auto` runs it
-    )
+    from mpress.launcher.startup import plan_for  # the launcher's planning step, as `plan: auto` runs it
     tcfg = load_train_config("gpt-tiny-mixed")
     cfg = model_config(tcfg)
     box = [plan_for(tcfg, cfg, WORLD, WORLD) if rank == 0 else None]

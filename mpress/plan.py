@@ -282,6 +282,30 @@ class Plan:
         rule = self.stage(stage).technique(tensor, microbatch)
         return rule.technique if rule else "keep"
 
+    def rank_of_stage(self, stage: int) -> int:
+        """The rank that runs `stage`: stage s on rank s % ranks (one stage per rank, or
+        several under interleaved schedules)."""
+        return stage % self.num_ranks
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The stages `rank` runs, in order."""
+        return list(range(rank, self.num_stages, self.num_ranks))
+
+    def peer_pool_bytes_by_device(self) -> dict[int, int]:
+        """Peer pool each device reserves for its D2D exporters (the sum over the stages
+        it runs); devices without one are left out."""
+        out: dict[int, int] = {}
+        for sp in self.stages:
+            if sp.peer_pool_bytes:
+                out[sp.device] = out.get(sp.device, 0) + sp.peer_pool_bytes
+        return out
+
+    @property
+    def uses_peer_pools(self) -> bool:
+        """Whether the plan reserves a peer pool or D2D-swaps anything (then every rank
+        of the job takes part in setting the pools up)."""
+        return any(sp.peer_pool_bytes or any(r.technique == "d2d" for r in sp.rules) for sp in self.stages)
+
     # -- storage -----------------------------------------------------------------------
     def to_yaml(self) -> str:
         return yaml.safe_dump(to_dict(self), sort_keys=False, width=120)
@@ -345,10 +369,7 @@ def _check_devices(plan: Plan, source: str, hardware: Hardware) -> None:
     if host > hardware.host_memory_bytes:
         raise PlanError(f"{source}: pinned host pools need {host / 1e9:.1f} GB, "
                         f"{hardware.name} has {hardware.host_memory_bytes / 1e9:.1f} GB of host memory")
-    pools: dict[int, int] = {}
-    for sp in plan.stages:
-        pools[sp.device] = pools.get(sp.device, 0) + sp.peer_pool_bytes
-    for d, b in pools.items():
+    for d, b in plan.peer_pool_bytes_by_device().items():
         if b > hardware.device.memory_bytes:
             raise PlanError(f"{source}: device {d} peer pool of {b / 1e9:.1f} GB exceeds its "
                             f"{hardware.device.memory_bytes / 1e9:.1f} GB")

@@ -1,4 +1,5 @@
-"""Parsing and printing sizes and times for humans (GB = 1e9 bytes, GiB = 2**30)."""
+"""Sizes and times: parsing and printing for humans (GB = 1e9 bytes, GiB = 2**30), and
+the one alignment every pool of mpress carves its blocks to."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+ALIGNMENT_BYTES = 512
+"""Alignment of every block carved from a pool (pinned host pool, peer pools and the
+quotas inside them) and of every D2D stripe boundary: a block can then be viewed as any
+dtype and copy engines see aligned addresses. The planner sizes pools in these units."""
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -24,6 +30,11 @@ def parse_bytes(text: str, what: str = "size") -> int:
     if value <= 0:
         raise UserError(f"{what}: must be > 0, got {text!r}")
     return value
+
+
+def round_up(value: int, multiple: int = ALIGNMENT_BYTES) -> int:
+    """`value` rounded up to a multiple of `multiple` (bytes)."""
+    return -(-value // multiple) * multiple
 
 
 def fmt_bytes(num: float) -> str:

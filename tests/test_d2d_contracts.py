@@ -18,14 +18,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_peer_pool import make_plan, three_stage_plan
 
-from mpress.d2d.peer_pool import SharedMemoryTransport, plan_quotas, setup_peer_pools
-from mpress.d2d.peer_store import PeerStore
+from mpress.d2d.runtime.peer_pool import setup_peer_pools
+from mpress.d2d.runtime.pool_layout import plan_quotas
+from mpress.d2d.runtime.transport import SharedMemoryTransport
+from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.errors import PlanError, SwapError, TopologyError
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.memory_manager import MemoryManager
-from mpress.runtime.swap_engine import SwapEngine
+from mpress.identity import TensorKey
+from mpress.runtime.memory.manager import MemoryManager
+from mpress.runtime.swap.engine import SwapEngine
 from mpress.static.evaluate import setup_pipeline
 from mpress.static.planner import PlannerOptions, plan_strategy
 

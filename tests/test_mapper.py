@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpress.d2d.mapper import (
+from mpress.d2d.static.mapper import (
     MappingProblem,
     assign_spare,
     brute_force,
@@ -23,7 +23,7 @@ from mpress.d2d.mapper import (
     mapping_value,
     mesh16,
 )
-from mpress.d2d.maxflow import SwapNetwork, solve_by_flow, solve_concave, stage_levels
+from mpress.d2d.static.maxflow import SwapNetwork, solve_by_flow, solve_concave, stage_levels
 from mpress.errors import PlanError, UserError
 from mpress.hardware import load_hardware
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mpress.errors import SwapError
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.memory_manager import Category, MemoryManager, Residency
+from mpress.identity import TensorKey
+from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 
 CPU = torch.device("cpu")
 

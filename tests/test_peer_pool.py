@@ -23,21 +23,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_swap_engine import DTYPES, random_tensor, same_bits, wait_until
 
-from mpress.d2d.peer_pool import (
-    ALIGNMENT_BYTES,
-    PeerPools,
-    ProcessId,
-    Quota,
-    plan_quotas,
-    setup_peer_pools,
-)
-from mpress.d2d.peer_store import PeerStore
-from mpress.d2d.striping import StripeState
+from mpress.d2d.runtime.liveness import ProcessId
+from mpress.d2d.runtime.peer_pool import PeerPools, setup_peer_pools
+from mpress.d2d.runtime.peer_store import PeerStore
+from mpress.d2d.runtime.pool_layout import Quota, plan_quotas
+from mpress.d2d.runtime.stripe_table import StripeEntry, StripeState
 from mpress.errors import PlanError, SwapError
 from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.memory_manager import MemoryManager, Residency
-from mpress.runtime.swap_engine import SwapEngine, SwapState
+from mpress.identity import TensorKey
+from mpress.runtime.memory.manager import MemoryManager, Residency
+from mpress.runtime.swap.engine import SwapEngine, SwapState
+from mpress.units import ALIGNMENT_BYTES
 
 CPU = torch.device("cpu")
 KiB, MiB = 1 << 10, 1 << 20
@@ -293,6 +289,11 @@ def test_a_dead_pool_holder_is_named(make_pools):
 
 # ---- (c) PeerStore + SwapEngine on CPU --------------------------------------------------------
 
+def find(store: PeerStore, owner: str) -> StripeEntry:
+    """The newest metadata entry of tensor `owner`."""
+    return [e for e in store.table.entries() if e.owner == owner][-1]
+
+
 def key(name: str, microbatch: int = 0) -> TensorKey:
     return TensorKey(rank=0, stage=0, microbatch=microbatch, tensor=name)
 
@@ -350,10 +351,10 @@ def test_stripes_follow_the_weights_and_residency_follows_the_stripes(make_d2d):
     expected = tensor.clone()
     nbytes = 4 * MiB
     handle = engine.swap_out(key("big#0"), tensor)
-    entry = store.table.find(str(key("big#0")))
+    entry = find(store, str(key("big#0")))
     assert [(s.peer, s.tensor_offset_bytes, s.nbytes) for s in entry.stripes] == [(1, 0, 3 * MiB), (2, 3 * MiB, MiB)]
     engine.wait_idle()
-    entry = store.table.find(str(key("big#0")))
+    entry = find(store, str(key("big#0")))
     assert entry.state is StripeState.ON_PEERS and entry.nbytes == nbytes
     assert manager.residency(key("big#0")) is Residency.PEER
     assert (manager.peer_bytes(1), manager.peer_bytes(2), manager.device_bytes()) == (3 * MiB, MiB, 0)
@@ -363,7 +364,7 @@ def test_stripes_follow_the_weights_and_residency_follows_the_stripes(make_d2d):
     flat = expected.view(torch.uint8)
     for stripe in entry.stripes:
         quota = pools.quota(0, stripe.peer)
-        held = quota.buffer[stripe.pool_offset_bytes:stripe.pool_offset_bytes + stripe.nbytes]
+        held = quota.buffer[stripe.block.offset_bytes:stripe.block.offset_bytes + stripe.nbytes]
         assert torch.equal(held, flat[stripe.tensor_offset_bytes:stripe.tensor_offset_bytes + stripe.nbytes])
     assert same_bits(engine.fetch(handle), expected)
     engine.wait_idle()
@@ -380,16 +381,16 @@ def test_table_states_through_a_round_trip(make_d2d):
     holder: list[PeerStore] = []
 
     def fault(k: TensorKey, direction: str) -> None:
-        seen.append((direction, holder[0].table.find(str(k)).state))
+        seen.append((direction, find(holder[0], str(k)).state))
         gate.wait(5)
 
     engine, store, _, _ = make_d2d(fault=fault)
     holder.append(store)
     handle = engine.swap_out(key("s#0"), torch.ones(4096))
-    assert store.table.find(str(key("s#0"))).state is StripeState.RESERVED
+    assert find(store, str(key("s#0"))).state is StripeState.RESERVED
     gate.set()
     engine.wait_idle()
-    assert store.table.find(str(key("s#0"))).state is StripeState.ON_PEERS
+    assert find(store, str(key("s#0"))).state is StripeState.ON_PEERS
     engine.fetch(handle)
     engine.wait_idle()
     assert seen == [("out", StripeState.RESERVED), ("in", StripeState.ON_PEERS)]
@@ -416,7 +417,7 @@ def test_a_swap_may_name_other_weights(make_d2d):
     engine, store, _, manager = make_d2d(min_stripe_bytes=KiB)
     handle = engine.swap_out(key("w#0"), torch.ones(8 * KiB), weights=((2, 1.0),))
     engine.wait_idle()
-    assert [s.peer for s in store.table.find(str(key("w#0"))).stripes] == [2]
+    assert [s.peer for s in find(store, str(key("w#0"))).stripes] == [2]
     assert (manager.peer_bytes(1), manager.peer_bytes(2)) == (0, 32 * KiB)
     assert torch.equal(engine.fetch(handle), torch.ones(8 * KiB))
 
@@ -508,7 +509,7 @@ def _cuda_worker(rank: int, world: int, init: str, out: str, stage_to_device: li
         quota = next(q for q in plan_quotas(plan)[my_device] if q.stage == 0)
         home = pools._local_buffers[my_device]  # the importer's own pool (no public accessor)
         result["holds"] = all(
-            torch.equal(home[quota.offset_bytes + s.pool_offset_bytes:][:s.nbytes].cpu(),
+            torch.equal(home[quota.offset_bytes + s.block.offset_bytes:][:s.nbytes].cpu(),
                         expected[s.tensor_offset_bytes:s.tensor_offset_bytes + s.nbytes])
             for s in entry.stripes if s.peer == my_device)
         dist.barrier()  # importers have looked
@@ -535,7 +536,7 @@ def _export(pools: PeerPools, device: torch.device, weights: dict[int, float], n
         del tensor
         engine.wait_idle()
         after_out = torch.cuda.memory_allocated(device)
-        entry = store.table.find(str(key("x#0")))
+        entry = find(store, str(key("x#0")))
         peer_bytes = {p: manager.peer_bytes(p) for p in weights}
         dist.barrier()
         dist.broadcast_object_list([(entry, expected)], src=0)

@@ -9,10 +9,10 @@ import torch
 from mpress.model_config import load_model_config
 from mpress.models import build_stage, example_batch, lm_loss
 from mpress.plan import StagePlan, TensorRule
-from mpress.runtime.host_pool import PinnedHostPool
-from mpress.runtime.memory_manager import Category, MemoryManager
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.runtime.memory.manager import Category, MemoryManager
 from mpress.runtime.router import SavedTensorRouter
-from mpress.runtime.swap_engine import SwapEngine
+from mpress.runtime.swap.engine import SwapEngine
 
 CFG = load_model_config("gpt-tiny")
 NUM_MB = 3

@@ -27,6 +27,7 @@ from test_runtime_pipeline import RANGES, STEPS, assert_identical, batch, make_p
 
 from mpress.model_config import load_model_config
 from mpress.plan import PeerQuota, Plan, Stripe, TensorRule
+from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
 
 pytestmark = pytest.mark.slow
@@ -63,8 +64,8 @@ def _probe(job: PipelineJob, records: list[dict]) -> None:
         for engine in rt.engines:
             engine.wait_idle()
         peers = {d: rt.manager.peer_bytes(d) for d in range(WORLD) if d != rt.stage_plan.device}
-        ledger = {d: job.peer_pools.peer_usage(d, stage=rt.stage_plan.stage)["data_bytes"] for d in peers
-                  if job.peer_pools is not None and peers[d]}
+        ledger = {d: job.peers.peer_usage(d, stage=rt.stage_plan.stage)["data_bytes"] for d in peers
+                  if job.peers is not None and peers[d]}
         table = ([[(s.peer, s.nbytes) for s in e.stripes] for e in rt.d2d_engine.store.table.entries()]
                  if rt.d2d_engine is not None else [])
         records.append({"microbatch": chunk, "device_bytes": rt.manager.device_bytes(), "peer_bytes": peers,
@@ -87,7 +88,7 @@ def _worker(rank: int, world: int, init: str, plan_paths: list[str | None], out_
         for i, plan_path in enumerate(plan_paths):
             torch.manual_seed(7 + rank)
             plan = Plan.load(plan_path) if plan_path else None
-            job = PipelineJob(spec, plan, torch.device("cpu"))
+            job = start_job(spec, plan, torch.device("cpu"))
             records: list[dict] = []
             if plan is not None:
                 _probe(job, records)
@@ -99,7 +100,7 @@ def _worker(rank: int, world: int, init: str, plan_paths: list[str | None], out_
                 x, y = batch(step, MICROBATCHES)
                 losses.append(job.step(x, y).loss)
             dist.barrier()  # every exporter finished its step before the importers read their pools
-            usage = job.peer_pools.pool_usage() if job.peer_pools is not None else {}
+            usage = job.peers.pool_usage() if job.peers is not None else {}
             torch.save({"losses": losses, "state": job.state(), "probes": records, "pool_usage": usage},
                        Path(out_dir) / f"{i}-{rank}.pt")
             job.close()

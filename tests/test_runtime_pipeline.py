@@ -223,7 +223,7 @@ def _faulty_worker(rank: int, world: int, init: str, plan_path: str, out_dir: st
         x, y = batch(0, 4)
         job.step(x, y)
     except Exception as exc:  # what the launcher prints, in one line
-        from mpress.train import root_cause
+        from mpress.launcher.control import root_cause
         message = root_cause(exc)
     finally:
         Path(out_dir, f"{rank}.txt").write_text(message)

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from mpress.errors import SwapError
-from mpress.runtime.host_pool import PinnedHostPool
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.memory_manager import Category, MemoryManager, Residency
-from mpress.runtime.swap_engine import SwapEngine, SwapState
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.identity import TensorKey
+from mpress.runtime.memory.manager import Category, MemoryManager, Residency
+from mpress.runtime.swap.engine import SwapEngine, SwapState
 
 CPU = torch.device("cpu")
 ALIGN = 64

@@ -12,8 +12,8 @@ from test_hardware import DGX1_LINKS  # the matrix as typed in from nvidia-smi t
 
 from mpress import cli
 from mpress.commands import topo as topo_cmd
-from mpress.d2d import topology
-from mpress.d2d.topology import (
+from mpress.d2d.static import topology
+from mpress.d2d.static.topology import (
     compare_topology,
     detect_local_hardware,
     link_matrix_from_remote_ids,
@@ -348,7 +348,7 @@ def test_link_label_and_pair_gbps() -> None:
 # -- the launcher's check before training --------------------------------------------------------
 def test_launcher_refuses_a_plan_for_another_topology() -> None:
     from mpress.errors import TopologyError
-    from mpress.train import check_topology
+    from mpress.launcher.startup import check_topology
 
     check_topology(load_hardware("dgx1-v100"), nvml=fake_dgx1())  # the machine the preset describes
     check_topology(load_hardware("dgx-a100", num_devices=4), nvml=fake_a100())  # a subset of its GPUs

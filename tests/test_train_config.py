@@ -162,7 +162,7 @@ def test_resolve_backend(monkeypatch):
 
 
 def test_the_mixed_example_plans_a_mix_of_techniques():
-    from mpress.train import plan_for
+    from mpress.launcher.startup import plan_for
 
     cfg = load_train_config("gpt-tiny-mixed")
     plan, ranges = plan_for(cfg, model_config(cfg), 4, 4)

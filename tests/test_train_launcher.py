@@ -123,10 +123,9 @@ def test_peer_watch_ends_the_rank_naming_the_dead_one():
     and leaves at once (a rank blocked in a recv from it would wait out the timeout)."""
     code = (
         "import time, types\n"
-        "from mpress.train import PeerWatch\n"
-        "pools = types.SimpleNamespace(dead_ranks=lambda: ['rank 3 (pid 99, holds the D2D peer pool of device(s) 3)"
-        " has died'])\n"
-        "PeerWatch(types.SimpleNamespace(peer_pools=pools, rank=1, stage_ids=[1]), interval_s=0.05)\n"
+        "from mpress.d2d.runtime.peer_watch import PeerWatch\n"
+        "dead = lambda: ['rank 3 (pid 99, holds the D2D peer pool of device(s) 3) has died']\n"
+        "PeerWatch(dead, rank=1, stages=[1], interval_s=0.05)\n"
         "time.sleep(30)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 1

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         render_hardware(hw, console, title=f"{hw.name}")
         return 0
     # Imported here: the detection module is only needed for --local.
-    from mpress.d2d.topology import detect_local_hardware
+    from mpress.d2d.static.topology import detect_local_hardware
 
     topology, reason = detect_local_hardware()
     if topology is None:

@@ -25,10 +25,10 @@ from typing import Any
 from torch import nn
 
 from mpress.errors import PlanError
-from mpress.runtime.identity import TensorKey
+from mpress.identity import TensorKey
 from mpress.runtime.master_weights import Kind, MasterWeights
-from mpress.runtime.memory_manager import Category, Residency
-from mpress.runtime.swap_engine import SwapEngine, SwapHandle
+from mpress.runtime.memory.manager import Category, Residency
+from mpress.runtime.swap.engine import SwapEngine, SwapHandle
 
 OFFLOADED_STATES = ("exp_avg", "exp_avg_sq")
 MASTER = "master"

@@ -31,9 +31,9 @@ from torch.utils.checkpoint import checkpoint
 
 from mpress.errors import PlanError
 from mpress.plan import StagePlan, TensorRule
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.memory_manager import Category, MemoryManager
-from mpress.runtime.swap_engine import SwapEngine, SwapHandle
+from mpress.identity import TensorKey
+from mpress.runtime.memory.manager import Category, MemoryManager
+from mpress.runtime.swap.engine import SwapEngine, SwapHandle
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ class SavedTensorRouter:
                 raise PlanError(f"stage {self.stage}: the plan host-swaps {rule.tensor!r} but no swap engine runs")
             if rule.technique == "d2d" and self.d2d_engine is None:
                 raise PlanError(f"stage {self.stage}: the plan D2D-swaps {rule.tensor!r} but no peer pools were "
-                                "set up (call mpress.d2d.peer_pool.setup_peer_pools on every rank and pass them "
-                                "to wrap_stage)")
+                                "set up (call mpress.d2d.runtime.peer_pool.setup_peer_pools on every rank and pass them "
+                                "to wrap_stage as peers)")
 
     # -- decisions ---------------------------------------------------------------------------
     def rule(self, tensor: str, microbatch: int) -> TensorRule | None:

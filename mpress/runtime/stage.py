@@ -31,14 +31,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.actions import Action, Kind, warmup_order
-from mpress.d2d.peer_pool import PeerPools
-from mpress.d2d.peer_store import PeerStore
 from mpress.errors import PlanError, SwapError
 from mpress.plan import Plan
-from mpress.runtime.host_pool import PinnedHostPool
-from mpress.runtime.memory_manager import MemoryManager
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.router import SavedTensorRouter
-from mpress.runtime.swap_engine import SwapEngine
+from mpress.runtime.swap.engine import SwapEngine
+from mpress.runtime.swap.store import PeerStores
 
 MIN_POOL_BYTES = 1 << 20
 """Smallest pinned pool a stage that host-swaps allocates (the plan may say less)."""
@@ -59,11 +58,11 @@ class StageStats:
 
 class StageRuntime:
     """Per-stage mpress state: pool, memory manager, swap engines (host, D2D), router,
-    prefetching. `peer_pools` (from `setup_peer_pools`) is needed when the stage's plan
-    D2D-swaps anything."""
+    prefetching. `peers` (the job's D2D side, from the launcher) is needed when the
+    stage's plan D2D-swaps anything."""
 
     def __init__(self, module: nn.Module, plan: Plan, stage_index: int, device: torch.device, *, rank: int,
-                 host_pool_bytes: int | None = None, peer_pools: PeerPools | None = None) -> None:
+                 host_pool_bytes: int | None = None, peers: PeerStores | None = None) -> None:
         self.plan = plan
         self.stage_plan = plan.stage(stage_index)
         self.device = device
@@ -80,10 +79,9 @@ class StageRuntime:
                     else max(int(self.stage_plan.pinned_host_bytes * POOL_SLACK), MIN_POOL_BYTES))
             self.pool = PinnedHostPool(size)
             self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index)
-        if d2d_rules and peer_pools is not None:
-            weights = tuple((st.device, st.fraction) for st in d2d_rules[0].stripes)
-            store = PeerStore(peer_pools, stage_index, device, weights)
-            self.d2d_engine = SwapEngine(store, self.manager, device, rank=rank, stage=stage_index)
+        if d2d_rules and peers is not None:
+            self.d2d_engine = SwapEngine(peers.store_for(stage_index), self.manager, device, rank=rank,
+                                         stage=stage_index)
         self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank, manager=self.manager,
                                         d2d_engine=self.d2d_engine)
         self.order = stage_order(plan, stage_index)
@@ -226,13 +224,13 @@ def check_plan_for_stage(plan: Plan, module: nn.Module, stage_index: int, num_st
 def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch.device,
                input_args: Any, output_args: Any = None, group: dist.ProcessGroup | None = None,
                model_fingerprint: str | None = None, host_pool_bytes: int | None = None,
-               peer_pools: PeerPools | None = None) -> MpressStage:
+               peers: PeerStores | None = None) -> MpressStage:
     """The user's stage module under `plan`, as a `PipelineStage` for torch's schedules.
 
     input_args/output_args: example tensors of one microbatch (static shapes; on gloo
     they avoid shape inference, which can deadlock there).
     model_fingerprint: when given, the plan must have been made for that model.
-    peer_pools: the job's peer pools (`mpress.d2d.peer_pool.setup_peer_pools`, called on
+    peers: the job's D2D side (`mpress.d2d.runtime.peer_pool.setup_peer_pools`, called on
     every rank), needed when the plan D2D-swaps.
     """
     world = dist.get_world_size(group) if dist.is_initialized() else None
@@ -240,6 +238,6 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
                          model_fingerprint=model_fingerprint)
     rank = dist.get_rank() if dist.is_initialized() else 0
     runtime = StageRuntime(module, plan, stage_index, device, rank=rank, host_pool_bytes=host_pool_bytes,
-                           peer_pools=peer_pools)
+                           peers=peers)
     return MpressStage(module, stage_index, plan.num_stages, device, runtime=runtime,
                        input_args=input_args, output_args=output_args, group=group)

@@ -23,7 +23,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from mpress.d2d.peer_pool import PeerPools, setup_peer_pools, uses_peer_pools
 from mpress.errors import PlanError, SwapError, UserError
 from mpress.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
@@ -32,6 +31,7 @@ from mpress.plan import Plan
 from mpress.runtime.master_weights import MasterWeights
 from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload
 from mpress.runtime.stage import MpressStage, wrap_stage
+from mpress.runtime.swap.store import PeerStores
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "pipedream": Schedule1F1B}
 
@@ -73,9 +73,10 @@ class PipelineJob:
     """
 
     def __init__(self, spec: JobSpec, plan: Plan | None, device: torch.device, *,
-                 group: dist.ProcessGroup | None = None, control_group: dist.ProcessGroup | None = None) -> None:
-        """group: the pipeline's process group (send/recv); control_group: a gloo group
-        for the peer pools' handshake when `group` is NCCL (default: `group`)."""
+                 group: dist.ProcessGroup | None = None, peers: PeerStores | None = None) -> None:
+        """group: the pipeline's process group (send/recv). peers: the job's D2D side, set
+        up by every rank before (`mpress.launcher.job.start_job` does both); needed when
+        the plan reserves peer pools or D2D-swaps. The job owns it and closes it."""
         self.spec = spec
         self.plan = plan
         self.device = device
@@ -89,10 +90,10 @@ class PipelineJob:
         if plan is not None:
             check_plan_shape(plan, spec)
         self.stage_ids = list(range(self.rank, self.num_stages, self.world))
-        self.peer_pools: PeerPools | None = None
-        if plan is not None and uses_peer_pools(plan):  # a collective: every rank of the job takes part
-            self.peer_pools = setup_peer_pools(plan, self.stage_ids, device, group=control_group or group,
-                                               pool_override_bytes=spec.peer_pool_bytes)
+        if plan is not None and plan.uses_peer_pools and peers is None:
+            raise PlanError("the plan reserves peer pools or D2D-swaps, but no peer pools were set up "
+                            "(mpress.launcher.job.start_job sets them up on every rank)")
+        self.peers = peers
         self.modules: list[nn.Module] = []
         self.stages: list[PipelineStage] = []
         for s in self.stage_ids:
@@ -141,7 +142,7 @@ class PipelineJob:
         if self.plan is not None:
             return module, wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
                                       model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
-                                      peer_pools=self.peer_pools)
+                                      peers=self.peers)
         return module, PipelineStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group)
 
     @property
@@ -214,10 +215,10 @@ class PipelineJob:
     def _dead_ranks(self, wait_s: float = 1.0) -> list[str]:
         """Other ranks found dead (one line each), waiting up to `wait_s` for a process
         whose sockets already closed to show as gone; [] without peer pools."""
-        if self.peer_pools is None:
+        if self.peers is None:
             return []
         deadline = time.monotonic() + wait_s
-        while not (dead := self.peer_pools.dead_ranks()) and time.monotonic() < deadline:
+        while not (dead := self.peers.dead_ranks()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return dead
 
@@ -255,8 +256,8 @@ class PipelineJob:
     def close(self) -> None:
         for rt in self.runtimes:
             rt.close()
-        if self.peer_pools is not None:
-            self.peer_pools.close(barrier=True)
+        if self.peers is not None:
+            self.peers.close(barrier=True)
 
 
 def check_plan_shape(plan: Plan, spec: JobSpec) -> None:

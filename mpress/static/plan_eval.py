@@ -40,8 +40,8 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
         offloaded = [o - (c.param_bytes if gone else 0)
                      for o, c, gone in zip(offloaded, setup.costs, stash_offloaded(plan, setup.costs))]
     pools = [0] * setup.hardware.num_devices
-    for sp in plan.stages:
-        pools[sp.device] += sp.peer_pool_bytes
+    for device, nbytes in plan.peer_pool_bytes_by_device().items():
+        pools[device] = nbytes
     devices = list(plan.stage_to_device)
     program = build_program(
         setup.profile, setup.ranges, rw.schedule, setup.hardware, microbatch_size=setup.microbatch_size,

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
-from mpress.d2d.mapper import MappingProblem, map_devices
+from mpress.d2d.static.mapper import MappingProblem, map_devices
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.plan import (
@@ -52,7 +52,7 @@ from mpress.plan import (
 from mpress.static.evaluate import Evaluation, PipelineSetup
 from mpress.static.liveness import layer_live_intervals, stage_times
 from mpress.static.plan_eval import evaluate_plan
-from mpress.units import fmt_bytes
+from mpress.units import fmt_bytes, round_up
 
 Strategy = Literal["none", "recompute", "host-swap", "d2d", "mpress"]
 STRATEGIES: tuple[str, ...] = ("none", "recompute", "host-swap", "d2d", "mpress")
@@ -100,12 +100,12 @@ class PlanResult:
 QUOTA_SLACK = 1.02
 QUOTA_SLACK_BYTES = 32 << 10
 """A peer quota holds the mapper's bytes plus this slack: the runtime rounds every stripe
-up to the pool's 512-byte alignment, and spreads small tensors whole over the peers."""
+up to the pools' alignment (`ALIGNMENT_BYTES`), and spreads small tensors whole over the peers."""
 
 
 def peer_quota_bytes(nbytes: float) -> int:
-    """The quota (whole 512-byte units) an exporter gets for `nbytes` of D2D data."""
-    return -(-int(math.ceil(nbytes * QUOTA_SLACK + QUOTA_SLACK_BYTES)) // 512) * 512
+    """The quota (whole `ALIGNMENT_BYTES` units) an exporter gets for `nbytes` of D2D data."""
+    return round_up(math.ceil(nbytes * QUOTA_SLACK + QUOTA_SLACK_BYTES))
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """Where a swapped-out tensor's bytes go: the destination half of the swap engine.
 
-The swap engine (`swap_engine.py`) owns the life cycle of a swap: queues, worker
+The swap engine (`engine.py`) owns the life cycle of a swap: queues, worker
 threads, states, errors, residency reports. A `SwapStore` owns the destination: it
 reserves room for a tensor (`reserve`, on the training thread, so exhaustion is raised
 where the tensor is named), issues the copies out and back on its own CUDA streams, and
 releases the room. Two stores exist:
 
 - `HostStore`: one block of the pinned host pool per tensor, one out and one in stream;
-- `PeerStore` (`mpress/d2d/peer_store.py`): the tensor striped over peer GPUs' pools,
+- `PeerStore` (`mpress/d2d/runtime/peer_store.py`): the tensor striped over peer GPUs' pools,
   one stream per peer link and direction.
 
 A `Placement` lists the tensor's `Slot`s: which byte range of the tensor lies in which
@@ -20,12 +20,13 @@ import abc
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from mpress.runtime.host_pool import HostBlock, PinnedHostPool
-from mpress.runtime.memory_manager import Residency
+from mpress.runtime.memory.block_pool import Block
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.runtime.memory.manager import Residency
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Slot:
 
     peer: int | None
     """Device of the pool holding the bytes (None: host)."""
-    block: HostBlock
+    block: Block
     tensor_offset_bytes: int
     nbytes: int
 
@@ -181,3 +182,17 @@ class HostStore(SwapStore):
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
         return tensor, [issue_copy(tensor, slot.block.view(dtype, shape), stream)]
 
+
+class PeerStores(Protocol):
+    """The job's D2D side as the runtime sees it. The launcher sets it up (a collective:
+    `mpress.d2d.runtime.peer_pool.setup_peer_pools`) and hands it to the job; the runtime
+    never builds it, so it does not depend on how peer memory is reached."""
+
+    def store_for(self, stage: int) -> SwapStore:
+        """The D2D swap destination of `stage`, which this rank runs."""
+
+    def dead_ranks(self) -> list[str]:
+        """One line per other rank of the job whose process is gone."""
+
+    def close(self, *, barrier: bool = False) -> None:
+        """Free and unmap the pools (`barrier`: first wait for every rank)."""

@@ -26,21 +26,15 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from mpress.d2d.peer_pool import PeerPools
-from mpress.d2d.striping import (
-    DEFAULT_MIN_STRIPE_BYTES,
-    StripeEntry,
-    StripeInfo,
-    StripeSpreader,
-    StripeState,
-    StripeTable,
-)
+from mpress.d2d.runtime.stripe_table import StripeState, StripeTable
+from mpress.d2d.static.striping import DEFAULT_MIN_STRIPE_BYTES, StripeSpreader
 from mpress.errors import SwapError
-from mpress.runtime.memory_manager import Residency
-from mpress.runtime.swap_store import (
+from mpress.runtime.memory.manager import Residency
+from mpress.runtime.swap.store import (
     Copy,
     Placement,
     Slot,
@@ -48,6 +42,9 @@ from mpress.runtime.swap_store import (
     byte_view,
     issue_copy,
 )
+
+if TYPE_CHECKING:  # the pools build their stores (`PeerPools.store_for`)
+    from mpress.d2d.runtime.peer_pool import PeerPools
 
 Weights = tuple[tuple[int, float], ...]
 """(peer device, fraction) per stripe, as a D2D rule gives them."""
@@ -116,11 +113,7 @@ class PeerStore(SwapStore):
                 slots.append(Slot(peer, block, offset, size))
                 offset += size
             placement = Placement(tuple(slots), entry_id=next(self._ids))
-            self.table.add(placement.entry_id, StripeEntry(owner=owner, nbytes=nbytes, state=StripeState.RESERVED,
-                                                           stripes=tuple(StripeInfo(
-                                                               peer=s.peer, pool_offset_bytes=s.block.offset_bytes,
-                                                               tensor_offset_bytes=s.tensor_offset_bytes,
-                                                               nbytes=s.nbytes) for s in slots)))
+            self.table.add(owner, placement)
         except SwapError:
             for slot in slots:
                 slot.block.pool.free(slot.block)
@@ -159,15 +152,15 @@ class PeerStore(SwapStore):
                 shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
         for slot in placement.slots:  # a dead peer's pool must not be read (CUDA: freed IPC memory)
             self.pools.check_peer(slot.peer)
-        entry = self.table.update(placement.entry_id, StripeState.READING)
-        first = self._streams.get(("in", entry.stripes[0].peer))
+        self.table.update(placement.entry_id, StripeState.READING)
+        first = self._streams.get(("in", placement.slots[0].peer))
         with torch.cuda.stream(first) if first is not None else contextlib.nullcontext():
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
         flat = byte_view(tensor)
         copies = []
-        for slot, info in zip(placement.slots, entry.stripes):
-            dst = flat[info.tensor_offset_bytes:info.tensor_offset_bytes + info.nbytes]
-            src = slot.block.view(torch.uint8, (info.nbytes,))
+        for slot in placement.slots:
+            dst = flat[slot.tensor_offset_bytes:slot.tensor_offset_bytes + slot.nbytes]
+            src = slot.block.view(torch.uint8, (slot.nbytes,))
             if first is None:
                 copies.append(issue_copy(dst, src, None))
                 continue

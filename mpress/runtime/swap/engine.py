@@ -1,6 +1,6 @@
 """Swaps: copy tensors off the device on side streams and back before use.
 
-The engine drives one destination, a `SwapStore` (`swap_store.py`): the pinned host pool
+The engine drives one destination, a `SwapStore` (`store.py`): the pinned host pool
 (`HostStore`) or peer GPUs' pools (`PeerStore`, D2D swap). One swap-out worker thread and
 one swap-in worker thread use the store's CUDA streams (one per direction for host, one
 per peer link and direction for D2D) and take work from FIFO queues filled by the
@@ -51,17 +51,17 @@ from dataclasses import replace
 import torch
 
 from mpress.errors import SwapError
-from mpress.runtime.host_pool import PinnedHostPool
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.memory_manager import Category, MemoryManager, Residency
-from mpress.runtime.swap_record import (
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.identity import TensorKey
+from mpress.runtime.memory.manager import Category, MemoryManager, Residency
+from mpress.runtime.swap.record import (
     TERMINAL_STATES,
     SwapHandle,
     SwapRecord,
     SwapState,
     SwapStats,
 )
-from mpress.runtime.swap_store import HostStore, SwapStore, wait_copies
+from mpress.runtime.swap.store import HostStore, SwapStore, wait_copies
 
 __all__ = ["FaultHook", "SwapEngine", "SwapHandle", "SwapState", "SwapStats"]
 

@@ -1,6 +1,6 @@
 """The state of one swap: its record (engine-internal) and its handle (the caller's).
 
-`SwapEngine` (`swap_engine.py`) creates both; a record carries the swap through the
+`SwapEngine` (`engine.py`) creates both; a record carries the swap through the
 states of `SwapState` under the engine's lock; the handle is the ticket the caller keeps
 (in the autograd graph, for a saved tensor) and passes back to prefetch or fetch.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from mpress.errors import SwapError
-from mpress.runtime.identity import TensorKey
-from mpress.runtime.swap_store import Placement
+from mpress.identity import TensorKey
+from mpress.runtime.swap.store import Placement
 
 
 class SwapState(enum.Enum):

@@ -1,4 +1,4 @@
-"""Striping a tensor over peer GPUs, and the metadata table that records the stripes.
+"""Striping a tensor over peer GPUs: how many bytes go to which peer.
 
 A tensor D2D-swapped out is cut into contiguous byte ranges ("stripes"), one per peer,
 whose sizes are proportional to the plan's stripe fractions (which the planner took
@@ -11,19 +11,17 @@ overhead than its link time saves. A tensor too small for all peers gets fewer s
 on the peers that are furthest behind their share (`StripeSpreader`), so that over many
 small tensors each peer still receives bytes in proportion to its fraction.
 
-`StripeTable` is the metadata table of the paper: per swapped tensor its stripes (peer,
-pool offset, tensor offset, size) and state, written at swap-out, read by the swap-in,
-updated when each completes. Everything here is pure and thread safe; units are bytes.
+The stripes a swap got are recorded by the run-time part (`mpress/d2d/runtime/
+stripe_table.py`). Everything here is pure and thread safe; units are bytes.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
-from mpress.errors import PlanError, SwapError
+from mpress.errors import PlanError
+from mpress.units import ALIGNMENT_BYTES
 
 DEFAULT_MIN_STRIPE_BYTES = 1 << 20
 """Smallest stripe worth its own copy (NVLink copies reach full rate around 1 MiB)."""
@@ -43,7 +41,7 @@ def normalize_weights(stripes: Sequence[tuple[int, float]]) -> list[tuple[int, f
     return [(p, f / total) for p, f in stripes]
 
 
-def stripe_sizes(nbytes: int, weights: Sequence[tuple[int, float]], *, align_bytes: int = 512) -> list[tuple[int, int]]:
+def stripe_sizes(nbytes: int, weights: Sequence[tuple[int, float]], *, align_bytes: int = ALIGNMENT_BYTES) -> list[tuple[int, int]]:
     """Split `nbytes` over `weights` ((peer, fraction), normalised): (peer, size) per
     stripe in the given order, sizes proportional to the fractions, every boundary a
     multiple of `align_bytes`; stripes that round to nothing are left out."""
@@ -72,7 +70,7 @@ class StripeSpreader:
     the most under-served peers for small ones (see the module docstring)."""
 
     def __init__(self, weights: Sequence[tuple[int, float]], *, min_stripe_bytes: int = DEFAULT_MIN_STRIPE_BYTES,
-                 align_bytes: int = 512) -> None:
+                 align_bytes: int = ALIGNMENT_BYTES) -> None:
         self.weights = normalize_weights(weights)
         self.min_stripe_bytes = max(1, min_stripe_bytes)
         self.align_bytes = align_bytes
@@ -99,96 +97,3 @@ class StripeSpreader:
         with self._lock:
             for peer, size in stripes:
                 self._sent[peer] -= size
-
-    def sent_bytes(self) -> dict[int, int]:
-        """Bytes assigned to each peer so far."""
-        with self._lock:
-            return dict(self._sent)
-
-
-class StripeState(enum.Enum):
-    """Where a D2D-swapped tensor is in its round trip."""
-
-    RESERVED = "reserved"
-    WRITING = "writing"
-    ON_PEERS = "on-peers"
-    READING = "reading"
-    READ = "read"
-
-
-@dataclass(frozen=True)
-class StripeInfo:
-    """One stripe as the metadata table records it."""
-
-    peer: int
-    """Device whose pool holds the stripe."""
-    pool_offset_bytes: int
-    """Offset of the stripe's block inside the exporter's quota of that pool."""
-    tensor_offset_bytes: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class StripeEntry:
-    """Metadata of one swapped tensor."""
-
-    owner: str
-    """The tensor's identity (rank, stage, microbatch, tensor)."""
-    nbytes: int
-    stripes: tuple[StripeInfo, ...]
-    state: StripeState
-
-
-class StripeTable:
-    """The D2D metadata table of one exporter: entry id -> `StripeEntry`.
-
-    Entries are keyed by an id per swap, not by the tensor's identity: a tensor that was
-    discarded while its copy still ran may be swapped out again under the same identity
-    before the old entry is gone.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[int, StripeEntry] = {}
-
-    def add(self, entry_id: int, entry: StripeEntry) -> None:
-        with self._lock:
-            if entry_id in self._entries:
-                raise SwapError(f"D2D table: entry {entry_id} ({entry.owner}) exists already")
-            self._entries[entry_id] = entry
-
-    def update(self, entry_id: int, state: StripeState) -> StripeEntry:
-        """Set the entry's state; returns the new entry."""
-        with self._lock:
-            entry = replace(self._lookup(entry_id), state=state)
-            self._entries[entry_id] = entry
-            return entry
-
-    def get(self, entry_id: int) -> StripeEntry:
-        with self._lock:
-            return self._lookup(entry_id)
-
-    def remove(self, entry_id: int) -> StripeEntry:
-        with self._lock:
-            entry = self._lookup(entry_id)
-            del self._entries[entry_id]
-            return entry
-
-    def find(self, owner: str) -> StripeEntry:
-        """The newest entry of tensor `owner` (for reports and tests)."""
-        with self._lock:
-            for entry in reversed(self._entries.values()):
-                if entry.owner == owner:
-                    return entry
-        raise SwapError(f"D2D table has no entry for {owner}")
-
-    def entries(self) -> list[StripeEntry]:
-        """Snapshot, oldest first."""
-        with self._lock:
-            return list(self._entries.values())
-
-    def _lookup(self, entry_id: int) -> StripeEntry:
-        entry = self._entries.get(entry_id)
-        if entry is None:
-            raise SwapError(f"D2D table has no entry {entry_id}")
-        return entry

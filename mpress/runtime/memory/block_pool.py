@@ -1,13 +1,10 @@
-"""A buffer allocated once and carved into aligned blocks; the pinned host pool.
+"""A buffer allocated once and carved into aligned blocks.
 
-`BlockPool` carves any flat uint8 buffer: the pinned host pool below, and the quota an
-exporter holds in a peer GPU's pool (`mpress/d2d/peer_pool.py`), where the buffer is a
-CUDA IPC mapping of the importer's memory or a shared-memory segment on CPU.
-
-Host swap needs page-locked (pinned) memory so that device<->host copies can run
-asynchronously on a side stream. Pinning is expensive (`cudaHostAlloc` takes a global
-lock and can take milliseconds per call) and pinned memory fragments badly, so the
-runtime pins ONE buffer at start-up, sized from the plan, and hands out blocks of it:
+`BlockPool` carves any flat uint8 buffer: the pinned host pool (`host_pool.py`), and the
+quota an exporter holds in a peer GPU's pool (`mpress/d2d/runtime/peer_pool.py`), where
+the buffer is a CUDA IPC mapping of the importer's memory or a shared-memory segment on
+CPU. Allocating once and carving avoids per-tensor allocation calls (pinning takes a
+global lock and milliseconds per call) and the fragmentation they cause:
 
 - first fit over a free list kept sorted by offset; a freed block is merged with free
   neighbours at once, so the free list never holds two adjacent regions;
@@ -32,19 +29,20 @@ from collections.abc import Sequence
 import torch
 
 from mpress.errors import SwapError, UserError
+from mpress.units import ALIGNMENT_BYTES, round_up
 
 _MIN_ALIGNMENT_BYTES = 16
 """Largest element size torch has (complex128); smaller alignments break dtype views."""
 
 
 class BlockState(enum.Enum):
-    """Life cycle of a `HostBlock`: allocated once, freed once."""
+    """Life cycle of a `Block`: allocated once, freed once."""
 
     ALLOCATED = "allocated"
     FREED = "freed"
 
 
-class HostBlock:
+class Block:
     """One aligned region of a `BlockPool`. Made by `allocate`, ended by `free`.
 
     `size_bytes` is what the block occupies (the request rounded up to the alignment);
@@ -90,7 +88,7 @@ class HostBlock:
         return flat.view(dtype).view(shape)
 
     def __repr__(self) -> str:
-        return (f"HostBlock(id={self.block_id}, offset={self.offset_bytes}, "
+        return (f"Block(id={self.block_id}, offset={self.offset_bytes}, "
                 f"size={self.size_bytes}, owner={self.owner!r}, state={self._state.value})")
 
 
@@ -101,8 +99,8 @@ class BlockPool:
     multiple of it; `name` is used in messages ("pinned host pool", "peer pool of ...").
     """
 
-    def __init__(self, buffer: torch.Tensor, *, alignment_bytes: int = 512, name: str = "block pool") -> None:
-        _check_alignment(name, alignment_bytes)
+    def __init__(self, buffer: torch.Tensor, *, alignment_bytes: int = ALIGNMENT_BYTES, name: str = "block pool") -> None:
+        check_alignment(name, alignment_bytes)
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise UserError(f"{name}: the buffer must be a flat uint8 tensor, got {buffer.dtype} {list(buffer.shape)}")
         if buffer.numel() % alignment_bytes or (buffer.numel() and buffer.data_ptr() % alignment_bytes):
@@ -117,7 +115,7 @@ class BlockPool:
         self._free: list[tuple[int, int]] = (
             [(0, self._capacity_bytes)] if self._capacity_bytes else [])
         """Free regions (offset, size), sorted by offset, never adjacent to each other."""
-        self._blocks: dict[int, HostBlock] = {}
+        self._blocks: dict[int, Block] = {}
         self._next_id = 0
         self._in_use_bytes = 0
         self._high_water_bytes = 0
@@ -156,21 +154,16 @@ class BlockPool:
         with self._lock:
             return list(self._free)
 
-    def allocated_blocks(self) -> list[HostBlock]:
-        """Snapshot of the allocated blocks, sorted by offset."""
-        with self._lock:
-            return sorted(self._blocks.values(), key=lambda b: b.offset_bytes)
-
     # ---- allocation ------------------------------------------------------------------
 
-    def allocate(self, nbytes: int, owner: str) -> HostBlock:
+    def allocate(self, nbytes: int, owner: str) -> Block:
         """First-fit block of at least `nbytes` (zero gets one alignment unit).
 
         `owner` names the tensor in messages. Raises SwapError when no free region fits.
         """
         if nbytes < 0:
             raise SwapError(f"{self.name} block for {owner}: negative size {nbytes}")
-        size = _round_up(max(nbytes, 1), self.alignment_bytes)
+        size = round_up(max(nbytes, 1), self.alignment_bytes)
         with self._lock:
             for i, (offset, free_size) in enumerate(self._free):
                 if free_size >= size:
@@ -185,14 +178,14 @@ class BlockPool:
                 del self._free[i]
             else:
                 self._free[i] = (offset + size, free_size - size)
-            block = HostBlock(self, self._next_id, offset, size, nbytes, owner)
+            block = Block(self, self._next_id, offset, size, nbytes, owner)
             self._next_id += 1
             self._blocks[block.block_id] = block
             self._in_use_bytes += size
             self._high_water_bytes = max(self._high_water_bytes, self._in_use_bytes)
             return block
 
-    def free(self, block: HostBlock) -> None:
+    def free(self, block: Block) -> None:
         """Return `block` to the pool, merging it with free neighbours.
 
         Raises SwapError on a double free or a block of another pool.
@@ -251,46 +244,7 @@ class BlockPool:
                 f"in_use={self._in_use_bytes}, blocks={len(self._blocks)})")
 
 
-class PinnedHostPool(BlockPool):
-    """One host buffer, pinned when CUDA is available, handed out as aligned blocks.
-
-    `capacity_bytes` is rounded up to a multiple of `alignment_bytes`. `pin_memory=None`
-    pins when CUDA is available; True without CUDA is a UserError. Never pins per tensor.
-    """
-
-    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
-                 alignment_bytes: int = 512) -> None:
-        if capacity_bytes < 0:
-            raise UserError(f"pinned host pool: capacity must be >= 0 bytes, got {capacity_bytes}")
-        _check_alignment("pinned host pool", alignment_bytes)
-        cuda = torch.cuda.is_available()
-        if pin_memory and not cuda:
-            raise UserError("pinned host pool: pin_memory=True needs CUDA, which is not available")
-        self.pinned = cuda if pin_memory is None else bool(pin_memory)
-        capacity = _round_up(capacity_bytes, alignment_bytes)
-        # Over-allocate by one alignment unit so the usable part starts on an aligned
-        # address whatever the allocator returned.
-        self._raw = torch.empty(capacity + alignment_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        pad = (-self._raw.data_ptr()) % alignment_bytes
-        super().__init__(self._raw[pad:pad + capacity], alignment_bytes=alignment_bytes, name="pinned host pool")
-
-    @classmethod
-    def for_plan(cls, bytes_needed: int, *, num_tensors: int = 0, alignment_bytes: int = 512,
-                 pin_memory: bool | None = None) -> PinnedHostPool:
-        """A pool that holds `num_tensors` tensors totalling `bytes_needed` at once.
-
-        Adds one alignment unit per tensor for rounding; fragmentation is not covered, so
-        plans should pass their peak host residency plus a margin.
-        """
-        capacity = bytes_needed + num_tensors * alignment_bytes
-        return cls(capacity, pin_memory=pin_memory, alignment_bytes=alignment_bytes)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _check_alignment(name: str, alignment_bytes: int) -> None:
+def check_alignment(name: str, alignment_bytes: int) -> None:
     if alignment_bytes < _MIN_ALIGNMENT_BYTES or alignment_bytes & (alignment_bytes - 1):
         raise UserError(f"{name}: alignment must be a power of two >= "
                         f"{_MIN_ALIGNMENT_BYTES} bytes, got {alignment_bytes}")

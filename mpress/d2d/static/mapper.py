@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mpress.d2d.maxflow import (
+from mpress.d2d.static.maxflow import (
     CutTable,
     SwapNetwork,
     integer_stripes,

@@ -1,0 +1,153 @@
+"""Allocating, exporting and opening peer-pool memory: the two transports.
+
+- `CudaIpcTransport`: the pool is a CUDA allocation on the importer's GPU, exported
+  with torch's CUDA IPC (`torch.multiprocessing.reductions.reduce_tensor`, i.e.
+  `cudaIpcGetMemHandle`) and opened by exporters as a tensor on that GPU, so a copy into
+  it is a peer-to-peer copy over NVLink;
+- `SharedMemoryTransport`: the pool is a `multiprocessing.shared_memory` segment, so the
+  whole protocol runs on CPU-only machines and in CI (a test vehicle, not a fast path).
+"""
+
+from __future__ import annotations
+
+import _posixshmem  # POSIX shared memory, as multiprocessing.shared_memory uses it
+import abc
+import mmap
+import os
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from mpress.errors import SwapError
+from mpress.units import ALIGNMENT_BYTES
+
+
+class PoolTransport(abc.ABC):
+    """Allocates, exports and opens pool memory. `create` runs on the importer, `open`
+    on exporters; payloads must pickle (they travel through `all_gather_object`)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def create(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """A flat uint8 buffer of `nbytes` (aligned start) and its picklable export."""
+
+    @abc.abstractmethod
+    def open(self, payload: Any, device: torch.device) -> torch.Tensor:
+        """The buffer an importer exported, mapped into this process."""
+
+    def close(self) -> None:
+        """Unmap what was opened and free what was created (after the job)."""
+
+
+class SharedMemoryTransport(PoolTransport):
+    """Pools in POSIX shared memory (CPU stand-in for GPU memory)."""
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._created: list[shared_memory.SharedMemory] = []
+        self._opened: list[mmap.mmap] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def create(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        try:
+            shm = shared_memory.SharedMemory(create=True, size=nbytes + ALIGNMENT_BYTES)
+        except OSError as exc:
+            raise SwapError(f"cannot allocate a {nbytes}-byte shared-memory peer pool: {exc}") from exc
+        self._created.append(shm)
+        fd = getattr(shm, "_fd", -1)
+        if fd >= 0 and hasattr(os, "posix_fallocate"):
+            # the segment is sparse until written: reserve it now, so a full /dev/shm is a
+            # start-up error here and not a SIGBUS at the first swap
+            try:
+                os.posix_fallocate(fd, 0, nbytes + ALIGNMENT_BYTES)
+            except OSError as exc:
+                raise SwapError(f"cannot reserve a {nbytes}-byte shared-memory peer pool in /dev/shm: "
+                                f"{exc.strerror}") from exc
+        buffer = self._aligned(shm, nbytes)
+        return buffer, (shm.name, nbytes)
+
+    def open(self, payload: Any, device: torch.device) -> torch.Tensor:
+        name, nbytes = payload
+        segment = attach_shared_memory(name)
+        self._opened.append(segment)
+        return self._aligned(segment, nbytes)
+
+    def _aligned(self, shm: shared_memory.SharedMemory | mmap.mmap, nbytes: int) -> torch.Tensor:
+        raw = torch.frombuffer(shm.buf if isinstance(shm, shared_memory.SharedMemory) else shm, dtype=torch.uint8)
+        pad = (-raw.data_ptr()) % ALIGNMENT_BYTES
+        buffer = raw[pad:pad + nbytes]
+        self._buffers.append(buffer)
+        return buffer
+
+    def close(self) -> None:
+        self._buffers.clear()
+        release_segments([*self._opened, *self._created], unlink=self._created)
+        self._opened.clear()
+        self._created.clear()
+
+
+class CudaIpcTransport(PoolTransport):
+    """Pools in GPU memory, shared with CUDA IPC through torch's tensor reductions."""
+
+    name = "cuda-ipc"
+
+    def __init__(self) -> None:
+        self._keep: list[torch.Tensor] = []
+
+    def create(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        try:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:
+            free, total = torch.cuda.mem_get_info(device)
+            raise SwapError(f"cannot allocate the {nbytes}-byte peer pool on {device}: {free} of {total} "
+                            "bytes free") from exc
+        self._keep.append(buffer)  # the exporters' mappings need it alive
+        return buffer, reduce_tensor(buffer)
+
+    def open(self, payload: Any, device: torch.device) -> torch.Tensor:
+        # the handle names the importer's GPU by index: every rank must see the GPUs
+        # numbered alike (the same CUDA_VISIBLE_DEVICES), which torchrun's default gives
+        rebuild, args = payload
+        buffer = rebuild(*args)
+        self._keep.append(buffer)
+        return buffer
+
+    def close(self) -> None:
+        self._keep.clear()
+
+
+def make_transport(device: torch.device) -> PoolTransport:
+    """CUDA IPC for CUDA devices, shared memory otherwise."""
+    return CudaIpcTransport() if device.type == "cuda" else SharedMemoryTransport()
+
+
+def attach_shared_memory(name: str) -> mmap.mmap:
+    """Map an existing shared-memory segment without registering it with the resource
+    tracker: `SharedMemory(name=...)` does register it (before Python 3.13), and the
+    tracker would then unlink the importer's segment when this process exits."""
+    fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def release_segments(segments: Sequence[shared_memory.SharedMemory | mmap.mmap],
+             unlink: Sequence[shared_memory.SharedMemory] = ()) -> None:
+    """Unmap `segments` and remove the names of those this process created (`unlink`)."""
+    for segment in segments:
+        try:
+            segment.close()
+        except BufferError:  # a tensor view is still alive somewhere; the OS unmaps at exit
+            pass
+    for shm in unlink:
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,78 @@
+"""The end-of-run report: per rank, memory (planned and as tracked) and what mpress
+moved and recomputed, gathered from every rank and printed as two tables by rank 0."""
+
+from __future__ import annotations
+
+import torch
+from rich.table import Table
+
+from mpress.d2d.runtime.peer_pool import PeerPools
+from mpress.plan import Plan
+from mpress.runtime.trainer import PipelineJob
+from mpress.units import fmt_bytes, fmt_seconds
+
+
+def tracked_peak(job: PipelineJob) -> int:
+    """Tracked peaks of this rank's stages, added (an upper bound when it holds several)."""
+    return sum(rt.manager.peak_device_bytes() for rt in job.runtimes)
+
+
+def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
+    """This rank's figures for the final table (summed over its stages)."""
+    out: dict[str, object] = {"rank": job.rank, "stage": ",".join(map(str, job.stage_ids)),
+                              "cuda_peak": torch.cuda.max_memory_allocated(job.device)
+                              if job.device.type == "cuda" else None}
+    if plan is not None:
+        parts = [plan.stage(s) for s in job.stage_ids]
+        # a stage's need is its own; its predicted peak is its device's (shared by the rank's stages)
+        out.update(need=sum(sp.need_bytes for sp in parts), planned=max(sp.predicted_peak_bytes for sp in parts),
+                   rules=", ".join(sorted({r.technique for sp in parts for r in sp.rules})) or "keep")
+    runtimes = job.runtimes
+    if runtimes:
+        engines = [rt.engine.stats for rt in runtimes if rt.engine is not None]
+        d2d = [rt.d2d_engine.stats for rt in runtimes if rt.d2d_engine is not None]
+        if job.device.type == "cuda":
+            out["cuda_check"] = next((rt.stats.extra["cuda_check"] for rt in runtimes
+                                      if "cuda_check" in rt.stats.extra), "ok")
+        out.update(tracked_peak=tracked_peak(job), swapped=sum(rt.stats.tensors_swapped for rt in runtimes),
+                   recomputed=sum(rt.stats.microbatches_recomputed for rt in runtimes),
+                   bytes_out=sum(st.bytes_out for st in engines), peer_out=sum(st.bytes_out for st in d2d),
+                   wait_s=sum(st.wait_s for st in engines + d2d))
+    if isinstance(job.peers, PeerPools):
+        usage = job.peers.pool_usage().values()
+        out["pool"] = (sum(u["high_water_bytes"] for u in usage), sum(u["capacity_bytes"] for u in usage))
+    return out
+
+
+def report_tables(rows: list[dict[str, object]]) -> list[Table]:
+    """The end-of-run report: memory per rank, then what mpress moved and recomputed."""
+    def b(r: dict[str, object], key: str) -> str:
+        v = r.get(key)
+        return fmt_bytes(v) if isinstance(v, int) and v else "-"
+
+    memory = Table(title="per rank: memory")
+    # need/peak: the plan's figures without and with compaction; tracked peak: saved
+    # tensors + optimizer data on the device as the memory manager saw them
+    for c in ["rank", "stage", "plan", "need w/o mpress (planned)", "peak with mpress (planned)",
+              "tracked peak (saved + optimizer)", "CUDA peak"]:
+        memory.add_column(c, justify="right")
+    traffic = Table(title="per rank: swaps and recompute")
+    for c in ["rank", "tensors swapped", "bytes to host", "bytes to peers", "peer pool held (high water / size)",
+              "microbatches recomputed", "swap wait"]:
+        traffic.add_column(c, justify="right")
+    for r in rows:
+        memory.add_row(str(r["rank"]), str(r["stage"]), str(r.get("rules", "none")), b(r, "need"), b(r, "planned"),
+                       b(r, "tracked_peak"), b(r, "cuda_peak"))
+        traffic.add_row(str(r["rank"]), str(r.get("swapped", "-")), b(r, "bytes_out"), b(r, "peer_out"),
+                        _pool_cell(r.get("pool")), str(r.get("recomputed", "-")),
+                        fmt_seconds(float(r.get("wait_s", 0.0))))  # type: ignore[arg-type]
+    return [memory, traffic]
+
+
+def _pool_cell(pool: object) -> str:
+    if not pool:
+        return "-"
+    high, size = pool  # type: ignore[misc]
+    if not size:
+        return "-"
+    return f"{fmt_bytes(high)} / {fmt_bytes(size)}"

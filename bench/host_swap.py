@@ -70,7 +70,7 @@ from mpress.plan import StagePlan, TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.units import ALIGNMENT_BYTES
 from mpress.runtime.memory.manager import MemoryManager
-from mpress.runtime.router import SavedTensorRouter, layer_modules
+from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine, SwapStats
 
 MiB = 1 << 20
@@ -222,7 +222,7 @@ def stage_plan(first_layer: int, end_layer: int, rules: list[TensorRule], pinned
 
 
 def build_variants(cfg: ModelConfig, first_layer: int, end_layer: int, device: torch.device, seed: int,
-                   prefetch: str, census: Census) -> list[Variant]:
+                   prefetch: str, census: Census, batch: Batch) -> list[Variant]:
     def stage() -> torch.nn.Module:
         return build_stage(cfg, first_layer, end_layer, seed=seed, device=device)
 
@@ -237,15 +237,17 @@ def build_variants(cfg: ModelConfig, first_layer: int, end_layer: int, device: t
     engine = SwapEngine(pool, host_manager, device, rank=0, stage=0)
     host_plan = stage_plan(first_layer, end_layer, [TensorRule(tensor="*", technique="host")], pool_bytes)
     host = Variant(name=f"mpress host swap ({prefetch})", stage=host_stage, step=step_mpress(prefetch),
-                   router=SavedTensorRouter(host_stage, host_plan, engine, rank=0, manager=host_manager),
+                   router=SavedTensorRouter(host_stage, host_plan, engine, rank=0, example_args=(batch.x,),
+                                            manager=host_manager),
                    engine=engine, manager=host_manager)
 
     rc_stage = stage()
-    rc_rules = [TensorRule(tensor=f"{name}.**", technique="recompute") for name in layer_modules(rc_stage)]
+    rc_rules = [TensorRule(tensor=f"{name}.**", technique="recompute") for name in rc_stage.layer_names()]
     rc_manager = MemoryManager(device, rank=0)
     recompute = Variant(name="mpress recompute", stage=rc_stage, step=step_mpress("none"),
                         router=SavedTensorRouter(rc_stage, stage_plan(first_layer, end_layer, rc_rules), None,
-                                                 rank=0, manager=rc_manager), manager=rc_manager)
+                                                 rank=0, example_args=(batch.x,), manager=rc_manager),
+                        manager=rc_manager)
     return [plain, soc, host, recompute]
 
 
@@ -391,7 +393,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     census = take_census(census_stage, batch)
     del census_stage
-    variants = build_variants(cfg, first, end, device, args.seed, args.prefetch, census)
+    variants = build_variants(cfg, first, end, device, args.seed, args.prefetch, census, batch)
     plain = variants[0]
     ref: dict[str, torch.Tensor] = {}
     try:

@@ -22,7 +22,8 @@ from rich.table import Table
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config, model_presets
 from mpress.static.evaluate import setup_pipeline
-from mpress.static.planner import STRATEGIES, plan_strategy
+from mpress.static.planner import plan_strategy
+from mpress.vocabulary import Strategy
 
 
 def billion_presets() -> list[str]:
@@ -41,7 +42,7 @@ def main() -> None:
         hw = load_hardware(hw_name)
         summary = Table(title=f"planner on {hw.name}: 8 stages, {args.microbatches} microbatches "
                               "(GPT 1f1b x2, BERT pipedream x12)")
-        for col in ["model", "plan s", "mapping s", *STRATEGIES, "mpress / best fitting baseline",
+        for col in ["model", "plan s", "mapping s", *Strategy.words(), "mpress / best fitting baseline",
                     "mpress / ideal"]:
             summary.add_column(col, justify="left" if col == "model" else "right")
         for name in args.models.split(","):
@@ -50,7 +51,7 @@ def main() -> None:
             setup = setup_pipeline(model, hw, schedule=schedule, num_stages=8, microbatch_size=mbsize,
                                    num_microbatches=args.microbatches)
             results = {}
-            for strategy in STRATEGIES:
+            for strategy in Strategy.words():
                 t0 = time.perf_counter()
                 r = plan_strategy(setup, strategy)
                 results[strategy] = (r, time.perf_counter() - t0)
@@ -58,7 +59,7 @@ def main() -> None:
             mp_iter = mp.evaluation.result.iteration_s
             ideal = results["none"][0].evaluation.result.iteration_s
             cells = []
-            for strategy in STRATEGIES:
+            for strategy in Strategy.words():
                 r, _ = results[strategy]
                 it = r.evaluation.result.iteration_s
                 mark = "[green]" if r.fits else "[red]x "

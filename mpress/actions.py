@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 
 from mpress.errors import ScheduleError
+from mpress.vocabulary import ScheduleName
 
 
 class Kind(enum.Enum):
@@ -49,8 +50,6 @@ class Kind(enum.Enum):
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.OPT, Kind.RC})
 """Kinds that occupy the compute stream."""
-COPY_KINDS = frozenset({Kind.SO, Kind.SI, Kind.DO, Kind.DI, Kind.OO, Kind.OI})
-"""Kinds that run asynchronously on copy engines."""
 TENSOR_KINDS = frozenset({Kind.RC, Kind.SO, Kind.SI, Kind.DO, Kind.DI, Kind.DR, Kind.OO, Kind.OI})
 """Kinds that name a tensor."""
 _NO_MICROBATCH_KINDS = frozenset({Kind.OPT, Kind.OO, Kind.OI})
@@ -109,6 +108,62 @@ class Action:
         return Action(int(stage), Kind(code), None if mb is None else int(mb), tensor)
 
 
+class UnitKind(enum.Enum):
+    """What a memory action moves (see `UnitId`)."""
+
+    ACTIVATIONS = "activations"
+    OPTIM = "optim"
+    STASH = "stash"
+
+
+@dataclass(frozen=True)
+class UnitId:
+    """The tensor name of a memory action: what one action moves, as the rewriter groups
+    it, written into the action string after the colon.
+
+    - activations: the saved tensors of `layer` that rule `rule` of `stage` decides in
+      the action's microbatch, `{stage}:{layer}.**@r{rule}`;
+    - optim: one layer's optimizer states and master weights, `{stage}:optim:{layer}`;
+    - stash: the stashed weight versions rule `rule` moves, `{stage}:stash@r{rule}`.
+    """
+
+    stage: int
+    kind: UnitKind
+    layer: str | None = None
+    rule: int | None = None
+
+    def __post_init__(self) -> None:
+        needs = {UnitKind.ACTIVATIONS: (True, True), UnitKind.OPTIM: (True, False), UnitKind.STASH: (False, True)}
+        layer, rule = needs[self.kind]
+        if (self.layer is not None) != layer or (self.rule is not None) != rule:
+            raise ScheduleError(f"a {self.kind.value} unit {'needs' if layer else 'takes no'} layer and "
+                                f"{'needs' if rule else 'takes no'} rule")
+
+    def __str__(self) -> str:
+        if self.kind is UnitKind.ACTIVATIONS:
+            return f"{self.stage}:{self.layer}.**@r{self.rule}"
+        if self.kind is UnitKind.OPTIM:
+            return f"{self.stage}:optim:{self.layer}"
+        return f"{self.stage}:stash@r{self.rule}"
+
+    @staticmethod
+    def parse(text: str) -> "UnitId":
+        """Inverse of `str(unit)`; raises `ScheduleError` on anything else."""
+        m = _UNIT_RE.match(text)
+        if not m:
+            raise ScheduleError(f"not a unit name: {text!r} (expected e.g. 0:layers.3.**@r1, 0:optim:layers.3, "
+                                "0:stash@r2)")
+        stage, optim_layer, stash_rule, layer, rule = m.groups()
+        if optim_layer is not None:
+            return UnitId(int(stage), UnitKind.OPTIM, layer=optim_layer)
+        if stash_rule is not None:
+            return UnitId(int(stage), UnitKind.STASH, rule=int(stash_rule))
+        return UnitId(int(stage), UnitKind.ACTIVATIONS, layer=layer, rule=int(rule))
+
+
+_UNIT_RE = re.compile(r"^(\d+):(?:optim:(\S*)|stash@r(\d+)|(\S*?)\.\*\*@r(\d+))$")
+
+
 def F(stage: int, microbatch: int) -> Action:
     """Forward of `microbatch` on `stage`."""
     return Action(stage, Kind.F, microbatch)
@@ -160,7 +215,7 @@ class Schedule:
         microbatch in flight is kept).
     """
 
-    name: str
+    name: ScheduleName
     num_stages: int
     num_microbatches: int
     stage_to_rank: tuple[int, ...]
@@ -184,13 +239,3 @@ class Schedule:
             self.name, self.num_stages, self.num_microbatches, self.stage_to_rank,
             tuple(tuple(r) for r in ranks), self.weight_stashing,
         )
-
-    @staticmethod
-    def from_text(name: str, num_stages: int, num_microbatches: int, stage_to_rank: list[int], text: str,
-                  weight_stashing: bool = False) -> "Schedule":
-        """Inverse of `to_text`."""
-        ranks = []
-        for line in text.strip().splitlines():
-            _, _, body = line.partition(":")
-            ranks.append(tuple(parse_actions(body)))
-        return Schedule(name, num_stages, num_microbatches, tuple(stage_to_rank), tuple(ranks), weight_stashing)

@@ -8,13 +8,14 @@ Range checks come from field metadata, e.g.::
 
     num_layers: int = field(metadata={"min": 1, "doc": "transformer blocks"})
 
-Supported annotations: bool, int, float, str, Literal[...], Optional[X], list[X],
-dict[str, X], tuple[X, ...] and nested dataclasses.
+Supported annotations: bool, int, float, str, Literal[...], `str` enums (stored by
+value), Optional[X], list[X], dict[str, X], tuple[X, ...] and nested dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import types
 import typing
@@ -62,6 +63,8 @@ def to_dict(obj: Any) -> Any:
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, enum.Enum):
+        return obj.value
     return obj
 
 
@@ -69,6 +72,8 @@ def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in get_args(tp))
     if origin in (list, tuple):
@@ -106,6 +111,11 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
         if value in get_args(tp):
             return value
         raise bad
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise bad from None
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise bad
@@ -208,8 +218,3 @@ def from_dict(cls: type[T], data: Any, source: str = "", prefix: str = "") -> T:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def load_dataclass(cls: type[T], path: str | Path) -> T:
-    """Load a YAML/JSON file into dataclass `cls` (see `from_dict`)."""
-    return from_dict(cls, load_yaml(path), str(path))

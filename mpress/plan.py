@@ -23,11 +23,11 @@ no rule matches is kept.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import yaml
 
@@ -35,12 +35,9 @@ from mpress import __version__
 from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
 from mpress.errors import ConfigError, PlanError
 from mpress.hardware import Hardware
-from mpress.model_config import ModelConfig
+from mpress.vocabulary import OptimizerStep, ScheduleName, SwapInPolicy, Technique, as_word
 
 PLAN_VERSION = 1
-
-Technique = Literal["keep", "recompute", "host", "d2d"]
-TECHNIQUES: tuple[str, ...] = ("keep", "recompute", "host", "d2d")
 
 
 def parse_microbatches(selector: str, num_microbatches: int | None = None) -> frozenset[int] | None:
@@ -127,6 +124,7 @@ class TensorRule:
     """Microbatch selector: all, 0,2,5, 0-3."""
     technique: Technique
     """keep, recompute, host (swap to pinned host memory), d2d (stripe over NVLink peers)."""
+    # (a rule decides; the identity module's `StageRules` reads rules for both halves)
     stripes: list[Stripe] = field(default_factory=list)
     """d2d only: where the stripes go."""
     prefetch_lead: int = field(default=1, metadata={"min": 1})
@@ -134,11 +132,12 @@ class TensorRule:
     backward that needs the tensor (1 = overlap with the one compute action just before)."""
 
     def __post_init__(self) -> None:
+        as_word(self, "technique", Technique)
         try:
             parse_microbatches(self.microbatches)
         except PlanError as exc:  # a ConfigError, so loading names the file and key
             raise ConfigError("", "microbatches", str(exc).removeprefix("microbatches: ")) from None
-        if self.technique == "d2d":
+        if self.technique is Technique.D2D:
             if not self.stripes:
                 raise ConfigError("", "stripes", f"d2d rule for {self.tensor!r} needs at least one stripe")
             total = sum(s.fraction for s in self.stripes)
@@ -149,14 +148,21 @@ class TensorRule:
                 raise ConfigError("", "stripes", f"{self.tensor!r} has two stripes on one device")
         elif self.stripes:
             raise ConfigError("", "stripes", f"only d2d rules take stripes ({self.tensor!r} is {self.technique})")
-        if self.technique == "recompute" and self.tensor.startswith(("optim:", "stash:")):
+        if self.technique is Technique.RECOMPUTE and self.tensor.startswith(("optim:", "stash:")):
             raise ConfigError("", "technique", f"{self.tensor!r} is model data and cannot be recomputed")
 
+    @functools.cached_property
+    def selected(self) -> frozenset[int] | None:
+        """The microbatches the rule selects (None: all), parsed once."""
+        return parse_microbatches(self.microbatches)
+
+    def selects(self, microbatch: int | None) -> bool:
+        """Whether the rule applies in `microbatch` (None: model data, any microbatch)."""
+        return self.selected is None or microbatch is None or microbatch in self.selected
+
     def matches(self, tensor: str, microbatch: int | None) -> bool:
-        if not pattern_matches(self.tensor, tensor):
-            return False
-        selected = parse_microbatches(self.microbatches)
-        return selected is None or microbatch is None or microbatch in selected
+        """Whether the rule names `tensor` and applies in `microbatch`."""
+        return pattern_matches(self.tensor, tensor) and self.selects(microbatch)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -182,7 +188,7 @@ class StagePlan:
     """Peak need without compaction (memory model)."""
     predicted_peak_bytes: int = field(default=0, metadata={"min": 0})
     """Emulated peak with this plan, peer pool included."""
-    optimizer_step: Literal["device", "host"] = "device"
+    optimizer_step: OptimizerStep = OptimizerStep.DEVICE
     """Where the stage's optimizer step runs. `device`: Adam states and fp32 master
     weights live on the stage's device, or, for layers an `optim:` host rule names, in the
     pinned pool between steps (back on the device for the step). `host`: they live in host
@@ -191,20 +197,14 @@ class StagePlan:
     `host` rules of such a stage change nothing, `d2d` ones are refused."""
 
     def __post_init__(self) -> None:
-        if self.optimizer_step != "host":
+        as_word(self, "optimizer_step", OptimizerStep)
+        if self.optimizer_step is not OptimizerStep.HOST:
             return
         for rule in self.rules:
-            if rule.technique == "d2d" and rule.tensor.startswith("optim:"):
+            if rule.technique is Technique.D2D and rule.tensor.startswith("optim:"):
                 raise ConfigError("", "optimizer_step",
                                   f"stage {self.stage} steps on the host, so its optimizer states cannot go to "
                                   f"peers ({rule.tensor!r} is d2d); drop the rule or use optimizer_step: device")
-
-    def technique(self, tensor: str, microbatch: int | None) -> TensorRule | None:
-        """The rule deciding `tensor` in `microbatch`, or None (keep)."""
-        for rule in self.rules:
-            if rule.matches(tensor, microbatch):
-                return rule
-        return None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -226,12 +226,12 @@ class Plan:
     """Devices of the hardware the plan was made for (cpu-local varies it)."""
     device_memory_bytes: int = field(metadata={"gt": 0})
     """Memory per device of that hardware (cpu-local varies it)."""
-    schedule: Literal["gpipe", "1f1b", "pipedream", "interleaved"]
+    schedule: ScheduleName
     num_stages: int = field(metadata={"min": 1})
     num_ranks: int = field(metadata={"min": 1})
     num_microbatches: int = field(metadata={"min": 1})
     microbatch_size: int = field(metadata={"min": 1})
-    swap_in_policy: Literal["capacity", "layer-ahead"] = "capacity"
+    swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY
     stage_to_device: list[int]
     stages: list[StagePlan]
     fits: bool
@@ -239,6 +239,8 @@ class Plan:
     predicted_iteration_s: float = field(default=0.0, metadata={"min": 0})
 
     def __post_init__(self) -> None:
+        as_word(self, "schedule", ScheduleName)
+        as_word(self, "swap_in_policy", SwapInPolicy)
         if self.version != PLAN_VERSION:
             raise ConfigError("", "version", f"plan version {self.version} is not supported (expected {PLAN_VERSION})")
         if len(self.stages) != self.num_stages or len(self.stage_to_device) != self.num_stages:
@@ -278,10 +280,6 @@ class Plan:
             raise PlanError(f"plan has stages 0..{self.num_stages - 1}, not {stage}")
         return self.stages[stage]
 
-    def technique(self, stage: int, tensor: str, microbatch: int | None) -> Technique:
-        rule = self.stage(stage).technique(tensor, microbatch)
-        return rule.technique if rule else "keep"
-
     def rank_of_stage(self, stage: int) -> int:
         """The rank that runs `stage`: stage s on rank s % ranks (one stage per rank, or
         several under interleaved schedules)."""
@@ -304,7 +302,7 @@ class Plan:
     def uses_peer_pools(self) -> bool:
         """Whether the plan reserves a peer pool or D2D-swaps anything (then every rank
         of the job takes part in setting the pools up)."""
-        return any(sp.peer_pool_bytes or any(r.technique == "d2d" for r in sp.rules) for sp in self.stages)
+        return any(sp.peer_pool_bytes or any(r.technique is Technique.D2D for r in sp.rules) for sp in self.stages)
 
     # -- storage -----------------------------------------------------------------------
     def to_yaml(self) -> str:
@@ -329,63 +327,3 @@ def fingerprint(data: object) -> str:
 def hardware_fingerprint(hardware: Hardware) -> str:
     """Hash of everything in a hardware description."""
     return fingerprint(to_dict(hardware))
-
-
-def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = None,
-               hardware: Hardware | None = None, stage_tensors: list[list[str]] | None = None,
-               stage_layers: list[list[str]] | None = None) -> None:
-    """Refuse a plan that does not belong to what it is used with (one-line `PlanError`).
-
-    model: the plan must have been made for this model (fingerprint).
-    hardware: same device count and topology; stripes only to NVLink neighbours; pinned
-        pools within host memory, peer pools within device memory.
-    stage_tensors / stage_layers: per stage, the saved-tensor ids and layer names of the
-        profile; every rule must name something the stage has.
-    """
-    if model is not None and plan.model_fingerprint != model.fingerprint():
-        raise PlanError(f"{source}: made for model {plan.model!r}, not {model.name!r} (fingerprints differ)")
-    if hardware is not None:
-        if plan.hardware_fingerprint != hardware_fingerprint(hardware):
-            raise PlanError(f"{source}: made for hardware {plan.hardware!r}, not {hardware.name!r} "
-                            "(device count, memory or topology differ)")
-        _check_devices(plan, source, hardware)
-    if stage_tensors is not None or stage_layers is not None:
-        _check_names(plan, source, stage_tensors, stage_layers)
-
-
-def _check_devices(plan: Plan, source: str, hardware: Hardware) -> None:
-    n = hardware.num_devices
-    for s, d in enumerate(plan.stage_to_device):
-        if not 0 <= d < n:
-            raise PlanError(f"{source}: stage {s} is mapped to device {d}; {hardware.name} has devices 0..{n - 1}")
-    for sp in plan.stages:
-        for r, rule in enumerate(sp.rules):
-            for stripe in rule.stripes:
-                if not 0 <= stripe.device < n or hardware.links(sp.device, stripe.device) == 0:
-                    raise PlanError(
-                        f"{source}: stage {sp.stage} rule {r} ({rule.tensor}) stripes to device {stripe.device}, "
-                        f"which is not an NVLink neighbour of device {sp.device}")
-    host = sum(sp.pinned_host_bytes for sp in plan.stages)
-    if host > hardware.host_memory_bytes:
-        raise PlanError(f"{source}: pinned host pools need {host / 1e9:.1f} GB, "
-                        f"{hardware.name} has {hardware.host_memory_bytes / 1e9:.1f} GB of host memory")
-    for d, b in plan.peer_pool_bytes_by_device().items():
-        if b > hardware.device.memory_bytes:
-            raise PlanError(f"{source}: device {d} peer pool of {b / 1e9:.1f} GB exceeds its "
-                            f"{hardware.device.memory_bytes / 1e9:.1f} GB")
-
-
-def _check_names(plan: Plan, source: str, stage_tensors: list[list[str]] | None,
-                 stage_layers: list[list[str]] | None) -> None:
-    for sp in plan.stages:
-        tensors = stage_tensors[sp.stage] if stage_tensors is not None else None
-        layers = stage_layers[sp.stage] if stage_layers is not None else None
-        for r, rule in enumerate(sp.rules):
-            kind, _, rest = rule.tensor.partition(":")
-            if rest and kind in ("optim", "stash"):
-                names = None if layers is None else [f"{kind}:{x}" for x in layers]
-            else:
-                names = tensors
-            if names is not None and not any(pattern_matches(rule.tensor, t) for t in names):
-                raise PlanError(f"{source}: stage {sp.stage} rule {r} names {rule.tensor!r}, "
-                                "which the profile does not have in that stage")

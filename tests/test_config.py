@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,7 +11,6 @@ import pytest
 
 from mpress.config import (
     from_dict,
-    load_dataclass,
     load_yaml,
     to_dict,
     write_text_atomic,
@@ -167,7 +167,7 @@ def test_top_level_must_be_a_mapping() -> None:
 def test_yaml_round_trip_through_files(tmp_path: Path) -> None:
     path = tmp_path / "m.yaml"
     write_text_atomic(path, "num_devices: 3\ndevice:\n  name: g\n  memory_bytes: 32e9\n")
-    m = load_dataclass(Machine, path)
+    m = from_dict(Machine, load_yaml(path), str(path))
     assert m.num_devices == 3 and m.device.memory_bytes == 32_000_000_000
     assert not list(tmp_path.glob(".*.tmp"))  # nothing half-written left behind
 
@@ -176,8 +176,26 @@ def test_yaml_file_errors_name_the_path(tmp_path: Path) -> None:
     path = tmp_path / "m.yaml"
     path.write_text("num_devices: 3\ndevice: {name: g, memory_bytes: 8}\nbogus: 1\n")
     with pytest.raises(ConfigError) as info:
-        load_dataclass(Machine, path)
+        from_dict(Machine, load_yaml(path), str(path))
     assert str(path) in str(info.value) and "bogus" in str(info.value)
+
+
+class Colour(str, enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+@dataclass(kw_only=True)
+class Paint:
+    colour: Colour = Colour.RED
+
+
+def test_str_enums_are_read_and_written_by_value() -> None:
+    assert from_dict(Paint, {"colour": "green"}, SRC).colour is Colour.GREEN
+    assert to_dict(Paint(colour=Colour.GREEN)) == {"colour": "green"}
+    with pytest.raises(ConfigError) as info:
+        from_dict(Paint, {"colour": "blue"}, SRC)
+    assert info.value.key == "colour" and "one of 'red', 'green'" in info.value.problem
 
 
 def test_load_yaml_missing_file(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from mpress.actions import Action
 from mpress.errors import ScheduleError
 from mpress.static.emulator import EmulatorResult, emulate
 from mpress.static.plots import plot_memory
-from mpress.static.program import Channel, Program, Task, Transfer
+from mpress.static.program import Channel, Cost, Program, Task, Transfer
 from mpress.static.trace import write_trace
 
 GB = 10**9  # channels are in GB/s = 1e9 bytes/s, so 1 GB at 1 GB/s takes 1 s
@@ -29,9 +29,9 @@ def compute(text: str, s: float, alloc: int = 0, free: int = 0, **kw) -> Task:
     return Task(act(text), compute_s=s, alloc_bytes=alloc, free_bytes=free, **kw)
 
 
-def copy(text: str, *transfers: tuple[str, int], alloc: int = 0, free: int = 0, technique="host-swap") -> Task:
+def copy(text: str, *transfers: tuple[str, int], alloc: int = 0, free: int = 0, cost: Cost = Cost.HOST) -> Task:
     return Task(act(text), transfers=tuple(Transfer(c, b) for c, b in transfers), alloc_bytes=alloc,
-                free_bytes=free, technique=technique)
+                free_bytes=free, cost=cost)
 
 
 def program(*ranks: list[Task], channels: dict[str, tuple[float, float]] | None = None, capacity: int = BIG,
@@ -125,7 +125,7 @@ def test_fair_sharing_matches_a_stepped_reference(jobs, latency_s):
 
 def test_a_striped_copy_ends_with_its_slowest_stripe():
     # 1 GB over a 1 GB/s link and 1 GB over a 4 GB/s link, in parallel: max(1, 0.25) = 1 s.
-    p = program([compute("0F0", 1.0), copy("0DO0:x", ("l1", GB), ("l2", GB), technique="d2d")],
+    p = program([compute("0F0", 1.0), copy("0DO0:x", ("l1", GB), ("l2", GB), cost=Cost.D2D)],
                 channels={"l1": (1.0, 0.0), "l2": (4.0, 0.0)})
     assert span(emulate(p), 0, "0DO0:x") == pytest.approx((1.0, 2.0))
 
@@ -151,7 +151,7 @@ def test_two_stage_pipeline_with_sends():
     assert r.iteration_s == pytest.approx(10.5)
     # stalls: rank 0 (5.5 - 2) + (8.5 - 7.5) = 4.5, rank 1 waits 2 for its first input; all bubbles
     assert r.stall_s_by_rank == pytest.approx((4.5, 2.0))
-    assert r.stall_s_by_technique == pytest.approx({"pipeline": 6.5})
+    assert r.stall_s_by_cost == pytest.approx({"pipeline": 6.5})
     assert r.stall_s_by_tensor == {}
     assert r.busy_s_by_rank == pytest.approx((6.0, 6.0))
     assert json.loads(json.dumps(r.summary()))["iteration_s"] == pytest.approx(10.5)
@@ -189,14 +189,14 @@ def test_swap_that_stalls_is_blamed_on_its_tensor():
     assert span(r, 0, "0SI0:x") == pytest.approx((3.0, 5.0))
     assert span(r, 0, "0B0") == pytest.approx((5.0, 7.0))
     assert r.stall_s_by_tensor == pytest.approx({"x": 3.0})
-    assert r.stall_s_by_technique == pytest.approx({"host-swap": 3.0})
+    assert r.stall_s_by_cost == pytest.approx({"host": 3.0})
 
 
 def test_d2d_stall_is_blamed_on_d2d():
-    r = emulate(program([compute("0F0", 1), copy("0DO0:y", ("up", GB), technique="d2d"),
-                         copy("0DI0:y", ("down", GB), technique="d2d"), compute("0B0", 1)]))
+    r = emulate(program([compute("0F0", 1), copy("0DO0:y", ("up", GB), cost=Cost.D2D),
+                         copy("0DI0:y", ("down", GB), cost=Cost.D2D), compute("0B0", 1)]))
     # DO [1,2], DI [2,3], 0B0 reached at 1 starts at 3
-    assert r.stall_s_by_technique == pytest.approx({"d2d": 2.0})
+    assert r.stall_s_by_cost == pytest.approx({"d2d": 2.0})
 
 
 def capacity_program(capacity: int, policy: str = "capacity") -> Program:
@@ -244,12 +244,12 @@ def test_optimizer_step_waits_for_its_states():
     # OI issued when 0B0 ends (2), [2,3]; OPT reached at 2 starts at 3; OO [4,5]. The OI has
     # no earlier OO (the states were sent out by the previous iteration): it waits for nothing.
     r = emulate(program([compute("0F0", 1), compute("0B0", 1),
-                         copy("0OI:optim", ("down", GB), alloc=8, technique="optimizer-offload"),
-                         compute("0OPT", 1), copy("0OO:optim", ("up", GB), free=8, technique="optimizer-offload")]))
+                         copy("0OI:optim", ("down", GB), alloc=8, cost=Cost.OPTIMIZER_OFFLOAD),
+                         compute("0OPT", 1), copy("0OO:optim", ("up", GB), free=8, cost=Cost.OPTIMIZER_OFFLOAD)]))
     assert span(r, 0, "0OPT") == pytest.approx((3.0, 4.0))
     assert r.iteration_s == pytest.approx(5.0)
     assert r.stall_s_by_tensor == pytest.approx({"optim": 1.0})
-    assert r.stall_s_by_technique == pytest.approx({"optimizer-offload": 1.0})
+    assert r.stall_s_by_cost == pytest.approx({"optimizer-offload": 1.0})
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -287,13 +287,13 @@ def test_oom_when_a_swap_in_can_never_fit():
 
 
 def test_drop_frees_at_once_and_recompute_is_compute():
-    r = emulate(program([compute("0F0", 1, alloc=30), Task(act("0DR0:x"), free_bytes=30, technique="recompute"),
+    r = emulate(program([compute("0F0", 1, alloc=30), Task(act("0DR0:x"), free_bytes=30, cost=Cost.RECOMPUTE),
                          compute("0F1", 1, alloc=5),
-                         Task(act("0RC0:x"), compute_s=0.5, alloc_bytes=30, technique="recompute"),
+                         Task(act("0RC0:x"), compute_s=0.5, alloc_bytes=30, cost=Cost.RECOMPUTE),
                          compute("0B0", 1, free=30), compute("0B1", 1, free=5)]))
     assert r.peak_bytes == (35,)  # 30 at 0, dropped at 1, 5, then 35 when recomputed
     assert r.iteration_s == pytest.approx(4.5)
-    assert r.busy_s_by_technique == pytest.approx({"compute": 4.0, "recompute": 0.5})
+    assert r.busy_s_by_cost == pytest.approx({"compute": 4.0, "recompute": 0.5})
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def test_unknown_channel_is_rejected():
 def test_trace_is_json_with_an_event_per_task(tmp_path):
     r = emulate(replace(two_stage_program(), ranks=(
         two_stage_program().ranks[0] + (copy("0SO0:x", ("p01", 10), ("p10", 10)),
-                                        Task(act("0DR1:y"), technique="recompute")),
+                                        Task(act("0DR1:y"), cost=Cost.RECOMPUTE)),
         two_stage_program().ranks[1])))
     doc = json.loads(write_trace(r, tmp_path / "t.json").read_text())
     events = doc["traceEvents"]
@@ -372,12 +372,12 @@ def pipelines(draw, dedicated_channels: bool = False):
                     ins.append(copy(f"{s}SI{m}:{name}", (chan(f"down{s}"), nbytes), alloc=nbytes))
                 elif tech == "d2d":
                     peer = (s + 1) % 4
-                    outs.append(copy(f"{s}DO{m}:{name}", (chan(f"nv{s}-{peer}"), nbytes), free=nbytes, technique="d2d"))
-                    ins.append(copy(f"{s}DI{m}:{name}", (chan(f"nv{peer}-{s}"), nbytes), alloc=nbytes, technique="d2d"))
+                    outs.append(copy(f"{s}DO{m}:{name}", (chan(f"nv{s}-{peer}"), nbytes), free=nbytes, cost=Cost.D2D))
+                    ins.append(copy(f"{s}DI{m}:{name}", (chan(f"nv{peer}-{s}"), nbytes), alloc=nbytes, cost=Cost.D2D))
                 elif tech == "drop":
-                    outs.append(Task(act(f"{s}DR{m}:{name}"), free_bytes=nbytes, technique="recompute"))
+                    outs.append(Task(act(f"{s}DR{m}:{name}"), free_bytes=nbytes, cost=Cost.RECOMPUTE))
                     recomputes.append(Task(act(f"{s}RC{m}:{name}"), compute_s=draw(st.sampled_from([0.1, 0.3])),
-                                           alloc_bytes=nbytes, technique="recompute"))
+                                           alloc_bytes=nbytes, cost=Cost.RECOMPUTE))
             fwd += [compute(f"{s}F{m}", draw(st.sampled_from([0.5, 1.0, 2.0])), alloc=saved)] + outs
             bwd += ins + recomputes + [compute(f"{s}B{m}", draw(st.sampled_from([1.0, 2.0])), free=saved)]
         # backwards of later microbatches first, each preceded by its swap-ins
@@ -411,7 +411,7 @@ def test_invariants(p):
         # the stream is either busy or stalled until its last task ends
         assert busy + r.stall_s_by_rank[rank] == pytest.approx(computes[-1][0].end_s)
         assert all(s.start_s <= s.end_s <= r.iteration_s + 1e-9 for s in r.spans[rank])
-    assert sum(r.stall_s_by_technique.values()) == pytest.approx(r.stall_s)
+    assert sum(r.stall_s_by_cost.values()) == pytest.approx(r.stall_s)
     for d, points in enumerate(r.timeline):
         assert points[0] == (0.0, 7) and points[-1][1] == 7  # allocations and frees balance
         assert max(b for _, b in points) == r.peak_bytes[d]
@@ -444,7 +444,7 @@ def test_compute_waits_for_swap_out_to_make_room():
     r = emulate(p)
     assert span(r, 0, "0F1") == pytest.approx((2.0, 3.0))
     assert r.stall_s_by_tensor == pytest.approx({"x": 1.0})
-    assert r.stall_s_by_technique == pytest.approx({"host-swap": 1.0})
+    assert r.stall_s_by_cost == pytest.approx({"host": 1.0})
     assert r.peak_bytes == (8 * GB,) and r.fits
 
 

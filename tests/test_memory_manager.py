@@ -21,7 +21,6 @@ def test_tensor_key_reads_as_a_sentence():
     assert str(TensorKey(1, 1, 3, "layers.2.mlp.fc1#0")) == (
         "rank 1 stage 1 microbatch 3 tensor layers.2.mlp.fc1#0")
     assert str(TensorKey(0, 4, None, "optim:w:exp_avg")) == "rank 0 stage 4 tensor optim:w:exp_avg"
-    assert TensorKey.activation(rank=0, stage=1, microbatch=2, module="fc", index=1).tensor == "fc#1"
     assert len({key("a"), key("a"), key("b")}) == 2
 
 

@@ -5,15 +5,8 @@ import pytest
 from mpress.actions import Action, Kind
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware import load_hardware
-from mpress.static.memory import (
-    TensorInfo,
-    build_channels,
-    build_program,
-    lower_action,
-    memory_model,
-    peer_transfers,
-    stage_costs,
-)
+from mpress.static.lowering import TensorInfo, build_channels, build_program, lower_action, peer_transfers
+from mpress.static.memory import memory_model, stage_costs
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import build_schedule
 
@@ -92,7 +85,7 @@ def test_lowering_memory_actions():
     tensors = {"t": TensorInfo(bytes=30 * MB, compute_s=0.5e-3, stripes=((1, 1 / 3), (3, 2 / 3)))}
     kw = dict(costs=costs, device=0, hardware=hw, tensors=tensors)
     so = lower_action(Action(0, Kind.SO, 0, "t"), **kw)
-    assert so.free_bytes == 30 * MB and so.transfers[0].channel == "pcie-up:0" and so.technique == "host-swap"
+    assert so.free_bytes == 30 * MB and so.transfers[0].channel == "pcie-up:0" and so.cost == "host"
     si = lower_action(Action(0, Kind.SI, 0, "t"), **kw)
     assert si.alloc_bytes == 30 * MB and si.transfers[0].channel == "pcie-down:0"
     do = lower_action(Action(0, Kind.DO, 0, "t"), **kw)

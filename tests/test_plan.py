@@ -18,18 +18,19 @@ from hypothesis import strategies as st
 from mpress.config import to_dict
 from mpress.errors import ConfigError, PlanError, UserError
 from mpress.hardware import load_hardware
+from mpress.identity import StageRules
 from mpress.model_config import load_model_config
 from mpress.plan import (
     Plan,
     StagePlan,
     Stripe,
     TensorRule,
-    check_plan,
     format_microbatches,
     hardware_fingerprint,
     parse_microbatches,
     pattern_matches,
 )
+from mpress.plan_check import check_plan
 
 GB = 10**9
 
@@ -180,15 +181,16 @@ def test_first_matching_rule_decides_per_microbatch() -> None:
         rule("optim:*", "host"),
     ]})
     sp = plan.stage(0)
-    assert plan.technique(0, "layers.0.fc#0", 2) == "d2d"           # rule 0 wins everywhere
-    assert plan.technique(0, "layers.0.act#0", 0) == "host"         # rule 1 selects mb 0-1
-    assert plan.technique(0, "layers.0.act#0", 1) == "host"
-    assert plan.technique(0, "layers.0.act#0", 2) == "recompute"    # falls through to rule 2
-    assert plan.technique(0, "layers.1.act#0", 0) == "keep"         # no rule matches
-    assert plan.technique(0, "optim:layers.1", None) == "host"
-    assert plan.technique(1, "layers.0.act#0", 0) == "keep"         # rules are per stage
-    assert sp.technique("layers.0.act#0", 3) is sp.rules[2]
-    assert sp.technique("layers.1.act#0", 3) is None
+    rules, other = StageRules(sp, []), StageRules(plan.stage(1), [])
+    assert rules.technique("layers.0.fc#0", 2) == "d2d"           # rule 0 wins everywhere
+    assert rules.technique("layers.0.act#0", 0) == "host"         # rule 1 selects mb 0-1
+    assert rules.technique("layers.0.act#0", 1) == "host"
+    assert rules.technique("layers.0.act#0", 2) == "recompute"    # falls through to rule 2
+    assert rules.technique("layers.1.act#0", 0) == "keep"         # no rule matches
+    assert rules.technique("optim:layers.1", None) == "host"
+    assert other.technique("layers.0.act#0", 0) == "keep"         # rules are per stage
+    assert rules.rule("layers.0.act#0", 3) is sp.rules[2]
+    assert rules.rule("layers.1.act#0", 3) is None
     with pytest.raises(PlanError, match="plan has stages 0..1, not 2"):
         plan.stage(2)
 
@@ -461,11 +463,11 @@ def test_check_plan_peer_pool_within_device_memory() -> None:
     check_plan(ok, source="p.yaml", hardware=hw)
 
 
-STAGE_TENSORS = [
+STAGE_TENSORS = dict(enumerate([
     ["layers.0.fc#0", "layers.0.act#0", "layers.1.fc#0", "layers.1.act#0"],
     ["layers.2.fc#0", "layers.2.act#0", "layers.3.fc#0", "layers.3.act#0"],
-]
-STAGE_LAYERS = [["layers.0", "layers.1"], ["layers.2", "layers.3"]]
+]))
+STAGE_LAYERS = {0: ["layers.0", "layers.1"], 1: ["layers.2", "layers.3"]}
 
 
 def test_check_plan_names_accepts_what_the_profile_has() -> None:

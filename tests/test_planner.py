@@ -12,14 +12,21 @@ from mpress.model_config import load_model_config
 from mpress.static.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.memory import memory_model, stage_costs
 from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
+from mpress.static.plan_draft import peer_quota_bytes
+from mpress.identity import StageRules
+from mpress.vocabulary import Strategy
 from mpress.static.planner import (
-    STRATEGIES,
     check_fits_at_all,
-    peer_quota_bytes,
     plan_strategy,
 )
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import build_schedule
+
+
+def technique(plan, stage: int, tensor: str, microbatch: int) -> str:
+    """What the plan does with `tensor` of `stage` in `microbatch`, read as both halves read it."""
+    return StageRules(plan.stage(stage), []).technique(tensor, microbatch)
+
 
 GB = 10**9
 MB = 10**6
@@ -60,8 +67,8 @@ def test_long_lived_tensor_gets_host_swap():
                       toy_hardware(6 * GB))
     r = plan_strategy(setup, "mpress")
     assert r.fits
-    assert [r.plan.technique(0, "a.op#0", m) for m in range(4)] == ["host"] * 4
-    assert r.plan.technique(1, "b.op#0", 0) == "keep"
+    assert [technique(r.plan, 0, "a.op#0", m) for m in range(4)] == ["host"] * 4
+    assert technique(r.plan, 1, "b.op#0", 0) == "keep"
     none = plan_strategy(setup, "none")
     assert not none.fits
     assert r.evaluation.result.iteration_s == pytest.approx(none.evaluation.result.iteration_s, rel=1e-3)
@@ -79,7 +86,7 @@ def test_cheap_short_lived_tensors_get_recompute():
     r = plan_strategy(setup, "mpress")
     assert r.fits
     for name in ("c1.op#0", "c2.op#0"):
-        assert [r.plan.technique(1, name, m) for m in range(4)] == ["recompute"] * 4
+        assert [technique(r.plan, 1, name, m) for m in range(4)] == ["recompute"] * 4
     assert r.evaluation.result.peak_bytes[r.plan.stage_to_device[1]] == pytest.approx(6 * GB, rel=1e-3)
     assert r.peers == [[], []]  # D2D would be slower than 1 ms of recompute: not used
 
@@ -94,7 +101,7 @@ def test_short_lived_expensive_tensor_gets_d2d():
                       toy_hardware(4 * GB, pcie_gbps=1.0))
     r = plan_strategy(setup, "mpress")
     assert r.fits, r.reason
-    assert [r.plan.technique(0, "x.op#0", m) for m in range(4)] == ["d2d"] * 4
+    assert [technique(r.plan, 0, "x.op#0", m) for m in range(4)] == ["d2d"] * 4
     lender = r.plan.stage_to_device[1]
     assert r.peers[0] == [lender]
     # 2 in flight x 1.5 GB, plus the quota's slack for the runtime's stripe alignment
@@ -116,7 +123,7 @@ def test_plans_differ_per_microbatch_where_that_pays():
                       hw, schedule="gpipe")
     r = plan_strategy(setup, "mpress")
     assert r.fits
-    assert [r.plan.technique(0, "a.op#0", m) for m in range(4)] == ["recompute", "recompute", "host", "host"]
+    assert [technique(r.plan, 0, "a.op#0", m) for m in range(4)] == ["recompute", "recompute", "host", "host"]
     for other in ("recompute", "host-swap"):
         base = plan_strategy(setup, other)
         assert base.fits and r.evaluation.result.iteration_s < base.evaluation.result.iteration_s, other
@@ -125,7 +132,7 @@ def test_plans_differ_per_microbatch_where_that_pays():
 def test_strategies_that_cannot_fit_say_so():
     # model states alone (2 + 2 GB) exceed what recompute can reach on a 3 GB device
     setup = toy_setup([layer("p", saved=1 * MB)], [layer("c", saved=1 * GB, params=2 * GB)], toy_hardware(3 * GB))
-    for name in STRATEGIES:
+    for name in Strategy.words():
         r = plan_strategy(setup, name)
         assert not r.fits and "peaks at" in r.reason or "find no spare" in r.reason, (name, r.reason)
     with pytest.raises(UserError, match="does not fit even with every tensor swapped: stage 1"):
@@ -150,7 +157,7 @@ def _preset(model, hardware, schedule, mbsize):
 ])
 def test_mpress_fits_the_paper_targets_and_beats_every_fitting_baseline(model, hardware, schedule, mbsize):
     setup = _preset(model, hardware, schedule, mbsize)
-    results = {name: plan_strategy(setup, name) for name in STRATEGIES}
+    results = {name: plan_strategy(setup, name) for name in Strategy.words()}
     mp = results["mpress"]
     assert mp.fits, mp.reason
     assert mp.host_bytes <= setup.hardware.host_memory_bytes

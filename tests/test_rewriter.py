@@ -29,12 +29,8 @@ from mpress.errors import PlanError
 from mpress.hardware import Hardware, load_hardware
 from mpress.plan import Plan, StagePlan, Stripe, TensorRule
 from mpress.static.emulator import EmulatorResult, emulate
-from mpress.static.memory import (
-    TensorInfo,
-    build_program,
-    optimizer_step_s,
-    stage_costs,
-)
+from mpress.static.lowering import TensorInfo, build_program
+from mpress.static.memory import optimizer_step_s, stage_costs
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.rewriter import (
     Rewritten,
@@ -295,7 +291,7 @@ def test_recompute_peak_and_overhead() -> None:
     assert base.peak_bytes[0] == static + 4 * 30 * MB
     assert res.peak_bytes[0] == static + 4 * (30 * MB - d2 - d3) + d3
     # each microbatch re-runs the forwards of layers 2 and 3 (1.2 + 1.3 ms)
-    assert res.busy_s_by_technique["recompute"] == pytest.approx(4 * (1.2e-3 + 1.3e-3))
+    assert res.busy_s_by_cost["recompute"] == pytest.approx(4 * (1.2e-3 + 1.3e-3))
     assert res.iteration_s == pytest.approx(base.iteration_s + 4 * 2.5e-3)
     assert res.timeline[0][-1][1] == static
 
@@ -312,7 +308,7 @@ def test_different_techniques_per_microbatch() -> None:
     assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB),
                                "0:layers.0.**@r1": TensorInfo(bytes=6 * MB, compute_s=1.0e-3)}
     res = case.emulate()
-    assert res.busy_s_by_technique["recompute"] == pytest.approx(2 * 1.0e-3)  # mbs 2 and 3 only
+    assert res.busy_s_by_cost["recompute"] == pytest.approx(2 * 1.0e-3)  # mbs 2 and 3 only
 
 
 def test_keep_rules_and_unmatched_tensors_change_nothing() -> None:

@@ -34,7 +34,8 @@ def run(rules: list[TensorRule] | None):
     manager = MemoryManager(torch.device("cpu"), rank=0)
     engine = SwapEngine(PinnedHostPool(64 << 20), manager, torch.device("cpu"), rank=0, stage=0)
     router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=CFG.num_layers + 2,
-                                                rules=rules), engine, rank=0, manager=manager)
+                                                rules=rules), engine, rank=0, example_args=(batches[0][0],),
+                               manager=manager)
     outs = []
     for m, (x, y) in enumerate(batches):
         with router.microbatch(m):
@@ -78,15 +79,26 @@ def test_swapping_lowers_the_device_resident_peak_by_the_swapped_bytes():
 def test_identities_follow_the_profilers_naming():
     model = build_stage(CFG, 0, CFG.num_layers + 2, seed=5)
     rule = TensorRule(tensor="layers.0.attn.**", technique="keep")
-    router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=6, rules=[rule]),
-                               None, rank=0)
     x, y = example_batch(CFG, 2, seed=0)
+    router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=6, rules=[rule]),
+                               None, rank=0, example_args=(x,))
+    routed: list[str] = []
+    name = router.namer.name
+
+    def spy(t):  # what the router names each saved tensor as
+        found = name(t)
+        if found is not None:
+            routed.append(found.id)
+        return found
+
+    router.namer.name = spy
     with router.microbatch(0):
         lm_loss(model(x), y)
     from mpress.static.analytic import layer_saved_tensors
     expected = [t.id for t in layer_saved_tensors(CFG, 1, 2)]  # layer 1 = layers.0
     # (the block itself saves nothing: its tensors all belong to its submodules)
-    assert [t for t in router.identities() if t.startswith("layers.0.")] == expected
+    assert [t for t in routed if t.startswith("layers.0.")] == expected
+    assert router.rules.layers[1].saved == tuple(expected)  # what the router's inspection saw
     router.close()
 
 
@@ -102,7 +114,8 @@ def _cuda_run(host: bool):
     pool = PinnedHostPool(256 << 20)
     engine = SwapEngine(pool, manager, device, rank=0, stage=0)
     router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=CFG.num_layers + 2,
-                                                rules=rules), engine, rank=0, manager=manager)
+                                                rules=rules), engine, rank=0, example_args=(batches[0][0],),
+                               manager=manager)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     outs = []
@@ -142,7 +155,8 @@ def _runtime(budget_bytes: int):
                 hardware="cpu-local", hardware_fingerprint="-", num_devices=1, device_memory_bytes=budget_bytes,
                 schedule="gpipe", num_stages=1, num_ranks=1, num_microbatches=3, microbatch_size=2,
                 stage_to_device=[0], stages=[stage], fits=True)
-    return model, StageRuntime(model, plan, 0, torch.device("cpu"), rank=0)
+    return model, StageRuntime(model, plan, 0, torch.device("cpu"), rank=0,
+                               example_args=(example_batch(CFG, 2, seed=0)[0],))
 
 
 @pytest.mark.parametrize("budget, early", [(1 << 40, True), (1, False)])
@@ -188,7 +202,7 @@ def test_prefetch_brings_tensors_back_in_the_order_the_backward_needs_them():
                         fault=lambda key, direction: order.append((direction, key.tensor)))
     router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=CFG.num_layers + 2,
                                                 rules=[TensorRule(tensor="layers.*.**", technique="host")]),
-                               engine, rank=0, manager=manager)
+                               engine, rank=0, example_args=(example_batch(CFG, 2, seed=0)[0],), manager=manager)
     x, y = example_batch(CFG, 2, seed=0)
     with router.microbatch(0):
         loss = lm_loss(model(x), y)

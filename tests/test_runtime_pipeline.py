@@ -3,6 +3,7 @@ run bit for bit (`torch.equal` on every parameter and loss), dropout on."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -160,15 +161,16 @@ def test_mixed_plans_are_bit_identical_to_the_plain_run(world, schedule, rules):
 def test_plan_for_another_model_is_refused():
     plan = make_plan("1f1b", 1, 2, {})
     bad = Plan(**{**plan.__dict__, "model_fingerprint": "0" * 16})
-    from mpress.models import build_stage
-    from mpress.runtime.stage import check_plan_for_stage
-    module = build_stage(load_model_config(MODEL), 0, 6, seed=0)
-    with pytest.raises(PlanError, match="made for model 'gpt-tiny'"):
-        check_plan_for_stage(bad, module, 0, 1, model_fingerprint=load_model_config(MODEL).fingerprint())
-    with pytest.raises(PlanError, match="plan is for 1 stages, the pipeline has 2"):
-        check_plan_for_stage(plan, module, 0, 2)
-    with pytest.raises(PlanError, match="plan is for 1 ranks, this job has 4"):
-        check_plan_for_stage(plan, module, 0, 1, world_size=4)
+    from mpress.plan_check import Shape, check_plan
+    # what wrap_stage and PipelineJob give the one plan check
+    with pytest.raises(PlanError, match="made for model 'gpt-tiny', not this one"):
+        check_plan(bad, model_fingerprint=load_model_config(MODEL).fingerprint(), runtime=True)
+    with pytest.raises(PlanError, match="made for 1f1b, 1 stages, 2 x 2 microbatches; this pipeline is 1f1b, 2 stages"):
+        check_plan(plan, shape=Shape("1f1b", 2, 2, MICROBATCH_SIZE), runtime=True)
+    with pytest.raises(PlanError, match="made for 1 ranks, this job has 4"):
+        check_plan(plan, world_size=4, runtime=True)
+    with pytest.raises(PlanError, match="stage 0 holds layers 0..5 in the plan, the stage module holds 2 layers"):
+        check_plan(plan, stage_layers={0: ["embed", "layers.0"]}, runtime=True)
 
 
 LAYERS = {0: ["embed", "layers.0", "layers.1"], 1: ["layers.2", "layers.3", "head"]}
@@ -248,11 +250,15 @@ def test_a_failing_swap_worker_stops_every_rank_with_the_tensor_named():
 
 
 def test_plan_for_another_schedule_or_microbatching_is_refused():
-    from mpress.runtime.trainer import check_plan_shape
-    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[2], microbatch_size=2,
-                   num_microbatches=4)
-    check_plan_shape(make_plan("1f1b", 2, 4, {}), spec)
-    with pytest.raises(PlanError, match="plan is for gpipe with 4 microbatches of 2; this job runs 1f1b"):
-        check_plan_shape(make_plan("gpipe", 2, 4, {}), spec)
-    with pytest.raises(PlanError, match="8 microbatches"):
-        check_plan_shape(make_plan("1f1b", 2, 8, {}), spec)
+    from mpress.plan_check import Shape, check_plan
+    shape = Shape("1f1b", 2, 4, 2)  # what a 1F1B job of 2 stages, 4 microbatches of 2 gives the check
+    check_plan(make_plan("1f1b", 2, 4, {}), shape=shape, runtime=True)
+    with pytest.raises(PlanError, match="made for gpipe, 2 stages, 4 x 2 microbatches; this pipeline is 1f1b"):
+        check_plan(make_plan("gpipe", 2, 4, {}), shape=shape, runtime=True)
+    with pytest.raises(PlanError, match="8 x 2 microbatches"):
+        check_plan(make_plan("1f1b", 2, 8, {}), shape=shape, runtime=True)
+    pipedream = dataclasses.replace(make_plan("1f1b", 2, 4, {}), schedule="pipedream")
+    check_plan(pipedream, shape=shape, runtime=True)  # torch runs PipeDream's order as 1F1B
+    stash = make_plan("1f1b", 2, 4, {0: [TensorRule(tensor="stash:*", technique="host")]})
+    with pytest.raises(PlanError, match=r"stage 0 rule 0 \(stash:\*\) moves stashed weight versions"):
+        check_plan(stash, shape=shape, runtime=True)

@@ -127,9 +127,9 @@ def test_every_schedule_is_valid_and_ends_with_opt() -> None:
 
 def test_text_round_trip_every_family() -> None:
     for s in all_schedules():
-        back = Schedule.from_text(s.name, s.num_stages, s.num_microbatches, list(s.stage_to_rank), s.to_text(),
-                                  weight_stashing=s.weight_stashing)
-        assert back == s
+        lines = s.to_text().splitlines()
+        assert [parse_actions(line.partition(":")[2]) for line in lines] == [list(acts) for acts in s.ranks]
+        assert [line.partition(":")[0] for line in lines] == [f"rank {r}" for r in range(s.num_ranks)]
 
 
 def test_build_schedule_dispatch() -> None:

@@ -20,9 +20,10 @@ from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
 from mpress.static.profile import Profile
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds, parse_bytes
+from mpress.vocabulary import ScheduleName, SwapInPolicy
 
 DEFAULTS = {
-    "model": "gpt-20.4b", "hardware": "dgx1-v100", "schedule": "1f1b",
+    "model": "gpt-20.4b", "hardware": "dgx1-v100", "schedule": ScheduleName.ONE_F_ONE_B.value,
     "stages": 8, "microbatch_size": 2, "microbatches": 16,
 }
 
@@ -32,7 +33,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     a plan's values, or the built-in defaults)."""
     p.add_argument("--model", help=f"model preset or YAML (default: {DEFAULTS['model']})")
     p.add_argument("--hardware", help=f"hardware preset or YAML (default: {DEFAULTS['hardware']})")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "pipedream", "interleaved"],
+    p.add_argument("--schedule", choices=ScheduleName.words(),
                    help=f"pipeline schedule (default: {DEFAULTS['schedule']})")
     p.add_argument("--stages", type=int, help=f"pipeline stages (default: {DEFAULTS['stages']})")
     p.add_argument("--ranks", type=int, default=None,
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("plan", nargs="?", default=None,
                    help="a plan from `mpress plan` to re-evaluate (its model, hardware and shape are the defaults)")
     add_pipeline_args(p)
-    p.add_argument("--policy", default=None, choices=["capacity", "layer-ahead"],
+    p.add_argument("--policy", default=None, choices=SwapInPolicy.words(),
                    help="swap-in policy (default: capacity, or the plan's)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON of the emulated streams")
     p.add_argument("--plot", default=None, help="write a PNG of memory per device over time")
@@ -77,7 +78,7 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None) -> Pipel
     hardware = load_hardware(str(pick("hardware", plan and plan.hardware)), num_devices=devices, memory_bytes=memory)
     model = load_model_config(str(pick("model", plan and plan.model)))
     profile = Profile.load(args.profile) if args.profile else None
-    ranks = args.ranks if args.ranks is not None else (plan.num_ranks if plan and plan.schedule == "interleaved" else None)
+    ranks = args.ranks if args.ranks is not None else (plan.num_ranks if plan and plan.schedule is ScheduleName.INTERLEAVED else None)
     return setup_pipeline(
         model, hardware, schedule=pick("schedule", plan and plan.schedule),  # type: ignore[arg-type]
         num_stages=int(pick("stages", plan and plan.num_stages)),  # type: ignore[arg-type]
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{fmt_seconds(plan.predicted_iteration_s)} when planned")
     else:
         setup = setup_from_args(args)
-        ev = evaluate(setup, swap_in_policy=args.policy or "capacity")
+        ev = evaluate(setup, swap_in_policy=SwapInPolicy(args.policy or SwapInPolicy.CAPACITY))
     console.print(stage_table(ev))
     print_summary(console, ev, planned=bool(args.plan))
     if args.trace:

@@ -14,7 +14,7 @@ from rich.table import Table
 from mpress.errors import UserError
 from mpress.hardware import load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
-from mpress.static.planner import STRATEGIES
+from mpress.vocabulary import ScheduleName, Strategy
 from mpress.ui import make_console
 from mpress.units import fmt_seconds, parse_bytes
 
@@ -23,13 +23,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("maxsize", help="largest model of a family each strategy fits", description=__doc__)
     p.add_argument("--family", default="gpt", choices=["gpt", "bert"], help="model family (default: %(default)s)")
     p.add_argument("--hardware", default="dgx1-v100", help="hardware preset or YAML (default: %(default)s)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "pipedream", "interleaved"],
+    p.add_argument("--schedule", default=ScheduleName.ONE_F_ONE_B.value, choices=ScheduleName.words(),
                    help="pipeline schedule (default: %(default)s)")
     p.add_argument("--stages", type=int, default=8, help="pipeline stages (default: %(default)s)")
     p.add_argument("--ranks", type=int, default=None, help="pipeline ranks; only for interleaved")
     p.add_argument("--microbatch-size", type=int, default=2, help="samples per microbatch (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=16, help="microbatches per iteration (default: %(default)s)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
+    p.add_argument("--strategies", default=",".join(Strategy.words()),
                    help="comma-separated strategies to search (default: all)")
     p.add_argument("--devices", type=int, default=None, help="override the device count (cpu-local)")
     p.add_argument("--device-memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def table(rows: list[MaxSize], title: str) -> Table:
-    ref = next((r for r in rows if r.strategy == "mpress" and r.model), None)
+    ref = next((r for r in rows if r.strategy == Strategy.MPRESS and r.model), None)
     t = Table(title=title)
     for col in ["strategy", "largest model", "parameters", "layers", "hidden", "iteration", "samples/s",
                 "size / mpress", "plans"]:
@@ -55,10 +55,10 @@ def table(rows: list[MaxSize], title: str) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in Strategy.words()]
     if unknown or not strategies:
         raise UserError(f"--strategies: unknown strategy {unknown[0] if unknown else '(none)'!r} "
-                        f"(allowed: {', '.join(STRATEGIES)})")
+                        f"(allowed: {', '.join(Strategy.words())})")
     memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
     hardware = load_hardware(args.hardware, num_devices=args.devices, memory_bytes=memory)
     console = make_console()

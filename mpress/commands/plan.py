@@ -14,26 +14,20 @@ from rich.table import Table
 
 from mpress.commands.emulate import add_pipeline_args, setup_from_args
 from mpress.errors import UserError
-from mpress.plan import TECHNIQUES
 from mpress.static.evaluate import PipelineSetup
-from mpress.static.planner import (
-    STRATEGIES,
-    PlannerOptions,
-    PlanResult,
-    check_fits_at_all,
-    plan_strategy,
-)
+from mpress.static.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds
+from mpress.vocabulary import Strategy, SwapInPolicy, Technique
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="plan recompute / host swap / D2D swap per tensor and compare strategies",
                               description=__doc__)
     add_pipeline_args(p)
-    p.add_argument("--strategy", default="mpress", choices=STRATEGIES,
+    p.add_argument("--strategy", default=Strategy.MPRESS.value, choices=Strategy.words(),
                    help="strategy whose plan is written (default: %(default)s); all are compared")
-    p.add_argument("--policy", default="capacity", choices=["capacity", "layer-ahead"],
+    p.add_argument("--policy", default=SwapInPolicy.CAPACITY.value, choices=SwapInPolicy.words(),
                    help="swap-in policy the plan is emulated with (default: %(default)s)")
     p.add_argument("--out", default=None, help="write the plan (YAML, or JSON for .json)")
     p.set_defaults(func=run)
@@ -41,12 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def plan_all(setup: PipelineSetup, policy: str, console: Console) -> dict[str, PlanResult]:
     """Plan every strategy with a progress display; results by strategy name."""
-    options = PlannerOptions(swap_in_policy=policy)  # type: ignore[arg-type]
+    options = PlannerOptions(swap_in_policy=SwapInPolicy(policy))
     results: dict[str, PlanResult] = {}
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
-        task = progress.add_task("planning", total=len(STRATEGIES))
-        for name in STRATEGIES:
+        task = progress.add_task("planning", total=len(Strategy))
+        for name in Strategy.words():
             progress.update(task, description=f"planning {name}")
             results[name] = plan_strategy(setup, name, options,
                                           progress=lambda msg: progress.update(task, description=msg))
@@ -59,14 +53,15 @@ def stage_table(r: PlanResult) -> Table:
     setup = r.evaluation.setup
     t = Table(title=f"{r.strategy} plan: {setup.model.name} on {setup.hardware.name}, {setup.schedule.name}, "
                     f"{setup.schedule.num_stages} stages, {setup.schedule.num_microbatches} x {setup.microbatch_size}")
-    for col in ["stage", "device", "need", "capacity", "planned peak", *[x for x in TECHNIQUES if x != "keep"],
+    compacting = [t for t in Technique if t is not Technique.KEEP]
+    for col in ["stage", "device", "need", "capacity", "planned peak", *compacting,
                 "pinned host", "peers"]:
         t.add_column(col, justify="right")
     res = r.evaluation.result
     for sp, saved, peers in zip(r.plan.stages, r.saved_bytes, r.peers):
         total = sum(saved.values())
         cells = []
-        for tech in TECHNIQUES[1:]:
+        for tech in compacting:
             b = saved.get(tech, 0)
             cells.append(f"{fmt_bytes(b)} ({100 * b / total:.0f}%)" if b else "-")
         peak = res.peak_bytes[sp.device]
@@ -79,7 +74,7 @@ def stage_table(r: PlanResult) -> Table:
 
 def comparison_table(results: dict[str, PlanResult]) -> Table:
     """Every strategy: fits, emulated iteration, throughput, and time ratio to mpress."""
-    ref = results.get("mpress")
+    ref = results.get(Strategy.MPRESS)
     t = Table(title="strategies (emulated)")
     for col in ["strategy", "fits", "iteration", "samples/s", "TFLOP/s", "time / mpress", "pinned host",
                 "plan time", "why not"]:

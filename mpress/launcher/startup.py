@@ -20,6 +20,7 @@ from mpress.plan import Plan
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.evaluate import setup_pipeline
 from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
+from mpress.vocabulary import ScheduleName
 
 
 def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int,
@@ -34,7 +35,7 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int,
         return plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages]
     hardware = hardware_for(cfg, world, cuda)
     setup = setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
-                           num_ranks=world if cfg.schedule == "interleaved" else None,
+                           num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None,
                            microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches)
     if cfg.plan == "none":
         return None, setup.ranges

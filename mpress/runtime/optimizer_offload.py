@@ -29,6 +29,7 @@ from mpress.identity import TensorKey
 from mpress.runtime.master_weights import Kind, MasterWeights
 from mpress.runtime.memory.manager import Category, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
+from mpress.vocabulary import OptimizerStep, Technique
 
 OFFLOADED_STATES = ("exp_avg", "exp_avg_sq")
 MASTER = "master"
@@ -43,7 +44,7 @@ def stage_param_names(module: nn.Module, layers: list[str]) -> list[str]:
 
 def steps_on_host(runtime) -> bool:
     """Whether the plan runs this stage's optimizer step on the host."""
-    return runtime.stage_plan.optimizer_step == "host"
+    return runtime.stage_plan.optimizer_step is OptimizerStep.HOST
 
 
 def _key(runtime, name: str, part: str) -> TensorKey:
@@ -77,10 +78,11 @@ class OptimizerOffload:
             return None
         routes: dict[str, tuple[SwapEngine, Any]] = {}
         for layer in runtime.router.layers:
-            rule = sp.technique(f"optim:{layer}", None)
-            if rule is None or rule.technique == "keep":
+            found = runtime.router.rules.model_data_rule("optim", layer)
+            if found is None:
                 continue
-            engine = runtime.engine if rule.technique == "host" else runtime.d2d_engine
+            _index, rule = found
+            engine = runtime.engine if rule.technique is Technique.HOST else runtime.d2d_engine
             if engine is None:
                 raise PlanError(f"stage {sp.stage}: the plan sends optimizer states ({rule.tensor}) to "
                                 f"{rule.technique} but no {rule.technique} swap engine runs")

@@ -1,10 +1,10 @@
 """The saved-tensor router: applies the plan's technique to every tensor autograd saves.
 
 Around each microbatch's forward the router installs
-`torch.autograd.graph.saved_tensors_hooks`; module pre/post hooks keep a stack of the
-running modules, so each saved tensor gets the identity the profilers and plans use:
-`(module path, saved index, microbatch)`, the module being the innermost one running
-and the index counting that module's saved tensors in this forward. Then, per the plan:
+`torch.autograd.graph.saved_tensors_hooks`; a `SavedTensorNamer` (`mpress.identity`, the
+naming the profilers use) gives each saved tensor its identity `(module path, saved
+index, microbatch)`, and the stage's `StageRules` (the same reading of the plan the
+rewriter uses) decides it:
 
 - keep: the tensor stays (the pack hook returns it);
 - host: the pack hook hands it to the host swap engine (swap-out on its worker thread)
@@ -14,7 +14,10 @@ and the index counting that module's saved tensors in this forward. Then, per th
   (RNG state preserved, so dropout masks repeat): its tensors are never saved, only the
   layer's input, and the backward recomputes them.
 
-Parameters, and tensors sharing a parameter's storage, are never moved.
+The stage's layers and the ids each saves come from one inspected forward of the example
+input when the router is built (`inspect_stage`), so rules about layers (recompute) are
+read over the same ids at run time as at plan time. Parameters, and tensors sharing a
+parameter's storage, are never moved.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mpress.errors import PlanError
+from mpress.identity import SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths
 from mpress.plan import StagePlan, TensorRule
-from mpress.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
+from mpress.vocabulary import Technique
 
 
 @dataclass(frozen=True)
@@ -44,28 +48,24 @@ class _Swapped:
     handle: SwapHandle
 
 
-def layer_modules(module: nn.Module) -> dict[str, nn.Module]:
-    """The stage's layers by profile name: the module's `layer_names()` when it has them
-    (reference models: embed, layers.N, head), else its top-level children."""
-    names = module.layer_names() if hasattr(module, "layer_names") else [n for n, _ in module.named_children()]
-    found = dict(module.named_modules())
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise PlanError(f"stage module has no layer {missing[0]!r}")
-    return {n: found[n] for n in names}
-
-
 class SavedTensorRouter:
     """Routes one stage's saved tensors to keep / host swap / D2D swap / recompute.
 
     module: the stage module (module paths as in the whole model).
     plan: this stage's part of the plan.
+    example_args: one microbatch's input (positional), as the pipeline passes it; the
+        router inspects one forward of it (nothing of it remains) when the plan has rules
+        about activations.
+    layers: the stage's layer list when the caller has it (default: `layer_paths`).
     engine: the host swap engine (needed when the plan host-swaps anything).
     d2d_engine: the D2D swap engine (needed when the plan D2D-swaps anything).
+    num_microbatches: when given, the rules' microbatch selectors are checked against it.
     """
 
     def __init__(self, module: nn.Module, plan: StagePlan, engine: SwapEngine | None, *, rank: int,
-                 manager: MemoryManager | None = None, d2d_engine: SwapEngine | None = None) -> None:
+                 example_args: tuple[Any, ...], layers: list[str] | None = None,
+                 manager: MemoryManager | None = None,
+                 d2d_engine: SwapEngine | None = None, num_microbatches: int | None = None) -> None:
         self.module = module
         self.plan = plan
         self.engine = engine
@@ -77,69 +77,50 @@ class SavedTensorRouter:
         self.stage = plan.stage
         self._active = False
         self._microbatch = -1
-        self._stack: list[str] = []
-        self._counts: dict[str, int] = {}
-        self._ids: dict[tuple[str, int], str] = {}
         self._handles: dict[int, list[_Swapped]] = {}
         self._prefetched: set[int] = set()
-        self._decisions: dict[tuple[str, int], TensorRule | None] = {}
         self._kept_bytes = 0
         self._kept_storages: set[int] = set()
         self._kept_keys: dict[int, TensorKey] = {}
-        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self._paths = {m: name for name, m in module.named_modules()}
-        self.layers = layer_modules(module)
         self._check_plan()
         # No rule about activations (a keep-all plan, or model data only): no hooks at
         # all, so such a plan costs nothing over plain pipelining. An explicit `keep`
         # rule still routes (and accounts) every saved tensor.
         self.routing = any(not r.tensor.startswith(("optim:", "stash:")) for r in plan.rules)
-        self._hooks = []
         self._originals: dict[str, Callable[..., Any]] = {}
+        self.namer: SavedTensorNamer | None = None
+        paths = layers if layers is not None else layer_paths(module, example_args)
         if not self.routing:
+            self.layers = {name: module.get_submodule(name) for name in paths}
+            self.rules = StageRules(plan, [], num_microbatches)
             return
-        for sub in module.modules():
-            self._hooks.append(sub.register_forward_pre_hook(self._enter))
-            self._hooks.append(sub.register_forward_hook(self._leave))
+        tensors = inspect_stage(module, example_args, paths)
+        self.layers = {layer.name: module.get_submodule(layer.name) for layer in tensors}
+        self.rules = StageRules(plan, tensors, num_microbatches)
+        self.namer = SavedTensorNamer(module, list(self.layers))
         for name, layer in self.layers.items():
             self._originals[name] = layer.forward
             layer.forward = functools.partial(self._layer_forward, name)  # instance override keeps paths
 
     def _check_plan(self) -> None:
         for rule in self.plan.rules:
-            if rule.technique == "host" and self.engine is None:
+            if rule.technique is Technique.HOST and self.engine is None:
                 raise PlanError(f"stage {self.stage}: the plan host-swaps {rule.tensor!r} but no swap engine runs")
-            if rule.technique == "d2d" and self.d2d_engine is None:
+            if rule.technique is Technique.D2D and self.d2d_engine is None:
                 raise PlanError(f"stage {self.stage}: the plan D2D-swaps {rule.tensor!r} but no peer pools were "
                                 "set up (call mpress.d2d.runtime.peer_pool.setup_peer_pools on every rank and pass them "
                                 "to wrap_stage as peers)")
 
     # -- decisions ---------------------------------------------------------------------------
     def rule(self, tensor: str, microbatch: int) -> TensorRule | None:
-        """The plan's rule for `tensor` in `microbatch` (None: keep), cached."""
-        key = (tensor, microbatch)
-        if key not in self._decisions:
-            self._decisions[key] = self.plan.technique(tensor, microbatch)
-        return self._decisions[key]
-
-    def technique(self, tensor: str, microbatch: int) -> str:
-        rule = self.rule(tensor, microbatch)
-        return rule.technique if rule else "keep"
+        """The plan's rule for `tensor` in `microbatch` (None: keep)."""
+        return self.rules.rule(tensor, microbatch)
 
     def recomputes(self, layer: str, microbatch: int) -> bool:
-        """Whether the plan recomputes layer `layer` in `microbatch` (recompute rules
-        cover whole layers, `LAYER.**`, so the layer's own first tensor decides)."""
-        return self.technique(f"{layer}#0", microbatch) == "recompute"
+        """Whether the plan recomputes layer `layer` in `microbatch`."""
+        return self.routing and self.rules.recomputed(self.rules.layer_index(layer), microbatch)
 
     # -- hooks --------------------------------------------------------------------------------
-    def _enter(self, module: nn.Module, _args: Any) -> None:
-        if self._active:
-            self._stack.append(self._paths.get(module, ""))
-
-    def _leave(self, module: nn.Module, _args: Any, _out: Any) -> None:
-        if self._active and self._stack:
-            self._stack.pop()
-
     def _layer_forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         forward = self._originals[name]
         if self._active and self.recomputes(name, self._microbatch):
@@ -147,29 +128,24 @@ class SavedTensorRouter:
         return forward(*args, **kwargs)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if not self._active:
+        if not self._active or self.namer is None:
             return tensor
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in self._param_storages:
+        name = self.namer.name(tensor)
+        if name is None:  # a parameter's storage: never moved
             return tensor
-        module = self._stack[-1] if self._stack else ""
-        index = self._counts.get(module, 0)
-        self._counts[module] = index + 1
-        tensor_id = self._ids.get((module, index))
-        if tensor_id is None:
-            tensor_id = self._ids[(module, index)] = f"{module}#{index}"
-        rule = self.rule(tensor_id, self._microbatch)
+        rule = self.rules.rule(name.id, self._microbatch)
         engine = None
-        if rule is not None and rule.technique == "host":
+        if rule is not None and rule.technique is Technique.HOST:
             engine = self.engine
-        elif rule is not None and rule.technique == "d2d":
+        elif rule is not None and rule.technique is Technique.D2D:
             engine = self.d2d_engine
         if engine is None:
-            if storage not in self._kept_storages:  # autograd may save one storage twice
-                self._kept_storages.add(storage)
-                self._kept_bytes += tensor.untyped_storage().nbytes()
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._kept_storages:  # autograd may save one storage twice
+                self._kept_storages.add(storage.data_ptr())
+                self._kept_bytes += storage.nbytes()
             return tensor
-        key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=tensor_id)
+        key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=name.id)
         weights = tuple((s.device, s.fraction) for s in rule.stripes) or None
         swapped = _Swapped(engine, engine.swap_out(key, tensor, weights=weights))
         self._handles.setdefault(self._microbatch, []).append(swapped)
@@ -188,8 +164,7 @@ class SavedTensorRouter:
             yield
             return
         self._active, self._microbatch = True, microbatch
-        self._stack.clear()
-        self._counts.clear()
+        self.namer.begin()
         self._kept_bytes = 0
         self._kept_storages.clear()
         try:
@@ -197,14 +172,11 @@ class SavedTensorRouter:
                 yield
         finally:
             self._active = False
+            self.namer.end()
             if self.manager is not None and self._kept_bytes:
                 key = TensorKey(rank=self.rank, stage=self.stage, microbatch=microbatch, tensor="kept")
                 self.manager.track(key, self._kept_bytes, Category.ACTIVATION)
                 self._kept_keys[microbatch] = key
-
-    def identities(self) -> list[str]:
-        """Every saved-tensor identity (`module#index`) routed so far, first-seen order."""
-        return list(self._ids.values())
 
     def prefetch(self, microbatch: int) -> None:
         """Start bringing `microbatch`'s swapped tensors back (idempotent)."""
@@ -238,9 +210,8 @@ class SavedTensorRouter:
 
     def close(self) -> None:
         """Remove the hooks and restore the layers' forwards."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        if self.namer is not None:
+            self.namer.close()
         for name in self._originals:
             del self.layers[name].forward  # the class's forward shows through again
         self._originals.clear()

@@ -31,13 +31,16 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.actions import Action, Kind, warmup_order
-from mpress.errors import PlanError, SwapError
+from mpress.errors import SwapError
+from mpress.identity import layer_paths
 from mpress.plan import Plan
+from mpress.plan_check import check_plan
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.runtime.swap.store import PeerStores
+from mpress.vocabulary import ScheduleName, SwapInPolicy, Technique
 
 MIN_POOL_BYTES = 1 << 20
 """Smallest pinned pool a stage that host-swaps allocates (the plan may say less)."""
@@ -62,13 +65,14 @@ class StageRuntime:
     stage's plan D2D-swaps anything."""
 
     def __init__(self, module: nn.Module, plan: Plan, stage_index: int, device: torch.device, *, rank: int,
+                 example_args: tuple[Any, ...], layers: list[str] | None = None,
                  host_pool_bytes: int | None = None, peers: PeerStores | None = None) -> None:
         self.plan = plan
         self.stage_plan = plan.stage(stage_index)
         self.device = device
         self.rank = rank
-        host_rules = [r for r in self.stage_plan.rules if r.technique == "host"]
-        d2d_rules = [r for r in self.stage_plan.rules if r.technique == "d2d"]
+        host_rules = [r for r in self.stage_plan.rules if r.technique is Technique.HOST]
+        d2d_rules = [r for r in self.stage_plan.rules if r.technique is Technique.D2D]
         self.lead = max((r.prefetch_lead for r in host_rules + d2d_rules), default=1)
         self.manager = MemoryManager(device, rank=rank)
         self.pool: PinnedHostPool | None = None
@@ -82,8 +86,9 @@ class StageRuntime:
         if d2d_rules and peers is not None:
             self.d2d_engine = SwapEngine(peers.store_for(stage_index), self.manager, device, rank=rank,
                                          stage=stage_index)
-        self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank, manager=self.manager,
-                                        d2d_engine=self.d2d_engine)
+        self.router = SavedTensorRouter(module, self.stage_plan, self.engine, rank=rank, example_args=example_args,
+                                        layers=layers, manager=self.manager, d2d_engine=self.d2d_engine,
+                                        num_microbatches=plan.num_microbatches)
         self.order = stage_order(plan, stage_index)
         self.position = 0  # compute actions done in this step
         self.stats = StageStats()
@@ -101,7 +106,7 @@ class StageRuntime:
         for action in upcoming[: self.lead + 1]:
             if action.kind is Kind.B and action.microbatch is not None:
                 self.router.prefetch(action.microbatch)
-        if self.engines and self.plan.swap_in_policy == "capacity":
+        if self.engines and self.plan.swap_in_policy is SwapInPolicy.CAPACITY:
             used = self.device_used_bytes()
             for action in upcoming:
                 if action.kind is not Kind.B or action.microbatch is None:
@@ -193,32 +198,13 @@ class MpressStage(PipelineStage):
 
 def stage_order(plan: Plan, stage_index: int) -> list[Action]:
     """This stage's F/B order under the plan's schedule (empty when not known here)."""
-    if plan.schedule in ("1f1b", "pipedream"):
+    if plan.schedule in (ScheduleName.ONE_F_ONE_B, ScheduleName.PIPEDREAM):
         warmup = plan.num_stages - 1 - stage_index
-    elif plan.schedule == "gpipe":
+    elif plan.schedule is ScheduleName.GPIPE:
         warmup = plan.num_microbatches - 1
     else:
         return []
     return warmup_order(stage_index, plan.num_microbatches, warmup)
-
-
-def check_plan_for_stage(plan: Plan, module: nn.Module, stage_index: int, num_stages: int, *,
-                         world_size: int | None = None, model_fingerprint: str | None = None) -> None:
-    """Refuse, in one line, a plan made for another model, stage or device count."""
-    if plan.num_stages != num_stages:
-        raise PlanError(f"plan is for {plan.num_stages} stages, the pipeline has {num_stages}")
-    if not 0 <= stage_index < num_stages:
-        raise PlanError(f"stage index {stage_index} is out of range 0..{num_stages - 1}")
-    if world_size is not None and plan.num_ranks != world_size:
-        raise PlanError(f"plan is for {plan.num_ranks} ranks, this job has {world_size}")
-    if model_fingerprint is not None and plan.model_fingerprint != model_fingerprint:
-        raise PlanError(f"plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}), "
-                        f"not this one ({model_fingerprint})")
-    sp = plan.stage(stage_index)
-    names = module.layer_names() if hasattr(module, "layer_names") else None
-    if names is not None and len(names) != sp.end_layer - sp.first_layer:
-        raise PlanError(f"plan stage {stage_index} holds layers {sp.first_layer}..{sp.end_layer - 1}, "
-                        f"the module holds {len(names)} layers ({names[0]}..{names[-1]})")
 
 
 def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch.device,
@@ -234,10 +220,13 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
     every rank), needed when the plan D2D-swaps.
     """
     world = dist.get_world_size(group) if dist.is_initialized() else None
-    check_plan_for_stage(plan, module, stage_index, plan.num_stages, world_size=world,
-                         model_fingerprint=model_fingerprint)
+    example_args = input_args if isinstance(input_args, tuple) else (input_args,)
+    plan.stage(stage_index)  # in range
+    layers = layer_paths(module, example_args)
+    check_plan(plan, model_fingerprint=model_fingerprint, world_size=world, stage_layers={stage_index: layers},
+               runtime=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    runtime = StageRuntime(module, plan, stage_index, device, rank=rank, host_pool_bytes=host_pool_bytes,
-                           peers=peers)
+    runtime = StageRuntime(module, plan, stage_index, device, rank=rank, example_args=example_args, layers=layers,
+                           host_pool_bytes=host_pool_bytes, peers=peers)
     return MpressStage(module, stage_index, plan.num_stages, device, runtime=runtime,
                        input_args=input_args, output_args=output_args, group=group)

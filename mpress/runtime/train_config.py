@@ -30,6 +30,7 @@ from mpress.errors import ConfigError, UserError
 from mpress.hardware import CONFIG_DIR, HARDWARE_DIR, resolve_config
 from mpress.model_config import ModelConfig, load_model_config
 from mpress.units import parse_bytes
+from mpress.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
 
 TRAIN_DIR = CONFIG_DIR / "train"
 
@@ -107,8 +108,9 @@ class TrainConfig:
 
     model: str
     """Model preset name (configs/models/) or a model YAML path."""
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    """Pipeline schedule (torch.distributed.pipelining's GPipe, 1F1B, interleaved 1F1B)."""
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    """Pipeline schedule: gpipe, 1f1b or interleaved (torch.distributed.pipelining's GPipe,
+    1F1B, interleaved 1F1B)."""
     num_stages: int | None = field(default=None, metadata={"min": 1})
     """Pipeline stages; default = world size (one per rank); interleaved: a multiple of it."""
     microbatch_size: int = field(default=1, metadata={"min": 1})
@@ -121,7 +123,7 @@ class TrainConfig:
     """Optimizer settings."""
     plan: str = PLAN_NONE
     """Memory plan: a plan file path, `auto` (plan on rank 0 at start-up) or `none` (no compaction)."""
-    strategy: Literal["none", "recompute", "host-swap", "d2d", "mpress"] = "mpress"
+    strategy: Strategy = Strategy.MPRESS
     """With `plan: auto`: the planner strategy (mpress = the cheapest technique per tensor,
     D2D rounds included; the others use one technique only)."""
     hardware: str = "cpu-local"
@@ -144,6 +146,11 @@ class TrainConfig:
     """Log the loss every this many steps (and at the first and last step)."""
 
     def __post_init__(self) -> None:
+        as_word(self, "schedule", ScheduleName)
+        as_word(self, "strategy", Strategy)
+        if self.schedule not in RUNNABLE_SCHEDULES:
+            raise ConfigError("", "schedule", f"{self.schedule} is planned only; torch's pipelining runs "
+                                              f"{', '.join(RUNNABLE_SCHEDULES)}")
         if self.device_memory is not None:
             if self.plan != PLAN_AUTO:
                 raise ConfigError("", "device_memory", "only used with plan: auto (remove it, or set plan: auto)")
@@ -151,7 +158,7 @@ class TrainConfig:
                 parse_bytes(self.device_memory, "device_memory")
             except UserError as exc:
                 raise ConfigError("", "device_memory", str(exc).split(": ", 1)[-1]) from None
-        if self.strategy != "mpress" and self.plan != PLAN_AUTO:
+        if self.strategy is not Strategy.MPRESS and self.plan != PLAN_AUTO:
             raise ConfigError("", "strategy", "only used with plan: auto (remove it, or set plan: auto)")
         if self.num_stages is not None:
             _check_microbatches(self, self.num_stages, "num_microbatches")
@@ -169,7 +176,7 @@ class TrainConfig:
 
 def _check_microbatches(cfg: TrainConfig, num_stages: int, key: str, source: str = "") -> None:
     """1F1B needs at least one microbatch per stage (torch's `Schedule1F1B` refuses fewer)."""
-    if cfg.schedule == "1f1b" and cfg.num_microbatches < num_stages:
+    if cfg.schedule is ScheduleName.ONE_F_ONE_B and cfg.num_microbatches < num_stages:
         raise ConfigError(source, key, f"1f1b needs num_microbatches >= num_stages ({num_stages}), "
                                        f"got {cfg.num_microbatches}")
 
@@ -259,10 +266,10 @@ def check_world_size(cfg: TrainConfig, world_size: int) -> int:
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
     num_stages = cfg.num_stages if cfg.num_stages is not None else world_size
-    if cfg.schedule in ("gpipe", "1f1b") and num_stages != world_size:
+    if cfg.schedule is not ScheduleName.INTERLEAVED and num_stages != world_size:
         raise UserError(f"num_stages: {cfg.schedule} runs one stage per rank, so num_stages ({num_stages}) "
                         f"must equal the world size ({world_size}); change num_stages or --nproc-per-node")
-    if cfg.schedule == "interleaved":
+    if cfg.schedule is ScheduleName.INTERLEAVED:
         if num_stages % world_size:
             raise UserError(f"num_stages: interleaved needs a multiple of the world size ({world_size}), "
                             f"got {num_stages}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -28,12 +27,15 @@ from mpress.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
 from mpress.plan import Plan
+from mpress.plan_check import Shape, check_plan
 from mpress.runtime.master_weights import MasterWeights
 from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload
 from mpress.runtime.stage import MpressStage, wrap_stage
 from mpress.runtime.swap.store import PeerStores
+from mpress.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "pipedream": Schedule1F1B}
+SCHEDULES = {ScheduleName.GPIPE: ScheduleGPipe, ScheduleName.ONE_F_ONE_B: Schedule1F1B}
+"""torch's schedules for one stage per rank (interleaved 1F1B takes several)."""
 
 
 @dataclass(kw_only=True)
@@ -41,7 +43,7 @@ class JobSpec:
     """What one pipeline job trains and how (identical on every rank)."""
 
     model: ModelConfig
-    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    schedule: ScheduleName
     ranges: list[tuple[int, int]]
     """Layer range [start, end) of each stage (stage s runs on rank s % world size)."""
     microbatch_size: int
@@ -55,6 +57,12 @@ class JobSpec:
     """Pinned pool per stage; None = the plan's pinned-host bytes (with slack)."""
     peer_pool_bytes: int | None = None
     """Peer pool per importer device; None = the plan's (a smaller one fails at start-up)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in RUNNABLE_SCHEDULES:
+            raise UserError(f"schedule {self.schedule!r} does not run here (torch runs "
+                            f"{', '.join(RUNNABLE_SCHEDULES)})")
+        as_word(self, "schedule", ScheduleName)
 
 
 @dataclass
@@ -83,12 +91,13 @@ class PipelineJob:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.num_stages = len(spec.ranges)
-        interleaved = spec.schedule == "interleaved"
+        interleaved = spec.schedule is ScheduleName.INTERLEAVED
         if (self.num_stages % self.world) if interleaved else (self.num_stages != self.world):
             raise UserError(f"{self.num_stages} stages cannot run on {self.world} ranks with {spec.schedule} "
                             f"({'a multiple of the ranks' if interleaved else 'one stage per rank'})")
         if plan is not None:
-            check_plan_shape(plan, spec)
+            check_plan(plan, shape=Shape(spec.schedule, self.num_stages, spec.num_microbatches, spec.microbatch_size),
+                       ranges=spec.ranges, world_size=self.world, runtime=True)
         self.stage_ids = list(range(self.rank, self.num_stages, self.world))
         if plan is not None and plan.uses_peer_pools and peers is None:
             raise PlanError("the plan reserves peer pools or D2D-swaps, but no peer pools were set up "
@@ -103,16 +112,13 @@ class PipelineJob:
         if interleaved:
             self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=lm_loss)
         else:
-            schedule_cls = SCHEDULES.get(spec.schedule)
-            if schedule_cls is None:
-                raise UserError(f"schedule {spec.schedule!r} is not supported (use gpipe, 1f1b or interleaved)")
-            self.schedule = schedule_cls(self.stages[0], spec.num_microbatches, loss_fn=lm_loss)
+            self.schedule = SCHEDULES[spec.schedule](self.stages[0], spec.num_microbatches, loss_fn=lm_loss)
         # Adam steps the fp32 parameters themselves, fp32 masters of half-precision ones, or
         # host copies for stages the plan steps on the host; one optimizer over all of
         # them in parameter order, so checkpoints read the same whatever the plan.
         params = {name: p for m in self.modules for name, p in m.named_parameters()}
         host = [name for m, st in zip(self.modules, self.stages)
-                if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step == "host"
+                if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step is OptimizerStep.HOST
                 for name, _p in m.named_parameters()]
         self.masters = MasterWeights(params, lambda tensors: torch.optim.Adam(
             tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay), host=host)
@@ -258,17 +264,6 @@ class PipelineJob:
             rt.close()
         if self.peers is not None:
             self.peers.close(barrier=True)
-
-
-def check_plan_shape(plan: Plan, spec: JobSpec) -> None:
-    """Refuse a plan made for another schedule, microbatch count or size (its prefetch
-    points and microbatch selectors would not mean what they say)."""
-    planned = ("1f1b" if plan.schedule == "pipedream" else plan.schedule, plan.num_microbatches,
-               plan.microbatch_size)
-    if planned != (spec.schedule, spec.num_microbatches, spec.microbatch_size):
-        raise PlanError(f"plan is for {plan.schedule} with {plan.num_microbatches} microbatches of "
-                        f"{plan.microbatch_size}; this job runs {spec.schedule} with {spec.num_microbatches} of "
-                        f"{spec.microbatch_size}")
 
 
 def share_loss(loss: float | None, job: PipelineJob) -> float:

@@ -16,21 +16,14 @@ from mpress.hardware import Hardware
 from mpress.model_config import ModelConfig
 from mpress.static.analytic import analytic_profile
 from mpress.static.emulator import EmulatorResult, emulate
-from mpress.static.memory import (
-    StageCosts,
-    StageMemory,
-    TensorInfo,
-    build_program,
-    default_stage_to_device,
-    memory_model,
-    stage_costs,
-)
+from mpress.static.lowering import TensorInfo, build_program
+from mpress.static.memory import StageCosts, StageMemory, default_stage_to_device, memory_model, stage_costs
 from mpress.static.partition import partition_profile
 from mpress.static.profile import Profile
 from mpress.static.program import Program
 from mpress.static.schedules import build_schedule
+from mpress.vocabulary import ScheduleName, SwapInPolicy
 
-ScheduleName = Literal["gpipe", "1f1b", "pipedream", "interleaved"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +82,7 @@ def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: Schedule
 
 def evaluate(setup: PipelineSetup, schedule: Schedule | None = None, *,
              tensors: dict[str, TensorInfo] | None = None,
-             swap_in_policy: Literal["capacity", "layer-ahead"] = "capacity") -> Evaluation:
+             swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY) -> Evaluation:
     """Emulate one iteration of `schedule` (default: the setup's, without memory actions)."""
     program = build_program(
         setup.profile, setup.ranges, schedule or setup.schedule, setup.hardware,

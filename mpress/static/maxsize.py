@@ -17,7 +17,8 @@ from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.model_config import ModelConfig, load_model_config, model_presets
 from mpress.models import num_parameters
-from mpress.static.evaluate import ScheduleName, setup_pipeline
+from mpress.static.evaluate import setup_pipeline
+from mpress.vocabulary import ScheduleName
 from mpress.static.planner import (
     PlannerOptions,
     PlanResult,

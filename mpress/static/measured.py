@@ -5,24 +5,12 @@ Per layer it records forward/backward times, matrix-product FLOPs (from
 model-state bytes and the bytes handed to the next layer; on CUDA also the peak
 allocated memory of one step.
 
-Layers (the `Profile`'s layer list):
-
-* reference models (`TransformerStage`): `embed`, `layers.i`, `head` (those it holds);
-* `nn.Sequential`: its children;
-* any other module whose forward *chains* its top-level children (each child called once,
-  in registration order, child i+1 called on child i's output, the module returning the
-  last child's output; checked on the example input): its children;
-* otherwise the whole module is one layer, named "" (the root's path in
-  `named_modules()`).
-
-Saved tensors are caught with `torch.autograd.graph.saved_tensors_hooks`. Each is named
-by the innermost module running when autograd saved it (module forward pre/post hooks
-keep a stack) and its index among that module's saved tensors. Parameters and tensors
-sharing a parameter's storage are skipped and not counted in the index. Bytes are storage
-bytes; a tensor whose storage an earlier saved tensor of the same layer already holds is
-recorded with 0 bytes, so sums count memory once. Sharing across layers is counted in
-each layer: at a stage boundary the next stage holds a copy of its own. Tensors saved by
-the loss (outside every module) are attributed to the last layer, under its path.
+Layers and saved-tensor names are those of `mpress.identity` (`layer_paths`,
+`SavedTensorNamer`), the same the runtime uses. Bytes are storage bytes; a tensor whose
+storage an earlier saved tensor of the same layer already holds is recorded with 0 bytes,
+so sums count memory once. Sharing across layers is counted in each layer: at a stage
+boundary the next stage holds a copy of its own. Tensors saved by the loss (outside every
+module) belong to the last layer, under its path.
 
 Timing: layer boundaries are marked in forward by the layers' pre-hooks (and the end of
 the loss), in backward by gradient hooks on each layer's output (the gradient of layer
@@ -48,9 +36,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpress.errors import UserError
+from mpress.identity import SavedTensorNamer, layer_paths, storage_key
 from mpress.model_config import ModelConfig
 from mpress.models.transformer import (
-    TransformerStage,
     build_model,
     example_batch,
     lm_loss,
@@ -114,10 +102,6 @@ def default_loss(output: Any) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
@@ -131,39 +115,6 @@ def module_fingerprint(module: nn.Module) -> str:
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
     parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def _chained_children(module: nn.Module, args: tuple[Any, ...]) -> list[str] | None:
-    """Names of the top-level children if `module`'s forward chains them on `args`."""
-    children = list(module.named_children())
-    if not children:
-        return None
-    calls: list[tuple[str, Any, Any]] = []
-    handles = [child.register_forward_hook(lambda m, a, o, n=name: calls.append((n, a, o)))
-               for name, child in children]
-    try:
-        with torch.no_grad():
-            result = module(*args)
-    finally:
-        for h in handles:
-            h.remove()
-    if [c[0] for c in calls] != [name for name, _ in children]:
-        return None
-    previous: Any = args[0] if len(args) == 1 else None
-    for _name, child_args, child_out in calls:
-        if len(child_args) != 1 or child_args[0] is not previous:
-            return None
-        previous = child_out
-    return [name for name, _ in children] if result is previous else None
-
-
-def layer_paths(module: nn.Module, args: tuple[Any, ...]) -> list[str]:
-    """The layer list of `module` (see the module docstring)."""
-    if isinstance(module, TransformerStage):
-        return module.layer_names()
-    if isinstance(module, nn.Sequential) and len(module) > 0:
-        return [name for name, _ in module.named_children()]
-    return _chained_children(module, args) or [""]
 
 
 class _Marks:
@@ -251,60 +202,46 @@ def _step(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
 def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
                   paths: list[str]) -> list[_LayerRecord]:
     """One step with saved-tensor hooks: per layer, saved tensors and output bytes."""
-    names = {m: name for name, m in module.named_modules()}
-    param_storages = {_storage_key(p) for p in module.parameters()}
     records = [_LayerRecord() for _ in paths]
     layer_of = {module.get_submodule(p): i for i, p in enumerate(paths)}
-    stack: list[str] = []
-    current = [0]
-    next_index: dict[str, int] = {}
+    namer = SavedTensorNamer(module, paths)
     seen: dict[tuple[int, str, int], str] = {}  # (layer, device, data_ptr) -> first id
 
-    def pre(m: nn.Module, _a: Any) -> None:
-        stack.append(names[m])
-        if m in layer_of:
-            current[0] = layer_of[m]
-
-    def post(m: nn.Module, _a: Any, out: Any) -> None:
-        stack.pop()
-        if m in layer_of:
+    def output(m: nn.Module, _a: Any, out: Any) -> None:
+        if namer.active and m in layer_of:
             records[layer_of[m]].output_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key in param_storages:
+        name = namer.name(t)
+        if name is None:
             return t
-        path = stack[-1] if stack else paths[-1]  # outside every module: the loss
-        index = next_index.get(path, 0)
-        next_index[path] = index + 1
-        ident = f"{path}#{index}"
         if t.grad_fn is not None:
             what = f"output of {t.grad_fn.name().removesuffix('Backward0')}"
         else:
             what = "no autograd history (input, mask, index or statistic)"
         nbytes = _storage_bytes(t)
-        layer_key = (current[0], *key)
+        layer_key = (name.layer, *storage_key(t))
         if layer_key in seen and t.numel() > 0:
             what, nbytes = f"{what} (same storage as {seen[layer_key]})", 0
         else:
-            seen[layer_key] = ident
-        records[current[0]].saved.append(SavedTensor(
-            module=path, index=index, bytes=nbytes, shape=list(t.shape),
+            seen[layer_key] = name.id
+        records[name.layer].saved.append(SavedTensor(
+            module=name.module, index=name.index, bytes=nbytes, shape=list(t.shape),
             dtype=str(t.dtype).removeprefix("torch."), what=what))
         return t
 
-    handles = []
-    for m in module.modules():
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post, always_call=True))
+    handles = [layer.register_forward_hook(output) for layer in layer_of]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = module(*args)
-            current[0] = len(paths) - 1
-            loss = loss_fn(output)
+            namer.begin()
+            output_value = module(*args)
+            loss = loss_fn(output_value)  # outside every module: the last layer's
         records[-1].output_bytes = loss.numel() * loss.element_size()
+        namer.end()
         loss.backward()
     finally:
+        namer.end()
+        namer.close()
         for h in handles:
             h.remove()
     module.zero_grad(set_to_none=True)

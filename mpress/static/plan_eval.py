@@ -7,29 +7,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mpress.errors import PlanError
-from mpress.plan import Plan, check_plan
+from mpress.plan import Plan
+from mpress.plan_check import Shape, check_plan
 from mpress.static.emulator import emulate
 from mpress.static.evaluate import Evaluation, PipelineSetup
-from mpress.static.memory import build_program, memory_model
+from mpress.static.lowering import build_program
+from mpress.static.memory import memory_model
 from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
 
 
 def check_plan_for_setup(plan: Plan, setup: PipelineSetup, source: str = "plan") -> None:
-    """Refuse a plan made for another model, hardware, pipeline shape or profile."""
-    check_plan(plan, source=source, model=setup.model, hardware=setup.hardware,
-               stage_tensors=[[t.id for t in c.saved] for c in setup.costs],
-               stage_layers=[[x.name for x in c.layers] for c in setup.costs])
+    """Refuse a plan made for another model, hardware, pipeline shape or profile (all that
+    a pipeline setup knows, given to the one plan check)."""
     sched = setup.schedule
-    shape = (sched.name, sched.num_stages, sched.num_microbatches, setup.microbatch_size)
-    planned = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.microbatch_size)
-    if shape != planned:
-        raise PlanError(f"{source}: made for {planned[0]}, {planned[1]} stages, {planned[2]} x {planned[3]} "
-                        f"microbatches, not {shape[0]}, {shape[1]} stages, {shape[2]} x {shape[3]}")
-    for sp, (start, end) in zip(plan.stages, setup.ranges):
-        if (sp.first_layer, sp.end_layer) != (start, end):
-            raise PlanError(f"{source}: stage {sp.stage} holds layers {sp.first_layer}..{sp.end_layer - 1} in the "
-                            f"plan but {start}..{end - 1} in this partition")
+    check_plan(plan, source=source, model=setup.model, hardware=setup.hardware,
+               shape=Shape(sched.name, sched.num_stages, sched.num_microbatches, setup.microbatch_size),
+               ranges=setup.ranges,
+               stage_tensors={c.stage: [t.id for t in c.saved] for c in setup.costs},
+               stage_layers={c.stage: [x.name for x in c.layers] for c in setup.costs})
 
 
 def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:

@@ -33,32 +33,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from mpress.d2d.static.mapper import MappingProblem, map_devices
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.plan import (
-    PeerQuota,
     Plan,
-    StagePlan,
-    Stripe,
-    TensorRule,
-    fingerprint,
-    format_microbatches,
-    hardware_fingerprint,
 )
 from mpress.static.evaluate import Evaluation, PipelineSetup
 from mpress.static.liveness import layer_live_intervals, stage_times
+from mpress.static.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan_eval import evaluate_plan
-from mpress.units import fmt_bytes, round_up
+from mpress.static.planner_d2d import D2DSteps
+from mpress.units import fmt_bytes
+from mpress.vocabulary import Strategy, SwapInPolicy, Technique
 
-Strategy = Literal["none", "recompute", "host-swap", "d2d", "mpress"]
-STRATEGIES: tuple[str, ...] = ("none", "recompute", "host-swap", "d2d", "mpress")
-_ALLOWED = {
-    "none": (), "recompute": ("recompute",), "host-swap": ("host",), "d2d": ("d2d",),
-    "mpress": ("host", "recompute", "d2d"),
+_ALLOWED: dict[Strategy, tuple[Technique, ...]] = {
+    Strategy.NONE: (), Strategy.RECOMPUTE: (RECOMPUTE,), Strategy.HOST_SWAP: (HOST,), Strategy.D2D: (D2D,),
+    Strategy.MPRESS: (HOST, RECOMPUTE, D2D),
 }
 
 
@@ -74,7 +67,7 @@ class PlannerOptions:
     """D2D rounds (each moves the costliest layers to peers and keeps the step if faster)."""
     d2d_layers_per_round: int = 2
     """Layers per overflowing stage moved to D2D in one round."""
-    swap_in_policy: Literal["capacity", "layer-ahead"] = "capacity"
+    swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,51 +90,14 @@ class PlanResult:
     mapping_s: float
 
 
-QUOTA_SLACK = 1.02
-QUOTA_SLACK_BYTES = 32 << 10
-"""A peer quota holds the mapper's bytes plus this slack: the runtime rounds every stripe
-up to the pools' alignment (`ALIGNMENT_BYTES`), and spreads small tensors whole over the peers."""
-
-
-def peer_quota_bytes(nbytes: float) -> int:
-    """The quota (whole `ALIGNMENT_BYTES` units) an exporter gets for `nbytes` of D2D data."""
-    return round_up(math.ceil(nbytes * QUOTA_SLACK + QUOTA_SLACK_BYTES))
-
-
-@dataclass
-class _Draft:
-    """A plan under construction: a technique per (stage, layer, microbatch)."""
-
-    layer_tech: list[list[list[str]]]
-    """[stage][layer within stage][microbatch] -> keep | host | recompute | d2d."""
-    optim: list[str]
-    """Per stage: keep | host | d2d for optimizer states + master weights."""
-    stash: list[str]
-    """Per stage: keep | host | d2d for stashed weight versions (PipeDream)."""
-    stage_to_device: list[int]
-    stripes: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    """Per stage: D2D stripes (peer device, fraction) shared by its D2D units."""
-    pool_bytes: dict[int, int] = field(default_factory=dict)
-    """Per device: peer pool reserved for D2D exporters."""
-    quotas: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
-    """Per stage: (peer device, bytes) of each peer pool it may fill."""
-    unplaced_bytes: int = 0
-    """D2D bytes no peer could take (the plan then does not fit)."""
-
-    def copy(self) -> "_Draft":
-        return _Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
-                      list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
-                      self.unplaced_bytes)
-
-
-class _Planner:
+class _Planner(D2DSteps):
     def __init__(self, setup: PipelineSetup, strategy: str, options: PlannerOptions,
                  progress: Callable[[str], None] | None) -> None:
-        if strategy not in _ALLOWED:
-            raise UserError(f"unknown strategy {strategy!r} (allowed: {', '.join(STRATEGIES)})")
-        self.setup, self.strategy, self.options = setup, strategy, options
-        self.allowed = _ALLOWED[strategy]
-        self.layer_allowed: tuple[str, ...] = self.allowed
+        if strategy not in Strategy.words():
+            raise UserError(f"unknown strategy {strategy!r} (allowed: {', '.join(Strategy.words())})")
+        self.setup, self.strategy, self.options = setup, Strategy(strategy), options
+        self.allowed = _ALLOWED[self.strategy]
+        self.layer_allowed: tuple[Technique, ...] = self.allowed
         """Techniques the initial assignment may give activations (model data: host)."""
         self.progress = progress or (lambda _msg: None)
         self.hw: Hardware = setup.hardware
@@ -151,80 +107,18 @@ class _Planner:
         self.capacity = int(self.hw.device.memory_bytes * (1 - options.headroom_fraction))
         self.mapping_s = 0.0
         self.in_flight = [m.max_in_flight for m in setup.memory]
+        self.writer = PlanWriter(setup, self.strategy, options.swap_in_policy)
 
     # -- evaluation ------------------------------------------------------------------------
-    def to_plan(self, d: _Draft, predicted: Evaluation | None = None) -> Plan:
-        stages = []
-        for s, c in enumerate(self.costs):
-            rules: list[TensorRule] = []
-            stripes = [Stripe(device=p, fraction=f) for p, f in (d.stripes[s] if d.stripes else ())]
-            if d.optim[s] != "keep":
-                rules.append(self._rule("optim:*", "all", d.optim[s], stripes))
-            if d.stash[s] != "keep":
-                rules.append(self._rule("stash:*", "all", d.stash[s], stripes))
-            for j, layer in enumerate(c.layers):
-                by_tech: dict[str, list[int]] = {}
-                for m, t in enumerate(d.layer_tech[s][j]):
-                    if t != "keep":
-                        by_tech.setdefault(t, []).append(m)
-                for t, mbs in sorted(by_tech.items()):
-                    sel = "all" if len(mbs) == self.num_mb else format_microbatches(mbs)
-                    rules.append(self._rule(f"{layer.name}.**", sel, t, stripes, self._lead(s, d)))
-            peak = predicted.result.peak_bytes[d.stage_to_device[s]] if predicted else 0
-            stages.append(StagePlan(
-                stage=s, device=d.stage_to_device[s], first_layer=c.first_layer, end_layer=c.end_layer,
-                rules=rules, pinned_host_bytes=self._host_bytes(d, s),
-                peer_pool_bytes=sum(b for dev, b in d.pool_bytes.items() if dev == d.stage_to_device[s]),
-                peer_quotas=[PeerQuota(device=dev, quota_bytes=b) for dev, b in (d.quotas[s] if d.quotas else ())],
-                need_bytes=self.setup.memory[s].total_bytes, predicted_peak_bytes=peak,
-            ))
-        return Plan(
-            strategy=self.strategy, model=self.setup.model.name, model_fingerprint=self.setup.model.fingerprint(),
-            profile_fingerprint=profile_fingerprint(self.setup), hardware=self.hw.name,
-            hardware_fingerprint=hardware_fingerprint(self.hw), num_devices=self.hw.num_devices,
-            device_memory_bytes=self.hw.device.memory_bytes, schedule=self.sched.name,  # type: ignore[arg-type]
-            num_stages=self.sched.num_stages, num_ranks=self.sched.num_ranks, num_microbatches=self.num_mb,
-            microbatch_size=self.setup.microbatch_size, swap_in_policy=self.options.swap_in_policy,
-            stage_to_device=list(d.stage_to_device), stages=stages,
-            fits=bool(predicted and predicted.result.fits),
-            predicted_iteration_s=predicted.result.iteration_s if predicted else 0.0,
-        )
-
-    @staticmethod
-    def _rule(tensor: str, sel: str, technique: str, stripes: list[Stripe], lead: int = 1) -> TensorRule:
-        return TensorRule(tensor=tensor, microbatches=sel, technique=technique,  # type: ignore[arg-type]
-                          stripes=stripes if technique == "d2d" else [], prefetch_lead=lead)
-
-    def _lead(self, s: int, d: _Draft) -> int:
-        """Compute actions ahead of the backward at which swap-ins start: enough compute to
-        cover bringing one microbatch's swapped bytes back over PCIe."""
-        c = self.costs[s]
-        swapped = sum(c.layers[j].saved_bytes for j in range(len(c.layers))
-                      if any(t in ("host", "d2d") for t in d.layer_tech[s][j]))
-        per_action_s = max(min(c.forward_s, c.backward_s), 1e-9)
-        return max(1, min(8, math.ceil(swapped / (self.hw.pcie_gbps("h2d") * 1e9) / per_action_s)))
-
-    def _host_bytes(self, d: _Draft, s: int) -> int:
-        """Pinned host bytes stage s needs: swapped activations of every microbatch that
-        can be in flight, offloaded optimizer data, stashed versions."""
-        c = self.costs[s]
-        act = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if "host" in d.layer_tech[s][j])
-        host = act * self.in_flight[s]
-        if d.optim[s] == "host":
-            host += c.optim_bytes + c.master_bytes
-        if d.stash[s] == "host":
-            host += c.param_bytes * self.in_flight[s]
-        return host
-
-    def evaluate(self, d: _Draft) -> Evaluation:
+    def evaluate(self, d: Draft) -> Evaluation:
         """Emulate the draft: its peer pools live in the plan's stages."""
-        return evaluate_plan(self.setup, self.to_plan(d))
+        return evaluate_plan(self.setup, self.writer.to_plan(d))
 
     # -- candidates --------------------------------------------------------------------------
     def _layer_saving(self, s: int, j: int, technique: str) -> int:
         c = self.costs[s]
         saved = c.layers[j].saved_bytes
-        if technique == "recompute":
+        if technique == RECOMPUTE:
             kept = c.input_bytes if j == 0 else c.layers[j - 1].output_bytes
             return max(saved - kept, 0)
         return saved
@@ -252,19 +146,19 @@ class _Planner:
         later ones are recomputed."""
         layer = self.costs[s].layers[j]
         roundtrip = self._host_roundtrip_s(layer.saved_bytes) * self._pcie_sharing(s)
-        host_ok = "host" in self.layer_allowed
-        rc_ok = "recompute" in self.layer_allowed
-        techs = ["d2d"] * self.num_mb  # the d2d-only strategy does not use this choice
+        host_ok = HOST in self.layer_allowed
+        rc_ok = RECOMPUTE in self.layer_allowed
+        techs = [D2D] * self.num_mb  # the d2d-only strategy does not use this choice
         total = used = 0.0
         for m in sorted(range(self.num_mb), key=lambda m: -live[m]):
             host_cost = max(roundtrip - live[m], 0.0)
             fits_budget = pcie_used_s + used + roundtrip <= pcie_budget_s
             if host_ok and (not rc_ok or (fits_budget and host_cost < layer.forward_time_s)):
                 overrun = 0.0 if fits_budget else min(roundtrip, pcie_used_s + used + roundtrip - pcie_budget_s)
-                techs[m], cost = "host", max(host_cost, overrun)
+                techs[m], cost = HOST, max(host_cost, overrun)
                 used += roundtrip
             elif rc_ok:
-                techs[m], cost = "recompute", layer.forward_time_s
+                techs[m], cost = RECOMPUTE, layer.forward_time_s
             else:
                 continue
             total += cost
@@ -277,27 +171,27 @@ class _Planner:
         stream_s = nbytes * self._pcie_sharing(s) / (min(self.hw.pcie_gbps("h2d"), self.hw.pcie_gbps("d2h")) * 1e9)
         return max(stream_s - self.costs[s].backward_s, 0.0)
 
-    def shed(self, d: _Draft, s: int, need: int, live: list[list[float]]) -> int:
+    def shed(self, d: Draft, s: int, need: int, live: list[list[float]]) -> int:
         """Compact more of stage s until `need` bytes are shed at its peak (or nothing is
         left), cheapest overhead per byte first; returns the bytes shed."""
         c, k = self.costs[s], self.in_flight[s]
         # PCIe time this stage's host swaps already take per iteration, and its share of
         # the iteration (a microbatch slot is set by the slowest stage's F + B)
         sharing = self._pcie_sharing(s)
-        pcie_used = sum(self._host_roundtrip_s(c.layers[j].saved_bytes) * sharing * d.layer_tech[s][j].count("host")
+        pcie_used = sum(self._host_roundtrip_s(c.layers[j].saved_bytes) * sharing * d.layer_tech[s][j].count(HOST)
                         for j in range(len(c.layers)))
         pcie_budget = max(x.forward_s + x.backward_s for x in self.costs) * self.num_mb
         candidates: list[tuple[float, int, int, str, int]] = []
-        host = "host" in self.allowed
+        host = HOST in self.allowed
         optim_bytes = c.optim_bytes + c.master_bytes
-        if host and d.optim[s] == "keep" and optim_bytes:
+        if host and d.optim[s] == KEEP and optim_bytes:
             candidates.append((self._model_data_overhead_s(s, optim_bytes) / optim_bytes, 1, 0, "optim", -1))
-        if host and self.sched.weight_stashing and d.stash[s] == "keep" and k > 1 and c.param_bytes:
+        if host and self.sched.weight_stashing and d.stash[s] == KEEP and k > 1 and c.param_bytes:
             stash_live = [min(col) for col in zip(*live)] if live else []
             over = sum(max(self._host_roundtrip_s(c.param_bytes) - x, 0.0) for x in stash_live)
             candidates.append((over / ((k - 1) * c.param_bytes), 1, 0, "stash", -1))
         for j in range(len(c.layers)):
-            if any(t != "keep" for t in d.layer_tech[s][j]):
+            if any(t != KEEP for t in d.layer_tech[s][j]):
                 continue
             techs, overhead, _ = self._choose(s, j, live[j], pcie_used, pcie_budget)
             saving = min(self._layer_saving(s, j, t) for t in set(techs)) * k
@@ -310,10 +204,10 @@ class _Planner:
             if shed >= need:
                 break
             if what == "optim":
-                d.optim[s] = "host"
+                d.optim[s] = HOST
                 shed += optim_bytes
             elif what == "stash":
-                d.stash[s] = "host"
+                d.stash[s] = HOST
                 shed += (k - 1) * c.param_bytes
             else:
                 # choose again: earlier picks may have used up the stage's PCIe time
@@ -327,20 +221,20 @@ class _Planner:
     def run(self) -> PlanResult:
         t0 = time.perf_counter()
         n_st = self.sched.num_stages
-        empty = _Draft(
-            layer_tech=[[["keep"] * self.num_mb for _ in c.layers] for c in self.costs],
-            optim=["keep"] * n_st, stash=["keep"] * n_st,
+        empty = Draft(
+            layer_tech=[[[KEEP] * self.num_mb for _ in c.layers] for c in self.costs],
+            optim=[KEEP] * n_st, stash=[KEEP] * n_st,
             stage_to_device=list(self.setup.stage_to_device), stripes=[()] * n_st,
         )
         base = self.evaluate(empty)
-        if self.strategy == "none":
+        if self.strategy is Strategy.NONE:
             return self.result(empty, base, t0)
         times = stage_times(base.result, n_st, self.num_mb)
         live = [layer_live_intervals(times[s], self.costs[s]) for s in range(n_st)]
         # mpress seeds its search with the mixed assignment and a recompute-first one (the
         # cost model cannot see every bubble that hides recompute); the emulator picks
-        seeds = [self.allowed] if self.strategy != "mpress" else [("host", "recompute"), ("recompute",)]
-        best: tuple[_Draft, Evaluation] | None = None
+        seeds = [self.allowed] if self.strategy is not Strategy.MPRESS else [(HOST, RECOMPUTE), (RECOMPUTE,)]
+        best: tuple[Draft, Evaluation] | None = None
         for layer_techniques in seeds:
             self.layer_allowed = layer_techniques
             d, ev = self._fit(empty.copy(), base, live)
@@ -348,11 +242,11 @@ class _Planner:
                 best = (d, ev)
         assert best is not None  # seeds is never empty
         d, ev = best
-        if self.strategy == "mpress":
+        if self.strategy is Strategy.MPRESS:
             d, ev = self._d2d_rounds(d, ev)
         return self.result(d, ev, t0)
 
-    def _fit(self, d: _Draft, base: Evaluation, live: list[list[list[float]]]) -> tuple[_Draft, Evaluation]:
+    def _fit(self, d: Draft, base: Evaluation, live: list[list[list[float]]]) -> tuple[Draft, Evaluation]:
         """Shed bytes, emulate, shed the remaining excess, until every device fits."""
         excess = self._device_excess_from_model(d)
         ev = base
@@ -360,11 +254,11 @@ class _Planner:
             shed_any = False
             for s, need in excess.items():
                 if need > 0:
-                    if self.strategy == "d2d":
+                    if self.strategy is Strategy.D2D:
                         shed_any |= self._shed_d2d(d, s, need, live[s]) > 0
                     else:
                         shed_any |= self.shed(d, s, need, live[s]) > 0
-            if self.strategy == "d2d" and shed_any:
+            if self.strategy is Strategy.D2D and shed_any:
                 self._map_d2d(d)
             ev = self.evaluate(d)
             self.progress(f"{self.strategy}: fit round {rnd + 1} ({'+'.join(self.layer_allowed)}), iteration "
@@ -374,10 +268,10 @@ class _Planner:
                 break
         return d, ev
 
-    def _stages_on(self, d: _Draft, device: int) -> list[int]:
+    def _stages_on(self, d: Draft, device: int) -> list[int]:
         return [s for s, dev in enumerate(d.stage_to_device) if dev == device]
 
-    def _device_excess_from_model(self, d: _Draft) -> dict[int, int]:
+    def _device_excess_from_model(self, d: Draft) -> dict[int, int]:
         """Per stage, bytes over the device capacity by the memory model (stages sharing a
         device split their device's excess in proportion to their need)."""
         need_dev: dict[int, int] = {}
@@ -391,7 +285,7 @@ class _Planner:
             out[m.stage] = math.ceil(over * m.total_bytes / need_dev[dev]) if over > 0 else 0
         return out
 
-    def _device_excess_from_emulation(self, ev: Evaluation, d: _Draft) -> dict[int, int]:
+    def _device_excess_from_emulation(self, ev: Evaluation, d: Draft) -> dict[int, int]:
         out = {}
         for dev, peak in enumerate(ev.result.peak_bytes):
             stages = self._stages_on(d, dev)
@@ -400,127 +294,9 @@ class _Planner:
                 out[s] = math.ceil(over / len(stages)) if over > 0 else 0
         return out
 
-    # -- D2D ---------------------------------------------------------------------------------
-    def _shed_d2d(self, d: _Draft, s: int, need: int, live: list[list[float]]) -> int:
-        """D2D-only strategy: move model data, then layers with the longest intervals."""
-        c, k = self.costs[s], self.in_flight[s]
-        shed = 0
-        if d.optim[s] == "keep" and c.optim_bytes + c.master_bytes:
-            d.optim[s] = "d2d"
-            shed += c.optim_bytes + c.master_bytes
-        if shed < need and self.sched.weight_stashing and d.stash[s] == "keep" and k > 1:
-            d.stash[s] = "d2d"
-            shed += (k - 1) * c.param_bytes
-        order = sorted(range(len(c.layers)), key=lambda j: -min(live[j]))
-        for j in order:
-            if shed >= need:
-                break
-            if all(t == "keep" for t in d.layer_tech[s][j]) and c.layers[j].saved_bytes:
-                d.layer_tech[s][j] = ["d2d"] * self.num_mb
-                shed += c.layers[j].saved_bytes * k
-        return shed
-
-    def _d2d_bytes(self, d: _Draft, s: int) -> int:
-        """Peer-pool bytes stage s needs: its D2D data at the stage's peak."""
-        c, k = self.costs[s], self.in_flight[s]
-        act = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if "d2d" in d.layer_tech[s][j]) * k
-        if d.optim[s] == "d2d":
-            act += c.optim_bytes + c.master_bytes
-        if d.stash[s] == "d2d":
-            act += (k - 1) * c.param_bytes
-        return act
-
-    def _map_d2d(self, d: _Draft, peaks: list[int] | None = None) -> bool:
-        """Run the device mapper for the draft's D2D volumes; set mapping, stripes, pools.
-        Returns False (and leaves D2D unplaced) when spare peer memory is short."""
-        n_st = self.sched.num_stages
-        if self.sched.num_ranks != n_st:
-            return False  # interleaved: several stages per device, the mapper maps one each
-        overflow = [self._d2d_bytes(d, s) for s in range(n_st)]
-        if peaks is None:
-            peaks = [m.total_bytes for m in self.setup.memory]
-        spare = [0 if overflow[s] else max(self.capacity - peaks[s], 0) for s in range(n_st)]
-        problem = MappingProblem.from_hardware(self.hw, overflow, spare)
-        t0 = time.perf_counter()
-        res = map_devices(problem, time_budget_s=0.5)
-        self.mapping_s += time.perf_counter() - t0
-        a = res.assignment
-        d.stage_to_device = list(a.mapping)
-        d.stripes = []
-        d.pool_bytes = {}
-        d.quotas = []
-        for s in range(n_st):
-            stripes = a.stripes.get(s, [])
-            total = sum(b for _dev, b in stripes)
-            d.quotas.append(tuple((dev, peer_quota_bytes(b)) for dev, b in stripes if b > 0))
-            d.stripes.append(tuple((dev, b / total) for dev, b in stripes if b > 0) if total else ())
-            for dev, b in stripes:
-                if b > 0:
-                    d.pool_bytes[dev] = d.pool_bytes.get(dev, 0) + peer_quota_bytes(b)
-            if overflow[s] and not total:  # no peer can take any of it: it stays on the device
-                d.layer_tech[s] = [["keep" if t == "d2d" else t for t in mbs] for mbs in d.layer_tech[s]]
-                d.optim[s] = "keep" if d.optim[s] == "d2d" else d.optim[s]
-                d.stash[s] = "keep" if d.stash[s] == "d2d" else d.stash[s]
-        d.unplaced_bytes = a.unplaced_bytes
-        return a.unplaced_bytes == 0
-
-    def _overhead_by_layer(self, ev: Evaluation, d: _Draft) -> list[tuple[float, int, int]]:
-        """(overhead seconds, stage, layer) of compacted layers: stall blamed on their
-        swaps plus their recompute time."""
-        stall = ev.result.stall_s_by_tensor
-        out = []
-        for s, c in enumerate(self.costs):
-            for j, layer in enumerate(c.layers):
-                techs = d.layer_tech[s][j]
-                if all(t in ("keep", "d2d") for t in techs):
-                    continue
-                o = sum(v for name, v in stall.items() if name.startswith(f"{s}:{layer.name}.**@"))
-                o += layer.forward_time_s * techs.count("recompute")
-                out.append((o, s, j))
-        return sorted(out, reverse=True)
-
-    def _d2d_rounds(self, d: _Draft, ev: Evaluation) -> tuple[_Draft, Evaluation]:
-        """Move the costliest compacted layers to D2D while spare peer memory lasts and the
-        emulated iteration gets faster."""
-        if not ev.result.fits:
-            return d, ev
-        for rnd in range(self.options.max_d2d_rounds):
-            peaks = [ev.result.peak_bytes[d.stage_to_device[s]] for s in range(self.sched.num_stages)]
-            lenders = [s for s in range(self.sched.num_stages) if not self._d2d_bytes(d, s)]
-            room = sum(max(self.capacity - peaks[s], 0) for s in lenders) - sum(d.pool_bytes.values())
-            chosen: list[tuple[int, int]] = []
-            per_stage: dict[int, int] = {}
-            for _o, s, j in (x for x in self._overhead_by_layer(ev, d) if x[0] > 0):
-                need = self.costs[s].layers[j].saved_bytes * self.in_flight[s]
-                if need > room or per_stage.get(s, 0) >= self.options.d2d_layers_per_round:
-                    continue
-                chosen.append((s, j))
-                per_stage[s] = per_stage.get(s, 0) + 1
-                room -= need
-            trial = None
-            while chosen:  # drop the last choice until the mapper places everything
-                trial = d.copy()
-                for s, j in chosen:
-                    trial.layer_tech[s][j] = ["d2d"] * self.num_mb
-                if self._map_d2d(trial, peaks):
-                    break
-                chosen.pop()
-                trial = None
-            if trial is None:
-                self.progress(f"mpress: D2D round {rnd + 1}: no spare peer memory for the costliest layers")
-                break
-            cand = self.evaluate(trial)
-            faster = cand.result.fits and cand.result.iteration_s < ev.result.iteration_s * (1 - 1e-3)
-            self.progress(f"mpress: D2D round {rnd + 1}: {len(chosen)} layers to peers, "
-                          f"{cand.result.iteration_s:.3f} s ({'kept' if faster else 'no gain, stop'})")
-            if not faster:
-                break
-            d, ev = trial, cand
-        return d, ev
-
     # -- result --------------------------------------------------------------------------------
-    def result(self, d: _Draft, ev: Evaluation, t0: float) -> PlanResult:
-        plan = self.to_plan(d, ev)
+    def result(self, d: Draft, ev: Evaluation, t0: float) -> PlanResult:
+        plan = self.writer.to_plan(d, ev)
         saved = []
         peers = []
         for s, c in enumerate(self.costs):
@@ -528,12 +304,12 @@ class _Planner:
             by: dict[str, int] = {}
             for j in range(len(c.layers)):
                 techs = d.layer_tech[s][j]
-                for t in set(techs) - {"keep"}:
+                for t in set(techs) - {KEEP}:
                     share = techs.count(t) / self.num_mb
                     by[t] = by.get(t, 0) + int(self._layer_saving(s, j, t) * k * share)
-            if d.optim[s] != "keep":
+            if d.optim[s] != KEEP:
                 by[d.optim[s]] = by.get(d.optim[s], 0) + c.optim_bytes + c.master_bytes
-            if d.stash[s] != "keep":
+            if d.stash[s] != KEEP:
                 by[d.stash[s]] = by.get(d.stash[s], 0) + (k - 1) * c.param_bytes
             saved.append(by)
             peers.append([dev for dev, _f in (d.stripes[s] if d.stripes else ())] if self._d2d_bytes(d, s) else [])
@@ -562,13 +338,6 @@ def _better(a: Evaluation, b: Evaluation) -> bool:
     if a.result.fits != b.result.fits:
         return a.result.fits
     return a.result.iteration_s < b.result.iteration_s
-
-
-def profile_fingerprint(setup: PipelineSetup) -> str:
-    """Hash of the profile's layers and costs (what a plan was computed from)."""
-    p = setup.profile
-    return fingerprint([p.model_fingerprint, p.source, p.microbatch_size,
-                        [(x.name, x.forward_time_s, x.backward_time_s, x.saved_bytes, x.param_bytes) for x in p.layers]])
 
 
 def minimum_need_bytes(setup: PipelineSetup) -> list[int]:

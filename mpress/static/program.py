@@ -26,11 +26,24 @@ Units: seconds, bytes, GB/s (1e9 bytes/s).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from mpress.actions import Action
+from mpress.vocabulary import SwapInPolicy, Technique, Word
 
-Technique = Literal["compute", "host-swap", "d2d", "recompute", "drop", "optimizer-offload", "p2p"]
+
+class Cost(Word):
+    """What a task's time (and a stall waiting on it) is spent on: the plan's techniques
+    by their own words, plus plain compute, drops, optimizer-data moves and, for stalls,
+    the pipeline bubble."""
+
+    COMPUTE = "compute"
+    HOST = Technique.HOST.value
+    D2D = Technique.D2D.value
+    RECOMPUTE = Technique.RECOMPUTE.value
+    DROP = "drop"
+    OPTIMIZER_OFFLOAD = "optimizer-offload"
+    PIPELINE = "pipeline"
+    """A stall waiting for another stage (the bubble), never a task's own cost."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,7 @@ class Task:
     alloc_bytes: device bytes taken when the task starts.
     free_bytes: device bytes released when the task ends.
     transient_bytes: bytes held only while the task runs (workspace).
-    technique: what a stall waiting on this task is blamed on.
+    cost: what the task's time is spent on, and what a stall waiting on it is blamed on.
     """
 
     action: Action
@@ -74,7 +87,7 @@ class Task:
     alloc_bytes: int = 0
     free_bytes: int = 0
     transient_bytes: int = 0
-    technique: Technique = "compute"
+    cost: Cost = Cost.COMPUTE
 
 
 @dataclass(frozen=True)
@@ -107,4 +120,4 @@ class Program:
     grad_sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict)
     samples_per_iteration: int = 1
     model_flops_per_iteration: float = 0.0
-    swap_in_policy: Literal["capacity", "layer-ahead"] = "capacity"
+    swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY

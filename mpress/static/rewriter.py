@@ -12,10 +12,11 @@ Where each memory action goes (per rank, in its list):
   `prefetch_lead` compute actions before the stage's last backward, so the copy overlaps
   the last backwards (at the start of the iteration they are on the host).
 
-A *unit* is what one memory action moves: the saved tensors of one layer that one rule
-decides in one microbatch. Its name in actions is `LAYER.**@rN` (rule N of the stage);
-`{s}:optim:LAYER` (one chunk of the streamed optimizer step) and `stash@rN` for model
-data. Recompute rules must cover whole layers (`LAYER.**`): the runtime recomputes by
+A *unit* is what one memory action moves (`mpress.actions.UnitId`): the saved tensors of
+one layer that one rule decides in one microbatch (`{s}:LAYER.**@rN`, rule N of the
+stage), one layer's chunk of the streamed optimizer step (`{s}:optim:LAYER`) or stashed
+weights (`{s}:stash@rN`). Rules are read by `mpress.identity.StageRules`, as the runtime
+reads them; recompute rules must cover whole layers: the runtime recomputes by
 checkpointing each such layer, which keeps the layer's input.
 """
 
@@ -23,14 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpress.actions import Action, Kind, Schedule
+from mpress.actions import Action, Kind, Schedule, UnitId, UnitKind
 from mpress.errors import PlanError
 from mpress.hardware import Hardware
-from mpress.plan import Plan, StagePlan, TensorRule, parse_microbatches, pattern_matches
-from mpress.static.memory import StageCosts, TensorInfo, optimizer_step_s
+from mpress.identity import LayerTensors, StageRules
+from mpress.plan import Plan, StagePlan, TensorRule
+from mpress.static.lowering import TensorInfo
+from mpress.static.memory import StageCosts, optimizer_step_s
+from mpress.vocabulary import Technique
 
-_OUT = {"host": Kind.SO, "d2d": Kind.DO}
-_IN = {"host": Kind.SI, "d2d": Kind.DI}
+_OUT = {Technique.HOST: Kind.SO, Technique.D2D: Kind.DO}
+_IN = {Technique.HOST: Kind.SI, Technique.D2D: Kind.DI}
 
 
 @dataclass(frozen=True)
@@ -43,63 +47,33 @@ class Rewritten:
 
 @dataclass(frozen=True)
 class _Unit:
-    name: str
+    id: UnitId
     layer: int
     """Index of the layer within the stage."""
     rule: TensorRule
 
 
-class _StageRules:
-    """Resolves, fast, which rule decides each saved tensor of a stage per microbatch."""
+def layer_tensors(costs: StageCosts) -> list[LayerTensors]:
+    """The stage's layers and their saved-tensor ids, as the profile has them."""
+    return [LayerTensors(name=layer.name, saved=tuple(t.id for t in layer.saved)) for layer in costs.layers]
+
+
+class _Stage:
+    """One stage's rules (read by `mpress.identity.StageRules`) with its profile's bytes."""
 
     def __init__(self, sp: StagePlan, costs: StageCosts, num_microbatches: int) -> None:
         self.sp = sp
         self.costs = costs
-        self.selected = [parse_microbatches(r.microbatches, num_microbatches) for r in sp.rules]
-        # per layer, per saved tensor: indices of rules whose pattern matches its id
-        self.matching = [
-            [[i for i, r in enumerate(sp.rules) if pattern_matches(r.tensor, t.id)] for t in layer.saved]
-            for layer in costs.layers
-        ]
-        for i, rule in enumerate(sp.rules):
-            if rule.technique == "recompute":
-                self._check_whole_layers(i, rule)
-
-    def _check_whole_layers(self, index: int, rule: TensorRule) -> None:
-        for li, per_tensor in enumerate(self.matching):
-            hits = sum(1 for rules in per_tensor if index in rules)
-            if 0 < hits < len(per_tensor):
-                raise PlanError(
-                    f"stage {self.sp.stage} rule {index} ({rule.tensor}): recompute must cover whole layers "
-                    f"(use {self.costs.layers[li].name}.**), it matches {hits} of {len(per_tensor)} tensors")
-
-    def rule_for(self, candidates: list[int], microbatch: int) -> int | None:
-        for i in candidates:
-            sel = self.selected[i]
-            if sel is None or microbatch in sel:
-                return i
-        return None
+        self.rules = StageRules(sp, layer_tensors(costs), num_microbatches)
 
     def units(self, microbatch: int) -> list[tuple[_Unit, int]]:
         """(unit, bytes) of every compacted group of saved tensors in `microbatch`."""
         out = []
         for li, layer in enumerate(self.costs.layers):
-            groups: dict[int, int] = {}
-            recomputed = 0
-            for t, cands in zip(layer.saved, self.matching[li]):
-                r = self.rule_for(cands, microbatch)
-                if r is not None and self.sp.rules[r].technique != "keep":
-                    groups[r] = groups.get(r, 0) + t.bytes
-                    recomputed += self.sp.rules[r].technique == "recompute"
-            if 0 < recomputed < len(layer.saved):
-                # an earlier rule took some of the layer's tensors (first match wins), so the
-                # recompute rule covers only part of it: checkpointing cannot do that
-                raise PlanError(
-                    f"stage {self.sp.stage} microbatch {microbatch}: {recomputed} of {len(layer.saved)} saved "
-                    f"tensors of {layer.name} are recomputed and the rest decided by earlier rules; "
-                    f"recompute must cover whole layers (put the {layer.name}.** recompute rule first)")
-            for r, nbytes in sorted(groups.items()):
-                out.append((_Unit(f"{layer.name}.**@r{r}", li, self.sp.rules[r]), nbytes))
+            for r, positions in sorted(self.rules.layer_groups(li, microbatch).items()):
+                nbytes = sum(layer.saved[p].bytes for p in positions)
+                unit = UnitId(self.sp.stage, UnitKind.ACTIVATIONS, layer=layer.name, rule=r)
+                out.append((_Unit(unit, li, self.sp.rules[r]), nbytes))
         return out
 
     def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:
@@ -107,42 +81,35 @@ class _StageRules:
         weights or None when kept, their bytes, its parameter count)."""
         out = []
         for layer in self.costs.layers:
-            cands = [i for i, r in enumerate(self.sp.rules) if pattern_matches(r.tensor, f"optim:{layer.name}")]
-            rule = self.sp.rules[cands[0]] if cands else None
-            if rule is not None and rule.technique == "keep":
-                rule = None
-            if rule is not None and rule.technique not in _IN:
-                raise PlanError(f"stage {self.sp.stage}: optimizer states of {layer.name} can only be kept, "
-                                f"host- or d2d-swapped, not {rule.technique}")
-            out.append((layer.name, rule, layer.optim_bytes + layer.master_bytes, layer.optim_bytes // 8))
+            found = self.rules.model_data_rule("optim", layer.name)
+            out.append((layer.name, found[1] if found else None, layer.optim_bytes + layer.master_bytes,
+                        layer.optim_bytes // 8))
         return out
 
     def optim_lead(self) -> int:
         """Prefetch lead of the first offloaded optimizer chunk's rule."""
         return next((rule.prefetch_lead for _n, rule, _b, _p in self.optim_chunks() if rule), 1)
 
-    def model_data_units(self, prefix: str, microbatch: int | None) -> list[tuple[_Unit, int]]:
-        """Units of `optim:` or `stash:` data: layers grouped by the rule that decides them."""
+    def stash_units(self, microbatch: int) -> list[tuple[_Unit, int]]:
+        """Units of stashed weight versions in `microbatch`: layers grouped by the rule
+        that moves them."""
         groups: dict[int, int] = {}
-        for li, layer in enumerate(self.costs.layers):
-            name = f"{prefix}:{layer.name}"
-            cands = [i for i, r in enumerate(self.sp.rules) if pattern_matches(r.tensor, name)]
-            r = self.rule_for(cands, microbatch) if microbatch is not None else (cands[0] if cands else None)
-            if r is None or self.sp.rules[r].technique == "keep":
-                continue
-            nbytes = layer.optim_bytes + layer.master_bytes if prefix == "optim" else layer.param_bytes
-            groups[r] = groups.get(r, 0) + nbytes
-        return [(_Unit(f"{prefix}@r{r}", -1, self.sp.rules[r]), b) for r, b in sorted(groups.items()) if b]
+        for layer in self.costs.layers:
+            found = self.rules.model_data_rule("stash", layer.name, microbatch)
+            if found is not None:
+                groups[found[0]] = groups.get(found[0], 0) + layer.param_bytes
+        return [(_Unit(UnitId(self.sp.stage, UnitKind.STASH, rule=r), -1, self.sp.rules[r]), b)
+                for r, b in sorted(groups.items()) if b]
 
 
-def _recompute_segments(stage: _StageRules, units: list[tuple[_Unit, int]]) -> list[tuple[_Unit, int, float]]:
+def _recompute_segments(stage: _Stage, units: list[tuple[_Unit, int]]) -> list[tuple[_Unit, int, float]]:
     """Recompute units with the bytes they free and the forward time that restores them.
     Each recomputed layer is its own checkpoint (`torch.utils.checkpoint` on the layer):
     it keeps its input and recomputes the rest just before its own backward, so only
     one layer's recomputed tensors are alive at a time."""
     layers = stage.costs.layers
     out = []
-    for unit, nbytes in sorted((u for u in units if u[0].rule.technique == "recompute"), key=lambda u: u[0].layer):
+    for unit, nbytes in sorted((u for u in units if u[0].rule.technique is Technique.RECOMPUTE), key=lambda u: u[0].layer):
         absolute = stage.costs.first_layer + unit.layer
         kept = 0
         if absolute > 0:  # the model's first layer takes token ids: nothing worth keeping
@@ -160,7 +127,7 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
     if plan.num_stages != schedule.num_stages or plan.num_microbatches != schedule.num_microbatches:
         raise PlanError(f"plan is for {plan.num_stages} stages x {plan.num_microbatches} microbatches, "
                         f"schedule has {schedule.num_stages} x {schedule.num_microbatches}")
-    stages = [_StageRules(plan.stages[s], costs[s], schedule.num_microbatches) for s in range(schedule.num_stages)]
+    stages = [_Stage(plan.stages[s], costs[s], schedule.num_microbatches) for s in range(schedule.num_stages)]
     tensors: dict[str, TensorInfo] = {}
     new_ranks = []
     for actions in schedule.ranks:
@@ -181,12 +148,12 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                 produced_at[(a.stage, a.microbatch)] = i
                 units = st.units(a.microbatch)
                 for unit, nbytes, recompute_s in _recompute_segments(st, units):
-                    tensors[f"{a.stage}:{unit.name}"] = TensorInfo(bytes=nbytes, compute_s=recompute_s)
-                for unit, nbytes in units + (st.model_data_units("stash", a.microbatch)
+                    tensors[str(unit.id)] = TensorInfo(bytes=nbytes, compute_s=recompute_s)
+                for unit, nbytes in units + (st.stash_units(a.microbatch)
                                              if schedule.weight_stashing else []):
                     tech = unit.rule.technique
-                    key = f"{a.stage}:{unit.name}"
-                    if tech == "recompute":
+                    key = str(unit.id)
+                    if tech is Technique.RECOMPUTE:
                         after.setdefault(i, []).append(Action(a.stage, Kind.DR, a.microbatch, key))
                     else:
                         tensors[key] = _info(unit.rule, nbytes)
@@ -195,17 +162,17 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                 m = a.microbatch
                 units = st.units(m)
                 for unit, _nbytes, _ in _recompute_segments(st, units):
-                    before.setdefault(i, []).append(Action(a.stage, Kind.RC, m, f"{a.stage}:{unit.name}"))
+                    before.setdefault(i, []).append(Action(a.stage, Kind.RC, m, str(unit.id)))
                 swaps = [u for u in units if u[0].rule.technique in _IN]
                 if schedule.weight_stashing:
-                    swaps += st.model_data_units("stash", m)
+                    swaps += st.stash_units(m)
                 k = compute_pos.index(i)
                 for unit, _nbytes in swaps:
                     lead = unit.rule.prefetch_lead
                     at = compute_pos[max(k - lead, 0)]
                     at = max(at, produced_at.get((a.stage, m), 0) + 1)
                     before.setdefault(at, []).append(
-                        Action(a.stage, _IN[unit.rule.technique], m, f"{a.stage}:{unit.name}"))
+                        Action(a.stage, _IN[unit.rule.technique], m, str(unit.id)))
             elif a.kind is Kind.OPT and a.tensor is None:
                 chunks = st.optim_chunks()
                 if not any(rule for _name, rule, _b, _p in chunks):
@@ -235,7 +202,7 @@ def _stream_optimizer(stage: int, chunks: list[tuple[str, TensorRule | None, int
     one when the step `OPTIMIZER_PREFETCH_DEPTH` chunks earlier is done, and each goes
     out again after its own step. Only a few chunks are ever resident, so states larger
     than the device can still be updated there."""
-    names = [f"{stage}:optim:{layer}" for layer, _r, _b, _p in chunks]
+    names = [str(UnitId(stage, UnitKind.OPTIM, layer=layer)) for layer, _r, _b, _p in chunks]
     offloaded = [n for n, (_l, rule, _b, _p) in zip(names, chunks) if rule]
     for name, (_layer, rule, nbytes, num_params) in zip(names, chunks):
         info = _info(rule, nbytes) if rule else TensorInfo(bytes=nbytes)
@@ -258,7 +225,7 @@ def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
     optimizer steps (they are not part of the stage's static memory)."""
     out = []
     for sp, c in zip(plan.stages, costs):
-        st = _StageRules(sp, c, plan.num_microbatches)
+        st = _Stage(sp, c, plan.num_microbatches)
         out.append(sum(b for _l, rule, b, _p in st.optim_chunks() if rule))
     return out
 
@@ -267,7 +234,7 @@ def stash_offloaded(plan: Plan, costs: list[StageCosts]) -> list[bool]:
     """Per stage, whether the plan moves its stashed weight versions off the device."""
     out = []
     for sp, c in zip(plan.stages, costs):
-        st = _StageRules(sp, c, plan.num_microbatches)
+        st = _Stage(sp, c, plan.num_microbatches)
         # a rule may select only some microbatches: any of them moves versions out
-        out.append(any(st.model_data_units("stash", m) for m in range(plan.num_microbatches)))
+        out.append(any(st.stash_units(m) for m in range(plan.num_microbatches)))
     return out

@@ -22,13 +22,11 @@ Families (S = num_stages, M = num_microbatches, r = rank):
 
 from __future__ import annotations
 
-from typing import Literal
 
 from mpress.actions import Action, Kind, Schedule, warmup_order
 from mpress.errors import ScheduleError
+from mpress.vocabulary import ScheduleName
 
-ScheduleName = Literal["gpipe", "1f1b", "pipedream", "interleaved"]
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "interleaved")
 
 
 def _check_count(what: str, value: int) -> None:
@@ -62,7 +60,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
         acts = [Action(s, Kind.F, m) for m in range(num_microbatches)]
         acts += [Action(s, Kind.B, m) for m in range(num_microbatches)]
         ranks.append(_finish([s], acts))
-    return Schedule("gpipe", num_stages, num_microbatches, tuple(range(num_stages)), tuple(ranks))
+    return Schedule(ScheduleName.GPIPE, num_stages, num_microbatches, tuple(range(num_stages)), tuple(ranks))
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -77,7 +75,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     ranks = tuple(
         _finish([s], _one_f_one_b_rank(s, num_stages, num_microbatches)) for s in range(num_stages)
     )
-    return Schedule("1f1b", num_stages, num_microbatches, tuple(range(num_stages)), ranks)
+    return Schedule(ScheduleName.ONE_F_ONE_B, num_stages, num_microbatches, tuple(range(num_stages)), ranks)
 
 
 def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
@@ -104,7 +102,7 @@ def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
       updates after each microbatch, which changes time, not peak memory.
     """
     sched = one_f_one_b(num_stages, num_microbatches)
-    return Schedule("pipedream", sched.num_stages, sched.num_microbatches, sched.stage_to_rank, sched.ranks,
+    return Schedule(ScheduleName.PIPEDREAM, sched.num_stages, sched.num_microbatches, sched.stage_to_rank, sched.ranks,
                     weight_stashing=True)
 
 
@@ -157,7 +155,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
         acts += [action(k, r, Kind.B) for k in range(total - warmup, total)]
         ranks.append(_finish([c * num_ranks + r for c in range(chunks)], acts))
     num_stages = num_ranks * chunks
-    return Schedule("interleaved", num_stages, num_microbatches,
+    return Schedule(ScheduleName.INTERLEAVED, num_stages, num_microbatches,
                     tuple(s % num_ranks for s in range(num_stages)), tuple(ranks))
 
 
@@ -169,11 +167,12 @@ def build_schedule(name: ScheduleName, num_stages: int, num_microbatches: int, *
     it). For the other families it may be omitted or equal num_stages.
     Raises `ScheduleError` (one line) for a bad name or combination.
     """
-    if name not in SCHEDULE_NAMES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if name not in ScheduleName.words():
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(ScheduleName.words())}")
+    name = ScheduleName(name)
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
-    if name == "interleaved":
+    if name is ScheduleName.INTERLEAVED:
         if num_ranks is None:
             raise ScheduleError("the interleaved schedule needs num_ranks (stages are spread round-robin over ranks)")
         _check_count("num_ranks", num_ranks)
@@ -185,7 +184,7 @@ def build_schedule(name: ScheduleName, num_stages: int, num_microbatches: int, *
         raise ScheduleError(
             f"schedule {name} runs one stage per rank: num_ranks={num_ranks} must equal num_stages={num_stages} "
             f"(use the interleaved schedule for several stages per rank)")
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "pipedream": pipedream}
+    builders = {ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b, ScheduleName.PIPEDREAM: pipedream}
     return builders[name](num_stages, num_microbatches)
 
 

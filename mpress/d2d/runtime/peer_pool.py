@@ -36,6 +36,7 @@ from mpress.errors import PlanError, SwapError, TopologyError
 from mpress.plan import Plan
 from mpress.runtime.memory.block_pool import Block, BlockPool
 from mpress.units import ALIGNMENT_BYTES
+from mpress.vocabulary import Technique
 
 _LEDGER_FIELDS = 3  # per quota: bytes in use (aligned blocks), high-water mark, tensor bytes held
 
@@ -129,7 +130,7 @@ class PeerPools:
         """The D2D swap destination of `stage` (this rank runs it): its quotas of the peer
         pools, striped by the weights of the stage's first D2D rule unless a swap names
         its own."""
-        rule = next((r for r in self.plan.stage(stage).rules if r.technique == "d2d"), None)
+        rule = next((r for r in self.plan.stage(stage).rules if r.technique is Technique.D2D), None)
         if rule is None:
             raise PlanError(f"stage {stage} has no D2D rule: it writes into no peer pool")
         return PeerStore(self, stage, self.device, tuple((st.device, st.fraction) for st in rule.stripes))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from mpress.errors import PlanError
 from mpress.plan import Plan
 from mpress.units import ALIGNMENT_BYTES, round_up
+from mpress.vocabulary import Technique
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def exporter_peers(plan: Plan, stage: int) -> list[int]:
     """Devices stage `stage` stripes to (any D2D rule), in first-seen order."""
     peers: list[int] = []
     for rule in plan.stage(stage).rules:
-        for stripe in rule.stripes if rule.technique == "d2d" else ():
+        for stripe in rule.stripes if rule.technique is Technique.D2D else ():
             if stripe.device not in peers:
                 peers.append(stripe.device)
     return peers

@@ -1,0 +1,140 @@
+"""The planner's D2D steps (PAPERS.md section 1, step 5): which data goes to peers, the
+device mapping that gives it spare peer memory over NVLink, and the rounds that move the
+costliest compacted layers to peers while the emulated iteration gets faster.
+
+`D2DSteps` is a mixin of the planner (`planner.py`): it reads the planner's setup, costs,
+capacity, options and `evaluate`, and records the mapper's time in `mapping_s`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mpress.actions import UnitId, UnitKind
+from mpress.d2d.static.mapper import MappingProblem, map_devices
+from mpress.static.evaluate import Evaluation
+from mpress.static.plan_draft import D2D, KEEP, RECOMPUTE, Draft, peer_quota_bytes
+
+
+class D2DSteps:
+    """D2D placement and rounds (see the module docstring)."""
+
+    def _shed_d2d(self, d: Draft, s: int, need: int, live: list[list[float]]) -> int:
+        """D2D-only strategy: move model data, then layers with the longest intervals."""
+        c, k = self.costs[s], self.in_flight[s]
+        shed = 0
+        if d.optim[s] == KEEP and c.optim_bytes + c.master_bytes:
+            d.optim[s] = D2D
+            shed += c.optim_bytes + c.master_bytes
+        if shed < need and self.sched.weight_stashing and d.stash[s] == KEEP and k > 1:
+            d.stash[s] = D2D
+            shed += (k - 1) * c.param_bytes
+        order = sorted(range(len(c.layers)), key=lambda j: -min(live[j]))
+        for j in order:
+            if shed >= need:
+                break
+            if all(t == KEEP for t in d.layer_tech[s][j]) and c.layers[j].saved_bytes:
+                d.layer_tech[s][j] = [D2D] * self.num_mb
+                shed += c.layers[j].saved_bytes * k
+        return shed
+
+    def _d2d_bytes(self, d: Draft, s: int) -> int:
+        """Peer-pool bytes stage s needs: its D2D data at the stage's peak."""
+        c, k = self.costs[s], self.in_flight[s]
+        act = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if D2D in d.layer_tech[s][j]) * k
+        if d.optim[s] == D2D:
+            act += c.optim_bytes + c.master_bytes
+        if d.stash[s] == D2D:
+            act += (k - 1) * c.param_bytes
+        return act
+
+    def _map_d2d(self, d: Draft, peaks: list[int] | None = None) -> bool:
+        """Run the device mapper for the draft's D2D volumes; set mapping, stripes, pools.
+        Returns False (and leaves D2D unplaced) when spare peer memory is short."""
+        n_st = self.sched.num_stages
+        if self.sched.num_ranks != n_st:
+            return False  # interleaved: several stages per device, the mapper maps one each
+        overflow = [self._d2d_bytes(d, s) for s in range(n_st)]
+        if peaks is None:
+            peaks = [m.total_bytes for m in self.setup.memory]
+        spare = [0 if overflow[s] else max(self.capacity - peaks[s], 0) for s in range(n_st)]
+        problem = MappingProblem.from_hardware(self.hw, overflow, spare)
+        t0 = time.perf_counter()
+        res = map_devices(problem, time_budget_s=0.5)
+        self.mapping_s += time.perf_counter() - t0
+        a = res.assignment
+        d.stage_to_device = list(a.mapping)
+        d.stripes = []
+        d.pool_bytes = {}
+        d.quotas = []
+        for s in range(n_st):
+            stripes = a.stripes.get(s, [])
+            total = sum(b for _dev, b in stripes)
+            d.quotas.append(tuple((dev, peer_quota_bytes(b)) for dev, b in stripes if b > 0))
+            d.stripes.append(tuple((dev, b / total) for dev, b in stripes if b > 0) if total else ())
+            for dev, b in stripes:
+                if b > 0:
+                    d.pool_bytes[dev] = d.pool_bytes.get(dev, 0) + peer_quota_bytes(b)
+            if overflow[s] and not total:  # no peer can take any of it: it stays on the device
+                d.layer_tech[s] = [[KEEP if t == D2D else t for t in mbs] for mbs in d.layer_tech[s]]
+                d.optim[s] = KEEP if d.optim[s] == D2D else d.optim[s]
+                d.stash[s] = KEEP if d.stash[s] == D2D else d.stash[s]
+        d.unplaced_bytes = a.unplaced_bytes
+        return a.unplaced_bytes == 0
+
+    def _overhead_by_layer(self, ev: Evaluation, d: Draft) -> list[tuple[float, int, int]]:
+        """(overhead seconds, stage, layer) of compacted layers: stall blamed on their
+        swaps plus their recompute time."""
+        stall: dict[tuple[int, str | None], float] = {}
+        for name, seconds in ev.result.stall_s_by_tensor.items():
+            unit = UnitId.parse(name)
+            if unit.kind is UnitKind.ACTIVATIONS:
+                stall[(unit.stage, unit.layer)] = stall.get((unit.stage, unit.layer), 0.0) + seconds
+        out = []
+        for s, c in enumerate(self.costs):
+            for j, layer in enumerate(c.layers):
+                techs = d.layer_tech[s][j]
+                if all(t in (KEEP, D2D) for t in techs):
+                    continue
+                o = stall.get((s, layer.name), 0.0) + layer.forward_time_s * techs.count(RECOMPUTE)
+                out.append((o, s, j))
+        return sorted(out, reverse=True)
+
+    def _d2d_rounds(self, d: Draft, ev: Evaluation) -> tuple[Draft, Evaluation]:
+        """Move the costliest compacted layers to D2D while spare peer memory lasts and the
+        emulated iteration gets faster."""
+        if not ev.result.fits:
+            return d, ev
+        for rnd in range(self.options.max_d2d_rounds):
+            peaks = [ev.result.peak_bytes[d.stage_to_device[s]] for s in range(self.sched.num_stages)]
+            lenders = [s for s in range(self.sched.num_stages) if not self._d2d_bytes(d, s)]
+            room = sum(max(self.capacity - peaks[s], 0) for s in lenders) - sum(d.pool_bytes.values())
+            chosen: list[tuple[int, int]] = []
+            per_stage: dict[int, int] = {}
+            for _o, s, j in (x for x in self._overhead_by_layer(ev, d) if x[0] > 0):
+                need = self.costs[s].layers[j].saved_bytes * self.in_flight[s]
+                if need > room or per_stage.get(s, 0) >= self.options.d2d_layers_per_round:
+                    continue
+                chosen.append((s, j))
+                per_stage[s] = per_stage.get(s, 0) + 1
+                room -= need
+            trial = None
+            while chosen:  # drop the last choice until the mapper places everything
+                trial = d.copy()
+                for s, j in chosen:
+                    trial.layer_tech[s][j] = [D2D] * self.num_mb
+                if self._map_d2d(trial, peaks):
+                    break
+                chosen.pop()
+                trial = None
+            if trial is None:
+                self.progress(f"mpress: D2D round {rnd + 1}: no spare peer memory for the costliest layers")
+                break
+            cand = self.evaluate(trial)
+            faster = cand.result.fits and cand.result.iteration_s < ev.result.iteration_s * (1 - 1e-3)
+            self.progress(f"mpress: D2D round {rnd + 1}: {len(chosen)} layers to peers, "
+                          f"{cand.result.iteration_s:.3f} s ({'kept' if faster else 'no gain, stop'})")
+            if not faster:
+                break
+            d, ev = trial, cand
+        return d, ev

@@ -19,7 +19,6 @@ from mpress.errors import ConfigError, UserError
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 HARDWARE_DIR = CONFIG_DIR / "hardware"
 
-Dtype = Literal["fp32", "fp16", "bf16"]
 
 
 @dataclass(kw_only=True, frozen=True)

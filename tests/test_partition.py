@@ -13,7 +13,6 @@ from mpress.static.partition import (
     layer_costs,
     partition_layers,
     partition_profile,
-    stage_of_layer,
 )
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 
@@ -146,13 +145,3 @@ def test_partition_profile_compute_vs_memory() -> None:
     assert partition_profile(p, 2) == [(0, 3), (3, 4)]
     # memory: embed alone (4100) is the bottleneck whatever the split; the rest goes later
     assert partition_profile(p, 2, "memory") == [(0, 1), (1, 4)]
-
-
-# ---------------------------------------------------------------- stage_of_layer
-
-def test_stage_of_layer() -> None:
-    ranges = [(0, 5), (5, 7), (7, 9)]
-    assert [stage_of_layer(ranges, i) for i in range(9)] == [0] * 5 + [1] * 2 + [2] * 2
-    for bad in (-1, 9):
-        with pytest.raises(ScheduleError, match=f"layer {bad} is in no stage"):
-            stage_of_layer(ranges, bad)

@@ -9,7 +9,6 @@ a `Profile`.
 
 from __future__ import annotations
 
-import bisect
 import math
 from typing import Literal
 
@@ -111,13 +110,3 @@ def partition_profile(profile: Profile, num_stages: int,
     """Split the profile's layers into `num_stages` contiguous stages balancing
     `layer_costs(profile, balance)` (see `partition_layers`)."""
     return partition_layers(layer_costs(profile, balance), num_stages)
-
-
-def stage_of_layer(ranges: list[tuple[int, int]], layer: int) -> int:
-    """Index of the stage whose range holds `layer`; `ScheduleError` if none does."""
-    starts = [start for start, _ in ranges]
-    s = bisect.bisect_right(starts, layer) - 1
-    if s < 0 or not ranges[s][0] <= layer < ranges[s][1]:
-        span = f"{ranges[0][0]}..{ranges[-1][1] - 1}" if ranges else "none"
-        raise ScheduleError(f"layer {layer} is in no stage (stages hold layers {span})")
-    return s

@@ -179,13 +179,18 @@ def build_schedule(name: ScheduleName, num_stages: int, num_microbatches: int, *
         if num_stages % num_ranks != 0:
             raise ScheduleError(
                 f"interleaved schedule: num_stages={num_stages} must be a multiple of num_ranks={num_ranks}")
-        return interleaved_1f1b(num_ranks, num_microbatches, num_stages // num_ranks)
+        return _validated(interleaved_1f1b(num_ranks, num_microbatches, num_stages // num_ranks))
     if num_ranks is not None and num_ranks != num_stages:
         raise ScheduleError(
             f"schedule {name} runs one stage per rank: num_ranks={num_ranks} must equal num_stages={num_stages} "
             f"(use the interleaved schedule for several stages per rank)")
     builders = {ScheduleName.GPIPE: gpipe, ScheduleName.ONE_F_ONE_B: one_f_one_b, ScheduleName.PIPEDREAM: pipedream}
-    return builders[name](num_stages, num_microbatches)
+    return _validated(builders[name](num_stages, num_microbatches))
+
+
+def _validated(schedule: Schedule) -> Schedule:
+    validate_schedule(schedule)  # a builder bug would otherwise surface as an emulator deadlock
+    return schedule
 
 
 def max_in_flight(schedule: Schedule, stage: int) -> int:

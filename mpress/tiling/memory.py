@@ -74,10 +74,6 @@ class LiveBytes(TorchDispatchMode):
         if size is not None:
             self.live_bytes -= size
 
-    def reset_peak(self) -> None:
-        """Start a new high-water mark from the bytes live now."""
-        self.peak_bytes = self.live_bytes
-
 
 def live_peak_bytes(fn: Callable[[], Any]) -> int:
     """Run `fn()` under `LiveBytes` and return the peak of live tensor bytes it created

@@ -3,7 +3,7 @@
 The saved-tensor router, the swap engine, the D2D path and the optimizer-state mover all
 report to one `MemoryManager` instead of keeping their own flags (and never as attributes
 on tensors). It knows, per `TensorKey`, the tensor's size, its category and its residency
-(device, host, peer k, dropped), and keeps per-category device totals and their peaks, so
+(device, host, peer k), and keeps per-category device totals and their peaks, so
 a run can be compared with the emulator's prediction of the same plan.
 
 The manager accounts; it does not move bytes. Callers `track` a tensor when it is
@@ -31,8 +31,6 @@ class Residency(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     PEER = "peer"
-    DROPPED = "dropped"
-    """Freed on purpose; will be recomputed before use."""
 
 
 class Category(enum.Enum):
@@ -41,8 +39,6 @@ class Category(enum.Enum):
     ACTIVATION = "activation"
     OPTIMIZER = "optimizer"
     MASTER = "master"
-    STASH = "stash"
-    OTHER = "other"
 
 
 _OFF_DEVICE = (Residency.HOST, Residency.PEER)
@@ -79,16 +75,11 @@ class CudaConsistency:
 
 
 class MemoryManager:
-    """Residency table and device accounting for one rank's planned tensors.
+    """Residency table and device accounting for one rank's planned tensors."""
 
-    `budget_bytes`, when given, is the device memory the plan allows these tensors;
-    `check_budget` raises when tracked device bytes exceed it.
-    """
-
-    def __init__(self, device: torch.device, *, rank: int, budget_bytes: int | None = None) -> None:
+    def __init__(self, device: torch.device, *, rank: int) -> None:
         self.device = torch.device(device)
         self.rank = rank
-        self.budget_bytes = budget_bytes
         self._lock = threading.RLock()
         self._records: dict[TensorKey, _Record] = {}
         self._forgotten: set[TensorKey] = set()
@@ -177,10 +168,6 @@ class MemoryManager:
         with self._lock:
             return self._get(key, "look up").residency
 
-    def nbytes(self, key: TensorKey) -> int:
-        with self._lock:
-            return self._get(key, "look up").nbytes
-
     def device_bytes(self, category: Category | None = None) -> int:
         """Tracked bytes on this device now, in `category` or in all."""
         with self._lock:
@@ -244,21 +231,9 @@ class MemoryManager:
                 "peer_bytes": sum(self._peer_bytes.values()),
                 "bytes_moved_out": self._bytes_moved_out,
                 "bytes_moved_in": self._bytes_moved_in,
-                "budget_bytes": self.budget_bytes,
             }
 
     # ---- checks ----------------------------------------------------------------------
-
-    def check_budget(self) -> None:
-        """Raise SwapError if tracked device bytes exceed `budget_bytes` (if set)."""
-        with self._lock:
-            if self.budget_bytes is None or self._total_device_bytes <= self.budget_bytes:
-                return
-            worst = max(Category, key=lambda c: self._device_bytes[c])
-            raise SwapError(
-                f"rank {self.rank}: planned tensors occupy {self._total_device_bytes} device "
-                f"bytes, over the budget of {self.budget_bytes} (largest category "
-                f"{worst.value}: {self._device_bytes[worst]} bytes)")
 
     def check_cuda_consistency(self, tolerance_bytes: int = 0) -> CudaConsistency | None:
         """Sanity check of the accounting against the CUDA caching allocator.

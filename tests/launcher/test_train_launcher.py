@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_runtime_pipeline import assert_states_equal, make_plan
+from tests.runtime.test_pipeline_runs import assert_states_equal, make_plan
 
 from mpress.plan import TensorRule
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(config: dict, tmp: Path, nproc: int = 2, timeout: int = 240, env: dict | None = None):
@@ -112,7 +112,7 @@ def test_a_peer_pool_too_small_stops_every_rank_at_start_up(tmp_path):
     assert res.returncode != 0  # torchrun's own status for failed workers
     lines = [x for x in res.stderr.splitlines() if x.startswith("mpress.train: rank")]
     # torchrun stops the other workers once one has failed, so not every rank may get to
-    # print (tests/test_runtime_d2d.py checks every rank's error without torchrun)
+    # print (tests/runtime/test_d2d_runs.py checks every rank's error without torchrun)
     assert lines, res.stderr[-3000:]
     assert all(": error: peer pools: rank " in x and "is too small: 4096 bytes" in x for x in lines), lines
     assert "step 0:" not in res.stdout  # nothing trained

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_runtime_pipeline import RANGES, STEPS, assert_identical, batch, make_plan
+from tests.runtime.test_pipeline_runs import RANGES, STEPS, assert_identical, batch, make_plan
 
 from mpress.model_config import load_model_config
 from mpress.plan import PeerQuota, Plan, Stripe, TensorRule

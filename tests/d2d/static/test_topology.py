@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from test_hardware import DGX1_LINKS  # the matrix as typed in from nvidia-smi topo -m
+from tests.test_hardware import DGX1_LINKS  # the matrix as typed in from nvidia-smi topo -m
 
 from mpress import cli
 from mpress.commands import topo as topo_cmd

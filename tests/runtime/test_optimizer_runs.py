@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_runtime_pipeline import (
+from tests.runtime.test_pipeline_runs import (
     MICROBATCH_SIZE,
     MODEL,
     POOL_BYTES,

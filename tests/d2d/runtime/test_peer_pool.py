@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_swap_engine import DTYPES, random_tensor, same_bits, wait_until
+from tests.runtime.swap.test_engine import DTYPES, random_tensor, same_bits, wait_until
 
 from mpress.d2d.runtime.liveness import ProcessId
 from mpress.d2d.runtime.peer_pool import PeerPools, setup_peer_pools

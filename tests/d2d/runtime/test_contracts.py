@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_peer_pool import make_plan, three_stage_plan
+from tests.d2d.runtime.test_peer_pool import make_plan, three_stage_plan
 
 from mpress.d2d.runtime.peer_pool import setup_peer_pools
 from mpress.d2d.runtime.pool_layout import plan_quotas

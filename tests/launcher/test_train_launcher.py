@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tests.runtime.test_pipeline_runs import assert_states_equal, make_plan
 
 from mpress.plan import TensorRule
+from tests.support.compare import assert_states_equal
+from tests.support.plans import pipeline_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,10 +35,10 @@ def losses(stdout: str) -> dict[int, str]:
 
 @pytest.fixture
 def plan_file(tmp_path):
-    plan = make_plan("1f1b", 2, 4, {0: [TensorRule(tensor="optim:*", technique="host"),
-                                        TensorRule(tensor="layers.0.**", technique="recompute"),
-                                        TensorRule(tensor="layers.1.**", technique="host")],
-                                    1: [TensorRule(tensor="layers.2.**", technique="host")]})
+    plan = pipeline_plan("1f1b", 2, 4, {0: [TensorRule(tensor="optim:*", technique="host"),
+                                            TensorRule(tensor="layers.0.**", technique="recompute"),
+                                            TensorRule(tensor="layers.1.**", technique="host")],
+                                        1: [TensorRule(tensor="layers.2.**", technique="host")]})
     path = tmp_path / "plan.yaml"
     plan.save(path)
     return path

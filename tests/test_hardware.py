@@ -10,19 +10,7 @@ import yaml
 from mpress import cli
 from mpress.errors import ConfigError, UserError
 from mpress.hardware import HARDWARE_DIR, Hardware, hardware_presets, load_hardware
-
-# The DGX-1V link matrix as `nvidia-smi topo -m` shows it (DESIGN.md), typed in here
-# independently of configs/hardware/dgx1-v100.yaml.
-DGX1_LINKS = [
-    [0, 1, 1, 2, 2, 0, 0, 0],
-    [1, 0, 2, 1, 0, 2, 0, 0],
-    [1, 2, 0, 2, 0, 0, 1, 0],
-    [2, 1, 2, 0, 0, 0, 0, 1],
-    [2, 0, 0, 0, 0, 1, 1, 2],
-    [0, 2, 0, 0, 1, 0, 2, 1],
-    [0, 0, 1, 0, 1, 2, 0, 2],
-    [0, 0, 0, 1, 2, 1, 2, 0],
-]
+from tests.support.hardware import DGX1_LINKS  # the DGX-1V matrix as typed in from nvidia-smi topo -m
 
 
 def raw(preset: str) -> dict:

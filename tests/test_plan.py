@@ -31,15 +31,12 @@ from mpress.plan import (
     pattern_matches,
 )
 from mpress.plan_check import check_plan
+from tests.support.plans import rule
 
 GB = 10**9
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-def rule(tensor: str, technique: str = "host", microbatches: str = "all", **kw: object) -> TensorRule:
-    return TensorRule(tensor=tensor, technique=technique, microbatches=microbatches, **kw)  # type: ignore[arg-type]
-
 
 def make_plan(rules: dict[int, list[TensorRule]] | None = None, *, ranges=((0, 2), (2, 4)),
               devices: list[int] | None = None, num_microbatches: int = 4, hardware: str = "dgx1-v100",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -241,20 +240,6 @@ def _is_better(a: tuple[int, float], b: tuple[int, float]) -> bool:
 def _reaches(value: tuple[int, float], best: tuple[int, float]) -> bool:
     """value is a tie with (or beats) the optimum `best`."""
     return value[0] < best[0] or (value[0] == best[0] and value[1] <= best[1] * (1 + REL_TOL))
-
-
-def brute_force(problem: MappingProblem) -> Assignment:
-    """The optimum by trying every mapping (the paper's method; for tests, small N only).
-
-    Ties: the identity if it is optimal, else the lexicographically smallest optimal mapping.
-    """
-    n, s = problem.num_devices, problem.num_stages
-    rates = _rates(problem)
-    values = [(m, mapping_value(problem, m, rates=rates)) for m in itertools.permutations(range(n), s)]
-    best = min((v for _, v in values), key=lambda v: (v[0], v[1]))
-    identity = tuple(range(s))
-    chosen = next(m for m, v in ([(identity, dict(values)[identity])] + values) if _reaches(v, best))
-    return assign_spare(problem, chosen)
 
 
 def _automorphisms(problem: MappingProblem, colour: Sequence[object]) -> list[tuple[int, ...]]:
@@ -517,15 +502,3 @@ def map_devices(problem: MappingProblem, *, time_budget_s: float | None = None) 
                         lower_bound_unplaced_bytes=min(least_u, a.unplaced_bytes), mappings_examined=search.examined,
                         nodes_visited=search.nodes, search_s=time.perf_counter() - start, skipped_symmetric=False,
                         num_automorphisms=len(search.group))
-
-
-def mesh16(seed: int = 1) -> list[list[float]]:
-    """A hypothetical 16-GPU server for scaling studies of the search: two 8-GPU boards,
-    dense inside, sparse across (1 or 2 NVLink2 links per pair, 22.5 GB/s effective each).
-    Link GB/s per directed pair, 0 = no NVLink."""
-    rng = random.Random(seed)
-    link = [[0.0] * 16 for _ in range(16)]
-    for i, j in itertools.combinations(range(16), 2):
-        if rng.random() < (0.5 if i // 8 == j // 8 else 0.12):
-            link[i][j] = link[j][i] = 22.5 * rng.choice([1, 2])
-    return link

@@ -12,8 +12,8 @@ from torch import nn
 
 from mpress.errors import TilingError
 from mpress.tiling.execute import TiledSequential
-from mpress.tiling.memory import LiveBytes
 from mpress.tiling.networks import FrozenBatchNorm2d, darknet19, vgg16
+from tests.support.tiling import step_peak_bytes
 
 
 def _grads(model, x, target_seed=0):
@@ -125,7 +125,7 @@ def test_budget_plan_trains_like_plain_and_stays_under_its_budget():
     model = vgg16(width_div=16)
     x = torch.randn(1, 3, 96, 96)
     target = torch.randn(1, 10)
-    plain_peak = _step_peak(model, x, target)
+    plain_peak = step_peak_bytes(model, x, target)
     budget = plain_peak // 2
     tiled = TiledSequential(model, budget_bytes=budget)
     plan = tiled.plan(tuple(x.shape))
@@ -134,17 +134,9 @@ def test_budget_plan_trains_like_plain_and_stays_under_its_budget():
     got = _sgd_steps(tiled, x, target)
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-    measured = _step_peak(tiled, x, target)
+    measured = step_peak_bytes(tiled, x, target)
     assert measured <= budget
     assert abs(plan.prediction.peak_bytes - measured) <= 0.1 * measured
-
-
-def _step_peak(model, x, target):
-    for p in model.parameters():
-        p.grad = None
-    with LiveBytes() as tracker:
-        F.mse_loss(model(x), target).backward()
-    return tracker.peak_bytes
 
 
 def _sgd_steps(model, x, target, steps=2):

@@ -6,27 +6,18 @@ equal plain pipelining of the same precision bit for bit (`torch.equal`), dropou
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_runtime_pipeline import (
-    MICROBATCH_SIZE,
-    MODEL,
-    POOL_BYTES,
-    RANGES,
-    assert_states_equal,
-    batch,
-)
 
 from mpress.errors import ConfigError
 from mpress.model_config import ModelConfig, load_model_config
 from mpress.plan import Plan, StagePlan, Stripe, TensorRule
 from mpress.runtime.trainer import JobSpec, PipelineJob
+from tests.support.compare import assert_identical
+from tests.support.plans import pipeline_plan
+from tests.support.spawn import spawn
+from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, batch
 
 STEPS = 3
 NUM_MICROBATCHES = 4
@@ -43,16 +34,7 @@ def model(precision: str) -> ModelConfig:
 
 def plan_for(precision: str, schedule: str, rules: dict[int, list[TensorRule]],
              host_step: tuple[int, ...] = ()) -> Plan:
-    cfg = model(precision)
-    n = 2 * WORLD if schedule == "interleaved" else WORLD
-    stages = [StagePlan(stage=s, device=s % WORLD, first_layer=a, end_layer=b, rules=rules.get(s, []),
-                        pinned_host_bytes=POOL_BYTES, optimizer_step="host" if s in host_step else "device")
-              for s, (a, b) in enumerate(RANGES[n])]
-    return Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), profile_fingerprint="test",
-                hardware="cpu-local", hardware_fingerprint="test", num_devices=WORLD, device_memory_bytes=1 << 30,
-                schedule=schedule, num_stages=n, num_ranks=WORLD, num_microbatches=NUM_MICROBATCHES,
-                microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % WORLD for s in range(n)], stages=stages,
-                fits=True)
+    return pipeline_plan(schedule, WORLD, NUM_MICROBATCHES, rules, model=model(precision), host_step=host_step)
 
 
 # ---- the plan field (pure) -----------------------------------------------------------
@@ -127,38 +109,16 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
     return result
 
 
-def _worker(rank: int, init: str, jobs: list[Job], plan_paths: list[str | None], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
-    try:
-        for i, (job, path) in enumerate(zip(jobs, plan_paths)):
-            torch.save(_run_one(job, path, rank), Path(out_dir) / f"{i}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _jobs_worker(rank: int, world: int, plan_paths: list[str | None], jobs: list[Job]):
+    for job, path in zip(jobs, plan_paths):
+        yield _run_one(job, path, rank)
 
 
 def run(jobs: list[Job]) -> list[list[dict]]:
     """Per job, per rank: losses, final state and per-stage accounting (one spawn)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        paths: list[str | None] = []
-        for i, job in enumerate(jobs):
-            paths.append(None if job.plan is None else os.path.join(tmp, f"plan{i}.yaml"))
-            if job.plan is not None:
-                job.plan.save(paths[-1])
-        mp.start_processes(_worker, args=(os.path.join(tmp, "init"), jobs, paths, tmp), nprocs=WORLD,
-                           join=True, start_method="spawn")
-        return [[torch.load(Path(tmp) / f"{i}-{r}.pt", weights_only=False) for r in range(WORLD)]
-                for i in range(len(jobs))]
-
-
-def assert_identical(a: list[dict], b: list[dict]) -> None:
-    for ra, rb in zip(a, b):
-        assert ra["losses"] == rb["losses"]
-        assert_states_equal(ra["state"], rb["state"])
-        masters = ra["state"].get("masters", {})
-        assert masters.keys() == rb["state"].get("masters", {}).keys()
-        for name, t in masters.items():
-            assert torch.equal(t, rb["state"]["masters"][name]), name
+    spawned = spawn(_jobs_worker, WORLD, [job.plan for job in jobs], jobs)
+    assert not spawned.errors, spawned.errors
+    return spawned.results
 
 
 def stage_records(result: list[dict]) -> dict[int, dict]:
@@ -206,7 +166,7 @@ def test_bf16_trains_half_parameters_with_fp32_masters(results):
 ])
 def test_runs_equal_plain_pipelining_bit_for_bit(results, name, plain):
     assert all(loss is not None for loss in results[name][-1]["losses"])
-    assert_identical(results[plain], results[name])
+    assert_identical(results[plain], results[name], masters=True)
 
 
 @pytest.mark.slow

@@ -4,114 +4,51 @@ run bit for bit (`torch.equal` on every parameter and loss), dropout on."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-import time
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpress.errors import PlanError
 from mpress.model_config import load_model_config
-from mpress.plan import Plan, StagePlan, TensorRule
+from mpress.plan import Plan, TensorRule
 from mpress.runtime.trainer import JobSpec, PipelineJob
-
-MODEL = "gpt-tiny"  # 6 layers: embed, layers.0-3, head; dropout 0.1
-STEPS = 3
-MICROBATCH_SIZE = 2
-RANGES = {1: [(0, 6)], 2: [(0, 3), (3, 6)], 4: [(0, 2), (2, 3), (3, 4), (4, 6)]}
-POOL_BYTES = 64 << 20
+from tests.support.compare import assert_identical
+from tests.support.plans import pipeline_plan
+from tests.support.spawn import spawn
+from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, batch, num_stages_of
 
 
-def num_stages_of(schedule: str, world: int) -> int:
-    return 2 * world if schedule == "interleaved" else world
-
-
-def make_plan(schedule: str, world: int, num_microbatches: int, rules: dict[int, list[TensorRule]]) -> Plan:
-    cfg = load_model_config(MODEL)
-    n = num_stages_of(schedule, world)
-    stages = [StagePlan(stage=s, device=s % world, first_layer=a, end_layer=b, rules=rules.get(s, []),
-                        pinned_host_bytes=POOL_BYTES)
-              for s, (a, b) in enumerate(RANGES[n])]
-    return Plan(strategy="test", model=MODEL, model_fingerprint=cfg.fingerprint(), profile_fingerprint="test",
-                hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
-                schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,
-                microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % world for s in range(n)], stages=stages,
-                fits=True)
-
-
-def batch(step: int, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = load_model_config(MODEL)
-    g = torch.Generator().manual_seed(1000 + step)
-    stream = torch.randint(0, cfg.vocab_size, (MICROBATCH_SIZE * num_microbatches, cfg.seq_len + 1), generator=g)
-    return stream[:, :-1].clone(), stream[:, 1:].clone()
-
-
-def _worker(rank: int, world: int, init: str, schedule: str, num_microbatches: int,
-            plan_paths: list[str | None], out_dir: str) -> None:
+def _job_worker(rank: int, world: int, plan_paths: list[str | None], schedule: str, num_microbatches: int):
     """Runs one job per plan (None = plain pipelining), one after the other, on one group."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        spec = JobSpec(model=load_model_config(MODEL), schedule=schedule, ranges=RANGES[num_stages_of(schedule, world)],
-                       microbatch_size=MICROBATCH_SIZE, num_microbatches=num_microbatches, seed=3)
-        for i, plan_path in enumerate(plan_paths):
-            torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
-            plan = Plan.load(plan_path) if plan_path else None
-            job = PipelineJob(spec, plan, torch.device("cpu"))
-            losses = []
-            extra = {}
-            for step in range(STEPS):
-                x, y = batch(step, num_microbatches)
-                losses.append(job.step(x, y).loss)
-            if plan is not None:
-                extra = {"swapped": sum(rt.stats.tensors_swapped for rt in job.runtimes),
-                         "recomputed": sum(rt.stats.microbatches_recomputed for rt in job.runtimes)}
-            torch.save({"losses": losses, "state": job.state(), "extra": extra}, Path(out_dir) / f"{i}-{rank}.pt")
-            job.close()
-    finally:
-        dist.destroy_process_group()
+    spec = JobSpec(model=load_model_config(MODEL), schedule=schedule, ranges=RANGES[num_stages_of(schedule, world)],
+                   microbatch_size=MICROBATCH_SIZE, num_microbatches=num_microbatches, seed=3)
+    for plan_path in plan_paths:
+        torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
+        plan = Plan.load(plan_path) if plan_path else None
+        job = PipelineJob(spec, plan, torch.device("cpu"))
+        losses = []
+        extra = {}
+        for step in range(STEPS):
+            x, y = batch(step, num_microbatches)
+            losses.append(job.step(x, y).loss)
+        if plan is not None:
+            extra = {"swapped": sum(rt.stats.tensors_swapped for rt in job.runtimes),
+                     "recomputed": sum(rt.stats.microbatches_recomputed for rt in job.runtimes)}
+        yield {"losses": losses, "state": job.state(), "extra": extra}
+        job.close()
 
 
 def run_jobs(world: int, schedule: str, num_microbatches: int, plans: list[Plan | None]) -> list[list[dict]]:
     """Per plan, per rank: losses, final state and counters, from one spawn of `world` processes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        paths: list[str | None] = []
-        for i, plan in enumerate(plans):
-            if plan is None:
-                paths.append(None)
-                continue
-            paths.append(os.path.join(tmp, f"plan{i}.yaml"))
-            plan.save(paths[-1])
-        init = os.path.join(tmp, "init")
-        mp.start_processes(_worker, args=(world, init, schedule, num_microbatches, paths, tmp),
-                           nprocs=world, join=True, start_method="spawn")
-        return [[torch.load(Path(tmp) / f"{i}-{r}.pt", weights_only=False) for r in range(world)]
-                for i in range(len(plans))]
+    spawned = spawn(_job_worker, world, plans, schedule, num_microbatches)
+    assert not spawned.errors, spawned.errors
+    return spawned.results
 
 
 def run_job(world: int, schedule: str, num_microbatches: int, plan: Plan | None) -> list[dict]:
     return run_jobs(world, schedule, num_microbatches, [plan])[0]
-
-
-def assert_states_equal(a: dict, b: dict) -> None:
-    """Model and optimizer states equal tensor for tensor (`torch.equal`)."""
-    for name, t in a["model"].items():
-        assert torch.equal(t, b["model"][name]), name
-    for pid, per_param in a["optimizer"]["state"].items():
-        for k, v in per_param.items():
-            assert torch.equal(v, b["optimizer"]["state"][pid][k]), (pid, k)
-
-
-def assert_identical(a: list[dict], b: list[dict]) -> None:
-    for ra, rb in zip(a, b):
-        assert ra["losses"] == rb["losses"]
-        assert_states_equal(ra["state"], rb["state"])
 
 
 _BASELINES: dict[tuple[int, str, int], list[dict]] = {}
@@ -150,7 +87,7 @@ RECOMPUTE_BLOCK = TensorRule(tensor="layers.0.**", technique="recompute")
 ])
 def test_mixed_plans_are_bit_identical_to_the_plain_run(world, schedule, rules):
     plain = baseline(world, schedule, 4)
-    mixed = run_job(world, schedule, 4, make_plan(schedule, world, 4, rules))
+    mixed = run_job(world, schedule, 4, pipeline_plan(schedule, world, 4, rules))
     assert_identical(plain, mixed)
     assert all(loss is not None for loss in mixed[-1]["losses"])
     swapped = sum(r["extra"]["swapped"] for r in mixed)
@@ -159,7 +96,7 @@ def test_mixed_plans_are_bit_identical_to_the_plain_run(world, schedule, rules):
 
 
 def test_plan_for_another_model_is_refused():
-    plan = make_plan("1f1b", 1, 2, {})
+    plan = pipeline_plan("1f1b", 1, 2, {})
     bad = Plan(**{**plan.__dict__, "model_fingerprint": "0" * 16})
     from mpress.plan_check import Shape, check_plan
     # what wrap_stage and PipelineJob give the one plan check
@@ -191,7 +128,7 @@ def random_plan(draw) -> Plan:
             stage_rules.append(TensorRule(tensor=f"{layer}.**", technique=technique,
                                           microbatches=",".join(map(str, sorted(mbs)))))
         rules[stage] = stage_rules
-    return make_plan(draw(st.sampled_from(["1f1b", "gpipe"])), 2, 4, rules)
+    return pipeline_plan(draw(st.sampled_from(["1f1b", "gpipe"])), 2, 4, rules)
 
 
 @pytest.mark.slow
@@ -207,16 +144,14 @@ def test_random_plans_are_bit_identical_to_the_plain_run(plans):
             assert_identical(results[0], result)
 
 
-def _faulty_worker(rank: int, world: int, init: str, plan_path: str, out_dir: str) -> None:
+def _faulty_worker(rank: int, world: int, plan_paths: list[str | None]):
     """Rank 0's swap-in worker thread fails on microbatch 2; every rank must end with an
     error, none may hang."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     message = "finished without error"
     try:
         spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[world],
                        microbatch_size=MICROBATCH_SIZE, num_microbatches=4, seed=3)
-        job = PipelineJob(spec, Plan.load(plan_path), torch.device("cpu"))
+        job = PipelineJob(spec, Plan.load(plan_paths[0]), torch.device("cpu"))
         if rank == 0:
             def fault(key, direction):
                 if direction == "in" and key.microbatch == 2:
@@ -227,22 +162,15 @@ def _faulty_worker(rank: int, world: int, init: str, plan_path: str, out_dir: st
     except Exception as exc:  # what the launcher prints, in one line
         from mpress.launcher.control import root_cause
         message = root_cause(exc)
-    finally:
-        Path(out_dir, f"{rank}.txt").write_text(message)
-        dist.destroy_process_group()
+    yield message
 
 
 @pytest.mark.slow
 def test_a_failing_swap_worker_stops_every_rank_with_the_tensor_named():
-    plan = make_plan("1f1b", 2, 4, {0: [TensorRule(tensor="layers.1.**", technique="host")]})
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "plan.yaml")
-        plan.save(path)
-        t0 = time.perf_counter()
-        mp.start_processes(_faulty_worker, args=(2, os.path.join(tmp, "init"), path, tmp), nprocs=2, join=True,
-                           start_method="spawn")
-        elapsed = time.perf_counter() - t0
-        messages = [Path(tmp, f"{r}.txt").read_text() for r in range(2)]
+    plan = pipeline_plan("1f1b", 2, 4, {0: [TensorRule(tensor="layers.1.**", technique="host")]})
+    spawned = spawn(_faulty_worker, 2, [plan])
+    assert not spawned.errors, spawned.errors
+    messages, elapsed = spawned.results[0], spawned.elapsed_s
     assert messages[0].startswith("SwapError: swap-in failed: rank 0 stage 0 microbatch 2 tensor layers.1."), messages
     assert "injected copy failure" in messages[0]
     assert messages[1] != "finished without error"  # the peer notices instead of waiting forever
@@ -252,13 +180,13 @@ def test_a_failing_swap_worker_stops_every_rank_with_the_tensor_named():
 def test_plan_for_another_schedule_or_microbatching_is_refused():
     from mpress.plan_check import Shape, check_plan
     shape = Shape("1f1b", 2, 4, 2)  # what a 1F1B job of 2 stages, 4 microbatches of 2 gives the check
-    check_plan(make_plan("1f1b", 2, 4, {}), shape=shape, runtime=True)
+    check_plan(pipeline_plan("1f1b", 2, 4, {}), shape=shape, runtime=True)
     with pytest.raises(PlanError, match="made for gpipe, 2 stages, 4 x 2 microbatches; this pipeline is 1f1b"):
-        check_plan(make_plan("gpipe", 2, 4, {}), shape=shape, runtime=True)
+        check_plan(pipeline_plan("gpipe", 2, 4, {}), shape=shape, runtime=True)
     with pytest.raises(PlanError, match="8 x 2 microbatches"):
-        check_plan(make_plan("1f1b", 2, 8, {}), shape=shape, runtime=True)
-    pipedream = dataclasses.replace(make_plan("1f1b", 2, 4, {}), schedule="pipedream")
+        check_plan(pipeline_plan("1f1b", 2, 8, {}), shape=shape, runtime=True)
+    pipedream = dataclasses.replace(pipeline_plan("1f1b", 2, 4, {}), schedule="pipedream")
     check_plan(pipedream, shape=shape, runtime=True)  # torch runs PipeDream's order as 1F1B
-    stash = make_plan("1f1b", 2, 4, {0: [TensorRule(tensor="stash:*", technique="host")]})
+    stash = pipeline_plan("1f1b", 2, 4, {0: [TensorRule(tensor="stash:*", technique="host")]})
     with pytest.raises(PlanError, match=r"stage 0 rule 0 \(stash:\*\) moves stashed weight versions"):
         check_plan(stash, shape=shape, runtime=True)

@@ -18,14 +18,13 @@ from hypothesis import strategies as st
 from mpress.d2d.static.mapper import (
     MappingProblem,
     assign_spare,
-    brute_force,
     map_devices,
     mapping_value,
-    mesh16,
 )
 from mpress.d2d.static.maxflow import SwapNetwork, solve_by_flow, solve_concave, stage_levels
 from mpress.errors import PlanError, UserError
 from mpress.hardware import load_hardware
+from tests.support.mapper import brute_force, mesh16
 
 GB = 10**9
 

@@ -11,24 +11,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import tempfile
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_runtime_pipeline import RANGES, STEPS, assert_identical, batch, make_plan
 
 from mpress.model_config import load_model_config
-from mpress.plan import PeerQuota, Plan, Stripe, TensorRule
+from mpress.plan import PeerQuota, Plan, TensorRule
 from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
+from tests.support.compare import assert_identical
+from tests.support.plans import d2d_rule, pipeline_plan
+from tests.support.spawn import spawn
+from tests.support.tiny_pipeline import RANGES, STEPS, batch
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +33,6 @@ WORLD = 4
 MICROBATCHES = 4
 POOL = 16 << 20
 STAGE_LAYERS = {0: ["embed", "layers.0"], 1: ["layers.1"], 2: ["layers.2"], 3: ["layers.3", "head"]}
-
-
-def d2d(tensor: str, stripes: dict[int, float], microbatches: str = "all") -> TensorRule:
-    return TensorRule(tensor=tensor, technique="d2d", microbatches=microbatches,
-                      stripes=[Stripe(device=d, fraction=f) for d, f in stripes.items()])
 
 
 def with_pools(plan: Plan, pools: dict[int, int], quotas: dict[int, dict[int, int]] | None = None) -> Plan:
@@ -76,38 +68,28 @@ def _probe(job: PipelineJob, records: list[dict]) -> None:
     stage.forward_one_chunk = forward
 
 
-def _worker(rank: int, world: int, init: str, plan_paths: list[str | None], out_dir: str,
-            options: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=options.get("timeout_s", 60)))
-    try:
-        spec = JobSpec(model=load_model_config("gpt-tiny"), schedule="1f1b", ranges=RANGES[world],
-                       microbatch_size=2, num_microbatches=MICROBATCHES, seed=3,
-                       peer_pool_bytes=options.get("peer_pool_bytes"))
-        for i, plan_path in enumerate(plan_paths):
-            torch.manual_seed(7 + rank)
-            plan = Plan.load(plan_path) if plan_path else None
-            job = start_job(spec, plan, torch.device("cpu"))
-            records: list[dict] = []
-            if plan is not None:
-                _probe(job, records)
-            if rank == options.get("kill_rank"):
-                _die_in_forward(job, options["kill_step"])
-            losses = []
-            for step in range(STEPS):
-                job.current_step = step
-                x, y = batch(step, MICROBATCHES)
-                losses.append(job.step(x, y).loss)
-            dist.barrier()  # every exporter finished its step before the importers read their pools
-            usage = job.peers.pool_usage() if job.peers is not None else {}
-            torch.save({"losses": losses, "state": job.state(), "probes": records, "pool_usage": usage},
-                       Path(out_dir) / f"{i}-{rank}.pt")
-            job.close()
-    except BaseException as exc:  # noqa: BLE001 - report every failure to the test, then leave at once
-        Path(out_dir, f"error-{rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        os._exit(1)  # no destroy_process_group: peers may be dead
-    dist.destroy_process_group()
+def _plans_worker(rank: int, world: int, plan_paths: list[str | None], options: dict):
+    spec = JobSpec(model=load_model_config("gpt-tiny"), schedule="1f1b", ranges=RANGES[world],
+                   microbatch_size=2, num_microbatches=MICROBATCHES, seed=3,
+                   peer_pool_bytes=options.get("peer_pool_bytes"))
+    for plan_path in plan_paths:
+        torch.manual_seed(7 + rank)
+        plan = Plan.load(plan_path) if plan_path else None
+        job = start_job(spec, plan, torch.device("cpu"))
+        records: list[dict] = []
+        if plan is not None:
+            _probe(job, records)
+        if rank == options.get("kill_rank"):
+            _die_in_forward(job, options["kill_step"])
+        losses = []
+        for step in range(STEPS):
+            job.current_step = step
+            x, y = batch(step, MICROBATCHES)
+            losses.append(job.step(x, y).loss)
+        dist.barrier()  # every exporter finished its step before the importers read their pools
+        usage = job.peers.pool_usage() if job.peers is not None else {}
+        yield {"losses": losses, "state": job.state(), "probes": records, "pool_usage": usage}
+        job.close()
 
 
 def _die_in_forward(job: PipelineJob, step: int) -> None:
@@ -123,61 +105,40 @@ def _die_in_forward(job: PipelineJob, step: int) -> None:
 
 
 def run(plans: list[Plan | None], **options) -> tuple[list[list[dict]], dict[int, str], float]:
-    """Per plan, per rank: the worker's results; the errors by rank; the wall time."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        paths: list[str | None] = []
-        for i, plan in enumerate(plans):
-            paths.append(None if plan is None else os.path.join(tmp, f"plan{i}.yaml"))
-            if plan is not None:
-                plan.save(paths[-1])
-        init = os.path.join(tmp, "init")
-        start = time.monotonic()
-        procs = [ctx.Process(target=_worker, args=(r, WORLD, init, paths, tmp, options)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=max(1.0, 240 - (time.monotonic() - start)))
-        elapsed = time.monotonic() - start
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        assert not hung, f"ranks {hung} hung"
-        errors = {r: Path(tmp, f"error-{r}.txt").read_text() for r in range(WORLD)
-                  if Path(tmp, f"error-{r}.txt").exists()}
-        results = [[torch.load(Path(tmp, f"{i}-{r}.pt"), weights_only=False) if Path(tmp, f"{i}-{r}.pt").exists()
-                    else None for r in range(WORLD)] for i in range(len(plans))]
-        return results, errors, elapsed
+    """Per plan, per rank: the worker's results; the errors by rank; the wall time. Every
+    rank runs on until it fails by itself: the tests check how the others notice."""
+    spawned = spawn(_plans_worker, WORLD, plans, options, timeout_s=240,
+                    group_timeout_s=options.get("timeout_s", 60), stop_others_on_error=False)
+    return spawned.results, spawned.errors, spawned.elapsed_s
 
 
-D2D_ONLY = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
-    0: [d2d("*", {2: 0.75, 3: 0.25})],
-    1: [d2d("layers.1.**", {3: 1.0})]}), {2: POOL, 3: POOL}, quotas={0: {2: 8 << 20, 3: 4 << 20}, 1: {3: 4 << 20}})
+D2D_ONLY = with_pools(pipeline_plan("1f1b", WORLD, MICROBATCHES, {
+    0: [d2d_rule("*", {2: 0.75, 3: 0.25})],
+    1: [d2d_rule("layers.1.**", {3: 1.0})]}), {2: POOL, 3: POOL}, quotas={0: {2: 8 << 20, 3: 4 << 20}, 1: {3: 4 << 20}})
 D2D_LAYER_AHEAD = dataclasses.replace(D2D_ONLY, swap_in_policy="layer-ahead")
 """Swap-ins only `prefetch_lead` ahead: tensors stay on the peers between forward and backward."""
 
-MIXED = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
+MIXED = with_pools(pipeline_plan("1f1b", WORLD, MICROBATCHES, {
     0: [TensorRule(tensor="embed.**", technique="host"),
         TensorRule(tensor="layers.0.**", technique="recompute", microbatches="0-1"),
-        d2d("layers.0.**", {2: 0.5, 3: 0.5}, "2-3")],
-    1: [d2d("layers.1.**", {3: 1.0}, "0,2"), TensorRule(tensor="layers.1.**", technique="host", microbatches="1,3")],
+        d2d_rule("layers.0.**", {2: 0.5, 3: 0.5}, "2-3")],
+    1: [d2d_rule("layers.1.**", {3: 1.0}, "0,2"),
+        TensorRule(tensor="layers.1.**", technique="host", microbatches="1,3")],
     2: [TensorRule(tensor="layers.2.**", technique="recompute")],
-    3: [d2d("head.**", {0: 0.6, 1: 0.4}), TensorRule(tensor="layers.3.**", technique="host")]}),
+    3: [d2d_rule("head.**", {0: 0.6, 1: 0.4}), TensorRule(tensor="layers.3.**", technique="host")]}),
     {0: POOL, 1: POOL, 2: POOL, 3: POOL}, quotas={0: {2: 4 << 20, 3: 4 << 20}})
 
-OPTIM_TO_PEERS = with_pools(make_plan("1f1b", WORLD, MICROBATCHES, {
-    0: [d2d("optim:*", {2: 0.5, 3: 0.5}), d2d("layers.0.**", {2: 1.0})],
-    1: [d2d("optim:layers.1", {3: 1.0}), TensorRule(tensor="layers.1.**", technique="host")]}),
+OPTIM_TO_PEERS = with_pools(pipeline_plan("1f1b", WORLD, MICROBATCHES, {
+    0: [d2d_rule("optim:*", {2: 0.5, 3: 0.5}), d2d_rule("layers.0.**", {2: 1.0})],
+    1: [d2d_rule("optim:layers.1", {3: 1.0}), TensorRule(tensor="layers.1.**", technique="host")]}),
     {2: POOL, 3: POOL})
 """Adam states between steps in peer pools, with activations swapped too."""
 
 def _idle_lender() -> Plan:
     """Stages on devices 0, 1, 2 and 4 of a 5-device machine; device 3 runs no stage but
     lends its memory: rank 0, its lowest exporter, allocates and exports that pool."""
-    plan = make_plan("1f1b", WORLD, MICROBATCHES, {0: [d2d("layers.0.**", {3: 0.5, 2: 0.5})],
-                                                   1: [d2d("layers.1.**", {3: 1.0})]})
+    plan = pipeline_plan("1f1b", WORLD, MICROBATCHES, {0: [d2d_rule("layers.0.**", {3: 0.5, 2: 0.5})],
+                                                       1: [d2d_rule("layers.1.**", {3: 1.0})]})
     devices = [0, 1, 2, 4]
     stages = [dataclasses.replace(sp, device=devices[sp.stage], peer_pool_bytes=POOL if sp.stage == 2 else 0,
                                   peer_quotas=[PeerQuota(device=3, quota_bytes=4 << 20)] if sp.stage < 2 else [])
@@ -187,7 +148,7 @@ def _idle_lender() -> Plan:
 
 IDLE_LENDER = _idle_lender()
 
-KEEP_ALL = make_plan("1f1b", WORLD, MICROBATCHES, {0: [TensorRule(tensor="*", technique="keep")]})
+KEEP_ALL = pipeline_plan("1f1b", WORLD, MICROBATCHES, {0: [TensorRule(tensor="*", technique="keep")]})
 
 
 def test_d2d_and_mixed_plans_equal_the_plain_run_and_move_exactly_the_swapped_bytes():
@@ -242,13 +203,13 @@ def random_d2d_plan(draw) -> Plan:
                 chosen = draw(st.lists(st.sampled_from(peers), unique=True, min_size=1, max_size=3))
                 weights = draw(st.lists(st.integers(1, 4), min_size=len(chosen), max_size=len(chosen)))
                 stripes = {d: w / sum(weights) for d, w in zip(chosen, weights)}
-                rules.setdefault(stage, []).append(d2d(f"{layer}.**", stripes, selector))
+                rules.setdefault(stage, []).append(d2d_rule(f"{layer}.**", stripes, selector))
             else:
                 rules.setdefault(stage, []).append(TensorRule(tensor=f"{layer}.**", technique=technique,
                                                               microbatches=selector))
     if not any(r.technique == "d2d" for rs in rules.values() for r in rs):  # never a vacuous example
-        rules.setdefault(0, []).insert(0, d2d("embed.**", {1: 1.0}))
-    return with_pools(make_plan("1f1b", WORLD, MICROBATCHES, rules), {d: POOL for d in range(WORLD)})
+        rules.setdefault(0, []).insert(0, d2d_rule("embed.**", {1: 1.0}))
+    return with_pools(pipeline_plan("1f1b", WORLD, MICROBATCHES, rules), {d: POOL for d in range(WORLD)})
 
 
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])

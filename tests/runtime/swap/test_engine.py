@@ -8,6 +8,7 @@ import gc
 import random
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -18,42 +19,12 @@ from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapState
+from tests.support import keys
+from tests.support.tensors import CPU, DTYPES, random_tensor, same_bits, wait_until
 
-CPU = torch.device("cpu")
 ALIGN = 64
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-          torch.complex128]
-
-
-def key(name: str, microbatch: int | None = 0) -> TensorKey:
-    return TensorKey(rank=2, stage=1, microbatch=microbatch, tensor=name)
-
-
-def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], device=CPU) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN payloads, -0.0, denormals) for non-bool dtypes."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, device=device).bool()
-    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, device=device)
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+key = partial(keys.key, rank=2, stage=1)
+"""The engines below run as rank 2 stage 1, whose keys their messages name."""
 
 
 @pytest.fixture

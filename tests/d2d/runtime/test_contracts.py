@@ -7,16 +7,10 @@ CPU (shared-memory pools, gloo).
 from __future__ import annotations
 
 import gc
-import os
-import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_peer_pool import make_plan, three_stage_plan
 
 from mpress.d2d.runtime.peer_pool import setup_peer_pools
 from mpress.d2d.runtime.pool_layout import plan_quotas
@@ -25,27 +19,25 @@ from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.errors import PlanError, SwapError, TopologyError
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
-from mpress.identity import TensorKey
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.static.evaluate import setup_pipeline
 from mpress.static.planner import PlannerOptions, plan_strategy
+from tests.support.keys import key
+from tests.support.plans import d2d_plan, three_stage_d2d_plan
+from tests.support.spawn import spawn
 
 CPU = torch.device("cpu")
 KiB = 1 << 10
 
 
-def key(name: str) -> TensorKey:
-    return TensorKey(rank=0, stage=0, microbatch=0, tensor=name)
-
-
 @pytest.fixture
 def d2d_engine(group):
-    """(engine, manager) swapping stage 0 of `three_stage_plan` into shared-memory pools."""
+    """(engine, manager) swapping stage 0 of `three_stage_d2d_plan` into shared-memory pools."""
     made = []
 
     def make() -> tuple[SwapEngine, MemoryManager]:
-        plan = three_stage_plan()
+        plan = three_stage_d2d_plan()
         pools = setup_peer_pools(plan, [0, 1, 2], CPU)
         weights = tuple((s.device, s.fraction) for s in plan.stages[0].rules[0].stripes)
         store = PeerStore(pools, 0, CPU, weights, min_stripe_bytes=KiB, check_interval_s=0.0)
@@ -98,7 +90,7 @@ def test_an_allocation_error_of_any_kind_is_reported_as_the_rank_failure(group):
     transport = _CreateFails()
     try:
         with pytest.raises(SwapError, match=r"^peer pools: rank 0: RuntimeError: .*cudaIpcGetMemHandle"):
-            setup_peer_pools(three_stage_plan(), [0, 1, 2], CPU, transport=transport)
+            setup_peer_pools(three_stage_d2d_plan(), [0, 1, 2], CPU, transport=transport)
     finally:
         transport.close()
 
@@ -107,7 +99,7 @@ def test_an_allocation_error_frees_the_pools_made_before_it(group):
     transport = _CreateFails()
     try:
         with pytest.raises(Exception, match="cudaIpcGetMemHandle"):
-            setup_peer_pools(three_stage_plan(), [0, 1, 2], CPU, transport=transport)
+            setup_peer_pools(three_stage_d2d_plan(), [0, 1, 2], CPU, transport=transport)
         assert transport.names, "the first pool was created"
         left = [n for n in transport.names if Path("/dev/shm", n.lstrip("/")).exists()]
         assert left == []
@@ -123,34 +115,15 @@ class _OpenFails(SharedMemoryTransport):
         raise TopologyError("GPU 0 cannot access GPU 1 directly (no peer access)")
 
 
-def _open_fails_worker(rank: int, init: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=20))
-    plan = make_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 64 * KiB}, num_ranks=2)
-    try:
-        pools = setup_peer_pools(plan, [rank], CPU, transport=_OpenFails() if rank == 0 else None)
-    except Exception as exc:  # noqa: BLE001 - the test reads what each rank saw
-        Path(out, f"{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
-        os._exit(0)  # as the launcher does: this rank stops, its peers are on their own
-    Path(out, f"{rank}.txt").write_text("ok")
+def _open_fails_worker(rank: int, world: int, plan_paths: list[str | None]):
+    plan = d2d_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 64 * KiB}, num_ranks=2)
+    pools = setup_peer_pools(plan, [rank], CPU, transport=_OpenFails() if rank == 0 else None)
     pools.close()
-    os._exit(0)
 
 
 def test_a_rank_that_cannot_open_its_peers_pools_fails_every_rank():
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_open_fails_worker, args=(r, os.path.join(tmp, "init"), tmp)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        seen = {r: Path(tmp, f"{r}.txt").read_text() for r in (0, 1) if Path(tmp, f"{r}.txt").exists()}
+    # a rank that fails stops at once, as the launcher does; its peers are on their own
+    seen = spawn(_open_fails_worker, 2, [], timeout_s=60, group_timeout_s=20, stop_others_on_error=False).errors
     for rank in (0, 1):  # the same error, of the same class, on every rank
         assert seen.get(rank, "").startswith("TopologyError: peer pools: rank 0: GPU 0 cannot access GPU 1"), seen
 

@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_swap_engine import DTYPES, random_tensor, same_bits, wait_until
 
 from mpress.d2d.runtime.liveness import ProcessId
 from mpress.d2d.runtime.peer_pool import PeerPools, setup_peer_pools
@@ -29,44 +28,16 @@ from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.d2d.runtime.pool_layout import Quota, plan_quotas
 from mpress.d2d.runtime.stripe_table import StripeEntry, StripeState
 from mpress.errors import PlanError, SwapError
-from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
+from mpress.plan import Plan
 from mpress.identity import TensorKey
 from mpress.runtime.memory.manager import MemoryManager, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapState
 from mpress.units import ALIGNMENT_BYTES
+from tests.support.keys import key
+from tests.support.plans import d2d_plan, three_stage_d2d_plan
+from tests.support.tensors import CPU, DTYPES, random_tensor, same_bits, wait_until
 
-CPU = torch.device("cpu")
 KiB, MiB = 1 << 10, 1 << 20
-
-
-# ---- plans ------------------------------------------------------------------------------------
-
-def d2d(stripes: dict[int, float], tensor: str = "*") -> TensorRule:
-    return TensorRule(tensor=tensor, technique="d2d", stripes=[Stripe(device=d, fraction=f) for d, f in stripes.items()])
-
-
-def make_plan(devices: list[int], *, stripes: dict[int, dict[int, float]] | None = None,
-              pools: dict[int, int] | None = None, quotas: dict[int, dict[int, int]] | None = None,
-              num_ranks: int = 1) -> Plan:
-    """Stage s on `devices[s]` holding layer s; `stripes[s]`: stage s D2D-swaps every saved
-    tensor with those (device: fraction) stripes; `pools[s]`: stage s's peer_pool_bytes;
-    `quotas[s]`: its explicit (device: bytes) quotas."""
-    stripes, pools, quotas = stripes or {}, pools or {}, quotas or {}
-    stages = [StagePlan(stage=s, device=d, first_layer=s, end_layer=s + 1,
-                        rules=[d2d(stripes[s])] if s in stripes else [],
-                        peer_pool_bytes=pools.get(s, 0),
-                        peer_quotas=[PeerQuota(device=p, quota_bytes=b) for p, b in quotas.get(s, {}).items()])
-              for s, d in enumerate(devices)]
-    return Plan(strategy="test", model="toy", model_fingerprint="model", profile_fingerprint="prof",
-                hardware="test", hardware_fingerprint="hw", num_devices=max(devices) + 1,
-                device_memory_bytes=1 << 34, schedule="interleaved" if num_ranks == 1 else "1f1b",
-                num_stages=len(devices), num_ranks=num_ranks, num_microbatches=2, microbatch_size=1,
-                stage_to_device=list(devices), stages=stages, fits=True)
-
-
-def three_stage_plan(pool1: int = 8 * MiB, pool2: int = 8 * MiB) -> Plan:
-    """Stage 0 (device 0) stripes 3:1 to devices 1 and 2, whose stages reserve pools."""
-    return make_plan([0, 1, 2], stripes={0: {1: 0.75, 2: 0.25}}, pools={1: pool1, 2: pool2})
 
 
 def round_up(nbytes: int) -> int:
@@ -76,8 +47,8 @@ def round_up(nbytes: int) -> int:
 # ---- (a) plan_quotas: pure -------------------------------------------------------------------
 
 def test_explicit_quotas_first_then_equal_share_of_the_rest():
-    plan = make_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 10 * KiB},
-                     quotas={0: {2: 1000}})
+    plan = d2d_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 10 * KiB},
+                    quotas={0: {2: 1000}})
     assert plan_quotas(plan) == {2: [
         Quota(stage=0, device=2, offset_bytes=0, nbytes=1024),        # 1000 rounded up
         Quota(stage=1, device=2, offset_bytes=1024, nbytes=9 * KiB),  # what is left
@@ -85,7 +56,7 @@ def test_explicit_quotas_first_then_equal_share_of_the_rest():
 
 
 def test_equal_shares_are_aligned_and_fit():
-    plan = make_plan([0, 1, 2, 3], stripes={0: {3: 1.0}, 1: {3: 1.0}, 2: {3: 1.0}}, pools={3: 10_000})
+    plan = d2d_plan([0, 1, 2, 3], stripes={0: {3: 1.0}, 1: {3: 1.0}, 2: {3: 1.0}}, pools={3: 10_000})
     quotas = plan_quotas(plan)[3]
     assert [q.stage for q in quotas] == [0, 1, 2]
     share = 10_000 // 3 // ALIGNMENT_BYTES * ALIGNMENT_BYTES
@@ -94,8 +65,8 @@ def test_equal_shares_are_aligned_and_fit():
 
 def test_quotas_per_device_and_pools_summed_over_the_stages_of_a_device():
     # stage 0 stripes to devices 1 and 2; device 1 runs stages 1 and 3, whose pools add up
-    plan = make_plan([0, 1, 2, 1], stripes={0: {1: 0.5, 2: 0.5}}, pools={1: 4 * KiB, 2: 2 * KiB, 3: 4 * KiB},
-                     quotas={0: {2: 1 * KiB}})
+    plan = d2d_plan([0, 1, 2, 1], stripes={0: {1: 0.5, 2: 0.5}}, pools={1: 4 * KiB, 2: 2 * KiB, 3: 4 * KiB},
+                    quotas={0: {2: 1 * KiB}})
     assert plan_quotas(plan) == {1: [Quota(stage=0, device=1, offset_bytes=0, nbytes=8 * KiB)],
                                  2: [Quota(stage=0, device=2, offset_bytes=0, nbytes=1 * KiB)]}
     # the override replaces every pool's size
@@ -103,8 +74,8 @@ def test_quotas_per_device_and_pools_summed_over_the_stages_of_a_device():
 
 
 def test_a_pool_too_small_for_its_quotas_is_refused_with_the_numbers():
-    plan = make_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 10_000},
-                     quotas={0: {2: 8192}, 1: {2: 4000}})
+    plan = d2d_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 10_000},
+                    quotas={0: {2: 8192}, 1: {2: 4000}})
     with pytest.raises(PlanError) as info:
         plan_quotas(plan)
     message = str(info.value)
@@ -114,13 +85,13 @@ def test_a_pool_too_small_for_its_quotas_is_refused_with_the_numbers():
 
 
 def test_a_pool_with_no_room_for_an_equal_share_is_refused():
-    plan = make_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 1000})
+    plan = d2d_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 1000})
     with pytest.raises(PlanError, match="peer pool of device 2 is too small: 1000 bytes"):
         plan_quotas(plan)
 
 
 def test_fixed_quotas_over_the_pool_leave_no_negative_numbers_in_the_message():
-    plan = make_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 4096}, quotas={0: {2: 8192}})
+    plan = d2d_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 4096}, quotas={0: {2: 8192}})
     with pytest.raises(PlanError) as info:
         plan_quotas(plan)
     message = str(info.value)
@@ -129,13 +100,13 @@ def test_fixed_quotas_over_the_pool_leave_no_negative_numbers_in_the_message():
 
 
 def test_striping_to_a_device_without_a_pool_is_refused():
-    plan = make_plan([0, 1, 2], stripes={0: {1: 0.5, 2: 0.5}, 1: {2: 1.0}}, pools={1: 4 * KiB})
+    plan = d2d_plan([0, 1, 2], stripes={0: {1: 0.5, 2: 0.5}, 1: {2: 1.0}}, pools={1: 4 * KiB})
     with pytest.raises(PlanError, match=r"stage\(s\) 0, 1 stripe to device 2, which reserves no peer pool"):
         plan_quotas(plan)
 
 
 def test_no_d2d_no_quotas():
-    assert plan_quotas(make_plan([0, 1], pools={1: 4 * KiB})) == {}
+    assert plan_quotas(d2d_plan([0, 1], pools={1: 4 * KiB})) == {}
 
 
 # ---- (b) pools in one process ------------------------------------------------------------------
@@ -157,8 +128,8 @@ def make_pools(group):
 
 
 def test_quotas_are_aligned_views_of_the_importers_pool(make_pools):
-    plan = make_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 64 * KiB},
-                     quotas={0: {2: 8000}})
+    plan = d2d_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 64 * KiB},
+                    quotas={0: {2: 8000}})
     pools = make_pools(plan)
     layout = {q.stage: q for q in plan_quotas(plan)[2]}
     a, b = pools.quota(0, 2), pools.quota(1, 2)
@@ -183,7 +154,7 @@ def test_quotas_are_aligned_views_of_the_importers_pool(make_pools):
 
 
 def test_the_ledger_shows_each_quotas_use_to_the_importer(make_pools):
-    plan = make_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 64 * KiB})
+    plan = d2d_plan([0, 1, 2], stripes={0: {2: 1.0}, 1: {2: 1.0}}, pools={2: 64 * KiB})
     pools = make_pools(plan)
     assert pools.pool_usage()[2]["in_use_bytes"] == 0
     capacity = sum(q.nbytes for q in plan_quotas(plan)[2])
@@ -206,7 +177,7 @@ def test_the_ledger_shows_each_quotas_use_to_the_importer(make_pools):
 
 
 def test_the_ledger_is_exact_after_concurrent_allocate_and_free(make_pools):
-    plan = make_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 1 * MiB})
+    plan = d2d_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 1 * MiB})
     pools = make_pools(plan)
     quota = pools.quota(0, 1)
 
@@ -226,12 +197,12 @@ def test_the_ledger_is_exact_after_concurrent_allocate_and_free(make_pools):
 
 
 def test_a_pool_too_small_fails_at_start_up_with_the_numbers(group):
-    plan = make_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 4 * KiB}, quotas={0: {1: 8 * KiB}})
+    plan = d2d_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 4 * KiB}, quotas={0: {1: 8 * KiB}})
     with pytest.raises(PlanError, match=r"^peer pools: rank 0: peer pool of device 1 is too small: 4096 bytes .*"
                                         r"stage 0 needs 8192 bytes"):
         setup_peer_pools(plan, [0, 1], CPU)
     with pytest.raises(PlanError, match="peer pool of device 1 is too small: 100 bytes"):
-        setup_peer_pools(make_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 4 * KiB}), [0, 1], CPU,
+        setup_peer_pools(d2d_plan([0, 1], stripes={0: {1: 1.0}}, pools={1: 4 * KiB}), [0, 1], CPU,
                          pool_override_bytes=100)
 
 
@@ -278,7 +249,7 @@ def kill_rank(pools: PeerPools, rank: int) -> ProcessId:
 
 
 def test_a_dead_pool_holder_is_named(make_pools):
-    pools = make_pools(three_stage_plan())
+    pools = make_pools(three_stage_d2d_plan())
     pools.check_peer(1)
     dead = kill_rank(pools, 0)
     with pytest.raises(SwapError, match=rf"^peer rank 0 \(device 2, pid {dead.pid}\), which holds a D2D peer pool, "
@@ -294,10 +265,6 @@ def find(store: PeerStore, owner: str) -> StripeEntry:
     return [e for e in store.table.entries() if e.owner == owner][-1]
 
 
-def key(name: str, microbatch: int = 0) -> TensorKey:
-    return TensorKey(rank=0, stage=0, microbatch=microbatch, tensor=name)
-
-
 @pytest.fixture
 def make_d2d(make_pools):
     """(engine, store, pools, manager) for stage 0 of `plan` (default: 3:1 over devices 1, 2)."""
@@ -305,7 +272,7 @@ def make_d2d(make_pools):
 
     def make(plan: Plan | None = None, *, min_stripe_bytes: int = 64 * KiB, check_interval_s: float = 0.0,
              fault=None) -> tuple[SwapEngine, PeerStore, PeerPools, MemoryManager]:
-        plan = plan or three_stage_plan()
+        plan = plan or three_stage_d2d_plan()
         pools = make_pools(plan)
         weights = tuple((s.device, s.fraction) for s in plan.stages[0].rules[0].stripes)
         store = PeerStore(pools, 0, CPU, weights, min_stripe_bytes=min_stripe_bytes,
@@ -425,7 +392,7 @@ def test_a_swap_may_name_other_weights(make_d2d):
 def test_quota_exhaustion_names_the_tensor_and_rolls_back(make_d2d):
     # device 2's quota is too small for the 1 MiB stripe; device 1's 3 MiB stripe was
     # already reserved and must be given back
-    engine, store, pools, manager = make_d2d(three_stage_plan(pool1=4 * MiB, pool2=512 * KiB), min_stripe_bytes=MiB)
+    engine, store, pools, manager = make_d2d(three_stage_d2d_plan(pool1=4 * MiB, pool2=512 * KiB), min_stripe_bytes=MiB)
     with pytest.raises(SwapError) as info:
         engine.swap_out(key("big#0", 1), torch.empty(1 << 20))
     assert str(info.value).startswith(
@@ -492,8 +459,8 @@ def _cuda_worker(rank: int, world: int, init: str, out: str, stage_to_device: li
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     pool_bytes = 2 * nbytes
-    plan = make_plan(stage_to_device, stripes={0: weights}, num_ranks=world,
-                     pools={s: pool_bytes for s in range(1, world)})
+    plan = d2d_plan(stage_to_device, stripes={0: weights}, num_ranks=world,
+                    pools={s: pool_bytes for s in range(1, world)})
     pools = setup_peer_pools(plan, [rank], device)
     result: dict = {"device": stage_to_device[rank]}
     if rank == 0:

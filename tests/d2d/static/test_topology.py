@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from test_hardware import DGX1_LINKS  # the matrix as typed in from nvidia-smi topo -m
 
 from mpress import cli
 from mpress.commands import topo as topo_cmd
@@ -22,8 +21,7 @@ from mpress.d2d.static.topology import (
 )
 from mpress.errors import TopologyError
 from mpress.hardware import HARDWARE_DIR, load_hardware
-
-# DGX-1V link counts (DESIGN.md, `nvidia-smi topo -m`), typed in independently of the preset.
+from tests.support.hardware import DGX1_LINKS  # the matrix as typed in from nvidia-smi topo -m
 
 # A DGX-1-like machine written out by hand: each GPU's own bus id (NVML's 8-digit domain)
 # and the far end of each of its 6 active links (legacy 4-digit domain, upper case,

@@ -39,6 +39,7 @@ from mpress.static.rewriter import (
     stash_offloaded,
 )
 from mpress.static.schedules import build_schedule
+from tests.support.plans import rule
 
 MB = 10**6
 OUT = [(i + 1) * 100_000 for i in range(8)]
@@ -68,10 +69,6 @@ def toy_profile(num_layers: int = 4) -> Profile:
     ]
     return Profile(model="toy", model_fingerprint="toy", source="analytic", device="dgx1-v100", dtype="fp32",
                    microbatch_size=1, layers=layers)
-
-
-def rule(tensor: str, technique: str = "host", microbatches: str = "all", **kw: object) -> TensorRule:
-    return TensorRule(tensor=tensor, technique=technique, microbatches=microbatches, **kw)  # type: ignore[arg-type]
 
 
 def make_plan(rules: dict[int, list[TensorRule]], ranges: list[tuple[int, int]], schedule: Schedule) -> Plan:

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_runtime_pipeline import assert_states_equal, make_plan
 
 from mpress.plan import TensorRule
+from tests.support.compare import assert_states_equal
+from tests.support.plans import pipeline_plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(config: dict, tmp: Path, nproc: int = 2, timeout: int = 240, env: dict | None = None):
@@ -34,10 +35,10 @@ def losses(stdout: str) -> dict[int, str]:
 
 @pytest.fixture
 def plan_file(tmp_path):
-    plan = make_plan("1f1b", 2, 4, {0: [TensorRule(tensor="optim:*", technique="host"),
-                                        TensorRule(tensor="layers.0.**", technique="recompute"),
-                                        TensorRule(tensor="layers.1.**", technique="host")],
-                                    1: [TensorRule(tensor="layers.2.**", technique="host")]})
+    plan = pipeline_plan("1f1b", 2, 4, {0: [TensorRule(tensor="optim:*", technique="host"),
+                                            TensorRule(tensor="layers.0.**", technique="recompute"),
+                                            TensorRule(tensor="layers.1.**", technique="host")],
+                                        1: [TensorRule(tensor="layers.2.**", technique="host")]})
     path = tmp_path / "plan.yaml"
     plan.save(path)
     return path
@@ -112,7 +113,7 @@ def test_a_peer_pool_too_small_stops_every_rank_at_start_up(tmp_path):
     assert res.returncode != 0  # torchrun's own status for failed workers
     lines = [x for x in res.stderr.splitlines() if x.startswith("mpress.train: rank")]
     # torchrun stops the other workers once one has failed, so not every rank may get to
-    # print (tests/test_runtime_d2d.py checks every rank's error without torchrun)
+    # print (tests/runtime/test_d2d_runs.py checks every rank's error without torchrun)
     assert lines, res.stderr[-3000:]
     assert all(": error: peer pools: rank " in x and "is too small: 4096 bytes" in x for x in lines), lines
     assert "step 0:" not in res.stdout  # nothing trained

@@ -2,6 +2,7 @@
 
 import json
 import threading
+from functools import partial
 
 import pytest
 import torch
@@ -9,12 +10,11 @@ import torch
 from mpress.errors import SwapError
 from mpress.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
+from tests.support import keys
 
 CPU = torch.device("cpu")
-
-
-def key(name: str, microbatch: int | None = 0) -> TensorKey:
-    return TensorKey(rank=1, stage=2, microbatch=microbatch, tensor=name)
+key = partial(keys.key, rank=1, stage=2)
+"""The managers below run as rank 1; messages name a key's rank and stage."""
 
 
 def test_tensor_key_reads_as_a_sentence():

@@ -11,6 +11,7 @@ from mpress.tiling.graph import from_sequential, meta_clone
 from mpress.tiling.memory import LiveBytes, cuda_peak_bytes, live_peak_bytes
 from mpress.tiling.networks import darknet19, vgg16
 from mpress.tiling.peak import PeakModel
+from tests.support.tiling import step_peak_bytes
 
 
 def test_live_bytes_counts_new_storages_not_views_and_frees_them():
@@ -41,14 +42,6 @@ def test_live_bytes_sees_autograd_saved_tensors_and_gradients():
     assert tracker.peak_bytes >= 2 * 8 * 16 * 16 * 4
 
 
-def _measure(model, x, target):
-    for p in model.parameters():
-        p.grad = None
-    with LiveBytes() as tracker:
-        F.mse_loss(model(x), target).backward()
-    return tracker.peak_bytes
-
-
 CASES = [
     ("vgg16/8 plain", lambda: vgg16(width_div=8), 80, None, False),
     ("vgg16/8 1 tile", lambda: vgg16(width_div=8), 80, 1, False),
@@ -76,7 +69,7 @@ def test_predicted_peak_within_ten_percent_of_measured(name, make, size, tiles, 
         plan = model.plan(tuple(x.shape), torch.float32, input_grad)
         assert plan.segments
         predicted = plan.prediction
-    measured = _measure(model, x, target)
+    measured = step_peak_bytes(model, x, target)
     assert abs(predicted.peak_bytes - measured) <= 0.1 * measured, (predicted.peak_bytes, measured)
 
 
@@ -106,8 +99,8 @@ def test_planning_inside_a_measured_step_is_not_counted():
     x = torch.randn(1, 3, 64, 64)
     target = torch.randn(1, 10)
     model = TiledSequential(vgg16(width_div=16), num_tiles=2)
-    first = _measure(model, x, target)  # plans on the meta device inside the tracked step
-    assert first == _measure(model, x, target)
+    first = step_peak_bytes(model, x, target)  # plans on the meta device inside the tracked step
+    assert first == step_peak_bytes(model, x, target)
     assert abs(model.plan(tuple(x.shape)).prediction.peak_bytes - first) <= 0.1 * first
 
 
@@ -115,6 +108,6 @@ def test_a_meta_device_dry_run_measures_what_the_model_predicts():
     net = meta_clone(vgg16(width_div=8))  # no data, no compute: how bench/sft.py sizes giant images
     model = TiledSequential(net, num_tiles=3)
     x = torch.empty(1, 3, 200, 200, device="meta")
-    measured = _measure(model, x, torch.empty(1, 10, device="meta"))
+    measured = step_peak_bytes(model, x, torch.empty(1, 10, device="meta"))
     predicted = model.plan(tuple(x.shape)).prediction.peak_bytes
     assert abs(predicted - measured) <= 0.1 * measured

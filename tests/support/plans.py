@@ -1,0 +1,61 @@
+"""Plans built in code for tests: rules, a plan for the tiny pipeline that the runtime
+tests train, and D2D plans over pipeline stages on given devices."""
+
+from __future__ import annotations
+
+from mpress.model_config import ModelConfig, load_model_config
+from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
+from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, POOL_BYTES, RANGES, num_stages_of
+
+MiB = 1 << 20
+
+
+def rule(tensor: str, technique: str = "host", microbatches: str = "all", **kw: object) -> TensorRule:
+    return TensorRule(tensor=tensor, technique=technique, microbatches=microbatches, **kw)  # type: ignore[arg-type]
+
+
+def d2d_rule(tensor: str, stripes: dict[int, float], microbatches: str = "all") -> TensorRule:
+    """`tensor` D2D-swapped with these (device: fraction) stripes."""
+    return TensorRule(tensor=tensor, technique="d2d", microbatches=microbatches,
+                      stripes=[Stripe(device=d, fraction=f) for d, f in stripes.items()])
+
+
+def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[int, list[TensorRule]], *,
+                  model: ModelConfig | None = None, host_step: tuple[int, ...] = ()) -> Plan:
+    """A plan for the tiny pipeline (`tiny_pipeline`) on `world` CPU ranks: stage s on
+    device s % world with `rules[s]`, a pinned host pool each, the optimizer step on the
+    host for the stages in `host_step`; `model`: gpt-tiny as configured (e.g. bf16)."""
+    cfg = model or load_model_config(MODEL)
+    n = num_stages_of(schedule, world)
+    stages = [StagePlan(stage=s, device=s % world, first_layer=a, end_layer=b, rules=rules.get(s, []),
+                        pinned_host_bytes=POOL_BYTES, optimizer_step="host" if s in host_step else "device")
+              for s, (a, b) in enumerate(RANGES[n])]
+    return Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), profile_fingerprint="test",
+                hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
+                schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,
+                microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % world for s in range(n)], stages=stages,
+                fits=True)
+
+
+def d2d_plan(devices: list[int], *, stripes: dict[int, dict[int, float]] | None = None,
+             pools: dict[int, int] | None = None, quotas: dict[int, dict[int, int]] | None = None,
+             num_ranks: int = 1) -> Plan:
+    """Stage s on `devices[s]` holding layer s of a toy model; `stripes[s]`: stage s
+    D2D-swaps every saved tensor with those (device: fraction) stripes; `pools[s]`: stage
+    s's peer_pool_bytes; `quotas[s]`: its explicit (device: bytes) quotas."""
+    stripes, pools, quotas = stripes or {}, pools or {}, quotas or {}
+    stages = [StagePlan(stage=s, device=d, first_layer=s, end_layer=s + 1,
+                        rules=[d2d_rule("*", stripes[s])] if s in stripes else [],
+                        peer_pool_bytes=pools.get(s, 0),
+                        peer_quotas=[PeerQuota(device=p, quota_bytes=b) for p, b in quotas.get(s, {}).items()])
+              for s, d in enumerate(devices)]
+    return Plan(strategy="test", model="toy", model_fingerprint="model", profile_fingerprint="prof",
+                hardware="test", hardware_fingerprint="hw", num_devices=max(devices) + 1,
+                device_memory_bytes=1 << 34, schedule="interleaved" if num_ranks == 1 else "1f1b",
+                num_stages=len(devices), num_ranks=num_ranks, num_microbatches=2, microbatch_size=1,
+                stage_to_device=list(devices), stages=stages, fits=True)
+
+
+def three_stage_d2d_plan(pool1: int = 8 * MiB, pool2: int = 8 * MiB) -> Plan:
+    """Stage 0 (device 0) stripes 3:1 to devices 1 and 2, whose stages reserve pools."""
+    return d2d_plan([0, 1, 2], stripes={0: {1: 0.75, 2: 0.25}}, pools={1: pool1, 2: pool2})

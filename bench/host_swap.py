@@ -68,10 +68,10 @@ from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES, check_layer_range
 from mpress.plan import StagePlan, TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
-from mpress.units import ALIGNMENT_BYTES
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine, SwapStats
+from mpress.units import ALIGNMENT_BYTES
 
 MiB = 1 << 20
 POOL_SLACK = 1.25

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 from mpress.actions import UnitId, UnitKind
-from mpress.d2d.static.mapper import MappingProblem, map_devices
+from mpress.d2d.static.mapper import map_devices
+from mpress.d2d.static.mapping import MappingProblem
 from mpress.static.evaluate import Evaluation
 from mpress.static.plan_draft import D2D, KEEP, RECOMPUTE, Draft, peer_quota_bytes
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import itertools
 import random
 
-# _rates and _reaches are the mapper's own: brute_force must rate mappings and settle ties
+# byte_rates and reaches are the mapper's own: brute_force must rate mappings and settle ties
 # exactly as map_devices does, so it imports them rather than keep copies.
-from mpress.d2d.static.mapper import (
+from mpress.d2d.static.mapping import (
     Assignment,
     MappingProblem,
-    _rates,
-    _reaches,
     assign_spare,
+    byte_rates,
     mapping_value,
+    reaches,
 )
 
 
@@ -24,11 +24,11 @@ def brute_force(problem: MappingProblem) -> Assignment:
     Ties: the identity if it is optimal, else the lexicographically smallest optimal mapping.
     """
     n, s = problem.num_devices, problem.num_stages
-    rates = _rates(problem)
+    rates = byte_rates(problem)
     values = [(m, mapping_value(problem, m, rates=rates)) for m in itertools.permutations(range(n), s)]
     best = min((v for _, v in values), key=lambda v: (v[0], v[1]))
     identity = tuple(range(s))
-    chosen = next(m for m, v in ([(identity, dict(values)[identity])] + values) if _reaches(v, best))
+    chosen = next(m for m, v in ([(identity, dict(values)[identity])] + values) if reaches(v, best))
     return assign_spare(problem, chosen)
 
 

@@ -1,17 +1,48 @@
-"""Plans built in code for tests: rules, a plan for the tiny pipeline that the runtime
-tests train, and D2D plans over pipeline stages on given devices."""
+"""Plans built in code for tests: rules, a two-stage plan for the contract's own tests, a
+plan for the tiny pipeline that the runtime tests train, and D2D plans over pipeline
+stages on given devices."""
 
 from __future__ import annotations
 
 from mpress.model_config import ModelConfig, load_model_config
 from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
-from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, POOL_BYTES, RANGES, num_stages_of
+from tests.support.tiny_pipeline import (
+    MICROBATCH_SIZE,
+    MODEL,
+    POOL_BYTES,
+    RANGES,
+    num_stages_of,
+)
 
 MiB = 1 << 20
+GB = 10**9
 
 
 def rule(tensor: str, technique: str = "host", microbatches: str = "all", **kw: object) -> TensorRule:
     return TensorRule(tensor=tensor, technique=technique, microbatches=microbatches, **kw)  # type: ignore[arg-type]
+
+
+def contract_plan(rules: dict[int, list[TensorRule]] | None = None, *, ranges=((0, 2), (2, 4)),
+              devices: list[int] | None = None, num_microbatches: int = 4, hardware: str = "dgx1-v100",
+              hardware_fp: str = "hw", model_fp: str = "model", **stage_kw: dict) -> Plan:
+    """A plan for len(ranges) stages; `stage_kw[s]` overrides StagePlan fields of stage s."""
+    devices = list(range(len(ranges))) if devices is None else devices
+    rules = rules or {}
+    stages = [
+        StagePlan(stage=s, device=devices[s], first_layer=a, end_layer=b, rules=list(rules.get(s, [])),
+                  **stage_kw.get(f"s{s}", {}))
+        for s, (a, b) in enumerate(ranges)
+    ]
+    return Plan(strategy="test", model="toy", model_fingerprint=model_fp, profile_fingerprint="prof",
+                hardware=hardware, hardware_fingerprint=hardware_fp, num_devices=8, device_memory_bytes=32 * GB,
+                schedule="1f1b", num_stages=len(ranges), num_ranks=len(ranges), num_microbatches=num_microbatches,
+                microbatch_size=2, stage_to_device=devices, stages=stages, fits=True)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text, f"error message is not one line: {text!r}"
+    return text
 
 
 def d2d_rule(tensor: str, stripes: dict[int, float], microbatches: str = "all") -> TensorRule:

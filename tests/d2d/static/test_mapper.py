@@ -15,12 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpress.d2d.static.mapper import (
-    MappingProblem,
-    assign_spare,
-    map_devices,
-    mapping_value,
-)
+from mpress.d2d.static.mapper import map_devices
+from mpress.d2d.static.mapping import MappingProblem, assign_spare, mapping_value
 from mpress.d2d.static.maxflow import SwapNetwork, solve_by_flow, solve_concave, stage_levels
 from mpress.errors import PlanError, UserError
 from mpress.hardware import load_hardware

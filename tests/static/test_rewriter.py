@@ -12,121 +12,37 @@ lowering's accounting (`mpress.static.memory.lower_action`). With fast copies:
 - a swap-in takes its bytes when it starts, which is where the rewriter placed it
   (`prefetch_lead` compute actions ahead of the backward).
 
-Toy profile (MB = 1e6 bytes), layer i = 0..7 named `layers.i` (most tests use 0..3):
-  saved `layers.i.fc#0` 4 MB, `layers.i.fc#1` 1 MB, `layers.i.act#0` (i+1) MB -> 6, 7, 8, 9 MB, ...
-  output (i+1) x 0.1 MB; forward (10+i) x 0.1 ms, backward twice that;
-  parameters 1 MB (250k fp32), gradients 1 MB, Adam 2 MB, master weights 1 MB.
+The toy profile and `Case` are in tests.support.rewriter; optimizer states and PipeDream's
+stashed weights are tested in test_rewriter_model_data.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from mpress.actions import Kind, Schedule, format_actions
+from mpress.actions import Kind
 from mpress.errors import PlanError
-from mpress.hardware import Hardware, load_hardware
-from mpress.plan import Plan, StagePlan, Stripe, TensorRule
-from mpress.static.emulator import EmulatorResult, emulate
-from mpress.static.lowering import TensorInfo, build_program
-from mpress.static.memory import optimizer_step_s, stage_costs
-from mpress.static.profile import LayerProfile, Profile, SavedTensor
-from mpress.static.rewriter import (
-    Rewritten,
-    offloaded_optim_bytes,
-    rewrite,
-    stash_offloaded,
-)
+from mpress.plan import Stripe, TensorRule
+from mpress.static.emulator import emulate
+from mpress.static.lowering import TensorInfo
+from mpress.static.memory import stage_costs
+from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
 from mpress.static.schedules import build_schedule
 from tests.support.plans import rule
-
-MB = 10**6
-OUT = [(i + 1) * 100_000 for i in range(8)]
-"""Output bytes of layer i (the next layer's input)."""
-FWD = [(10 + i) * 1e-4 for i in range(8)]
-"""Forward seconds of layer i."""
-PARAM = GRAD = MASTER = 1 * MB
-ADAM = 2 * MB
-NUM_PARAMS = 250_000
-DGX1 = load_hardware("dgx1-v100")
-FAST = replace(DGX1, pcie_h2d_gbps=1e6, pcie_d2h_gbps=1e6, nvlink_gbps_per_link=1e6,
-               pcie_latency_s=0.0, nvlink_latency_s=0.0)
-"""DGX-1 with copies so fast that they never bound anything."""
-
-
-def toy_profile(num_layers: int = 4) -> Profile:
-    layers = [
-        LayerProfile(
-            name=f"layers.{i}", forward_flops=1e9, backward_flops=2e9,
-            forward_time_s=FWD[i], backward_time_s=2 * FWD[i],
-            saved=[SavedTensor(module=f"layers.{i}.fc", index=0, bytes=4 * MB),
-                   SavedTensor(module=f"layers.{i}.fc", index=1, bytes=1 * MB),
-                   SavedTensor(module=f"layers.{i}.act", index=0, bytes=(i + 1) * MB)],
-            param_bytes=PARAM, grad_bytes=GRAD, optim_bytes=ADAM, master_bytes=MASTER, output_bytes=OUT[i],
-        )
-        for i in range(num_layers)
-    ]
-    return Profile(model="toy", model_fingerprint="toy", source="analytic", device="dgx1-v100", dtype="fp32",
-                   microbatch_size=1, layers=layers)
-
-
-def make_plan(rules: dict[int, list[TensorRule]], ranges: list[tuple[int, int]], schedule: Schedule) -> Plan:
-    devices = [schedule.stage_to_rank[s] for s in range(schedule.num_stages)]
-    stages = [StagePlan(stage=s, device=devices[s], first_layer=a, end_layer=b, rules=list(rules.get(s, [])))
-              for s, (a, b) in enumerate(ranges)]
-    return Plan(strategy="test", model="toy", model_fingerprint="m", profile_fingerprint="p", hardware="dgx1-v100",
-                hardware_fingerprint="h", num_devices=8, device_memory_bytes=DGX1.device.memory_bytes,
-                schedule=schedule.name,  # type: ignore[arg-type]
-                num_stages=schedule.num_stages, num_ranks=schedule.num_ranks,
-                num_microbatches=schedule.num_microbatches, microbatch_size=1, stage_to_device=devices,
-                stages=stages, fits=True)
-
-
-class Case:
-    """A toy pipeline, a plan for it, and the rewritten schedule."""
-
-    def __init__(self, name: str, ranges: list[tuple[int, int]], num_microbatches: int,
-                 rules: dict[int, list[TensorRule]], hardware: Hardware = DGX1, **sched_kw: int) -> None:
-        self.profile = toy_profile(ranges[-1][1])
-        self.ranges = ranges
-        self.hardware = hardware
-        self.schedule = build_schedule(name, len(ranges), num_microbatches, **sched_kw)  # type: ignore[arg-type]
-        self.costs = stage_costs(self.profile, ranges)
-        self.plan = make_plan(rules, ranges, self.schedule)
-        self.rw: Rewritten = rewrite(self.plan, self.schedule, self.costs, hardware)
-
-    def rank(self, r: int) -> str:
-        return format_actions(list(self.rw.schedule.ranks[r]))
-
-    def program(self, rewritten: bool = True, policy: str = "capacity"):
-        devices = [self.schedule.stage_to_rank[s] for s in range(self.schedule.num_stages)]
-        if not rewritten:
-            return build_program(self.profile, self.ranges, self.schedule, self.hardware, microbatch_size=1,
-                                 stage_to_device=devices, swap_in_policy=policy)
-        offloaded = offloaded_optim_bytes(self.plan, self.costs)
-        if self.schedule.weight_stashing:  # the live weights stay on the device when the stashed versions go
-            offloaded = [o - (c.param_bytes if gone else 0)
-                         for o, c, gone in zip(offloaded, self.costs, stash_offloaded(self.plan, self.costs))]
-        return build_program(self.profile, self.ranges, self.rw.schedule, self.hardware, microbatch_size=1,
-                             stage_to_device=devices, tensors=self.rw.tensors, offloaded_bytes=offloaded,
-                             swap_in_policy=policy)
-
-    def emulate(self, rewritten: bool = True, policy: str = "capacity") -> EmulatorResult:
-        return emulate(self.program(rewritten, policy))
-
-
-def bytes_at(res: EmulatorResult, device: int, t: float) -> int:
-    """Bytes in use on `device` once everything that happened at time `t` is done."""
-    return [b for ts, b in res.timeline[device] if ts <= t][-1]
-
-
-def expand(text: str, **names: str) -> str:
-    """`{T}`-style placeholders keep the expected strings readable."""
-    return " ".join(text.split()).format(**names)
-
+from tests.support.rewriter import (
+    DGX1,
+    FAST,
+    FWD,
+    MB,
+    Case,
+    bytes_at,
+    expand,
+    make_plan,
+    toy_profile,
+)
 
 # -- host swap ---------------------------------------------------------------------------------
+
 
 def test_host_swap_of_one_layer_in_every_microbatch() -> None:
     # 1F1B, 2 stages x 4 microbatches; rank 0 runs 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3 0OPT.
@@ -315,115 +231,8 @@ def test_keep_rules_and_unmatched_tensors_change_nothing() -> None:
     assert case.rw.tensors == {}
     assert offloaded_optim_bytes(case.plan, case.costs) == [0, 0]
 
-
-# -- optimizer states --------------------------------------------------------------------------------
-
-def opt_chunk(s: int, layer: int) -> str:
-    return f"{s}:optim:layers.{layer}"
-
-
-def test_optimizer_offload_streams_chunks() -> None:
-    # stage 0 holds layers 0-2; rank 0 runs 0F0 0F1 0B0 0B1 0OPT. The OPT becomes one OPT
-    # per layer; the first two chunks come in before the compute action one ahead of the
-    # last B (B0), each chunk goes out after its step, followed by the OI two chunks ahead.
-    case = Case("1f1b", [(0, 3), (3, 4)], 2, {0: [rule("optim:*")]})
-    assert case.rank(0) == expand("""
-        0F0 0F1 0OI:{c0} 0OI:{c1} 0B0 0B1 0OPT:{c0} 0OO:{c0} 0OI:{c2} 0OPT:{c1} 0OO:{c1} 0OPT:{c2} 0OO:{c2}""",
-                                  c0=opt_chunk(0, 0), c1=opt_chunk(0, 1), c2=opt_chunk(0, 2))
-    assert case.rank(1) == "1F0 1B0 1F1 1B1 1OPT"
-    step_s = NUM_PARAMS * 16 / (15.7e12 * 0.4)  # Adam: 16 FLOP per parameter at 40% of fp32 peak
-    assert optimizer_step_s(NUM_PARAMS, DGX1) == pytest.approx(step_s)
-    # a chunk is one layer's Adam states + master weights: 2 + 1 MB
-    assert set(case.rw.tensors) == {opt_chunk(0, j) for j in range(3)}
-    for info in case.rw.tensors.values():
-        assert info.bytes == 3 * MB and info.compute_s == pytest.approx(step_s) and info.stripes == ()
-    assert offloaded_optim_bytes(case.plan, case.costs) == [9 * MB, 0]
-
-
-def test_optimizer_offload_of_four_chunks_and_lead() -> None:
-    # one stage, GPipe, 1 microbatch: 0F0 0B0 0OPT; lead 1 puts the prefetch before F0
-    case = Case("gpipe", [(0, 4)], 1, {0: [rule("optim:*")]})
-    assert case.rank(0) == expand("""
-        0OI:{c0} 0OI:{c1} 0F0 0B0 0OPT:{c0} 0OO:{c0} 0OI:{c2} 0OPT:{c1} 0OO:{c1} 0OI:{c3} 0OPT:{c2} 0OO:{c2}
-        0OPT:{c3} 0OO:{c3}""", **{f"c{j}": opt_chunk(0, j) for j in range(4)})
-    # lead 2 on a longer list: 1F1B rank 0 of 2 stages, 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3:
-    # two compute actions ahead of the last B (B3) is F3
-    case = Case("1f1b", [(0, 2), (2, 4)], 4, {0: [rule("optim:*", prefetch_lead=2)]})
-    assert case.rank(0) == expand("""
-        0F0 0F1 0B0 0F2 0B1 0OI:{c0} 0OI:{c1} 0F3 0B2 0B3 0OPT:{c0} 0OO:{c0} 0OPT:{c1} 0OO:{c1}""",
-                                  c0=opt_chunk(0, 0), c1=opt_chunk(0, 1))
-
-
-def test_partial_optimizer_offload() -> None:
-    # only layer 1's states move; the others are stepped in place, in layer order
-    case = Case("1f1b", [(0, 3), (3, 4)], 2, {0: [rule("optim:layers.1")]})
-    assert case.rank(0) == expand("0F0 0F1 0OI:{c1} 0B0 0B1 0OPT:{c0} 0OPT:{c1} 0OO:{c1} 0OPT:{c2}",
-                                  c0=opt_chunk(0, 0), c1=opt_chunk(0, 1), c2=opt_chunk(0, 2))
-    assert offloaded_optim_bytes(case.plan, case.costs) == [3 * MB, 0]
-
-
-def test_optimizer_offload_memory() -> None:
-    # stage 0 (layers 0-2): parameters 3 + gradients 3 + Adam 6 + master 3 MB, plus comm
-    # buffers 2 x 0.3 MB (its output and that output's gradient): 15.6 MB static. With the
-    # states on the host only 6.6 MB stay. Activations: 6 + 7 + 8 = 21 MB per microbatch,
-    # 2 in flight; the first two chunks (2 x 3 MB) come in at F1's end, before B0.
-    case = Case("1f1b", [(0, 3), (3, 4)], 2, {0: [rule("optim:*")]}, hardware=FAST)
-    assert case.program(rewritten=False).static_bytes[0] == 15_600_000
-    assert case.program().static_bytes[0] == 6_600_000
-    base, res = case.emulate(rewritten=False), case.emulate()
-    assert base.peak_bytes[0] == 15_600_000 + 2 * 21 * MB
-    assert res.peak_bytes[0] == 6_600_000 + 2 * 21 * MB + 2 * 3 * MB
-    # while the step streams, at most three chunks are on the device: the one going out,
-    # and the two ahead of it
-    opt_start = min(s for s, t in zip(res.task_start_s[0], case.program().ranks[0])
-                    if t.action.kind is Kind.OPT)
-    assert max(b for ts, b in res.timeline[0] if ts >= opt_start) == 6_600_000 + 3 * 3 * MB
-    assert res.timeline[0][-1][1] == 6_600_000  # the states end the iteration on the host
-    assert res.peak_bytes[1] == base.peak_bytes[1]
-
-
-# -- PipeDream stashed weights --------------------------------------------------------------------
-
-def test_pipedream_stash_offload() -> None:
-    # same placement as activations: the version each F stashes goes out after the F and
-    # comes back for the B that needs it; the unit is the stage's parameters (2 x 1 MB)
-    case = Case("pipedream", [(0, 2), (2, 4)], 4, {0: [rule("stash:*")]})
-    assert case.rank(0) == expand("""
-        0F0 0SO0:{T} 0SI0:{T} 0F1 0SO1:{T} 0B0 0SI1:{T} 0F2 0SO2:{T} 0B1 0SI2:{T} 0F3 0SO3:{T}
-        0SI3:{T} 0B2 0B3 0OPT""", T="0:stash@r0")
-    assert case.rw.tensors == {"0:stash@r0": TensorInfo(bytes=2 * PARAM)}
-    assert stash_offloaded(case.plan, case.costs) == [True, False]
-    # a rule for some microbatches only (none of them microbatch 0) moves versions out too
-    some = Case("pipedream", [(0, 2), (2, 4)], 4, {1: [rule("stash:*", microbatches="2-3")]})
-    assert stash_offloaded(some.plan, some.costs) == [False, True]
-    assert some.rank(1) == expand("1F0 1B0 1F1 1B1 1F2 1SO2:{T} 1SI2:{T} 1B2 1F3 1SO3:{T} 1SI3:{T} 1B3 1OPT",
-                                  T="1:stash@r0")
-    # without weight stashing a stash rule has nothing to move
-    sync = Case("1f1b", [(0, 2), (2, 4)], 4, {0: [rule("stash:*")]})
-    assert sync.rw.schedule == sync.schedule and sync.rw.tensors == {}
-
-
-def test_pipedream_stash_offload_memory() -> None:
-    # 4 stages of one layer, 8 microbatches; stage 0: S = 6 MB activations and P = 1 MB of
-    # weights per version, 4 in flight. Static with the versions off the device: model
-    # states 5 MB (live weights included) + comm 2 x 0.1 MB. Peak at F3's start: mb 0's
-    # version is back, mb 1's on the host, mb 2's SO in flight, mb 3's being made:
-    # 4 S + 3 P.
-    case = Case("pipedream", [(0, 1), (1, 2), (2, 3), (3, 4)], 8, {0: [rule("stash:*")]}, hardware=FAST)
-    static = case.program().static_bytes[0]
-    assert static == 5 * MB + 200_000
-    res = case.emulate()
-    assert res.peak_bytes[0] == static + 4 * 6 * MB + 3 * PARAM
-    # in the steady state two versions are on the host: right after F4 starts, the
-    # device holds the live weights (static), mbs 1-4's activations, and the versions of
-    # mb 1 (back for B1) and mb 4 (just made)
-    f4 = [str(t.action) for t in case.program().ranks[0]].index("0F4")
-    t = res.task_start_s[0][f4]
-    assert bytes_at(res, 0, t) == static + 4 * 6 * MB + 2 * PARAM
-    assert res.timeline[0][-1][1] == static
-
-
 # -- refusals -------------------------------------------------------------------------------------
+
 
 def test_recompute_of_part_of_a_layer_is_refused() -> None:
     with pytest.raises(PlanError) as info:

@@ -49,3 +49,8 @@ class TilingError(UserError):
 
 class SwapError(MpressError):
     """A swap (host or peer) failed at run time; the message names the tensor."""
+
+
+class DeviceOutOfMemory(MpressError):
+    """A rank's live device bytes went over its device's capacity (the CPU stand-in's
+    check; the message names the rank, its action and the largest residents)."""

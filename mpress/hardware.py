@@ -28,7 +28,11 @@ class DeviceSpec:
     name: str
     """Marketing name, e.g. "Tesla V100-SXM2-32GB"."""
     memory_bytes: int = field(metadata={"gt": 0})
-    """Usable device memory."""
+    """Nominal device memory."""
+    reserve_bytes: int = field(default=0, metadata={"min": 0})
+    """What a training process cannot plan with: the CUDA context, libraries' workspaces
+    (cuBLAS, NCCL) and the caching allocator's fragmentation. Plans fit
+    `memory_bytes - reserve_bytes`."""
     peak_flops: dict[str, float] = field(metadata={"gt": 0})
     """Nominal dense peak FLOP/s per dtype: keys fp32, fp16, bf16 (bf16 may be absent)."""
 
@@ -38,6 +42,8 @@ class DeviceSpec:
             raise ConfigError("", f"peak_flops.{unknown[0]}", "unknown dtype (allowed: fp32, fp16, bf16)")
         if "fp32" not in self.peak_flops:
             raise ConfigError("", "peak_flops.fp32", "missing required key (a number, FLOP/s)")
+        if self.reserve_bytes >= self.memory_bytes:
+            raise ConfigError("", "reserve_bytes", f"must be below memory_bytes ({self.memory_bytes})")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -79,6 +85,10 @@ class Hardware:
     """Fixed cost of one PCIe copy."""
     nvlink_latency_s: float = field(default=5e-6, metadata={"min": 0})
     """Fixed cost of one NVLink copy."""
+    optimizer_foreach: bool = True
+    """The optimizer updates a group of parameters in fused multi-tensor calls, whose
+    temporaries span the whole group (torch's default on GPUs); False: one tensor at a
+    time (torch's default on the CPU)."""
     source: str = ""
     """Where the nominal figures come from (datasheet citation)."""
 
@@ -112,6 +122,11 @@ class Hardware:
                 seen.add(d)
 
     # -- links -----------------------------------------------------------------------------
+    @property
+    def usable_memory_bytes(self) -> int:
+        """What a plan may fill on each device: its memory less the reserve."""
+        return self.device.memory_bytes - self.device.reserve_bytes
+
     def links(self, i: int, j: int) -> int:
         """NVLink link count between devices i and j (0 when none or i == j)."""
         if i == j:

@@ -33,7 +33,8 @@ import yaml
 
 from mpress import __version__
 from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
-from mpress.errors import ConfigError, PlanError
+from mpress.actions import Action, parse_actions
+from mpress.errors import ConfigError, PlanError, ScheduleError
 from mpress.hardware import Hardware
 from mpress.vocabulary import OptimizerStep, ScheduleName, SwapInPolicy, Technique, as_word
 
@@ -237,6 +238,11 @@ class Plan:
     fits: bool
     """Every device within its memory in emulation."""
     predicted_iteration_s: float = field(default=0.0, metadata={"min": 0})
+    actions: list[str] = field(default_factory=list)
+    """The program: per rank, its action list (`mpress/actions.py` string form) as the
+    rewriter made it from the rules and the emulator simulated it. The runtime executes
+    it: compute in this order, memory actions where they stand. Empty: no program (a plan
+    made by hand; the runtime then refuses it)."""
 
     def __post_init__(self) -> None:
         as_word(self, "schedule", ScheduleName)
@@ -253,6 +259,13 @@ class Plan:
             if sp.end_layer <= sp.first_layer:
                 raise ConfigError("", f"stages[{i}].end_layer",
                                   f"must be > first_layer ({sp.first_layer}): a stage holds at least one layer")
+        if self.actions and len(self.actions) != self.num_ranks:
+            raise ConfigError("", "actions", f"need one action list per rank ({self.num_ranks}), got {len(self.actions)}")
+        for r, text in enumerate(self.actions):
+            try:
+                parse_actions(text)
+            except ScheduleError as exc:
+                raise ConfigError("", f"actions[{r}]", str(exc)) from None
         if self.stages and self.stages[0].first_layer != 0:
             raise ConfigError("", "stages[0].first_layer", "must be 0 (the first stage starts at the first layer)")
         for i, sp in enumerate(self.stages[1:], start=1):
@@ -279,6 +292,14 @@ class Plan:
         if not 0 <= stage < self.num_stages:
             raise PlanError(f"plan has stages 0..{self.num_stages - 1}, not {stage}")
         return self.stages[stage]
+
+    def program(self, rank: int) -> list[Action]:
+        """Rank `rank`'s action list (the program it executes)."""
+        if not self.actions:
+            raise PlanError("the plan carries no program (no action lists): make it with mpress plan")
+        if not 0 <= rank < self.num_ranks:
+            raise PlanError(f"plan has ranks 0..{self.num_ranks - 1}, not {rank}")
+        return parse_actions(self.actions[rank])
 
     def rank_of_stage(self, stage: int) -> int:
         """The rank that runs `stage`: stage s on rank s % ranks (one stage per rank, or

@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a plan from `mpress plan` to re-evaluate (its model, hardware and shape are the defaults)")
     add_pipeline_args(p)
     p.add_argument("--policy", default=None, choices=SwapInPolicy.words(),
-                   help="swap-in policy (default: capacity, or the plan's)")
+                   help="swap-in policy the plan's swap-ins are placed with (default: the plan's)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON of the emulated streams")
     p.add_argument("--plot", default=None, help="write a PNG of memory per device over time")
     p.set_defaults(func=run)
@@ -151,13 +151,13 @@ def run(args: argparse.Namespace) -> int:
         setup = setup_from_args(args, plan)
         check_plan_for_setup(plan, setup, source=args.plan)
         if args.policy:
-            plan = replace(plan, swap_in_policy=args.policy)
+            plan = replace(plan, swap_in_policy=args.policy, actions=[])  # the program is placed anew
         ev = evaluate_plan(setup, plan)
         console.print(f"plan {args.plan}: {plan.strategy} strategy, predicted iteration "
                       f"{fmt_seconds(plan.predicted_iteration_s)} when planned")
     else:
         setup = setup_from_args(args)
-        ev = evaluate(setup, swap_in_policy=SwapInPolicy(args.policy or SwapInPolicy.CAPACITY))
+        ev = evaluate(setup)  # no memory actions: the swap-in policy has nothing to place
     console.print(stage_table(ev))
     print_summary(console, ev, planned=bool(args.plan))
     if args.trace:

@@ -153,16 +153,16 @@ def render_profile(profile: Profile, console: Console) -> None:
         ("bwd GFLOP", _gflop(totals["bf"]), "right"), ("saved", str(totals["num"]), "right"),
         ("saved MB", _mb(totals["saved"]), "right"), ("params MB", _mb(totals["params"]), "right"),
         ("model state MB", _mb(totals["state"]), "right"), ("output MB", "", "right"),
+        ("fwd keeps MB", "", "right"), ("fwd peak MB", "", "right"), ("bwd peak MB", "", "right"),
     ]
     for header, footer, justify in columns:
         table.add_column(header, footer=footer, justify=justify)  # type: ignore[arg-type]
     for x in layers:
         table.add_row(x.name or "(whole module)", _ms(x.forward_time_s), _ms(x.backward_time_s),
                       _gflop(x.forward_flops), _gflop(x.backward_flops), str(len(x.saved)),
-                      _mb(x.saved_bytes), _mb(x.param_bytes), _mb(x.model_state_bytes), _mb(x.output_bytes))
+                      _mb(x.saved_bytes), _mb(x.param_bytes), _mb(x.model_state_bytes), _mb(x.output_bytes),
+                      _mb(x.memory.kept_bytes), _mb(x.memory.forward_peak_bytes), _mb(x.memory.backward_peak_bytes))
     console.print(table)
     notes = [f"saved activations {fmt_bytes(totals['saved'])} per microbatch",
              f"model state {fmt_bytes(totals['state'])} (params + grads + Adam states + master weights)"]
-    if profile.peak_memory_bytes:
-        notes.append(f"measured peak allocated {fmt_bytes(profile.peak_memory_bytes)}")
     console.print("; ".join(notes))

@@ -323,6 +323,17 @@ def layer_num_parameters(cfg: ModelConfig, index: int) -> int:
     return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
 
 
+def layer_largest_parameter(cfg: ModelConfig, index: int) -> int:
+    """Elements of the largest parameter tensor of layer `index` (0 = embed, 1..L =
+    blocks, L+1 = head)."""
+    h, f, v, t = cfg.hidden_size, cfg.ffn, cfg.vocab_size, cfg.seq_len
+    if index == 0:
+        return max(v * h, t * h)
+    if index == cfg.num_layers + 1:
+        return h * v
+    return max(3 * h * h, h * f)  # qkv or an MLP projection
+
+
 def num_parameters(cfg: ModelConfig) -> int:
     """Closed-form parameter count of `build_model(cfg)`."""
     return sum(layer_num_parameters(cfg, i) for i in range(cfg.num_layers + 2))

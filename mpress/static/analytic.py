@@ -40,11 +40,23 @@ size, f = MLP width, V = vocabulary, nh = heads, hd = h / nh.
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.model_config import ModelConfig
-from mpress.models.transformer import layer_name, layer_num_parameters
-from mpress.static.profile import LayerProfile, Profile, SavedTensor
+from mpress.models.transformer import (
+    TORCH_DTYPES,
+    build_stage,
+    layer_largest_parameter,
+    layer_name,
+    layer_num_parameters,
+    lm_loss,
+)
+from mpress.static.memory_probe import probe
+from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
 
 TORCH_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -61,8 +73,10 @@ class _SavedList:
         self.tensors: list[SavedTensor] = []
         self._next_index: dict[str, int] = {}
 
-    def add(self, module: str, shape: list[int], dtype: str, what: str, *, alias_of: str | None = None) -> str:
-        """Append one saved tensor; `alias_of` (an id) marks storage already counted."""
+    def add(self, module: str, shape: list[int], dtype: str, what: str, *, alias_of: str | None = None,
+            is_input: bool = False) -> str:
+        """Append one saved tensor; `alias_of` (an id) marks storage already counted;
+        `is_input`: its storage is the layer's input."""
         index = self._next_index.get(module, 0)
         self._next_index[module] = index + 1
         numel = 1
@@ -71,13 +85,15 @@ class _SavedList:
         nbytes = 0 if alias_of is not None else numel * ELEMENT_BYTES[dtype]
         if alias_of is not None:
             what = f"{what} (same storage as {alias_of})"
-        tensor = SavedTensor(module=module, index=index, bytes=nbytes, shape=list(shape), dtype=dtype, what=what)
+        tensor = SavedTensor(module=module, index=index, bytes=nbytes, shape=list(shape), dtype=dtype, what=what,
+                             input=is_input)
         self.tensors.append(tensor)
         return tensor.id
 
 
-def _layer_norm(out: _SavedList, module: str, shape: list[int], act: str, what: str) -> None:
-    out.add(module, shape, act, f"{what} input")
+def _layer_norm(out: _SavedList, module: str, shape: list[int], act: str, what: str, *,
+                is_input: bool = False) -> None:
+    out.add(module, shape, act, f"{what} input", is_input=is_input)
     stats = shape[:-1] + [1]
     out.add(module, stats, "float32" if act != "float32" else act, f"{what} mean")
     out.add(module, stats, "float32" if act != "float32" else act, f"{what} rstd")
@@ -90,7 +106,7 @@ def _dropout(out: _SavedList, cfg: ModelConfig, module: str, shape: list[int], w
 
 def _embed_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
     t, h = cfg.seq_len, cfg.hidden_size
-    out.add("embed.tok", [b, t], "int64", "token ids")
+    out.add("embed.tok", [b, t], "int64", "token ids", is_input=True)
     _dropout(out, cfg, "embed.drop", [b, t, h], "embedding")
 
 
@@ -100,7 +116,7 @@ def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList) -> None:
     hd = h // nh
     act = TORCH_DTYPE_NAMES[cfg.precision]
     p = f"layers.{i}"
-    _layer_norm(out, f"{p}.ln1", [b, t, h], act, "ln1")
+    _layer_norm(out, f"{p}.ln1", [b, t, h], act, "ln1", is_input=True)
     out.add(f"{p}.attn.qkv", [b * t, h], act, "qkv input")
     # bmm saves its second operand first, then its first.
     out.add(f"{p}.attn", [b * nh, hd, t], act, "keys (transposed) for q@k^T")
@@ -123,7 +139,7 @@ def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList) -> None:
 def _head_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
     t, h, v = cfg.seq_len, cfg.hidden_size, cfg.vocab_size
     act = TORCH_DTYPE_NAMES[cfg.precision]
-    _layer_norm(out, "head.ln", [b, t, h], act, "final LayerNorm")
+    _layer_norm(out, "head.ln", [b, t, h], act, "final LayerNorm", is_input=True)
     if cfg.family == "bert":
         out.add("head.dense", [b * t, h], act, "MLM transform dense input")
         out.add("head.act", [b, t, h], act, "MLM transform GELU input")
@@ -193,7 +209,9 @@ def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int)
             grad_bytes=n * cfg.dtype_bytes,
             optim_bytes=8 * n,
             master_bytes=4 * n if cfg.mixed_precision else 0,
+            largest_param_bytes=4 * layer_largest_parameter(cfg, index),
             output_bytes=layer_output_bytes(cfg, index, microbatch_size),
+            **_layer_memory(cfg, _kind(cfg, index), microbatch_size),
         ))
     return Profile(
         model=cfg.name,
@@ -203,4 +221,27 @@ def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int)
         dtype=cfg.precision,
         microbatch_size=microbatch_size,
         layers=layers,
+        input_bytes=microbatch_size * cfg.seq_len * 8,  # int64 token ids
+        target_bytes=microbatch_size * cfg.seq_len * 8,
     )
+
+
+def _kind(cfg: ModelConfig, index: int) -> int:
+    """A representative of layer `index`'s kind: 0 (embed), 1 (a block: all alike), L+1 (head)."""
+    return index if index in (0, cfg.num_layers + 1) else 1
+
+
+@functools.cache
+def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int) -> dict[str, LayerMemory]:
+    """What layer `index` holds, probed on the meta device (the memory probe; nothing is
+    computed or allocated), the head with the model's loss."""
+    layer = build_stage(cfg, index, index + 1, device="meta").train()
+    b, t = microbatch_size, cfg.seq_len
+    if index == 0:
+        x = torch.zeros(b, t, dtype=torch.long, device="meta")
+    else:
+        x = torch.zeros(b, t, cfg.hidden_size, dtype=TORCH_DTYPES[cfg.precision], device="meta", requires_grad=True)
+    targets = torch.zeros(b, t, dtype=torch.long, device="meta")
+    loss = (lambda out: lm_loss(out, targets)) if index == cfg.num_layers + 1 else None
+    plain, recomputed, _grads = probe(layer, (x,), loss_fn=loss)
+    return {"memory": plain, "recompute_memory": recomputed}

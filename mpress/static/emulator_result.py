@@ -87,7 +87,7 @@ class EmulatorResult:
         out = []
         for r, tasks in enumerate(self.program.ranks):
             rank_spans = [
-                TaskSpan(str(t.action), s, e,
+                TaskSpan(t.label(), s, e,
                          "compute" if t.action.is_compute else "drop" if t.action.kind is Kind.DR
                          else "+".join(x.channel for x in t.transfers))
                 for t, s, e in zip(tasks, self.task_start_s[r], self.task_end_s[r])

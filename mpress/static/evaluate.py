@@ -22,7 +22,7 @@ from mpress.static.partition import partition_profile
 from mpress.static.profile import Profile
 from mpress.static.program import Program
 from mpress.static.schedules import build_schedule
-from mpress.vocabulary import ScheduleName, SwapInPolicy
+from mpress.vocabulary import ScheduleName
 
 
 
@@ -47,6 +47,8 @@ class Evaluation:
     """A pipeline setup with its emulated iteration."""
 
     setup: PipelineSetup
+    schedule: Schedule
+    """The action lists emulated (with a plan: its program, `Plan.actions`)."""
     program: Program
     result: EmulatorResult
 
@@ -81,12 +83,11 @@ def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: Schedule
 
 
 def evaluate(setup: PipelineSetup, schedule: Schedule | None = None, *,
-             tensors: dict[str, TensorInfo] | None = None,
-             swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY) -> Evaluation:
+             tensors: dict[str, TensorInfo] | None = None) -> Evaluation:
     """Emulate one iteration of `schedule` (default: the setup's, without memory actions)."""
     program = build_program(
         setup.profile, setup.ranges, schedule or setup.schedule, setup.hardware,
         microbatch_size=setup.microbatch_size, stage_to_device=setup.stage_to_device,
-        tensors=tensors, swap_in_policy=swap_in_policy,
+        tensors=tensors,
     )
-    return Evaluation(setup=setup, program=program, result=emulate(program))
+    return Evaluation(setup=setup, schedule=schedule or setup.schedule, program=program, result=emulate(program))

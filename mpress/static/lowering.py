@@ -1,73 +1,47 @@
 """Lowering: (rewritten) per-rank action lists -> the emulator's `Program` of costed tasks.
 
-Each action gets its compute time, its copies on the server's channels (PCIe up/down per
-switch group, NVLink per directed pair or NVSwitch egress per GPU) and the device memory
-it takes and gives back, from the stage costs and memory model (`memory.py`).
+The forward and backward of a microbatch become one task per layer of the stage (the
+memory of each from `stage_memory.py`; its time from the profile). The memory actions the
+list puts right after F(s, m) (SO, DO, DR) run inside it, each after its own layer's
+task; the recomputes after B(s, m) (RC) run inside it, each before its layer's backward.
+Copy-outs give their bytes back at the next release point (the first task of the next
+compute action, which waits for them); copy-ins take theirs when issued; a layer's
+backward consumes the copy-ins of its own saved tensors. The optimizer step of a stage
+(OPT), or of one layer's chunk of it (`OPT:{s}:optim:LAYER`), gives back the gradients it
+used, holding the optimizer's temporaries while it runs.
+
 Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mpress.actions import Action, Kind, Schedule
+from mpress.actions import Action, Kind, Schedule, UnitId
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware import Hardware
-from mpress.static.memory import StageCosts, default_stage_to_device, memory_model, optimizer_step_s, stage_costs
-from mpress.static.profile import Profile
-from mpress.static.program import Channel, Cost, Program, Task, Transfer
-from mpress.vocabulary import SwapInPolicy
+from mpress.static.channels import build_channels, nvlink, pcie_down, pcie_up, peer_transfers
+from mpress.static.memory import (
+    StageCosts,
+    buffer_bytes,
+    default_stage_to_device,
+    optimizer_step_s,
+    stage_costs,
+)
+from mpress.static.profile import LayerProfile, Profile
+from mpress.static.program import Cost, Program, Task, Transfer
+from mpress.static.stage_memory import backward_steps, forward_steps
 
+__all__ = ["TensorInfo", "build_program", "lower_rank", "lower_rank_traced", "optimizer_transient_bytes"]
 
-# -- channels ----------------------------------------------------------------------------
-
-def pcie_up(hardware: Hardware, device: int) -> str:
-    """Channel id of the device->host direction of `device`'s PCIe uplink."""
-    return f"pcie-up:{hardware.pcie_group(device)}"
-
-
-def pcie_down(hardware: Hardware, device: int) -> str:
-    """Channel id of the host->device direction of `device`'s PCIe uplink."""
-    return f"pcie-down:{hardware.pcie_group(device)}"
-
-
-def nvlink(hardware: Hardware, src: int, dst: int) -> str:
-    """Channel id of the NVLink path src->dst (an NVSwitch GPU's egress is one channel)."""
-    return f"nvswitch-out:{src}" if hardware.nvswitch else f"nvlink:{src}->{dst}"
-
-
-def build_channels(hardware: Hardware) -> dict[str, Channel]:
-    """Every copy channel of the server with its effective bandwidth."""
-    n = hardware.num_devices
-    channels: dict[str, Channel] = {}
-    for d in range(n):
-        up, down = pcie_up(hardware, d), pcie_down(hardware, d)
-        channels[up] = Channel(up, hardware.pcie_gbps("d2h"), hardware.pcie_latency_s)
-        channels[down] = Channel(down, hardware.pcie_gbps("h2d"), hardware.pcie_latency_s)
-        for p in range(n):
-            if p != d and hardware.links(d, p) > 0:
-                cid = nvlink(hardware, d, p)
-                channels[cid] = Channel(cid, hardware.nvlink_gbps(d, p), hardware.nvlink_latency_s)
-    return channels
-
-
-def peer_transfers(hardware: Hardware, src: int, dst: int, num_bytes: int) -> tuple[Transfer, ...]:
-    """Transfers that move `num_bytes` from device src to dst: NVLink when linked, else
-    through host over both PCIe uplinks (cut-through: the slower one bounds the time)."""
-    if src == dst or num_bytes == 0:
-        return ()
-    if hardware.links(src, dst) > 0:
-        return (Transfer(nvlink(hardware, src, dst), num_bytes),)
-    return (Transfer(pcie_up(hardware, src), num_bytes), Transfer(pcie_down(hardware, dst), num_bytes))
-
-
-# -- lowering ----------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
 class TensorInfo:
     """What the lowering needs to cost a memory action on a tensor (or tensor group).
 
-    bytes: bytes moved, dropped or restored.
+    bytes: device bytes the action gives back (a copy-out, at its release point) or takes
+        (a copy-in, when issued).
     compute_s: compute time of the action that restores it (RC) or updates it (OPT of
         one chunk of model data).
     stripes: D2D only: (peer device, fraction of the bytes) per stripe; fractions sum to 1.
@@ -82,6 +56,9 @@ _COST: dict[Kind, Cost] = {
     Kind.SO: Cost.HOST, Kind.SI: Cost.HOST, Kind.DO: Cost.D2D, Kind.DI: Cost.D2D,
     Kind.DR: Cost.DROP, Kind.RC: Cost.RECOMPUTE, Kind.OO: Cost.OPTIMIZER_OFFLOAD, Kind.OI: Cost.OPTIMIZER_OFFLOAD,
 }
+_OUT = (Kind.SO, Kind.DO, Kind.OO)
+_IN = (Kind.SI, Kind.DI, Kind.OI)
+_INSIDE_F = (Kind.SO, Kind.DO, Kind.DR)
 
 
 def tensor_info(action: Action, tensors: dict[str, TensorInfo]) -> TensorInfo:
@@ -92,67 +69,167 @@ def tensor_info(action: Action, tensors: dict[str, TensorInfo]) -> TensorInfo:
     return info
 
 
-def lower_action(action: Action, *, costs: StageCosts, device: int, hardware: Hardware,
-                 tensors: dict[str, TensorInfo], weight_stashing: bool = False, dropped_bytes: int = 0,
-                 recomputed_peak_bytes: int = 0) -> Task:
-    """Cost one action of stage `costs.stage` running on `device`.
+def optimizer_transient_bytes(layer: LayerProfile, hardware: Hardware) -> int:
+    """Temporaries of one layer's optimizer step: the fp32 gradients of its masters under
+    mixed precision, and Adam's (its whole group at once when the hardware's optimizer
+    runs fused multi-tensor calls, else its largest tensor)."""
+    numel = layer.optim_bytes // 8
+    adam = 2 * 4 * numel if hardware.optimizer_foreach else 2 * layer.largest_param_bytes
+    return (4 * numel if layer.master_bytes else 0) + adam
 
-    With weight stashing, F(s, m) creates microbatch m's weight version and B(s, m)
-    releases it (see `build_program` for the matching static bytes).
-    Recompute: `dropped_bytes` of F(s, m)'s saved tensors are recomputed. A checkpointed
-    forward never holds them (F does not take them, DR frees nothing), and the backward
-    recomputes one checkpointed layer at a time, right before that layer's backward: B
-    holds `recomputed_peak_bytes` (the largest layer's) only while it runs. RC is the
-    recompute's compute time, placed before B.
-    """
+
+def _copy(action: Action, info: TensorInfo, device: int, hardware: Hardware) -> Task:
+    out = action.kind in _OUT
     kind = action.kind
-    per_microbatch = costs.saved_bytes + (costs.param_bytes if weight_stashing else 0) - dropped_bytes
-    if kind is Kind.F:
-        return Task(action, compute_s=costs.forward_s, alloc_bytes=per_microbatch,
-                    transient_bytes=costs.workspace_bytes)
-    if kind is Kind.B:
-        return Task(action, compute_s=costs.backward_s, free_bytes=per_microbatch,
-                    transient_bytes=costs.workspace_bytes + recomputed_peak_bytes)
-    if kind is Kind.OPT and action.tensor is None:
-        num_params = (costs.optim_bytes // 8) if costs.optim_bytes else costs.param_bytes // 4
-        return Task(action, compute_s=optimizer_step_s(num_params, hardware))
-    info = tensor_info(action, tensors)
-    cost = _COST.get(kind, Cost.COMPUTE)
     to_peers = kind in (Kind.DO, Kind.DI) or (kind in (Kind.OO, Kind.OI) and bool(info.stripes))
-    if kind in (Kind.SO, Kind.OO) and not to_peers:
-        return Task(action, transfers=(Transfer(pcie_up(hardware, device), info.bytes),),
-                    free_bytes=info.bytes, cost=cost)
-    if kind in (Kind.SI, Kind.OI) and not to_peers:
-        return Task(action, transfers=(Transfer(pcie_down(hardware, device), info.bytes),),
-                    alloc_bytes=info.bytes, cost=cost)
-    if to_peers:  # D2D, or optimizer states the plan stripes over peers
-        out = kind in (Kind.DO, Kind.OO)
+    if not to_peers:
+        channel = pcie_up(hardware, device) if out else pcie_down(hardware, device)
+        transfers: tuple[Transfer, ...] = (Transfer(channel, info.bytes),)
+    else:
         if not info.stripes:
             raise UserError(f"action {action}: D2D tensor {action.tensor!r} has no stripes")
-        transfers = []
+        parts = []
         for peer, fraction in info.stripes:
             if hardware.links(device, peer) == 0:
                 raise UserError(f"action {action}: stripe peer {peer} has no NVLink to device {device}")
             src, dst = (device, peer) if out else (peer, device)
-            transfers.append(Transfer(nvlink(hardware, src, dst), round(info.bytes * fraction)))
-        if out:
-            return Task(action, transfers=tuple(transfers), free_bytes=info.bytes, cost=cost)
-        return Task(action, transfers=tuple(transfers), alloc_bytes=info.bytes, cost=cost)
-    if kind is Kind.DR:
-        return Task(action, cost=cost)  # never taken: see `dropped_bytes`
-    if kind is Kind.RC:
-        return Task(action, compute_s=info.compute_s, cost=cost)  # bytes: B's transient
-    if kind is Kind.OPT:
-        return Task(action, compute_s=info.compute_s)
-    raise ScheduleError(f"cannot lower action {action}")  # unreachable: every Kind is handled
+            parts.append(Transfer(nvlink(hardware, src, dst), round(info.bytes * fraction)))
+        transfers = tuple(parts)
+    return Task(action, transfers=transfers, alloc_bytes=0 if out else info.bytes, cost=_COST[kind])
+
+
+def _unit_layer(action: Action, costs: StageCosts) -> int | None:
+    """The index (within the stage) of the layer an activation unit belongs to."""
+    unit = UnitId.parse(action.tensor or "")
+    if unit.layer is None:
+        return None
+    for j, layer in enumerate(costs.layers):
+        if layer.name == unit.layer:
+            return j
+    raise ScheduleError(f"action {action} names layer {unit.layer!r}, which stage {action.stage} does not hold")
+
+
+def lower_rank(actions: Sequence[Action], *, costs: list[StageCosts], devices: list[int], hardware: Hardware,
+               tensors: dict[str, TensorInfo], weight_stashing: bool = False) -> tuple[Task, ...]:
+    """The tasks of one rank's action list (see the module docstring)."""
+    return lower_rank_traced(actions, costs=costs, devices=devices, hardware=hardware, tensors=tensors,
+                             weight_stashing=weight_stashing)[0]
+
+
+def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], devices: list[int], hardware: Hardware,
+                      tensors: dict[str, TensorInfo],
+                      weight_stashing: bool = False) -> tuple[tuple[Task, ...], list[int]]:
+    """`lower_rank`, and for each task the index of the action in `actions` it comes from."""
+    out: list[Task] = []
+    origins: list[int] = []
+    pending: list[int] = []            # copy-outs since the last release point (indices in out)
+    released: dict[int, int] = {}      # copy-out index -> bytes it gives back
+    issued_in: dict[tuple[int, int | None, int | None], list[str]] = {}  # (stage, mb, layer) -> copy-ins
+    backward_seen: set[int] = set()
+    grads_out: set[int] = set()
+
+    def start(task: Task) -> Task:
+        nbytes = sum(released.pop(k) for k in pending)
+        pending.clear()
+        return Task(**{**task.__dict__, "starts_action": True, "release_bytes": nbytes})
+
+    i = start_index = 0
+    while i < len(actions):
+        a = actions[i]
+        c, device = costs[a.stage], devices[a.stage]
+        if a.kind is Kind.F:
+            inside = []
+            while i + 1 < len(actions) and actions[i + 1].kind in _INSIDE_F and \
+                    (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
+                i += 1
+                inside.append(actions[i])
+            dropped = {_unit_layer(x, c) for x in inside if x.kind is Kind.DR}
+            recomputed = [j in dropped for j in range(len(c.layers))]
+            by_layer: dict[int | None, list[Action]] = {}
+            for x in inside:
+                by_layer.setdefault(_unit_layer(x, c), []).append(x)
+            steps = forward_steps(c.layers, recomputed)
+            for j, step in enumerate(steps):
+                stash = c.param_bytes if weight_stashing and j == 0 else 0
+                task = Task(a, layer=j, compute_s=c.layers[j].forward_time_s, alloc_bytes=step.alloc_bytes + stash,
+                            transient_bytes=step.transient_bytes, free_bytes=step.free_bytes)
+                out.append(start(task) if j == 0 else task)
+                for x in by_layer.get(j, []) + (by_layer.get(None, []) if j == len(steps) - 1 else []):
+                    out.append(_lower_memory(x, tensors, device, hardware, pending, released, out))
+        elif a.kind is Kind.B:
+            inside = []
+            while i + 1 < len(actions) and actions[i + 1].kind is Kind.RC and \
+                    (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
+                i += 1
+                inside.append(actions[i])
+            rc = {_unit_layer(x, c): x for x in inside}
+            recomputed = [j in rc for j in range(len(c.layers))]
+            first = a.stage not in backward_seen
+            backward_seen.add(a.stage)
+            steps = backward_steps(c.layers, recomputed, first_backward=first)
+            group: list[Task] = []
+            for k, step in enumerate(steps):
+                j = len(steps) - 1 - k
+                if j in rc:
+                    group.append(Task(rc[j], layer=j, compute_s=c.layers[j].forward_time_s, cost=Cost.RECOMPUTE))
+                stash = c.param_bytes if weight_stashing and j == 0 else 0
+                consumes = issued_in.get((a.stage, a.microbatch, j), [])
+                if k == 0:  # stashed weights (no layer) come back before the backward
+                    consumes = consumes + issued_in.get((a.stage, a.microbatch, None), [])
+                group.append(Task(a, layer=j, compute_s=c.layers[j].backward_time_s, alloc_bytes=step.alloc_bytes,
+                                  transient_bytes=step.transient_bytes, free_bytes=step.free_bytes + stash,
+                                  consumes=tuple(consumes)))
+            out.append(start(group[0]))
+            out.extend(group[1:])
+        elif a.kind is Kind.OPT:
+            if a.tensor is None:
+                layers = [j for j in range(len(c.layers)) if (a.stage, j) not in grads_out]
+                task = Task(a, compute_s=optimizer_step_s(c.optim_bytes // 8 or c.param_bytes // 4, hardware),
+                            free_bytes=sum(c.layers[j].grad_bytes for j in layers),
+                            transient_bytes=max((optimizer_transient_bytes(c.layers[j], hardware) for j in layers),
+                                                default=0))
+            else:
+                j = _unit_layer(a, c)
+                grads_out.add((a.stage, j))
+                info = tensor_info(a, tensors)
+                task = Task(a, compute_s=info.compute_s, free_bytes=c.layers[j].grad_bytes,
+                            transient_bytes=optimizer_transient_bytes(c.layers[j], hardware),
+                            consumes=tuple(issued_in.get((a.stage, None, j), ())))
+            out.append(start(task))
+        elif a.kind in _OUT or a.kind is Kind.DR:
+            out.append(_lower_memory(a, tensors, device, hardware, pending, released, out))
+        elif a.kind in _IN:
+            info = tensor_info(a, tensors)
+            layer = _unit_layer(a, c)
+            issued_in.setdefault((a.stage, a.microbatch, layer), []).append(a.tensor)  # type: ignore[arg-type]
+            out.append(_copy(a, info, device, hardware))
+        else:
+            raise ScheduleError(f"action {a} is not inside the F or B it belongs to (the rewriter puts "
+                                f"{a.kind.value} actions right after their compute action)")
+        origins.extend([start_index] * (len(out) - len(origins)))
+        i += 1
+        start_index = i
+    for k in pending:  # no release point follows: these give their bytes back when they end
+        out[k] = Task(**{**out[k].__dict__, "free_bytes": released.pop(k)})
+    return tuple(out), origins
+
+
+def _lower_memory(action: Action, tensors: dict[str, TensorInfo], device: int, hardware: Hardware,
+                  pending: list[int], released: dict[int, int], out: list[Task]) -> Task:
+    """A copy-out (its bytes given back at the next release point) or a drop marker."""
+    if action.kind is Kind.DR:
+        return Task(action, cost=Cost.DROP)
+    info = tensor_info(action, tensors)
+    pending.append(len(out))
+    released[len(out)] = info.bytes
+    return _copy(action, info, device, hardware)
 
 
 def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Schedule, hardware: Hardware, *,
                   microbatch_size: int, stage_to_device: list[int] | None = None,
                   tensors: dict[str, TensorInfo] | None = None,
                   offloaded_bytes: list[int] | None = None,
-                  pool_bytes: list[int] | None = None,
-                  swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY) -> Program:
+                  pool_bytes: list[int] | None = None) -> Program:
     """Lower `schedule` (with or without memory actions) into an emulator `Program`.
 
     tensors: describes every tensor a memory action names (see `TensorInfo`).
@@ -161,38 +238,21 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
     pool_bytes: per device, peer-pool bytes it reserves for D2D exporters.
     Weight stashing is accounted per microbatch: F(s, m) allocates a weight version and
     B(s, m) frees it, and the static bytes hold one version fewer (the live weights are
-    the newest version), so the peak equals `StageMemory.total_bytes`.
+    the newest version).
     Raises `UserError` when the stage count, device count or tensor names do not match.
     """
     if len(ranges) != schedule.num_stages:
         raise UserError(f"partition has {len(ranges)} stages, schedule {schedule.num_stages}")
     costs = stage_costs(profile, ranges)
     devices = stage_to_device or default_stage_to_device(schedule, hardware)
-    mem = memory_model(costs, schedule, hardware, devices)
     table = tensors or {}
     stash = schedule.weight_stashing
-    dropped: dict[tuple[int, int | None], int] = {}
-    largest: dict[tuple[int, int | None], int] = {}
-    for actions in schedule.ranks:
-        for a in actions:
-            if a.kind is Kind.DR:
-                info = tensor_info(a, table)
-                key = (a.stage, a.microbatch)
-                dropped[key] = dropped.get(key, 0) + info.bytes
-                largest[key] = max(largest.get(key, 0), info.bytes)
-    ranks = []
-    for r, actions in enumerate(schedule.ranks):
-        ranks.append(tuple(
-            lower_action(a, costs=costs[a.stage], device=devices[a.stage], hardware=hardware, tensors=table,
-                         weight_stashing=stash,
-                         dropped_bytes=dropped.get((a.stage, a.microbatch), 0) if a.kind in (Kind.F, Kind.B) else 0,
-                         recomputed_peak_bytes=largest.get((a.stage, a.microbatch), 0) if a.kind is Kind.B else 0)
-            for a in actions
-        ))
+    ranks = tuple(lower_rank(actions, costs=costs, devices=devices, hardware=hardware, tensors=table,
+                             weight_stashing=stash) for actions in schedule.ranks)
     offloaded = offloaded_bytes or [0] * schedule.num_stages
     pools = pool_bytes or [0] * hardware.num_devices
-    rank_device = []
-    static = []
+    rank_device: list[int] = []
+    static: list[int] = []
     for r in range(schedule.num_ranks):
         stages = schedule.stages_of_rank(r)
         if not stages:
@@ -201,8 +261,8 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
         pool = 0 if device in rank_device else pools[device]  # a device's pool counts once
         rank_device.append(device)
         static.append(pool + sum(
-            mem[s].static_bytes - offloaded[s] - (mem[s].stash_bytes + mem[s].param_bytes if stash else 0)
-            for s in stages))
+            (0 if stash else costs[s].param_bytes) + costs[s].optim_bytes + costs[s].master_bytes - offloaded[s]
+            + buffer_bytes(costs[s], schedule.num_microbatches) for s in stages))
     sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     grad_sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     for s in range(schedule.num_stages - 1):
@@ -211,9 +271,8 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
         grad_sends[(s + 1, s)] = peer_transfers(hardware, b, a, costs[s].output_bytes)
     flops = sum(c.forward_flops + c.backward_flops for c in costs) * schedule.num_microbatches
     return Program(
-        ranks=tuple(ranks), rank_device=tuple(rank_device),
-        device_capacity_bytes=tuple([hardware.device.memory_bytes] * hardware.num_devices),
+        ranks=ranks, rank_device=tuple(rank_device),
+        device_capacity_bytes=tuple([hardware.usable_memory_bytes] * hardware.num_devices),
         static_bytes=tuple(static), channels=build_channels(hardware), sends=sends, grad_sends=grad_sends,
-        samples_per_iteration=microbatch_size * schedule.num_microbatches,
-        model_flops_per_iteration=flops, swap_in_policy=swap_in_policy,  # type: ignore[arg-type]
+        samples_per_iteration=microbatch_size * schedule.num_microbatches, model_flops_per_iteration=flops,
     )

@@ -44,6 +44,7 @@ from mpress.models.transformer import (
     lm_loss,
     num_parameters,
 )
+from mpress.static.memory_probe import probe_layers
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -205,6 +206,11 @@ def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
     records = [_LayerRecord() for _ in paths]
     layer_of = {module.get_submodule(p): i for i, p in enumerate(paths)}
     namer = SavedTensorNamer(module, paths)
+    layer_inputs: dict[int, set[tuple[str, int]]] = {}  # layer -> storages of its input
+
+    def enter(m: nn.Module, args_in: Any) -> None:
+        if namer.active and m in layer_of:
+            layer_inputs[layer_of[m]] = {storage_key(t) for t in _tensors(args_in)}
     seen: dict[tuple[int, str, int], str] = {}  # (layer, device, data_ptr) -> first id
 
     def output(m: nn.Module, _a: Any, out: Any) -> None:
@@ -227,10 +233,12 @@ def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
             seen[layer_key] = name.id
         records[name.layer].saved.append(SavedTensor(
             module=name.module, index=name.index, bytes=nbytes, shape=list(t.shape),
-            dtype=str(t.dtype).removeprefix("torch."), what=what))
+            dtype=str(t.dtype).removeprefix("torch."), what=what,
+            input=storage_key(t) in layer_inputs.get(name.layer, ())))
         return t
 
     handles = [layer.register_forward_hook(output) for layer in layer_of]
+    handles += [layer.register_forward_pre_hook(enter) for layer in layer_of]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             namer.begin()
@@ -261,17 +269,19 @@ def _model_state(layer: nn.Module) -> dict[str, int]:
     nbytes = sum(p.numel() * p.element_size() for p in params)
     half = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
     return {"param_bytes": nbytes, "grad_bytes": nbytes, "optim_bytes": 8 * numel,
-            "master_bytes": 4 * numel if half else 0}
+            "master_bytes": 4 * numel if half else 0,
+            "largest_param_bytes": 4 * max((p.numel() for p in params), default=0)}
 
 
 def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, fingerprint: str,
                     microbatch_size: int, loss_fn: LossFn | None = None, warmup: int = 2,
-                    iters: int = 3, device: str | torch.device = "cpu") -> Profile:
+                    iters: int = 3, device: str | torch.device = "cpu", target_bytes: int = 0) -> Profile:
     """Run `module` in training mode on `device` and return its measured `Profile`.
 
     `example_input` is one microbatch (a tensor or a tuple of positional tensors);
-    `loss_fn(output) -> scalar` defaults to `default_loss`. The module is moved to
-    `device` and left in training mode with no gradients.
+    `loss_fn(output) -> scalar` defaults to `default_loss`; `target_bytes`: one
+    microbatch of what the loss compares with (the pipeline's last stage holds them).
+    The module is moved to `device` and left in training mode with no gradients.
     """
     if warmup < 0 or iters < 1:
         raise UserError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
@@ -299,14 +309,7 @@ def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, f
         for i, (fs, bs, _ff, _bf) in enumerate(marks.spans(len(paths))):
             totals[i][0] += fs
             totals[i][1] += bs
-    peak = 0
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(dev)
-        _step(module, args, loss, layers, None)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(dev)
-
+    memory = probe_layers(module, args, paths, loss_fn=loss)
     profiles = []
     for i, path in enumerate(paths):
         profiles.append(LayerProfile(
@@ -317,12 +320,14 @@ def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, f
             backward_time_s=max(totals[i][1] / iters, 0.0),
             saved=records[i].saved,
             output_bytes=records[i].output_bytes,
+            memory=memory[i][0],
+            recompute_memory=memory[i][1],
             **_model_state(layers[i]),
         ))
     device_name = torch.cuda.get_device_name(dev) if cuda else dev.type
     return Profile(model=model_name, model_fingerprint=fingerprint, source="measured", device=device_name,
                    dtype=_precision(module), microbatch_size=microbatch_size, layers=profiles,
-                   peak_memory_bytes=peak)
+                   input_bytes=sum(t.numel() * t.element_size() for t in _tensors(args)), target_bytes=target_bytes)
 
 
 def _available_bytes(dev: torch.device) -> int:
@@ -365,7 +370,7 @@ def measure_model_profile(cfg: ModelConfig, microbatch_size: int, device: str | 
     ids, targets = example_batch(cfg, microbatch_size, seed=seed, device=dev)
     return measure_profile(model, ids, model_name=cfg.name, fingerprint=cfg.fingerprint(),
                            microbatch_size=microbatch_size, loss_fn=lambda out: lm_loss(out, targets),
-                           warmup=warmup, iters=iters, device=dev)
+                           warmup=warmup, iters=iters, device=dev, target_bytes=targets.numel() * targets.element_size())
 
 
 def load_user_factory(spec: str) -> UserModule:

@@ -1,19 +1,23 @@
 """The memory model: from profile + partition + schedule + hardware to bytes per device.
 
-(`lowering.py` turns the action lists into the emulator's costed tasks with it.)
+(`stage_memory.py` gives the layer-by-layer walk of one microbatch, and `lowering.py`
+turns the action lists into the emulator's costed tasks with both.)
 
 What a pipeline stage holds on its device (all per stage, summed over its layers):
 
-- model states: parameters and gradients in the training dtype, Adam's two fp32 states,
-  fp32 master weights under mixed precision;
+- model states: parameters in the training dtype, Adam's two fp32 states, fp32 master
+  weights under mixed precision, for the whole iteration; gradients (in the parameters'
+  dtype) from the step's first backward of the stage to its optimizer step;
 - stashed weights (PipeDream asynchronous 1F1B): one extra parameter version per
   microbatch in flight beyond the first, as PipeDream keeps the weights each in-flight
   microbatch's forward used until its backward;
-- communication buffers: the received input and the outgoing activation, and the same
-  for gradients on the way back (one of each: sends complete before the next action);
-- activations: the tensors autograd saves, per microbatch, for every microbatch whose
-  forward has run and whose backward has not (`max_in_flight` of the schedule);
-- workspace: the largest transient a layer needs while it runs (measured profiles only).
+- torch's pipeline buffers: a receive buffer per microbatch for the input activation
+  (every stage but the first) and one for the output's gradient (every stage but the
+  last), made once and kept; the input batch of the iteration on the first stage, the
+  targets on the last;
+- activations: what each layer's forward keeps for its backward (saved tensors, the
+  output; the loss's on the last stage), per microbatch in flight (`max_in_flight`);
+- transients: what a layer's forward or backward holds only while it runs.
 
 Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
@@ -27,6 +31,7 @@ from mpress.errors import ScheduleError, UserError
 from mpress.hardware import Hardware
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import max_in_flight
+from mpress.static.stage_memory import forward_steps
 
 ADAM_FLOPS_PER_PARAM = 16.0
 """Rough FLOPs of one fused Adam update per parameter (moments, bias correction, sqrt,
@@ -56,7 +61,8 @@ class StageCosts:
     """Bytes received from the previous stage per microbatch (0 for stage 0)."""
     output_bytes: int
     """Bytes sent to the next stage per microbatch (0 for the last stage)."""
-    workspace_bytes: int
+    batch_bytes: int
+    """Per microbatch, the input batch on the first stage and the targets on the last."""
 
     @property
     def saved(self) -> list[SavedTensor]:
@@ -91,14 +97,15 @@ def stage_costs(profile: Profile, ranges: list[tuple[int, int]]) -> list[StageCo
             master_bytes=sum(x.master_bytes for x in layers),
             input_bytes=0 if s == 0 else profile.layers[start - 1].output_bytes,
             output_bytes=0 if s == last else layers[-1].output_bytes,
-            workspace_bytes=max((x.workspace_bytes for x in layers), default=0),
+            batch_bytes=(profile.input_bytes if s == 0 else 0) + (profile.target_bytes if s == last else 0),
         ))
     return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class StageMemory:
-    """Bytes one stage needs on its device at its peak, by category."""
+    """Bytes one stage needs on its device, by category, without memory compaction. An
+    estimate before emulation (the emulated walk of the stage's layers is exact)."""
 
     stage: int
     device: int
@@ -108,12 +115,17 @@ class StageMemory:
     master_bytes: int
     stash_bytes: int
     """Extra weight versions kept by PipeDream's weight stashing."""
-    comm_bytes: int
+    buffer_bytes: int
+    """torch's receive buffers (input activation and output gradient per microbatch) and
+    the iteration's input batch or targets."""
     activation_bytes_per_microbatch: int
+    """What the stage's forward of one microbatch keeps until its backward."""
     max_in_flight: int
     """Microbatches whose activations are held at once."""
-    workspace_bytes: int
+    transient_bytes: int
+    """The largest transient of a layer's forward or backward."""
     capacity_bytes: int
+    """The device's usable memory."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -121,8 +133,8 @@ class StageMemory:
 
     @property
     def static_bytes(self) -> int:
-        """Held for the whole iteration: model states, stashed weights, comm buffers."""
-        return self.model_state_bytes + self.stash_bytes + self.comm_bytes
+        """Held for the whole iteration (gradients from the first backward on)."""
+        return self.model_state_bytes + self.stash_bytes + self.buffer_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -130,8 +142,8 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> int:
-        """Peak need without any memory compaction."""
-        return self.static_bytes + self.activation_bytes + self.workspace_bytes
+        """Peak need without any memory compaction (estimate)."""
+        return self.static_bytes + self.activation_bytes + self.transient_bytes
 
     @property
     def fits(self) -> bool:
@@ -150,21 +162,29 @@ def default_stage_to_device(schedule: Schedule, hardware: Hardware) -> list[int]
 
 def memory_model(costs: list[StageCosts], schedule: Schedule, hardware: Hardware,
                  stage_to_device: list[int] | None = None) -> list[StageMemory]:
-    """Peak bytes per stage, by category, with no memory compaction."""
+    """Bytes per stage, by category, with no memory compaction."""
     devices = stage_to_device or default_stage_to_device(schedule, hardware)
+    m = schedule.num_microbatches
     out = []
     for c in costs:
         in_flight = max_in_flight(schedule, c.stage)
         stash = (in_flight - 1) * c.param_bytes if schedule.weight_stashing else 0
-        comm = 2 * (c.input_bytes + c.output_bytes)  # activation + gradient, each direction
+        kept = sum(step.alloc_bytes - step.free_bytes for step in forward_steps(c.layers, [False] * len(c.layers)))
+        transient = max((max(x.memory.forward_peak_bytes, x.memory.backward_peak_bytes) for x in c.layers), default=0)
         out.append(StageMemory(
             stage=c.stage, device=devices[c.stage],
             param_bytes=c.param_bytes, grad_bytes=c.grad_bytes, optim_bytes=c.optim_bytes,
-            master_bytes=c.master_bytes, stash_bytes=stash, comm_bytes=comm,
-            activation_bytes_per_microbatch=c.saved_bytes, max_in_flight=in_flight,
-            workspace_bytes=c.workspace_bytes, capacity_bytes=hardware.device.memory_bytes,
+            master_bytes=c.master_bytes, stash_bytes=stash, buffer_bytes=buffer_bytes(c, m),
+            activation_bytes_per_microbatch=kept, max_in_flight=in_flight,
+            transient_bytes=transient, capacity_bytes=hardware.usable_memory_bytes,
         ))
     return out
+
+
+def buffer_bytes(costs: StageCosts, num_microbatches: int) -> int:
+    """torch's receive buffers of a stage (one per microbatch for the input activation and
+    for the output's gradient, made once and kept) and the iteration's batch on it."""
+    return num_microbatches * (costs.input_bytes + costs.output_bytes + costs.batch_bytes)
 
 
 def optimizer_step_s(num_params: int, hardware: Hardware) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mpress.actions import format_actions
 from mpress.hardware import Hardware
 from mpress.plan import (
     PeerQuota,
@@ -113,6 +114,7 @@ class PlanWriter:
             stage_to_device=list(d.stage_to_device), stages=stages,
             fits=bool(predicted and predicted.result.fits),
             predicted_iteration_s=predicted.result.iteration_s if predicted else 0.0,
+            actions=[format_actions(list(r)) for r in predicted.schedule.ranks] if predicted else [],
         )
 
     @staticmethod

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mpress.actions import Schedule, format_actions
+from mpress.errors import PlanError
 from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan
 from mpress.static.emulator import emulate
 from mpress.static.evaluate import Evaluation, PipelineSetup
-from mpress.static.lowering import build_program
+from mpress.static.lowering import build_program, lower_rank_traced
 from mpress.static.memory import memory_model
+from mpress.static.placement import place_by_capacity
+from mpress.static.program import Program
 from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
+from mpress.vocabulary import SwapInPolicy
 
 
 def check_plan_for_setup(plan: Plan, setup: PipelineSetup, source: str = "plan") -> None:
@@ -28,21 +33,43 @@ def check_plan_for_setup(plan: Plan, setup: PipelineSetup, source: str = "plan")
 
 
 def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
-    """Emulate one iteration of `setup` under `plan` (its stage-to-device map included)."""
+    """Emulate one iteration of `setup` under `plan` (its stage-to-device map included):
+    the program its rules make here (swap-ins placed by its policy), which must be the one
+    the plan carries when it carries one."""
     rw = rewrite(plan, setup.schedule, setup.costs, setup.hardware)
     offloaded = offloaded_optim_bytes(plan, setup.costs)
     if setup.schedule.weight_stashing:  # the live weights stay when the stashed versions go
         offloaded = [o - (c.param_bytes if gone else 0)
-                     for o, c, gone in zip(offloaded, setup.costs, stash_offloaded(plan, setup.costs))]
+                     for o, c, gone in zip(offloaded, setup.costs, stash_offloaded(rw.schedule))]
     pools = [0] * setup.hardware.num_devices
     for device, nbytes in plan.peer_pool_bytes_by_device().items():
         pools[device] = nbytes
     devices = list(plan.stage_to_device)
-    program = build_program(
-        setup.profile, setup.ranges, rw.schedule, setup.hardware, microbatch_size=setup.microbatch_size,
-        stage_to_device=devices, tensors=rw.tensors, offloaded_bytes=offloaded, pool_bytes=pools,
-        swap_in_policy=plan.swap_in_policy,
-    )
-    placed = replace(setup, stage_to_device=devices,
-                     memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices))
-    return Evaluation(setup=placed, program=program, result=emulate(program))
+
+    def lower(schedule: Schedule) -> Program:
+        return build_program(setup.profile, setup.ranges, schedule, setup.hardware,
+                             microbatch_size=setup.microbatch_size, stage_to_device=devices, tensors=rw.tensors,
+                             offloaded_bytes=offloaded, pool_bytes=pools)
+
+    schedule = rw.schedule
+    if plan.swap_in_policy is SwapInPolicy.CAPACITY:
+        static = lower(schedule).static_bytes
+        placed = []
+        for r, actions in enumerate(schedule.ranks):
+            tasks, origins = lower_rank_traced(actions, costs=setup.costs, devices=devices, hardware=setup.hardware,
+                                               tensors=rw.tensors, weight_stashing=schedule.weight_stashing)
+            placed.append(place_by_capacity(actions, tasks, origins, static_bytes=static[r],
+                                            capacity_bytes=setup.hardware.usable_memory_bytes))
+        schedule = schedule.with_ranks(placed)
+    if plan.actions:  # the program the plan carries is the one its rules make here
+        for r, (carried, made) in enumerate(zip(plan.actions, schedule.ranks)):
+            if carried != format_actions(list(made)):
+                have, want = carried.split(), format_actions(list(made)).split()
+                i = next((k for k, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
+                raise PlanError(f"plan: rank {r}'s program differs from what its rules make on this pipeline at "
+                                f"action {i} ({have[i] if i < len(have) else 'end'} where the rules give "
+                                f"{want[i] if i < len(want) else 'end'}); re-plan, or drop `actions` to re-derive it")
+    program = lower(schedule)
+    placed_setup = replace(setup, stage_to_device=devices,
+                           memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices))
+    return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program))

@@ -46,6 +46,7 @@ from mpress.static.liveness import layer_live_intervals, stage_times
 from mpress.static.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan_eval import evaluate_plan
 from mpress.static.planner_d2d import D2DSteps
+from mpress.static.stage_memory import freeable_bytes
 from mpress.units import fmt_bytes
 from mpress.vocabulary import Strategy, SwapInPolicy, Technique
 
@@ -59,8 +60,6 @@ _ALLOWED: dict[Strategy, tuple[Technique, ...]] = {
 class PlannerOptions:
     """Knobs of the search."""
 
-    headroom_fraction: float = 0.02
-    """Share of each device's memory left free (fragmentation, allocator slack)."""
     max_fit_rounds: int = 8
     """Emulate-and-shed rounds before giving up on fitting."""
     max_d2d_rounds: int = 6
@@ -104,7 +103,7 @@ class _Planner(D2DSteps):
         self.sched = setup.schedule
         self.costs = setup.costs
         self.num_mb = self.sched.num_microbatches
-        self.capacity = int(self.hw.device.memory_bytes * (1 - options.headroom_fraction))
+        self.capacity = self.hw.usable_memory_bytes
         self.mapping_s = 0.0
         self.in_flight = [m.max_in_flight for m in setup.memory]
         self.writer = PlanWriter(setup, self.strategy, options.swap_in_policy)
@@ -116,12 +115,13 @@ class _Planner(D2DSteps):
 
     # -- candidates --------------------------------------------------------------------------
     def _layer_saving(self, s: int, j: int, technique: str) -> int:
-        c = self.costs[s]
-        saved = c.layers[j].saved_bytes
+        """Bytes per microbatch layer j of stage s keeps no more when compacted this way:
+        what its forward keeps less what a checkpointed one keeps (recompute), or what
+        swapping all it saved frees."""
+        layers = self.costs[s].layers
         if technique == RECOMPUTE:
-            kept = c.input_bytes if j == 0 else c.layers[j - 1].output_bytes
-            return max(saved - kept, 0)
-        return saved
+            return max(layers[j].memory.kept_bytes - layers[j].recompute_memory.kept_bytes, 0)
+        return freeable_bytes(layers, j, layers[j].saved, [False] * len(layers))
 
     def _host_roundtrip_s(self, nbytes: int) -> float:
         return nbytes / (self.hw.pcie_gbps("d2h") * 1e9) + nbytes / (self.hw.pcie_gbps("h2d") * 1e9) \
@@ -341,9 +341,10 @@ def _better(a: Evaluation, b: Evaluation) -> bool:
 
 
 def minimum_need_bytes(setup: PipelineSetup) -> list[int]:
-    """Per stage, bytes no technique can move: parameters, gradients, communication
-    buffers and workspace (activations, optimizer data and stashes can all go)."""
-    return [m.param_bytes + m.grad_bytes + m.comm_bytes + m.workspace_bytes for m in setup.memory]
+    """Per stage, bytes no technique can move: parameters, gradients, torch's pipeline
+    buffers and the largest transient (activations, optimizer data and stashes can all
+    go)."""
+    return [m.param_bytes + m.grad_bytes + m.buffer_bytes + m.transient_bytes for m in setup.memory]
 
 
 def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions | None = None,
@@ -354,9 +355,9 @@ def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions |
 
 def check_fits_at_all(setup: PipelineSetup) -> None:
     """Raise a one-line `UserError` when even moving every movable byte cannot fit."""
-    cap = setup.hardware.device.memory_bytes
+    cap = setup.hardware.usable_memory_bytes
     for m, floor in zip(setup.memory, minimum_need_bytes(setup)):
         if floor > cap:
             raise UserError(
                 f"does not fit even with every tensor swapped: stage {m.stage} needs {floor / 1e9:.1f} GB of "
-                f"parameters+gradients on a {cap / 1e9:.1f} GB device")
+                f"parameters, gradients and pipeline buffers where {cap / 1e9:.1f} GB are usable")

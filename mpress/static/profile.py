@@ -23,7 +23,7 @@ from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
 from mpress.errors import ProfileError
 from mpress.model_config import ModelConfig
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -42,10 +42,35 @@ class SavedTensor:
     """torch dtype name without the `torch.` prefix."""
     what: str = ""
     """Human description, e.g. "fc1 input", "dropout mask", "attention probabilities"."""
+    input: bool = False
+    """Its storage is the layer's input (the previous layer's output, or, for a stage's
+    first layer, the stage's received activation, which swapping it does not free)."""
 
     @property
     def id(self) -> str:
         return f"{self.module}#{self.index}"
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayerMemory:
+    """What one layer's forward and backward of one microbatch hold on the device, counted
+    as `mpress.live_bytes.LiveBytes` counts (`memory_probe.py` measures it)."""
+
+    kept_bytes: int = field(default=0, metadata={"min": 0})
+    """Live after the forward minus before: what it keeps for its backward, and its output."""
+    forward_peak_bytes: int = field(default=0, metadata={"min": 0})
+    """Highest live bytes above the start during the forward."""
+    saves_input: bool = False
+    """Autograd (or the checkpoint) keeps the layer's input storage until its backward."""
+    saves_output: bool = False
+    """Autograd keeps the layer's own output storage until its backward."""
+    backward_peak_bytes: int = field(default=0, metadata={"min": 0})
+    """Highest live bytes above the start of the backward (what the forward kept and the
+    incoming gradient are part of the start)."""
+    input_grad_bytes: int = field(default=0, metadata={"min": 0})
+    """The gradient of its input the backward hands on."""
+    output_bytes: int = field(default=0, metadata={"min": 0})
+    """The module's output (for the last layer with a loss: the output before the loss)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -68,11 +93,15 @@ class LayerProfile:
     """Optimizer states (Adam: exp_avg and exp_avg_sq in fp32)."""
     master_bytes: int = field(default=0, metadata={"min": 0})
     """fp32 master weights under mixed precision, else 0."""
+    largest_param_bytes: int = field(default=0, metadata={"min": 0})
+    """The largest parameter tensor's bytes as the optimizer steps it (fp32): one-tensor
+    optimizer steps hold temporaries of this size."""
     output_bytes: int = field(default=0, metadata={"min": 0})
     """Activation bytes this layer hands to the next one (what a stage boundary sends)."""
-    workspace_bytes: int = field(default=0, metadata={"min": 0})
-    """Transient bytes beyond saved tensors during forward/backward (measured peak minus
-    what is accounted for; 0 for analytic)."""
+    memory: LayerMemory = field(default_factory=lambda: LayerMemory())
+    """What its forward and backward hold on the device (the memory probe)."""
+    recompute_memory: LayerMemory = field(default_factory=lambda: LayerMemory())
+    """The same when the layer is checkpointed (recomputed in its backward)."""
 
     @property
     def saved_bytes(self) -> int:
@@ -100,8 +129,10 @@ class Profile:
     """Activation precision: fp32, fp16 or bf16."""
     microbatch_size: int = field(metadata={"min": 1})
     layers: list[LayerProfile]
-    peak_memory_bytes: int = field(default=0, metadata={"min": 0})
-    """Measured peak allocated bytes of one forward+backward (measured only)."""
+    input_bytes: int = field(default=0, metadata={"min": 0})
+    """One microbatch of the model's input (the first stage holds the iteration's batch)."""
+    target_bytes: int = field(default=0, metadata={"min": 0})
+    """One microbatch of the loss's targets (the last stage holds the iteration's)."""
 
     def __post_init__(self) -> None:
         if self.version != PROFILE_VERSION:

@@ -1,34 +1,37 @@
 """What the emulator runs: per-rank action lists resolved into costed tasks.
 
-A `Program` is a `Schedule` (possibly rewritten with memory actions) in which every
-action carries its costs: compute-stream time, the copies it makes on which channels,
-and the memory it takes and gives back. The memory model (`memory.py`) builds it from a
-profile, a partition, the hardware and a schedule; tests build small ones by hand.
+A `Program` is a `Schedule` (rewritten with memory actions) in which every action is a
+task, or several: the forward and backward of a microbatch are one task per layer of the
+stage (a recompute is a task before its layer's backward), so a swap-out starts when its
+layer's forward ends and a swap-in must land before its layer's backward, as at run
+time. Each task carries its compute-stream time, the copies it makes on which channels,
+and the memory it takes and gives back. `lowering.py` builds programs from a profile,
+a partition, the hardware and a schedule; tests build small ones by hand.
 
-Semantics the emulator implements (see `emulator.py`):
+Semantics (see `emulator.py` for the details):
 
-- Each rank walks its task list in order. Compute tasks (F, B, OPT, RC) run one at a
-  time on the rank's compute stream. Copy tasks (SO, SI, DO, DI, OO, OI) are issued when
-  the compute task before them in the list has finished (they wait on its event), and run
-  concurrently with compute on their channels; a task is done when all of its transfers
-  are done (plus the channel latency).
-- Dependencies: F(s, m) waits for F(s-1, m) and the activation send from the rank of s-1;
-  B(s, m) waits for B(s+1, m) and the gradient send back; a compute task with a
-  microbatch waits for every copy-in (SI, DI) of the same stage and microbatch issued
-  before it; OPT waits for the OI of its stage; a copy-in of a tensor waits for the
-  copy-out of the same tensor.
-- Memory: `alloc_bytes` is taken when a task starts, `free_bytes` given back when it
-  ends; `transient_bytes` is held only while it runs.
+- Each rank walks its list in order: compute tasks (F, B, OPT, RC) one at a time on the
+  rank's compute stream; copies (SO, SI, DO, DI, OO, OI) are issued when the compute task
+  before them ends and run on their channels; a marker (DR) does nothing.
+- Memory is a walk of each rank's list, in list order, independent of timing:
+  `alloc_bytes` taken when a task starts (a copy-in's at its issue), `transient_bytes`
+  held while a compute task runs, `free_bytes` given back when it ends, and
+  `release_bytes` given back when the first task of a compute action starts: the bytes of
+  the copy-outs issued since the last such point, which that task waits for (the runtime
+  drops a swapped-out tensor's device storage at the same point); a copy-out with no
+  release point after it gives its bytes (`free_bytes`) back when it ends.
+- `consumes`: the tensors whose copy-ins a compute task waits for.
 
 Units: seconds, bytes, GB/s (1e9 bytes/s).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mpress.actions import Action
-from mpress.vocabulary import SwapInPolicy, Technique, Word
+from mpress.vocabulary import Technique, Word
 
 
 class Cost(Word):
@@ -71,23 +74,37 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Task:
-    """One action of one rank with its costs.
+    """One action of one rank, or one layer of it, with its costs.
 
+    layer: the layer within the stage a forward/backward/recompute task runs (None for
+        actions that are one task).
     compute_s: time on the compute stream (compute kinds only).
     transfers: copies made by a copy kind, run concurrently; all must finish.
-    alloc_bytes: device bytes taken when the task starts.
-    free_bytes: device bytes released when the task ends.
-    transient_bytes: bytes held only while the task runs (workspace).
+    alloc_bytes: device bytes taken when the task starts (a copy-in: when it is issued).
+    transient_bytes: bytes held only while a compute task runs (workspace).
+    free_bytes: device bytes given back when the task ends.
+    starts_action: the first task of a compute action (F, B, OPT): the release point of the
+        copy-outs issued before it on the rank, which it waits for.
+    release_bytes: what those copy-outs give back when it starts.
+    consumes: tensors whose copy-ins must have landed before a compute task starts.
     cost: what the task's time is spent on, and what a stall waiting on it is blamed on.
     """
 
     action: Action
+    layer: int | None = None
     compute_s: float = 0.0
     transfers: tuple[Transfer, ...] = ()
     alloc_bytes: int = 0
-    free_bytes: int = 0
     transient_bytes: int = 0
+    free_bytes: int = 0
+    starts_action: bool = False
+    release_bytes: int = 0
+    consumes: tuple[str, ...] = ()
     cost: Cost = Cost.COMPUTE
+
+    def label(self) -> str:
+        """The action, and the layer for a layer task (`0F3 L2`)."""
+        return str(self.action) if self.layer is None else f"{self.action} L{self.layer}"
 
 
 @dataclass(frozen=True)
@@ -97,8 +114,9 @@ class Program:
     ranks: per rank, tasks in execution order.
     rank_device: device index of each rank.
     device_capacity_bytes: memory capacity of each device (indexed by device).
-    static_bytes: per rank, bytes resident for the whole iteration (parameters,
-        gradients, optimizer states, stashed weights, communication buffers).
+    static_bytes: per rank, bytes resident when the iteration starts (parameters,
+        optimizer states on the device, torch's receive buffers, the input batch, a peer
+        pool the device lends).
     channels: every channel a transfer may name, by id.
     sends: (from_stage, to_stage) -> transfers for the activation of one microbatch
         (forward direction; the gradient goes back over `grad_sends`).
@@ -106,9 +124,6 @@ class Program:
     samples_per_iteration: microbatch size x microbatches (for samples/s).
     model_flops_per_iteration: useful model FLOPs of one iteration, without recompute
         (for model TFLOP/s).
-    swap_in_policy: "capacity": a copy-in starts at its place in the list as soon as the
-        device has room for it; "layer-ahead" (vDNN-like): it starts when the compute task
-        just before its consumer starts.
     """
 
     ranks: tuple[tuple[Task, ...], ...]
@@ -120,4 +135,21 @@ class Program:
     grad_sends: dict[tuple[int, int], tuple[Transfer, ...]] = field(default_factory=dict)
     samples_per_iteration: int = 1
     model_flops_per_iteration: float = 0.0
-    swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY
+
+
+def walk_peaks(tasks: Sequence[Task], static_bytes: int) -> list[int]:
+    """The memory walk of one rank's tasks (see the module docstring): for each task, the
+    most device bytes while it runs (a copy or marker: after it is issued), starting from
+    `static_bytes`. Independent of timing, so plans can be shaped by it before emulation."""
+    mem = static_bytes
+    out = []
+    for t in tasks:
+        if t.action.is_compute:
+            mem -= t.release_bytes
+            out.append(mem + t.alloc_bytes + t.transient_bytes)
+            mem += t.alloc_bytes - t.free_bytes
+        else:
+            mem += t.alloc_bytes
+            out.append(mem)
+            mem -= t.free_bytes
+    return out

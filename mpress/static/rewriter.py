@@ -1,13 +1,19 @@
-"""The rewriter: plan + schedule -> per-rank action lists with memory actions.
+"""The rewriter: plan + schedule -> per-rank action lists with memory actions: the
+program the emulator simulates and the runtime executes (`Plan.actions`).
 
 Where each memory action goes (per rank, in its list):
 
-- after F(s, m): one swap-out (SO), D2D-out (DO) or drop (DR) per unit of stage s that
-  the plan compacts in microbatch m, in layer order; PipeDream's stashed weight version
-  of m goes out here too when the plan says so;
-- before B(s, m): recompute (RC) of each dropped unit, in forward order, just before the
-  backward; swap-ins (SI/DI) earlier, before the compute action `prefetch_lead` compute
-  actions ahead of B(s, m) (never before the F(s, m) that produced the tensor);
+- right after F(s, m), and run inside it: one swap-out (SO), D2D-out (DO) or drop (DR)
+  per unit of stage s that the plan compacts in microbatch m, in layer order (each
+  starts when its layer's forward ends); PipeDream's stashed weight version of m goes
+  out here too when the plan says so. A swapped-out unit's device bytes are given back
+  at the next compute action of the rank (its release point);
+- right after B(s, m), and run inside it: a recompute (RC) of each dropped unit, last
+  layer first (each runs right before its layer's backward);
+- swap-ins (SI/DI) before the compute action `prefetch_lead` compute actions ahead of
+  B(s, m) (never before the F(s, m) that produced the tensor); under the plan's
+  `capacity` policy, earlier still: as early as the stage's device has room for them in
+  the memory walk of the rank's list (`placement.py`);
 - optimizer states and master weights: out (OO) after the stage's OPT, back in (OI)
   `prefetch_lead` compute actions before the stage's last backward, so the copy overlaps
   the last backwards (at the start of the iteration they are on the host).
@@ -22,6 +28,7 @@ checkpointing each such layer, which keeps the layer's input.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpress.actions import Action, Kind, Schedule, UnitId, UnitKind
@@ -31,6 +38,7 @@ from mpress.identity import LayerTensors, StageRules
 from mpress.plan import Plan, StagePlan, TensorRule
 from mpress.static.lowering import TensorInfo
 from mpress.static.memory import StageCosts, optimizer_step_s
+from mpress.static.stage_memory import freeable_bytes
 from mpress.vocabulary import Technique
 
 _OUT = {Technique.HOST: Kind.SO, Technique.D2D: Kind.DO}
@@ -66,14 +74,22 @@ class _Stage:
         self.costs = costs
         self.rules = StageRules(sp, layer_tensors(costs), num_microbatches)
 
+    def recomputed(self, microbatch: int) -> list[bool]:
+        """Per layer of the stage: recomputed (checkpointed) in `microbatch`."""
+        return [self.rules.recomputed(li, microbatch) for li in range(len(self.costs.layers))]
+
     def units(self, microbatch: int) -> list[tuple[_Unit, int]]:
-        """(unit, bytes) of every compacted group of saved tensors in `microbatch`."""
+        """(unit, bytes) of every compacted group of saved tensors in `microbatch`: the
+        bytes its swap frees (`stage_memory.freeable_bytes`; 0 for a recomputed one)."""
         out = []
+        recomputed = self.recomputed(microbatch)
         for li, layer in enumerate(self.costs.layers):
             for r, positions in sorted(self.rules.layer_groups(li, microbatch).items()):
-                nbytes = sum(layer.saved[p].bytes for p in positions)
+                rule = self.sp.rules[r]
+                nbytes = 0 if rule.technique is Technique.RECOMPUTE else freeable_bytes(
+                    self.costs.layers, li, [layer.saved[p] for p in positions], recomputed)
                 unit = UnitId(self.sp.stage, UnitKind.ACTIVATIONS, layer=layer.name, rule=r)
-                out.append((_Unit(unit, li, self.sp.rules[r]), nbytes))
+                out.append((_Unit(unit, li, rule), nbytes))
         return out
 
     def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:
@@ -102,20 +118,20 @@ class _Stage:
                 for r, b in sorted(groups.items()) if b]
 
 
-def _recompute_segments(stage: _Stage, units: list[tuple[_Unit, int]]) -> list[tuple[_Unit, int, float]]:
-    """Recompute units with the bytes they free and the forward time that restores them.
-    Each recomputed layer is its own checkpoint (`torch.utils.checkpoint` on the layer):
-    it keeps its input and recomputes the rest just before its own backward, so only
-    one layer's recomputed tensors are alive at a time."""
-    layers = stage.costs.layers
-    out = []
-    for unit, nbytes in sorted((u for u in units if u[0].rule.technique is Technique.RECOMPUTE), key=lambda u: u[0].layer):
-        absolute = stage.costs.first_layer + unit.layer
-        kept = 0
-        if absolute > 0:  # the model's first layer takes token ids: nothing worth keeping
-            kept = stage.costs.input_bytes if unit.layer == 0 else layers[unit.layer - 1].output_bytes
-        out.append((unit, max(nbytes - kept, 0), layers[unit.layer].forward_time_s))
-    return out
+def _recomputes(units: list[tuple[_Unit, int]]) -> list[_Unit]:
+    """The recomputed units, last layer first: the order the backward recomputes them in
+    (each recomputed layer is its own checkpoint, recomputed right before its own
+    backward)."""
+    return sorted((u for u, _b in units if u.rule.technique is Technique.RECOMPUTE), key=lambda u: -u.layer)
+
+
+def _backward_follows(actions: Sequence[Action], compute_pos: list[int], i: int) -> bool:
+    """Whether the compute action after F at index `i` is that microbatch's backward."""
+    k = compute_pos.index(i)
+    if k + 1 >= len(compute_pos):
+        return False
+    nxt = actions[compute_pos[k + 1]]
+    return nxt.kind is Kind.B and (nxt.stage, nxt.microbatch) == (actions[i].stage, actions[i].microbatch)
 
 
 def _info(rule: TensorRule, nbytes: int) -> TensorInfo:
@@ -146,11 +162,14 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                 continue
             if a.kind is Kind.F and a.microbatch is not None:
                 produced_at[(a.stage, a.microbatch)] = i
-                units = st.units(a.microbatch)
-                for unit, nbytes, recompute_s in _recompute_segments(st, units):
-                    tensors[str(unit.id)] = TensorInfo(bytes=nbytes, compute_s=recompute_s)
-                for unit, nbytes in units + (st.stash_units(a.microbatch)
-                                             if schedule.weight_stashing else []):
+                units = st.units(a.microbatch) + (st.stash_units(a.microbatch) if schedule.weight_stashing else [])
+                if _backward_follows(actions, compute_pos, i):
+                    # its swap-in would come before the swap-out's release point: the bytes
+                    # would never leave the device, so the unit stays (the program says so)
+                    units = [u for u in units if u[0].rule.technique not in _IN]
+                for unit in _recomputes(units):
+                    tensors[str(unit.id)] = TensorInfo(bytes=0, compute_s=st.costs.layers[unit.layer].forward_time_s)
+                for unit, nbytes in units:
                     tech = unit.rule.technique
                     key = str(unit.id)
                     if tech is Technique.RECOMPUTE:
@@ -161,16 +180,19 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
             elif a.kind is Kind.B and a.microbatch is not None:
                 m = a.microbatch
                 units = st.units(m)
-                for unit, _nbytes, _ in _recompute_segments(st, units):
-                    before.setdefault(i, []).append(Action(a.stage, Kind.RC, m, str(unit.id)))
+                for unit in _recomputes(units):  # inside the backward, each before its layer's
+                    after.setdefault(i, []).append(Action(a.stage, Kind.RC, m, str(unit.id)))
                 swaps = [u for u in units if u[0].rule.technique in _IN]
                 if schedule.weight_stashing:
                     swaps += st.stash_units(m)
                 k = compute_pos.index(i)
+                # not before the release point of its swap-out (the compute action after
+                # F(s, m)): the swap-in comes after, so the two never hold the bytes at once
+                produced = compute_pos.index(produced_at[(a.stage, m)])
+                if k <= produced + 1:
+                    continue  # B(s, m) right after F(s, m): nothing to swap (see the F branch)
                 for unit, _nbytes in swaps:
-                    lead = unit.rule.prefetch_lead
-                    at = compute_pos[max(k - lead, 0)]
-                    at = max(at, produced_at.get((a.stage, m), 0) + 1)
+                    at = compute_pos[max(k - unit.rule.prefetch_lead, produced + 2)]
                     before.setdefault(at, []).append(
                         Action(a.stage, _IN[unit.rule.technique], m, str(unit.id)))
             elif a.kind is Kind.OPT and a.tensor is None:
@@ -230,11 +252,13 @@ def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
     return out
 
 
-def stash_offloaded(plan: Plan, costs: list[StageCosts]) -> list[bool]:
-    """Per stage, whether the plan moves its stashed weight versions off the device."""
-    out = []
-    for sp, c in zip(plan.stages, costs):
-        st = _Stage(sp, c, plan.num_microbatches)
-        # a rule may select only some microbatches: any of them moves versions out
-        out.append(any(st.stash_units(m) for m in range(plan.num_microbatches)))
+def stash_offloaded(schedule: Schedule) -> list[bool]:
+    """Per stage, whether the rewritten program `schedule` moves its stashed weight
+    versions off the device: a rule may select only some microbatches (any of them moves
+    versions out), and a stage whose backward directly follows its forward moves none."""
+    out = [False] * schedule.num_stages
+    for actions in schedule.ranks:
+        for a in actions:
+            if a.kind in _OUT.values() and UnitId.parse(a.tensor or "").kind is UnitKind.STASH:
+                out[a.stage] = True
     return out

@@ -5,24 +5,20 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from mpress.actions import Kind
 from mpress.errors import ScheduleError
 from mpress.static.dependencies import (
     ARRIVAL,
     COMPUTE,
     COPY_IN,
     COPY_OUT,
-    DROP,
+    MARKER,
     build_dependencies,
     build_nodes,
 )
 from mpress.static.emulator_result import EmulatorResult, TaskSpan
 from mpress.static.program import Cost, Program
-from mpress.vocabulary import SwapInPolicy
 
-_WAITING, _QUEUED, _STARTED = range(3)
-"""Copy-in admission states under the "capacity" policy."""
-_EVCOMPUTE_END, _EV_CHANNEL = 0, 1
+_EV_COMPUTE_END, _EV_CHANNEL = 0, 1
 _BYTES_TOL = 1e-3
 """Virtual-clock differences below this many bytes are rounding, not data."""
 
@@ -34,22 +30,18 @@ class Simulation:
 
     def __init__(self, program: Program) -> None:
         self.program = program
-        self.capacity_policy = program.swap_in_policy == SwapInPolicy.CAPACITY
         nodes = build_nodes(program)
-        graph = build_dependencies(program, nodes, self.capacity_policy)
-        self.tasks, self.num_tasks, self.rank_nodes, self.rank_of = nodes.tasks, nodes.num_tasks, nodes.rank_nodes, nodes.rank_of
-        self.cat, self.take, self.give, self.transfers = nodes.cat, nodes.take, nodes.give, nodes.transfers
-        self.deps, self.missing, self.start_waiters = graph.deps, graph.missing, graph.start_waiters
-        self.copyin_deps, self.send_labels, self.pending = graph.copyin_deps, graph.send_labels, graph.pending
-        self.done_waiters, self.device_of = graph.done_waiters, graph.device_of
+        graph = build_dependencies(program, nodes)
+        self.tasks, self.num_tasks, self.rank_nodes = nodes.tasks, nodes.num_tasks, nodes.rank_nodes
+        self.rank_of, self.cat, self.transfers = nodes.rank_of, nodes.cat, nodes.transfers
+        self.deps, self.missing, self.send_labels = graph.deps, graph.missing, graph.send_labels
+        self.pending, self.done_waiters, self.device_of = graph.pending, graph.done_waiters, graph.device_of
         self._build_channels(program)
         num_nodes = len(self.cat)
         self.arrival = [0.0] * num_nodes
         self.start = [-1.0] * num_nodes
         self.end = [-1.0] * num_nodes
         self.remaining = [0] * num_nodes
-        self.admission = [_WAITING] * num_nodes
-        self.forced = [False] * num_nodes
         self.blame = [ARRIVAL] * num_nodes
         num_devices = len(program.device_capacity_bytes)
         self.mem = [0] * num_devices
@@ -58,23 +50,7 @@ class Simulation:
         self.peak = list(self.mem)
         self.tl_time: list[list[float]] = [[0.0] for _ in range(num_devices)]
         self.tl_bytes: list[list[int]] = [[m] for m in self.mem]
-        self.fifo: list[deque[int]] = [deque() for _ in range(num_devices)]
-        self.admitting = [False] * num_devices
-        # memory back-pressure: compute tasks waiting for in-flight copy-outs to free room
-        self.frees_in_flight = [0] * num_devices
-        self.alloc_waiting: list[deque[int]] = [deque() for _ in range(num_devices)]
         self.pos = [nodes.start for nodes in self.rank_nodes]
-        # per node: the first compute task after it on its rank (-1: none); per device: its ranks
-        self.next_compute = [-1] * num_nodes
-        for nodes in self.rank_nodes:
-            following = -1
-            for n in reversed(nodes):
-                self.next_compute[n] = following
-                if self.cat[n] == COMPUTE:
-                    following = n
-        self.device_ranks: list[list[int]] = [[] for _ in range(num_devices)]
-        for r, dev in enumerate(program.rank_device):
-            self.device_ranks[dev].append(r)
         self.stall_tensor: dict[str, float] = {}
         self.stall_cost: dict[Cost, float] = {}
         self.stall_rank = [0.0] * len(program.ranks)
@@ -111,10 +87,10 @@ class Simulation:
         events, pop = self.events, heapq.heappop
         chan_version, rank_of, pos = self.chan_version, self.rank_of, self.pos
         while events:
-            # (time, tie-break, a, what): what == _EVCOMPUTE_END: compute task a ended;
+            # (time, tie-break, a, what): what == _EV_COMPUTE_END: compute task a ended;
             # otherwise channel a's next event, stale unless what - _EV_CHANNEL is its version
             t, _, a, what = pop(events)
-            if what == _EVCOMPUTE_END:
+            if what == _EV_COMPUTE_END:
                 self._done(a, t)
                 r = rank_of[a]
                 pos[r] = a + 1
@@ -129,8 +105,8 @@ class Simulation:
         return self._result()
 
     def _advance(self, r: int, t: float) -> None:
-        """Walk rank r from its position: issue copies and drops up to the next compute
-        task, which is reached at time t."""
+        """Walk rank r from its position: issue copies (and pass markers) up to the next
+        compute task, which is reached at time t."""
         cat = self.cat
         stop = self.rank_nodes[r].stop
         n = self.pos[r]
@@ -139,95 +115,24 @@ class Simulation:
             if c == COMPUTE:
                 self.pos[r] = n
                 self.arrival[n] = t
-                if self.capacity_policy and n in self.copyin_deps:
-                    for d in self.copyin_deps[n]:
-                        self._force(d, t)
                 self._satisfy(n, ARRIVAL, t)
                 return
-            if c == DROP:
+            if c == MARKER:
                 self.start[n] = self.end[n] = t
-                self._mem(self.device_of[n], self.take[n] - self.give[n], t)
             else:
                 self._satisfy(n, ARRIVAL, t)
             n += 1
         self.pos[r] = stop
-        if self.capacity_policy:  # copy-ins no compute task consumes: nothing else will start them
-            for d in self.rank_nodes[r]:
-                if cat[d] == COPY_IN:
-                    self._force(d, t)
 
     def _satisfy(self, n: int, by: int, t: float) -> None:
         left = self.pending[n] - 1
         self.pending[n] = left
         self.blame[n] = by
         if left == 0:
-            c = self.cat[n]
-            if c == COMPUTE:
-                d = self.device_of[n]
-                if (self.take[n] and self.frees_in_flight[d]
-                        and self.mem[d] + self.take[n] > self.program.device_capacity_bytes[d]):
-                    self.alloc_waiting[d].append(n)  # wait for the copy-outs to free room
-                    return
+            if self.cat[n] == COMPUTE:
                 self._start_compute(n, t)
-            elif c == COPY_IN and self.capacity_policy:
-                self.admission[n] = _QUEUED
-                d = self.device_of[n]
-                self.fifo[d].append(n)
-                self._admit(d, t)
             else:
                 self._start_copy(n, t)
-
-    def _force(self, n: int, t: float) -> None:
-        self.forced[n] = True
-        if self.admission[n] == _QUEUED:
-            self._admit(self.device_of[n], t)
-
-    def _admit(self, d: int, t: float) -> None:
-        """Start queued copy-ins of device d. A copy-in whose consumer has been reached
-        (forced) starts when it fits the device, or when no copy-out of the device is in
-        flight to make room; the others start in order while they fit beside the room
-        that compute tasks waiting on this device will take (compute goes first)."""
-        if self.admitting[d]:
-            return  # re-entered from a start below; the loop re-checks
-        self.admitting[d] = True
-        q = self.fifo[d]
-        cap = self.program.device_capacity_bytes[d]
-        for n in [x for x in q if self.forced[x] and self.admission[x] == _QUEUED]:
-            if self.mem[d] + self.take[n] <= cap or not self.frees_in_flight[d]:
-                self._start_copy(n, t)
-        reserved = self._reserved(d)
-        while q:
-            n = q[0]
-            if self.admission[n] != _QUEUED:
-                q.popleft()
-            elif self.forced[n]:
-                break  # waits for room above; later ones must not overtake it
-            elif self.mem[d] + self.take[n] + reserved <= cap:
-                q.popleft()
-                self._start_copy(n, t)
-            else:
-                break
-        self.admitting[d] = False
-
-    def _reserved(self, d: int) -> int:
-        """Room the next F or B of each rank on device d will take, or a recompute before
-        it (prefetches must leave it: a swap-in never pushes the compute stream out of
-        memory)."""
-        total = 0
-        for r in self.device_ranks[d]:
-            n = self.pos[r]
-            if n >= self.rank_nodes[r].stop:
-                continue
-            if self.cat[n] != COMPUTE or self.start[n] >= 0:
-                n = self.next_compute[n]
-            need = 0
-            while n >= 0:
-                need = max(need, self.take[n])
-                if self.tasks[n].action.kind is not Kind.RC:
-                    break
-                n = self.next_compute[n]
-            total += need
-        return total
 
     def _start_compute(self, n: int, t: float) -> None:
         task = self.tasks[n]
@@ -244,20 +149,17 @@ class Simulation:
             else:
                 cost = Cost.PIPELINE
             self.stall_cost[cost] = self.stall_cost.get(cost, 0.0) + stall
-        self._mem(self.device_of[n], self.take[n], t)
-        for w in self.start_waiters.get(n, ()):
-            self._satisfy(w, n, t)
+        d = self.device_of[n]
+        self._mem(d, task.alloc_bytes + task.transient_bytes - task.release_bytes, t)
         self.seq += 1
-        heapq.heappush(self.events, (t + task.compute_s, self.seq, n, _EVCOMPUTE_END))
+        heapq.heappush(self.events, (t + task.compute_s, self.seq, n, _EV_COMPUTE_END))
 
     def _start_copy(self, n: int, t: float) -> None:
-        """Start a copy task or send: its transfers join their channels after the latency."""
-        self.admission[n] = _STARTED
+        """Start a copy task or send: its transfers join their channels after the latency;
+        a copy-in takes its bytes now."""
         self.start[n] = t
-        if n < self.num_tasks and self.take[n]:
-            self._mem(self.device_of[n], self.take[n], t)
-        if n < self.num_tasks and self.give[n] and self.cat[n] == COPY_OUT:
-            self.frees_in_flight[self.device_of[n]] += 1
+        if n < self.num_tasks and self.tasks[n].alloc_bytes:
+            self._mem(self.device_of[n], self.tasks[n].alloc_bytes, t)
         transfers = self.transfers[n]
         if not transfers:
             self._done(n, t)
@@ -273,37 +175,17 @@ class Simulation:
 
     def _done(self, n: int, t: float) -> None:
         self.end[n] = t
-        if n < self.num_tasks and self.give[n]:
-            d = self.device_of[n]
-            if self.cat[n] == COPY_OUT:
-                self.frees_in_flight[d] -= 1
-                self._mem(d, -self.give[n], t, admit=False)
-                if self.alloc_waiting[d]:  # compute first, then prefetches
-                    self._release_waiting(d, n, t)
-                if self.fifo[d]:
-                    self._admit(d, t)
-            else:
-                self._mem(d, -self.give[n], t)
+        if n < self.num_tasks:
+            task = self.tasks[n]
+            given = task.free_bytes + (task.transient_bytes if self.cat[n] == COMPUTE else 0)
+            if given:
+                self._mem(self.device_of[n], -given, t)
         ws = self.done_waiters[n]
         if ws is not None:
             for w in ws:
                 self._satisfy(w, n, t)
 
-    def _release_waiting(self, d: int, freed_by: int, t: float) -> None:
-        """Start compute tasks of device d that waited for room, in order, while they fit
-        (or once no copy-out is left in flight to wait for); their stall is blamed on the
-        copy-out that made the room."""
-        q = self.alloc_waiting[d]
-        cap = self.program.device_capacity_bytes[d]
-        while q:
-            n = q[0]
-            if self.frees_in_flight[d] and self.mem[d] + self.take[n] > cap:
-                break
-            q.popleft()
-            self.blame[n] = freed_by
-            self._start_compute(n, t)
-
-    def _mem(self, d: int, delta: int, t: float, admit: bool = True) -> None:
+    def _mem(self, d: int, delta: int, t: float) -> None:
         if delta == 0:
             return
         m = self.mem[d] + delta
@@ -312,8 +194,6 @@ class Simulation:
             self.peak[d] = m
         self.tl_time[d].append(t)
         self.tl_bytes[d].append(m)
-        if admit and delta < 0 and self.fifo[d]:
-            self._admit(d, t)
 
     # ---- channels: processor sharing with a virtual clock -----------------------------
 
@@ -370,7 +250,7 @@ class Simulation:
     # ---- reporting ---------------------------------------------------------------------
 
     def _name(self, n: int) -> str:
-        return str(self.tasks[n].action) if n < self.num_tasks else self.send_labels[n - self.num_tasks]
+        return self.tasks[n].label() if n < self.num_tasks else self.send_labels[n - self.num_tasks]
 
     def _stuck_reason(self, r: int) -> str:
         n = self.pos[r]

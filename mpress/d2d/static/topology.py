@@ -22,6 +22,17 @@ from typing import Any
 from mpress.errors import TopologyError
 from mpress.hardware import DeviceSpec, Hardware
 
+DETECTED_RESERVE_FIXED_BYTES = 512 << 20
+DETECTED_RESERVE_FRACTION = 0.05
+"""A detected GPU's reserve (an assumption, not measured, as in the presets): the CUDA
+context and library workspaces, plus this fraction for allocator fragmentation."""
+
+
+def detected_reserve_bytes(memory_bytes: int) -> int:
+    """What a plan leaves free on a detected GPU of `memory_bytes`."""
+    return min(DETECTED_RESERVE_FIXED_BYTES + int(memory_bytes * DETECTED_RESERVE_FRACTION), memory_bytes // 2)
+
+
 DETECTED_COMPUTE_EFFICIENCY = 0.4
 """Default compute efficiency of a detected machine: an assumption (not measured), in the
 range the shipped presets use for transformer training; pass another to override."""
@@ -263,7 +274,8 @@ def _detect(nvml: Any, count: int, compute_efficiency: float) -> DetectedTopolog
         name="local",
         source="detected through NVML; peak FLOP/s from datasheets, efficiencies are defaults",
         num_devices=count,
-        device=DeviceSpec(name=gpus[0].name, memory_bytes=min(g.memory_bytes for g in gpus), peak_flops=peaks),
+        device=DeviceSpec(name=gpus[0].name, memory_bytes=min(g.memory_bytes for g in gpus), peak_flops=peaks,
+                          reserve_bytes=detected_reserve_bytes(min(g.memory_bytes for g in gpus))),
         compute_efficiency=compute_efficiency,
         host_memory_bytes=_host_memory_bytes(),
         pcie_h2d_gbps=pcie_gbps,

@@ -1,4 +1,5 @@
-"""Every byte on a rank's device, counted: the measured side of "this plan fits".
+"""Every byte on a device, counted the same way at plan time (the memory probe runs
+layers on the meta device) and at run time (the measured side of "this plan fits").
 
 On CUDA the caching allocator counts (`memory_allocated`, `max_memory_allocated`). On a
 CPU stand-in nothing does, so `LiveBytes` counts what a GPU's allocator would: every
@@ -132,6 +133,11 @@ class LiveBytes:
         with self._lock:
             return self._peak_context
 
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the bytes live now (per step, per probe)."""
+        with self._lock:
+            self._peak, self._peak_context = self._live, self.context
+
     def largest(self, count: int = _LARGEST_NAMED) -> list[tuple[str, int]]:
         """The largest residents now: (name, bytes), largest first; same names summed."""
         with self._lock:
@@ -174,8 +180,6 @@ class _Watch(TorchDispatchMode):
         host = bool(inputs) and all(self.tracker.is_host(t) for t in inputs)
         name = f"{func.__name__.split('.')[0]} in {self.tracker.context}"
         for t in results:
-            if t.device.type == "meta":
-                continue
             storage = t.untyped_storage()
             if storage._cdata not in seen:
                 self.tracker._add(storage, name, host)

@@ -1,0 +1,107 @@
+"""A stage's device memory, layer by layer: what each layer's forward and backward of one
+microbatch takes and gives back, composed from the layers' probed memory
+(`LayerMemory`) and the way torch's pipelining holds a stage's tensors.
+
+The emulator's layer tasks take these figures (`lowering.py`); the runtime does what they
+say, so a CPU run's counted bytes follow them. The rules, for layer j of a stage with
+layers 0..n-1 (a recomputed layer uses its `recompute_memory`, whose checkpoint keeps
+its input):
+
+- forward of j: takes what it keeps (its saved tensors and its output) and, at its peak,
+  its transients; at its end the previous layer's output is given back when nothing holds
+  it (j does not save its input, j-1 does not save its output, and it is not the stage's
+  input, which torch's receive buffer or the input batch holds);
+- a swapped-out unit's bytes leave at the next compute action of the rank (its release
+  point) and come back when its swap-in is issued; the bytes a swap frees leave out the
+  stage's input (swapping it frees nothing) and an input its producer also keeps;
+- backward of j (last layer first): takes the gradient of its input (and, in the step's
+  first backward, the parameters' gradients) and, at its peak, its transients; at its end
+  it gives back what its forward kept (its output excepted when the next layer held it),
+  its saved input, and the gradient it consumed; the stage's output (held by the
+  pipeline until the microbatch's backward is over) goes when the backward ends; the
+  gradient of the stage's input stays (torch keeps it on the receive buffer until the
+  next step).
+
+Units: bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mpress.static.profile import LayerMemory, LayerProfile, SavedTensor
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What one layer's forward or backward of one microbatch does to device memory:
+    takes `alloc_bytes` when it starts, holds `transient_bytes` more while it runs, gives
+    back `free_bytes` when it ends."""
+
+    alloc_bytes: int
+    transient_bytes: int
+    free_bytes: int
+
+
+def _memory(layer: LayerProfile, recomputed: bool) -> LayerMemory:
+    return layer.recompute_memory if recomputed else layer.memory
+
+
+def forward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool]) -> list[StepMemory]:
+    """The forward of one microbatch, one step per layer in order."""
+    out = []
+    for j, layer in enumerate(layers):
+        mem = _memory(layer, recomputed[j])
+        freed = 0
+        if j > 0 and not mem.saves_input:
+            prev = _memory(layers[j - 1], recomputed[j - 1])
+            if not prev.saves_output:
+                freed = prev.output_bytes
+        out.append(StepMemory(alloc_bytes=mem.kept_bytes, transient_bytes=max(mem.forward_peak_bytes - mem.kept_bytes, 0),
+                              free_bytes=freed))
+    return out
+
+
+def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *,
+                   first_backward: bool) -> list[StepMemory]:
+    """The backward of one microbatch, one step per layer, last layer first.
+
+    first_backward: the step's first backward of this stage (it makes the parameters'
+    gradients). The last layer's incoming gradient (torch's receive buffer, or the loss's
+    seed) is not given back, nor is the gradient of the stage's input (it stays on the
+    receive buffer until the next step).
+    """
+    n = len(layers)
+    out: list[StepMemory] = []
+    for j in range(n - 1, -1, -1):
+        mem = _memory(layers[j], recomputed[j])
+        alloc = mem.input_grad_bytes + (layers[j].grad_bytes if first_backward else 0)
+        freed = mem.kept_bytes - (0 if mem.saves_output else mem.output_bytes)  # its saved tensors
+        if j > 0 and mem.saves_input and not _memory(layers[j - 1], recomputed[j - 1]).saves_output:
+            freed += _memory(layers[j - 1], recomputed[j - 1]).output_bytes  # the input it saved
+        if j < n - 1:
+            freed += _memory(layers[j + 1], recomputed[j + 1]).input_grad_bytes  # the gradient it consumed
+        else:
+            last = mem
+        if j == 0 and not last.saves_output:
+            freed += last.output_bytes  # the stage's output, held until the backward ends
+        out.append(StepMemory(alloc_bytes=alloc, transient_bytes=max(mem.backward_peak_bytes - alloc, 0),
+                              free_bytes=freed))
+    return out
+
+
+def freeable_bytes(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
+                   recomputed: Sequence[bool]) -> int:
+    """Bytes swapping `tensors` (saved by layer `layer` of the stage) out frees: their
+    storages, except the stage's input (the receive buffer or the input batch holds it)
+    and an input whose producer keeps it too."""
+    total = 0
+    for t in tensors:
+        if t.input:
+            if layer == 0:
+                continue
+            if _memory(layers[layer - 1], recomputed[layer - 1]).saves_output:
+                continue
+        total += t.bytes
+    return total

@@ -75,20 +75,21 @@ def build_dependencies(program: Program, nodes: Nodes) -> Graph:
     missing: dict[int, list[str]] = {}
     groups: dict[tuple[Kind, int, int], list[int]] = {}  # (F|B, stage, mb) -> [first node, last node]
     for r, rank_range in enumerate(nodes.rank_nodes):
-        last_out: dict[str, int] = {}
-        open_in: dict[str, int] = {}
+        # copies by (stage, microbatch, tensor): a unit has one name in every microbatch
+        last_out: dict[tuple[int, int | None, str | None], int] = {}
+        open_in: dict[tuple[int, int | None, str | None], int] = {}
         unreleased: list[int] = []
         current = None
         for n in rank_range:
             c, a = cat[n], tasks[n].action
             if c == COPY_OUT:
-                last_out[a.tensor] = n  # type: ignore[index]
+                last_out[(a.stage, a.microbatch, a.tensor)] = n
                 unreleased.append(n)
             elif c == COPY_IN:
-                out = last_out.get(a.tensor)  # type: ignore[arg-type]
+                out = last_out.get((a.stage, a.microbatch, a.tensor))
                 if out is not None:
                     deps.setdefault(n, []).append(out)
-                open_in[a.tensor] = n  # type: ignore[index]
+                open_in[(a.stage, a.microbatch, a.tensor)] = n
             elif c == COMPUTE:
                 task = tasks[n]
                 key = _group(task)
@@ -105,7 +106,7 @@ def build_dependencies(program: Program, nodes: Nodes) -> Graph:
                     deps.setdefault(n, []).extend(unreleased)
                     unreleased = []
                 for tensor in task.consumes:
-                    d = open_in.get(tensor)
+                    d = open_in.get((a.stage, a.microbatch, tensor))
                     if d is None:
                         missing.setdefault(n, []).append(f"a copy-in of {tensor} (not issued before it)")
                     else:

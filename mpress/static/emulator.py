@@ -12,11 +12,12 @@ What is simulated:
   F(s-1, m) ends; the first task of B(s, m) (a recompute is part of the backward) waits
   for F(s, m) and, unless s is the last stage (no F(s+1, .) anywhere), for B(s+1, m) and
   the gradient send `grad_sends[(s+1, s)]`; a task waits for the copy-ins of the tensors
-  it `consumes` (the latest issued before it on the rank); the first task of a compute
-  action (`starts_action`) waits for every copy-out issued before it on the rank and not
-  yet waited for: its release point. A copy-in waits for the latest copy-out of the same
-  tensor listed before it on the rank; with none (e.g. optimizer states brought in
-  before the step that sends them out again) it waits for nothing.
+  it `consumes` (of its own stage and microbatch, the latest issued before it on the
+  rank); the first task of a compute action (`starts_action`) waits for every copy-out
+  issued before it on the rank and not yet waited for: its release point. A copy-in
+  waits for the latest copy-out of the same tensor, stage and microbatch listed before it
+  on the rank; with none (e.g. optimizer states brought in before the step that sends
+  them out again) it waits for nothing.
 - Channels share their bandwidth fairly (processor sharing): with n transfers active,
   each moves gbps/n. A transfer *joins* its channel after the channel's latency has
   elapsed, so the latency is paid up front and does not take bandwidth. Implemented with a

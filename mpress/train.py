@@ -28,8 +28,8 @@ from mpress.errors import UserError
 from mpress.launcher.checkpoint import resume, save_checkpoint
 from mpress.launcher.control import COLLECTIVE_TIMEOUT_S, broadcast, control_group, root_cause, single_process_env
 from mpress.launcher.job import start_job
-from mpress.launcher.report import rank_report, report_tables, tracked_peak
-from mpress.launcher.startup import plan_for, pool_override, rank_device
+from mpress.launcher.report import rank_report, report_tables
+from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec, share_loss
@@ -53,7 +53,8 @@ def train(cfg: TrainConfig) -> int:
         if rank == 0:
             print(f"mpress.train: error: {payload}", file=sys.stderr)
         return 2
-    plan, ranges = payload  # type: ignore[misc]
+    start: StartPlan = payload  # type: ignore[assignment]
+    plan, ranges = start.plan, start.ranges
     device = rank_device(plan, rank, world, dist.get_backend() == "nccl")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -61,7 +62,8 @@ def train(cfg: TrainConfig) -> int:
                    num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
                    betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,  # type: ignore[arg-type]
                    weight_decay=cfg.optimizer.weight_decay, host_pool_bytes=pool_override("MPRESS_HOST_POOL_BYTES"),
-                   peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"))
+                   peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"),
+                   device_capacity_bytes=cfg.device_memory_bytes if device.type == "cpu" else None)
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     dataset = build_dataset(cfg.data, model, seed=cfg.seed)
     job = start_job(spec, plan, device, control_group=control)
@@ -76,6 +78,7 @@ def train(cfg: TrainConfig) -> int:
     progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
                         disable=rank != 0)
+    peak, peak_at = 0, ""
     with progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, info="")
         for step in range(first, cfg.steps):
@@ -85,8 +88,10 @@ def train(cfg: TrainConfig) -> int:
             result = job.step(x, y)
             loss = share_loss(result.loss, job)
             elapsed = time.perf_counter() - t0
+            if result.peak_bytes >= peak:
+                peak, peak_at = result.peak_bytes, result.peak_context
             peaks = [0] * world
-            dist.all_gather_object(peaks, result.peak_bytes or tracked_peak(job))
+            dist.all_gather_object(peaks, result.peak_bytes)
             info = (f"loss {loss:.4f}  {cfg.global_batch_size / elapsed:.1f} samples/s  peak/rank "
                     + " ".join(fmt_bytes(p) for p in peaks))
             progress.update(task, advance=1, info=info)
@@ -96,7 +101,8 @@ def train(cfg: TrainConfig) -> int:
             if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
                 save_checkpoint(cfg, job, step)
     rows: list[dict[str, object]] = [{} for _ in range(world)]
-    dist.all_gather_object(rows, rank_report(job, plan))
+    dist.all_gather_object(rows, rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[rank],
+                                             measured_bytes=peak, measured_at=peak_at))
     if rank == 0:
         for table in report_tables(rows):
             console.print(table)

@@ -1,4 +1,4 @@
-"""The end-of-run report: per rank, memory (planned and as tracked) and what mpress
+"""The end-of-run report: per rank, device memory (predicted and measured) and what mpress
 moved and recomputed, gathered from every rank and printed as two tables by rank 0."""
 
 from __future__ import annotations
@@ -12,20 +12,18 @@ from mpress.runtime.trainer import PipelineJob
 from mpress.units import fmt_bytes, fmt_seconds
 
 
-def tracked_peak(job: PipelineJob) -> int:
-    """Tracked peaks of this rank's stages, added (an upper bound when it holds several)."""
-    return sum(rt.manager.peak_device_bytes() for rt in job.runtimes)
-
-
-def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
-    """This rank's figures for the final table (summed over its stages)."""
+def rank_report(job: PipelineJob, plan: Plan | None, *, predicted_bytes: int, measured_bytes: int,
+                measured_at: str) -> dict[str, object]:
+    """This rank's figures for the final tables (summed over its stages): the predicted
+    peak of its device (the emulator, same program) and the measured one (every byte:
+    `LiveBytes` on CPU, the allocator on CUDA), with the action running at that moment."""
     out: dict[str, object] = {"rank": job.rank, "stage": ",".join(map(str, job.stage_ids)),
-                              "cuda_peak": torch.cuda.max_memory_allocated(job.device)
+                              "predicted": predicted_bytes, "measured": measured_bytes, "at": measured_at,
+                              "cuda_reserved": torch.cuda.max_memory_reserved(job.device)
                               if job.device.type == "cuda" else None}
     if plan is not None:
         parts = [plan.stage(s) for s in job.stage_ids]
-        # a stage's need is its own; its predicted peak is its device's (shared by the rank's stages)
-        out.update(need=sum(sp.need_bytes for sp in parts), planned=max(sp.predicted_peak_bytes for sp in parts),
+        out.update(need=sum(sp.need_bytes for sp in parts),
                    rules=", ".join(sorted({r.technique for sp in parts for r in sp.rules})) or "keep")
     runtimes = job.runtimes
     if runtimes:
@@ -34,8 +32,8 @@ def rank_report(job: PipelineJob, plan: Plan | None) -> dict[str, object]:
         if job.device.type == "cuda":
             out["cuda_check"] = next((rt.stats.extra["cuda_check"] for rt in runtimes
                                       if "cuda_check" in rt.stats.extra), "ok")
-        out.update(tracked_peak=tracked_peak(job), swapped=sum(rt.stats.tensors_swapped for rt in runtimes),
-                   recomputed=sum(rt.stats.microbatches_recomputed for rt in runtimes),
+        out.update(swapped=sum(rt.router.tensors_swapped for rt in runtimes),
+                   recomputed=sum(rt.router.layers_recomputed for rt in runtimes),
                    bytes_out=sum(st.bytes_out for st in engines), peer_out=sum(st.bytes_out for st in d2d),
                    wait_s=sum(st.wait_s for st in engines + d2d))
     if isinstance(job.peers, PeerPools):
@@ -50,19 +48,19 @@ def report_tables(rows: list[dict[str, object]]) -> list[Table]:
         v = r.get(key)
         return fmt_bytes(v) if isinstance(v, int) and v else "-"
 
-    memory = Table(title="per rank: memory")
-    # need/peak: the plan's figures without and with compaction; tracked peak: saved
-    # tensors + optimizer data on the device as the memory manager saw them
-    for c in ["rank", "stage", "plan", "need w/o mpress (planned)", "peak with mpress (planned)",
-              "tracked peak (saved + optimizer)", "CUDA peak"]:
+    memory = Table(title="per rank: device memory, predicted (emulator, same program) and measured (every byte)")
+    for c in ["rank", "stage", "plan", "need w/o mpress", "predicted peak", "measured peak", "measured / predicted",
+              "measured peak during", "CUDA reserved peak"]:
         memory.add_column(c, justify="right")
     traffic = Table(title="per rank: swaps and recompute")
     for c in ["rank", "tensors swapped", "bytes to host", "bytes to peers", "peer pool held (high water / size)",
-              "microbatches recomputed", "swap wait"]:
+              "layers recomputed", "swap wait"]:
         traffic.add_column(c, justify="right")
     for r in rows:
-        memory.add_row(str(r["rank"]), str(r["stage"]), str(r.get("rules", "none")), b(r, "need"), b(r, "planned"),
-                       b(r, "tracked_peak"), b(r, "cuda_peak"))
+        predicted, measured = r.get("predicted"), r.get("measured")
+        ratio = f"{measured / predicted:.1%}" if isinstance(measured, int) and predicted else "-"
+        memory.add_row(str(r["rank"]), str(r["stage"]), str(r.get("rules", "none")), b(r, "need"),
+                       b(r, "predicted"), b(r, "measured"), ratio, str(r.get("at") or "-"), b(r, "cuda_reserved"))
         traffic.add_row(str(r["rank"]), str(r.get("swapped", "-")), b(r, "bytes_out"), b(r, "peer_out"),
                         _pool_cell(r.get("pool")), str(r.get("recomputed", "-")),
                         fmt_seconds(float(r.get("wait_s", 0.0))))  # type: ignore[arg-type]

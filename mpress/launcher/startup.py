@@ -8,42 +8,80 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
+from mpress.actions import format_actions
 from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware import Hardware, load_hardware
 from mpress.model_config import ModelConfig
 from mpress.plan import Plan
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
-from mpress.static.evaluate import setup_pipeline
+from mpress.static.evaluate import PipelineSetup, evaluate, setup_pipeline
+from mpress.static.plan_eval import evaluate_plan
 from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
 from mpress.vocabulary import ScheduleName
 
 
-def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int,
-             world: int) -> tuple[Plan | None, list[tuple[int, int]]]:
-    """The plan (None for `plan: none`) and the stage layer ranges; rank 0 only."""
+@dataclass(frozen=True)
+class StartPlan:
+    """What rank 0 decides before training and broadcasts."""
+
+    plan: Plan | None
+    """None for `plan: none`."""
+    ranges: list[tuple[int, int]]
+    """Layer range [start, end) of each stage."""
+    predicted_peak_bytes: list[int]
+    """Per rank: the emulator's peak of its device in one iteration of the same program
+    (plain pipelining for `plan: none`), for the predicted-vs-measured report."""
+
+
+def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) -> StartPlan:
+    """The plan, the stage layer ranges and the predicted peaks; rank 0 only. A plan file
+    without a program gets the one its rules make (the rewriter's, as the planner would)."""
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     if cfg.plan not in ("auto", "none"):
         plan = Plan.load(cfg.plan)
+        hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
         if cuda:
-            check_topology(load_hardware(plan.hardware, num_devices=plan.num_devices,
-                                         memory_bytes=plan.device_memory_bytes))
-        return plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages]
+            check_topology(hardware)
+        setup = _setup(cfg, model, hardware, plan.num_stages, world,
+                       ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
+        ev = evaluate_plan(setup, plan)
+        if not plan.actions:
+            plan = dataclasses.replace(plan, actions=[format_actions(list(r)) for r in ev.schedule.ranks])
+        return StartPlan(plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages],
+                         _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world))
     hardware = hardware_for(cfg, world, cuda)
-    setup = setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
-                           num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None,
-                           microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches)
+    setup = _setup(cfg, model, hardware, num_stages, world)
     if cfg.plan == "none":
-        return None, setup.ranges
+        return StartPlan(None, setup.ranges,
+                         _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world))
     check_fits_at_all(setup)
     result = plan_strategy(setup, cfg.strategy, PlannerOptions())
     if not result.fits:
         raise UserError(f"plan: auto: {model.name} does not fit {hardware.name}: {result.reason}")
-    return result.plan, setup.ranges
+    plan = result.plan
+    peaks = [0] * hardware.num_devices
+    for sp in plan.stages:
+        peaks[sp.device] = sp.predicted_peak_bytes  # the device's peak, as emulated when planning
+    return StartPlan(plan, setup.ranges, _rank_peaks(peaks, plan.stage_to_device, world))
+
+
+def _setup(cfg: TrainConfig, model: ModelConfig, hardware: Hardware, num_stages: int, world: int,
+           ranges: list[tuple[int, int]] | None = None) -> PipelineSetup:
+    return setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
+                          num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None,
+                          microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches, ranges=ranges)
+
+
+def _rank_peaks(device_peaks: list[int], stage_to_device: list[int], world: int) -> list[int]:
+    """Per rank, the predicted peak of its device (stage r runs on rank r; interleaved:
+    its first stage, and the rank's other stages share the device)."""
+    return [device_peaks[stage_to_device[r]] for r in range(world)]
 
 
 def hardware_for(cfg: TrainConfig, world: int, cuda: bool) -> Hardware:

@@ -125,22 +125,36 @@ class MasterWeights:
 
     # ---- the step --------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, names: Collection[str] | None = None) -> None:
         """Gradients in, `optimizer.step()`, parameters out, gradients cleared (see the
-        module docstring). Released masters must have been restored."""
-        self._check_home("step")
+        module docstring), for the parameters `names` (default: all). Stepping a model's
+        parameters in several calls (one layer at a time, so the step's temporaries are
+        one layer's) gives the same values as one call: Adam's update of a parameter reads
+        only that parameter's gradient and states. Released masters must have been
+        restored."""
+        entries = list(self._entries.values()) if names is None else [self._entry(n) for n in names]
+        self._check_home("step", entries)
+        chosen = {id(e) for e in entries}
+        # the optimizer skips tensors without a gradient: hide those of the others
+        hidden = [(e.target, e.target.grad) for e in self._entries.values()
+                  if id(e) not in chosen and e.target.grad is not None]
         with torch.no_grad():
-            self._grads_in()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)  # the copies' grads and PARAM entries'
-            for e in self._entries.values():
-                if e.is_copy:
-                    e.param.grad = None
-            self._params_out()
+            try:
+                for target, _grad in hidden:
+                    target.grad = None
+                self._grads_in(entries)
+                self.optimizer.step()
+            finally:
+                for target, grad in hidden:
+                    target.grad = grad
+            for e in entries:
+                e.target.grad = None
+                e.param.grad = None
+            self._params_out(entries)
 
-    def _grads_in(self) -> None:
+    def _grads_in(self, entries: list[_Entry]) -> None:
         devices: set[torch.device] = set()
-        for e in self._entries.values():
+        for e in entries:
             if e.staging is not None and e.param.grad is not None:
                 e.staging.copy_(e.param.grad, non_blocking=True)  # device -> pinned host
                 devices.add(e.param.device)
@@ -150,7 +164,7 @@ class MasterWeights:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(device))
             done.synchronize()
-        for e in self._entries.values():
+        for e in entries:
             grad = e.param.grad
             if not e.is_copy:
                 continue
@@ -161,8 +175,8 @@ class MasterWeights:
             # always a new fp32 tensor when the source is the parameter's own gradient
             e.target.grad = source.to(MASTER_DTYPE, copy=source is grad)
 
-    def _params_out(self) -> None:
-        for e in self._entries.values():
+    def _params_out(self, entries: list[_Entry]) -> None:
+        for e in entries:
             if e.staging is not None:
                 e.staging.copy_(e.target)                   # round on the host
                 e.param.copy_(e.staging, non_blocking=True)  # pinned host -> device
@@ -219,8 +233,8 @@ class MasterWeights:
                 if e.is_copy:
                     e.target.copy_(masters[name] if name in masters else e.param)
 
-    def _check_home(self, action: str) -> None:
-        away = [n for n, e in self._entries.items() if e.released]
+    def _check_home(self, action: str, entries: list[_Entry] | None = None) -> None:
+        away = [e.name for e in (self._entries.values() if entries is None else entries) if e.released]
         if away:
             raise SwapError(f"cannot {action}: the master weights of {', '.join(away[:3])} are off the device "
                             "(restore them first)")

@@ -3,13 +3,14 @@
 Optimizer data of a parameter: Adam's states `exp_avg` and `exp_avg_sq` and, under mixed
 precision, its fp32 master weight (see `master_weights.py`). Per stage, by the plan:
 
-- `optimizer_step: device` (default): data of layers an `optim:LAYER` host or d2d rule
-  names goes out through the host or D2D swap engine (striped over the rule's peers)
-  after each optimizer step (`OptimizerOffload`) and comes
-  back for the next: the swap-ins are issued when the stage starts its last backward, so
-  the copies overlap it, and waited on just before the step. Keys
-  `optim:<param>:exp_avg`, `optim:<param>:exp_avg_sq` (category OPTIMIZER) and
-  `optim:<param>:master` (category MASTER). Other layers' data stays on the device.
+- `optimizer_step: device` (default): the data of each layer an `optim:LAYER` host or d2d
+  rule names lives off the device (host, or striped over the rule's peers) from the
+  start of training, and streams through the device one layer's chunk at a time as the
+  rank's program says (`OptimizerOffload`): `OI` of a chunk brings it in (its copies
+  start), the chunk's optimizer step (`OPT:{s}:optim:LAYER`) waits for them, and `OO`
+  sends it out again. Keys `optim:<param>:exp_avg`, `optim:<param>:exp_avg_sq`
+  (category OPTIMIZER) and `optim:<param>:master` (category MASTER). Other layers' data
+  stays on the device.
 - `optimizer_step: host`: all the stage's data lives on the host for good (the
   `MasterWeights` host copies and the CPU optimizer's states); `HostOptimizerStep` only
   reports it to the stage's memory manager (residency HOST), so the per-rank report
@@ -24,6 +25,8 @@ from typing import Any
 
 from torch import nn
 
+from mpress.actions import Action, UnitId, UnitKind
+from mpress.actions import Kind as ActionKind
 from mpress.errors import PlanError
 from mpress.identity import TensorKey
 from mpress.runtime.master_weights import Kind, MasterWeights
@@ -36,10 +39,14 @@ MASTER = "master"
 """The last part of a master weight's key (`optim:<param>:master`)."""
 
 
-def stage_param_names(module: nn.Module, layers: list[str]) -> list[str]:
-    """Names of `module`'s parameters that belong to one of `layers`, in module order."""
-    return [name for name, _p in module.named_parameters()
-            if any(name.startswith(layer + ".") for layer in layers)]
+def layer_params(module: nn.Module, layers: list[str]) -> dict[str, list[str]]:
+    """Names of `module`'s parameters per layer (module order); a parameter under no
+    layer goes with the last one, so every parameter is in exactly one chunk."""
+    out: dict[str, list[str]] = {layer: [] for layer in layers}
+    for name, _p in module.named_parameters():
+        owner = next((layer for layer in layers if layer == "" or name.startswith(layer + ".")), layers[-1])
+        out[owner].append(name)
+    return out
 
 
 def steps_on_host(runtime) -> bool:
@@ -53,31 +60,39 @@ def _key(runtime, name: str, part: str) -> TensorKey:
 
 
 class OptimizerOffload:
-    """Moves the optimizer states (and device masters) of planned parameters off the
-    device (host or peers) and back.
+    """Streams the optimizer states (and device masters) of planned layers through the
+    device, one layer's chunk at a time, as the rank's program says (see the module
+    docstring). Everything planned is sent out when it is made.
 
-    routes: parameter name -> (swap engine, D2D stripe weights or None).
+    routes: layer -> (swap engine, D2D stripe weights or None); params: layer -> its
+    parameter names.
     """
 
-    def __init__(self, masters: MasterWeights, routes: dict[str, tuple[SwapEngine, Any]], runtime) -> None:
+    def __init__(self, masters: MasterWeights, routes: dict[str, tuple[SwapEngine, Any]],
+                 params: dict[str, list[str]], runtime) -> None:
         self.masters = masters
         self.optimizer = masters.optimizer
-        self.names = list(routes)
         self.routes = routes
+        self.params = params
         self.runtime = runtime
-        self.handles: dict[tuple[str, str], tuple[SwapEngine, SwapHandle]] = {}
-        """(parameter name, state name or MASTER) -> the engine and swap holding it while away."""
-        runtime.on_last_backward.append(self.prefetch)
+        self.handles: dict[str, dict[tuple[str, str], SwapHandle]] = {layer: {} for layer in routes}
+        """layer -> (parameter name, state name or MASTER) -> the swap holding it while away."""
+        program = runtime.program
+        program.on(ActionKind.OI, runtime.stage_index, lambda a: self.bring_in(unit_layer(a)))
+        program.on(ActionKind.OO, runtime.stage_index, lambda a: self.send_out(unit_layer(a)))
+        for layer in routes:  # the plan has them off the device from the start
+            self.send_out(layer)
 
     @classmethod
     def from_plan(cls, masters: MasterWeights, module: nn.Module, runtime) -> "OptimizerOffload | None":
-        """The offloader for the parameters whose layer the plan offloads, or None (also
-        for a stage whose step runs on the host: its data never comes to the device)."""
+        """The offloader for the layers whose optimizer data the plan offloads, or None
+        (also for a stage whose step runs on the host: its data never comes to the device)."""
         sp = runtime.stage_plan
         if steps_on_host(runtime):
             return None
         routes: dict[str, tuple[SwapEngine, Any]] = {}
-        for layer in runtime.router.layers:
+        layers = list(runtime.router.layers)
+        for layer in layers:
             found = runtime.router.rules.model_data_rule("optim", layer)
             if found is None:
                 continue
@@ -86,43 +101,65 @@ class OptimizerOffload:
             if engine is None:
                 raise PlanError(f"stage {sp.stage}: the plan sends optimizer states ({rule.tensor}) to "
                                 f"{rule.technique} but no {rule.technique} swap engine runs")
-            weights = tuple((st.device, st.fraction) for st in rule.stripes) or None
-            for name in stage_param_names(module, [layer]):
-                routes[name] = (engine, weights)
-        return cls(masters, routes, runtime) if routes else None
+            routes[layer] = (engine, tuple((st.device, st.fraction) for st in rule.stripes) or None)
+        return cls(masters, routes, layer_params(module, layers), runtime) if routes else None
 
-    def prefetch(self) -> None:
-        """Start bringing every offloaded tensor back (during the last backward)."""
-        for engine, handle in self.handles.values():
+    def bring_in(self, layer: str) -> None:
+        """Start the copies of `layer`'s chunk back to the device (an `OI`)."""
+        engine, _weights = self.routes[layer]
+        for handle in self.handles[layer].values():
             engine.prefetch(handle)
 
-    def before_step(self) -> None:
-        """Put the states and masters back (waits for the swap-ins)."""
-        for (name, part), (engine, handle) in self.handles.items():
+    def home(self, layer: str) -> None:
+        """Put `layer`'s states and masters back (waits for their copies); a layer the plan
+        keeps on the device has nothing to do."""
+        if layer not in self.routes:
+            return
+        engine, _weights = self.routes[layer]
+        for (name, part), handle in self.handles[layer].items():
             tensor = engine.fetch(handle)
             if part == MASTER:
                 self.masters.restore(name, tensor)
             else:
                 self.optimizer.state[self.masters.target(name)][part] = tensor
-        self.handles.clear()
+        self.handles[layer].clear()
 
-    def after_step(self) -> None:
-        """Send the states and masters out; no device copy is kept until `before_step`."""
-        for name in self.names:
-            engine, weights = self.routes[name]
+    def send_out(self, layer: str) -> None:
+        """Send `layer`'s states and masters out (an `OO`); no device copy is kept."""
+        engine, weights = self.routes[layer]
+        for name in self.params[layer]:
             target = self.masters.target(name)
             st = self.optimizer.state.get(target)
             for part in OFFLOADED_STATES if st else ():
                 tensor = st.get(part)
                 if tensor is None:
                     continue
-                self.handles[(name, part)] = (engine, engine.swap_out(
-                    _key(self.runtime, name, part), tensor, category=Category.OPTIMIZER, weights=weights))
+                self.handles[layer][(name, part)] = engine.swap_out(
+                    _key(self.runtime, name, part), tensor, category=Category.OPTIMIZER, weights=weights)
                 del st[part]
             if self.masters.kind(name) is Kind.DEVICE_MASTER:
-                self.handles[(name, MASTER)] = (engine, engine.swap_out(
+                self.handles[layer][(name, MASTER)] = engine.swap_out(
                     _key(self.runtime, name, MASTER), self.masters.release(name), category=Category.MASTER,
-                    weights=weights))
+                    weights=weights)
+
+    def home_all(self) -> None:
+        """Everything back on the device (checkpoints read and write it there)."""
+        for layer in self.routes:
+            self.bring_in(layer)
+        for layer in self.routes:
+            self.home(layer)
+
+    def send_all_out(self) -> None:
+        for layer in self.routes:
+            self.send_out(layer)
+
+
+def unit_layer(action: Action) -> str:
+    """The layer of the optimizer chunk an OI, OO or OPT action names."""
+    unit = UnitId.parse(action.tensor or "")
+    if unit.kind is not UnitKind.OPTIM:
+        raise PlanError(f"action {action} names {action.tensor!r}, not a layer's optimizer chunk")
+    return unit.layer  # type: ignore[return-value]
 
 
 class HostOptimizerStep:

@@ -1,23 +1,27 @@
-"""The saved-tensor router: applies the plan's technique to every tensor autograd saves.
+"""The saved-tensor router: carries out, tensor by tensor, what the rank's program says
+about a stage's activations.
 
-Around each microbatch's forward the router installs
-`torch.autograd.graph.saved_tensors_hooks`; a `SavedTensorNamer` (`mpress.identity`, the
-naming the profilers use) gives each saved tensor its identity `(module path, saved
-index, microbatch)`, and the stage's `StageRules` (the same reading of the plan the
-rewriter uses) decides it:
+Around each microbatch's forward (and, on the last stage, the loss computed after it) the
+router installs `torch.autograd.graph.saved_tensors_hooks`; a `SavedTensorNamer`
+(`mpress.identity`, the naming the profilers use) names each saved tensor, the stage's
+`StageRules` (the rewriter's reading of the plan) give the rule deciding it, and the
+tensor's *unit* (`mpress.actions.UnitId`: its layer and that rule) is looked up in the
+program (`RankProgram.compacted`): only the units the program compacts in this
+microbatch are moved, by the action it names there:
 
-- keep: the tensor stays (the pack hook returns it);
-- host: the pack hook hands it to the host swap engine (swap-out on its worker thread)
-  and returns a handle; the unpack hook (in backward) fetches it back;
-- d2d: the same through the D2D swap engine, which stripes it over the rule's peers;
-- recompute: the layer's forward runs under non-reentrant `torch.utils.checkpoint`
-  (RNG state preserved, so dropout masks repeat): its tensors are never saved, only the
-  layer's input, and the backward recomputes them.
+- SO / DO: the pack hook hands the tensor to the host / D2D swap engine and returns a
+  handle; the unit's SI / DI (`prefetch_unit`, issued by the program where the list puts
+  it) starts the copy back; the unpack hook in backward fetches it;
+- DR: the layer's forward runs under non-reentrant `torch.utils.checkpoint` (RNG state
+  preserved, so dropout masks repeat); its RC is recorded when the backward recomputes it;
+- anything else is kept (the pack hook returns the tensor).
 
-The stage's layers and the ids each saves come from one inspected forward of the example
-input when the router is built (`inspect_stage`), so rules about layers (recompute) are
-read over the same ids at run time as at plan time. Parameters, and tensors sharing a
-parameter's storage, are never moved.
+Storages, not tensors, take up memory, so a storage saved twice in a microbatch keeps
+its first decision (a second save of a swapped storage shares the swap; the fetched
+tensor is held until its last save was unpacked), and the stage's input (torch's receive
+buffer or the input batch holds it anyway) is never moved: swapping it would free
+nothing, as the memory model says. Parameters, and tensors sharing a parameter's
+storage, are never moved.
 """
 
 from __future__ import annotations
@@ -25,70 +29,110 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mpress.actions import Action, Kind, UnitId, UnitKind
 from mpress.errors import PlanError
-from mpress.identity import SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths
-from mpress.plan import StagePlan, TensorRule
-from mpress.runtime.memory.manager import Category, MemoryManager
+from mpress.identity import SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
+from mpress.plan import StagePlan
+from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
 from mpress.vocabulary import Technique
 
 
-@dataclass(frozen=True)
 class _Swapped:
-    """What the autograd graph holds instead of a swapped-out tensor."""
+    """What the autograd graph holds instead of a swapped-out storage (one per storage,
+    shared by every save of it in the microbatch)."""
 
-    engine: SwapEngine
-    handle: SwapHandle
+    def __init__(self, engine: SwapEngine, handle: SwapHandle, tensor: torch.Tensor) -> None:
+        self.engine = engine
+        self.handle = handle
+        self.view = _view_of(tensor)
+        self.contiguous = tensor.is_contiguous()
+        self.uses = 1
+        """Saves of the storage not unpacked yet."""
+        self.tensor: torch.Tensor | None = None
+        """The fetched tensor while later saves still need it."""
+
+    def covers(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` (a view of the same storage) lies within the swapped elements,
+        so it can be rebuilt from the fetched tensor."""
+        _size, _stride, offset, dtype = self.view
+        if not self.contiguous or tensor.dtype != dtype or any(st < 0 for st in tensor.stride()):
+            return False
+        last = tensor.storage_offset() + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
+        numel = 1
+        for n in self.view[0]:
+            numel *= n
+        return offset <= tensor.storage_offset() and (tensor.numel() == 0 or last < offset + numel)
+
+    def unpack(self) -> torch.Tensor:
+        tensor = self.tensor if self.tensor is not None else self.engine.fetch(self.handle)
+        self.uses -= 1
+        self.tensor = tensor if self.uses > 0 else None
+        return tensor
+
+
+class _View:
+    """Another view of a swapped storage: rebuilt over the fetched tensor."""
+
+    def __init__(self, base: _Swapped, tensor: torch.Tensor) -> None:
+        self.base = base
+        self.size, self.stride = tuple(tensor.shape), tuple(tensor.stride())
+        self.offset = tensor.storage_offset() - base.view[2]
+        base.uses += 1
+
+    def unpack(self) -> torch.Tensor:
+        return self.base.unpack().as_strided(self.size, self.stride, self.offset)
+
+
+def _view_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
 
 
 class SavedTensorRouter:
-    """Routes one stage's saved tensors to keep / host swap / D2D swap / recompute.
+    """Routes one stage's saved tensors as its rank's program says.
 
     module: the stage module (module paths as in the whole model).
-    plan: this stage's part of the plan.
+    plan: this stage's part of the plan; program: the rank's program.
     example_args: one microbatch's input (positional), as the pipeline passes it; the
         router inspects one forward of it (nothing of it remains) when the plan has rules
         about activations.
     layers: the stage's layer list when the caller has it (default: `layer_paths`).
-    engine: the host swap engine (needed when the plan host-swaps anything).
-    d2d_engine: the D2D swap engine (needed when the plan D2D-swaps anything).
+    engine / d2d_engine: the host / D2D swap engines (needed when the plan uses them).
     num_microbatches: when given, the rules' microbatch selectors are checked against it.
     """
 
-    def __init__(self, module: nn.Module, plan: StagePlan, engine: SwapEngine | None, *, rank: int,
+    def __init__(self, module: nn.Module, plan: StagePlan, program: RankProgram, *, rank: int,
                  example_args: tuple[Any, ...], layers: list[str] | None = None,
-                 manager: MemoryManager | None = None,
-                 d2d_engine: SwapEngine | None = None, num_microbatches: int | None = None) -> None:
+                 engine: SwapEngine | None = None, d2d_engine: SwapEngine | None = None,
+                 num_microbatches: int | None = None) -> None:
         self.module = module
         self.plan = plan
+        self.program = program
         self.engine = engine
         self.d2d_engine = d2d_engine
-        self.manager = manager
-        """When given, kept saved bytes are accounted there per microbatch (swapped ones
-        per tensor, by the engine)."""
         self.rank = rank
         self.stage = plan.stage
+        self._check_plan()
         self._active = False
         self._microbatch = -1
-        self._handles: dict[int, list[_Swapped]] = {}
-        self._prefetched: set[int] = set()
-        self._kept_bytes = 0
-        self._kept_storages: set[int] = set()
-        self._kept_keys: dict[int, TensorKey] = {}
-        self._check_plan()
+        self._units: dict[str, Kind] = {}
+        self._dropped: dict[str, str] = {}    # layer -> its DR unit, this microbatch
+        self._saved: dict[tuple[str, int], _Swapped | None] = {}  # storage -> its swap (None: kept)
+        self._pending: dict[tuple[int, str], list[_Swapped]] = {}  # (microbatch, unit) -> swaps to bring back
+        self.tensors_swapped = 0
+        self.layers_recomputed = 0
         # No rule about activations (a keep-all plan, or model data only): no hooks at
-        # all, so such a plan costs nothing over plain pipelining. An explicit `keep`
-        # rule still routes (and accounts) every saved tensor.
+        # all, so such a plan costs nothing over plain pipelining.
         self.routing = any(not r.tensor.startswith(("optim:", "stash:")) for r in plan.rules)
         self._originals: dict[str, Callable[..., Any]] = {}
         self.namer: SavedTensorNamer | None = None
+        self._input_hook = None
         paths = layers if layers is not None else layer_paths(module, example_args)
         if not self.routing:
             self.layers = {name: module.get_submodule(name) for name in paths}
@@ -96,8 +140,10 @@ class SavedTensorRouter:
             return
         tensors = inspect_stage(module, example_args, paths)
         self.layers = {layer.name: module.get_submodule(layer.name) for layer in tensors}
+        self.layer_names = list(self.layers)
         self.rules = StageRules(plan, tensors, num_microbatches)
-        self.namer = SavedTensorNamer(module, list(self.layers))
+        self.namer = SavedTensorNamer(module, self.layer_names)
+        self._input_hook = module.register_forward_pre_hook(self._stage_input)
         for name, layer in self.layers.items():
             self._originals[name] = layer.forward
             layer.forward = functools.partial(self._layer_forward, name)  # instance override keeps paths
@@ -111,21 +157,31 @@ class SavedTensorRouter:
                                 "set up (call mpress.d2d.runtime.peer_pool.setup_peer_pools on every rank and pass them "
                                 "to wrap_stage as peers)")
 
-    # -- decisions ---------------------------------------------------------------------------
-    def rule(self, tensor: str, microbatch: int) -> TensorRule | None:
-        """The plan's rule for `tensor` in `microbatch` (None: keep)."""
-        return self.rules.rule(tensor, microbatch)
-
-    def recomputes(self, layer: str, microbatch: int) -> bool:
-        """Whether the plan recomputes layer `layer` in `microbatch`."""
-        return self.routing and self.rules.recomputed(self.rules.layer_index(layer), microbatch)
-
     # -- hooks --------------------------------------------------------------------------------
+    def _stage_input(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._active:
+            for t in args:
+                if isinstance(t, torch.Tensor):
+                    self._saved.setdefault(storage_key(t), None)  # held by the pipeline: kept
+
     def _layer_forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         forward = self._originals[name]
-        if self._active and self.recomputes(name, self._microbatch):
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        return forward(*args, **kwargs)
+        unit = self._dropped.get(name) if self._active else None
+        if unit is None:
+            return forward(*args, **kwargs)
+        microbatch = self._microbatch
+        self.program.record(Action(self.stage, Kind.DR, microbatch, unit))
+        self.layers_recomputed += 1
+        runs = 0
+
+        def run(*a: Any, **k: Any) -> Any:
+            nonlocal runs
+            runs += 1
+            if runs == 2:  # the backward recomputes the layer
+                self.program.record(Action(self.stage, Kind.RC, microbatch, unit))
+            return forward(*a, **k)
+
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not self._active or self.namer is None:
@@ -133,28 +189,40 @@ class SavedTensorRouter:
         name = self.namer.name(tensor)
         if name is None:  # a parameter's storage: never moved
             return tensor
-        rule = self.rules.rule(name.id, self._microbatch)
-        engine = None
-        if rule is not None and rule.technique is Technique.HOST:
-            engine = self.engine
-        elif rule is not None and rule.technique is Technique.D2D:
-            engine = self.d2d_engine
-        if engine is None:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self._kept_storages:  # autograd may save one storage twice
-                self._kept_storages.add(storage.data_ptr())
-                self._kept_bytes += storage.nbytes()
+        key = storage_key(tensor)
+        if key in self._saved:  # saved before in this microbatch: its first decision holds
+            swapped = self._saved[key]
+            if swapped is None:
+                return tensor
+            if swapped.view == _view_of(tensor):
+                swapped.uses += 1
+                return swapped
+            # another view of a swapped storage: rebuilt from the fetched tensor where it
+            # can be; else kept (the storage stays, as the profile's alias entry says)
+            return _View(swapped, tensor) if swapped.covers(tensor) else tensor
+        rule = self.rules.rule_index(name.id, self._microbatch)
+        unit = None if rule is None else str(UnitId(self.stage, UnitKind.ACTIVATIONS,
+                                                     layer=self.layer_names[name.layer], rule=rule))
+        kind = self._units.get(unit or "")
+        engine = self.engine if kind is Kind.SO else self.d2d_engine if kind is Kind.DO else None
+        if engine is None:  # kept, or recomputed (saved outside its checkpoint: the loss's)
+            self._saved[key] = None
             return tensor
-        key = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=name.id)
-        weights = tuple((s.device, s.fraction) for s in rule.stripes) or None
-        swapped = _Swapped(engine, engine.swap_out(key, tensor, weights=weights))
-        self._handles.setdefault(self._microbatch, []).append(swapped)
+        stripes = self.plan.rules[rule].stripes  # type: ignore[index]
+        weights = tuple((s.device, s.fraction) for s in stripes) or None
+        tkey = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=name.id)
+        swapped = _Swapped(engine, engine.swap_out(tkey, tensor, weights=weights), tensor)
+        self._saved[key] = swapped
+        pending = self._pending.setdefault((self._microbatch, unit), [])  # type: ignore[arg-type]
+        if not pending:
+            self.program.record(Action(self.stage, kind, self._microbatch, unit))  # type: ignore[arg-type]
+        pending.append(swapped)
+        self.tensors_swapped += 1
         return swapped
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Swapped):
-            return packed.engine.fetch(packed.handle)
-        return packed
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.unpack() if isinstance(packed, (_Swapped, _View)) else packed
 
     # -- per microbatch ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -163,55 +231,55 @@ class SavedTensorRouter:
         if not self.routing:
             yield
             return
-        self._active, self._microbatch = True, microbatch
+        self._units = self.program.compacted(self.stage, microbatch)
+        self._dropped = {UnitId.parse(u).layer: u for u, k in self._units.items() if k is Kind.DR}  # type: ignore[misc]
+        self._saved = {}
         self.namer.begin()
-        self._kept_bytes = 0
-        self._kept_storages.clear()
+        self._microbatch = microbatch
+        with self._routing():
+            yield
+
+    @contextlib.contextmanager
+    def _routing(self) -> Iterator[None]:
+        self._active = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._active = False
-            self.namer.end()
-            if self.manager is not None and self._kept_bytes:
-                key = TensorKey(rank=self.rank, stage=self.stage, microbatch=microbatch, tensor="kept")
-                self.manager.track(key, self._kept_bytes, Category.ACTIVATION)
-                self._kept_keys[microbatch] = key
 
-    def prefetch(self, microbatch: int) -> None:
-        """Start bringing `microbatch`'s swapped tensors back (idempotent)."""
-        # a microbatch whose forward has not swapped anything yet is not marked: its
-        # swap-outs may still come
-        if microbatch not in self._prefetched and microbatch in self._handles:
-            self._prefetched.add(microbatch)
-            # the backward needs the last-saved tensor first, and each engine's in worker
-            # copies in the order it is asked: ask in reverse forward order
-            for swapped in reversed(self._handles[microbatch]):
-                swapped.engine.prefetch(swapped.handle)
+    def route_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`loss_fn` with its saved tensors routed as part of the last forward's microbatch
+        (torch computes the loss right after the last stage's forward, outside it); the
+        profilers count them toward the stage's last layer, and so does the namer."""
+        if not self.routing:
+            return loss_fn
 
-    def pending_bytes(self, microbatch: int) -> int:
-        """Bytes of `microbatch` on host whose swap-in has not been issued."""
-        if microbatch in self._prefetched:
-            return 0
-        return sum(s.handle.nbytes for s in self._handles.get(microbatch, ()))
+        def routed(*args: Any, **kwargs: Any) -> torch.Tensor:
+            with self._routing():
+                return loss_fn(*args, **kwargs)
 
-    def swapped(self, microbatch: int) -> int:
-        """Number of tensors of `microbatch` that went to host or peers."""
-        return len(self._handles.get(microbatch, ()))
+        return routed
+
+    def prefetch_unit(self, action: Action) -> None:
+        """Start bringing back every tensor of the unit `action` (an SI or DI) names, the
+        last-saved first (the backward needs it first; each engine copies in the order it
+        is asked)."""
+        for swapped in reversed(self._pending.pop((action.microbatch, action.tensor), ())):  # type: ignore[arg-type]
+            swapped.engine.prefetch(swapped.handle)
 
     def finish(self, microbatch: int) -> None:
-        """After `microbatch`'s backward: forget its handles and its kept bytes."""
-        for swapped in self._handles.pop(microbatch, ()):  # the swapped-in copies die with the backward
-            swapped.engine.discard(swapped.handle)
-        self._prefetched.discard(microbatch)
-        key = self._kept_keys.pop(microbatch, None)
-        if key is not None and self.manager is not None:
-            self.manager.forget(key)
+        """After `microbatch`'s backward: give up swaps the program never brought back."""
+        for key in [k for k in self._pending if k[0] == microbatch]:
+            for swapped in self._pending.pop(key):
+                swapped.engine.discard(swapped.handle)
 
     def close(self) -> None:
         """Remove the hooks and restore the layers' forwards."""
         if self.namer is not None:
             self.namer.close()
+        if self._input_hook is not None:
+            self._input_hook.remove()
         for name in self._originals:
             del self.layers[name].forward  # the class's forward shows through again
         self._originals.clear()

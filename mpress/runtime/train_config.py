@@ -131,7 +131,9 @@ class TrainConfig:
     machine as pynvml reports them. On CUDA the detected topology must match a named
     preset's, or training does not start."""
     device_memory: str | None = None
-    """With `plan: auto`: override the per-device memory the planner sees, e.g. "3MB" (GB = 1e9)."""
+    """The per-device memory, e.g. "3MB" (GB = 1e9): what `plan: auto` plans for (instead of
+    the preset's) and, on CPU runs with any plan (`none` included), the capacity of each
+    rank's stand-in device: live bytes over it stop the run with an out-of-memory error."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto = nccl where CUDA is available, else gloo."""
     seed: int = field(default=0, metadata={"min": 0})
@@ -152,8 +154,6 @@ class TrainConfig:
             raise ConfigError("", "schedule", f"{self.schedule} is planned only; torch's pipelining runs "
                                               f"{', '.join(RUNNABLE_SCHEDULES)}")
         if self.device_memory is not None:
-            if self.plan != PLAN_AUTO:
-                raise ConfigError("", "device_memory", "only used with plan: auto (remove it, or set plan: auto)")
             try:
                 parse_bytes(self.device_memory, "device_memory")
             except UserError as exc:

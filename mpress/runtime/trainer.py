@@ -8,6 +8,7 @@ steps. The launcher (`mpress.train`) and the multi-process tests drive it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -22,14 +23,19 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from mpress.actions import Action
 from mpress.errors import PlanError, SwapError, UserError
+from mpress.identity import layer_paths
+from mpress.live_bytes import LiveBytes
 from mpress.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
 from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan
+from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.master_weights import MasterWeights
-from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload
+from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload, layer_params, unit_layer
+from mpress.runtime.program import RankProgram
 from mpress.runtime.stage import MpressStage, wrap_stage
 from mpress.runtime.swap.store import PeerStores
 from mpress.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
@@ -57,6 +63,9 @@ class JobSpec:
     """Pinned pool per stage; None = the plan's pinned-host bytes (with slack)."""
     peer_pool_bytes: int | None = None
     """Peer pool per importer device; None = the plan's (a smaller one fails at start-up)."""
+    device_capacity_bytes: int | None = None
+    """CPU runs: the capacity of each rank's stand-in device. Live bytes over it stop the
+    run with `DeviceOutOfMemory` (None: unbounded, still counted)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in RUNNABLE_SCHEDULES:
@@ -71,6 +80,10 @@ class StepResult:
 
     loss: float | None
     peak_bytes: int
+    """The rank's device: every byte live at the step's fullest moment (CUDA: the
+    allocator's `max_memory_allocated`; CPU: `LiveBytes`)."""
+    peak_context: str = ""
+    """CPU: the action the rank was running at its peak."""
 
 
 class PipelineJob:
@@ -103,16 +116,26 @@ class PipelineJob:
             raise PlanError("the plan reserves peer pools or D2D-swaps, but no peer pools were set up "
                             "(mpress.launcher.job.start_job sets them up on every rank)")
         self.peers = peers
+        self.live = LiveBytes(rank=self.rank, capacity_bytes=spec.device_capacity_bytes) \
+            if device.type == "cpu" else None
+        """CPU: every storage on the rank's stand-in device (see `mpress.live_bytes`)."""
+        self.program = RankProgram(plan.program(self.rank), rank=self.rank, live=self.live) \
+            if plan is not None else None
         self.modules: list[nn.Module] = []
         self.stages: list[PipelineStage] = []
+        self.params: dict[int, dict[str, list[str]]] = {}
+        """Per stage: its parameter names per layer (the optimizer steps one layer at a time)."""
         for s in self.stage_ids:
-            module, stage = self._build_stage(s, group)
+            module, stage, layers = self._build_stage(s, group)
             self.modules.append(module)
             self.stages.append(stage)
+            self.params[s] = layer_params(module, layers)
+        last = self.stages[-1]
+        loss_fn = last.route_loss(lm_loss) if isinstance(last, MpressStage) else lm_loss
         if interleaved:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=lm_loss)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=loss_fn)
         else:
-            self.schedule = SCHEDULES[spec.schedule](self.stages[0], spec.num_microbatches, loss_fn=lm_loss)
+            self.schedule = SCHEDULES[spec.schedule](self.stages[0], spec.num_microbatches, loss_fn=loss_fn)
         # Adam steps the fp32 parameters themselves, fp32 masters of half-precision ones, or
         # host copies for stages the plan steps on the host; one optimizer over all of
         # them in parameter order, so checkpoints read the same whatever the plan.
@@ -123,15 +146,38 @@ class PipelineJob:
         self.masters = MasterWeights(params, lambda tensors: torch.optim.Adam(
             tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay), host=host)
         self.optimizer = self.masters.optimizer
-        self.offloads: list[OptimizerOffload | HostOptimizerStep] = []
-        for module, stage in zip(self.modules, self.stages):
+        self.offloads: dict[int, OptimizerOffload] = {}
+        self.host_steps: list[HostOptimizerStep] = []
+        for s, module, stage in zip(self.stage_ids, self.modules, self.stages):
             if isinstance(stage, MpressStage):
-                for kind in (OptimizerOffload, HostOptimizerStep):
-                    offload = kind.from_plan(self.masters, module, stage.runtime)
-                    if offload is not None:
-                        self.offloads.append(offload)
+                offload = OptimizerOffload.from_plan(self.masters, module, stage.runtime)
+                if offload is not None:
+                    self.offloads[s] = offload
+                host_step = HostOptimizerStep.from_plan(self.masters, module, stage.runtime)
+                if host_step is not None:
+                    self.host_steps.append(host_step)
+        if self.live is not None:
+            self._adopt_model_data()
 
-    def _build_stage(self, s: int, group: dist.ProcessGroup | None) -> tuple[nn.Module, PipelineStage]:
+    def _adopt_model_data(self) -> None:
+        """Count what exists before training on the rank's device: parameters, buffers,
+        masters and optimizer states (host copies are host memory)."""
+        live = self.live
+        for m in self.modules:
+            for name, p in m.named_parameters():
+                live.adopt(p, f"parameter {name}")
+            for name, b in m.named_buffers():
+                live.adopt(b, f"buffer {name}")
+        for name in self.masters.names():
+            target = self.masters.target(name)
+            host = self.masters.kind(name) is MasterKind.HOST_COPY
+            if target.numel():  # a released master's storage is away
+                live.adopt(target, f"master {name}", host=host)
+            for part, state in self.optimizer.state.get(target, {}).items():
+                if isinstance(state, torch.Tensor):
+                    live.adopt(state, f"optimizer {part} {name}", host=host)
+
+    def _build_stage(self, s: int, group: dist.ProcessGroup | None) -> tuple[nn.Module, PipelineStage, list[str]]:
         spec, cfg, device = self.spec, self.spec.model, self.device
         start, end = spec.ranges[s]
         module = build_stage(cfg, start, end, seed=spec.seed, device=device)
@@ -146,10 +192,12 @@ class PipelineJob:
         y = torch.zeros(b, t, cfg.vocab_size if last else cfg.hidden_size, dtype=dtype, device=device,
                         requires_grad=True)
         if self.plan is not None:
-            return module, wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
-                                      model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
-                                      peers=self.peers)
-        return module, PipelineStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group)
+            stage = wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
+                               model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
+                               peers=self.peers, program=self.program, live=self.live)
+            return module, stage, list(stage.runtime.router.layers)
+        stage = PipelineStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group)
+        return module, stage, layer_paths(module, (x,))
 
     @property
     def stage(self) -> PipelineStage:
@@ -183,33 +231,66 @@ class PipelineJob:
         return (self.num_stages - 1) % self.world
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        """One training step on the global batch (every rank passes the same batch)."""
+        """One training step on the global batch (every rank passes the same batch): the
+        schedule's forwards and backwards, then the optimizer steps of the rank's
+        program (one layer at a time without a plan)."""
+        live = self.live
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        losses = self._run_schedule(inputs, targets)
-        for offload in self.offloads:
-            offload.before_step()
-        self.masters.step()  # grads -> masters, Adam, masters -> params, grads cleared
-        for offload in self.offloads:
-            offload.after_step()
+        else:
+            live.reset_peak()
+        with live.watch() if live is not None else contextlib.nullcontext():
+            losses = self._run_schedule(inputs, targets)
+            self._optimizer_steps()
         loss = float(torch.stack(losses).detach().mean()) if losses else None
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        return StepResult(loss=loss, peak_bytes=peak)
+        if self.device.type == "cuda":
+            return StepResult(loss=loss, peak_bytes=torch.cuda.max_memory_allocated(self.device))
+        return StepResult(loss=loss, peak_bytes=live.peak_bytes, peak_context=live.peak_context)
+
+    def _optimizer_steps(self) -> None:
+        if self.program is None:
+            for s in self.stage_ids:
+                for names in self.params[s].values():
+                    self.masters.step(names)
+            return
+        for action in self.program.optimizer_actions():
+            self.program.begin(action)
+            self._optimizer_step(action)
+            self.program.end()
+        self.program.end_step()
+        for host_step in self.host_steps:
+            host_step.after_step()
+
+    def _optimizer_step(self, action: Action) -> None:
+        """The optimizer step of a stage (layer by layer) or of one layer's chunk, with
+        that chunk's offloaded data home first."""
+        layers = [unit_layer(action)] if action.tensor else list(self.params[action.stage])
+        offload = self.offloads.get(action.stage)
+        with torch.profiler.record_function(f"mpress:{action}"):
+            for layer in layers:
+                if offload is not None:
+                    offload.home(layer)
+                self.masters.step(self.params[action.stage][layer])
 
     def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """The pipeline's forwards and backwards; the last stage's losses. A failure while
         a rank of the job is dead is reported as that rank's death (the pipeline's own
         error is then only a broken connection)."""
         losses: list[torch.Tensor] = []
+        if self.live is not None:  # on CPU `.to` keeps the caller's storage: count it here
+            for t, needed in ((inputs, self.is_first), (targets, self.is_last)):
+                if needed:
+                    self.live.adopt(t, "input batch" if t is inputs else "targets")
         try:
             if self.is_first and self.is_last:
-                self.schedule.step(inputs.to(self.device), target=targets.to(self.device), losses=losses)
+                self.schedule.step(inputs.to(self.device), target=targets.to(self.device), losses=losses,
+                                   return_outputs=False)
             elif self.is_first:
-                self.schedule.step(inputs.to(self.device))
+                self.schedule.step(inputs.to(self.device), return_outputs=False)
             elif self.is_last:
-                self.schedule.step(target=targets.to(self.device), losses=losses)
+                self.schedule.step(target=targets.to(self.device), losses=losses, return_outputs=False)
             else:
-                self.schedule.step()
+                self.schedule.step(return_outputs=False)
         except Exception as exc:
             dead = self._dead_ranks()
             if dead:
@@ -232,8 +313,8 @@ class PipelineJob:
         """Model and optimizer state of this rank (optimizer states brought home first),
         plus `masters` (fp32 master weights by parameter name) under mixed precision.
         Parameter names are the whole model's, so the stages' state dicts merge."""
-        for offload in self.offloads:
-            offload.before_step()
+        for offload in self.offloads.values():
+            offload.home_all()
         # deep copies: the optimizer's state dict shares its per-parameter dicts, which the
         # offload empties again right below
         model: dict = {}
@@ -243,21 +324,25 @@ class PipelineJob:
         masters = self.masters.state_dict()
         if masters:
             state["masters"] = masters
-        for offload in self.offloads:
-            offload.after_step()
+        for offload in self.offloads.values():
+            offload.send_all_out()
         return state
 
     def load_state(self, state: dict[str, dict]) -> None:
-        for offload in self.offloads:
-            offload.before_step()  # take back what is out: the loaded states replace it
+        for offload in self.offloads.values():
+            offload.home_all()  # take back what is out: the loaded states replace it
         for m in self.modules:
             m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
         # masters from the checkpoint; without them (an fp32 run's) from the loaded parameters
         names = set(self.masters.names())
         self.masters.load_state_dict({k: v for k, v in state.get("masters", {}).items() if k in names})
         self.optimizer.load_state_dict(state["optimizer"])  # states go to each master's device
-        for offload in self.offloads:
-            offload.after_step()
+        for host_step in self.host_steps:
+            host_step.after_step()
+        if self.live is not None:
+            self._adopt_model_data()  # the loaded states were made outside a step
+        for offload in self.offloads.values():
+            offload.send_all_out()
 
     def close(self) -> None:
         for rt in self.runtimes:

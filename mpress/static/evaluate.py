@@ -56,8 +56,10 @@ class Evaluation:
 def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: ScheduleName, num_stages: int,
                    microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
                    profile: Profile | None = None, balance: Literal["compute", "memory"] = "compute",
-                   stage_to_device: list[int] | None = None) -> PipelineSetup:
-    """Profile (analytic unless given), partition, schedule and size a pipeline."""
+                   stage_to_device: list[int] | None = None,
+                   ranges: list[tuple[int, int]] | None = None) -> PipelineSetup:
+    """Profile (analytic unless given), partition (unless `ranges` gives each stage's layer
+    range, e.g. a plan's), schedule and size a pipeline."""
     if microbatch_size < 1:
         raise UserError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     if profile is None:
@@ -72,7 +74,10 @@ def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: Schedule
         raise UserError(
             f"{sched.num_ranks} pipeline ranks need {sched.num_ranks} devices, "
             f"but hardware {hardware.name} has {hardware.num_devices}")
-    ranges = partition_profile(profile, num_stages, balance)
+    if ranges is None:
+        ranges = partition_profile(profile, num_stages, balance)
+    elif len(ranges) != num_stages:
+        raise UserError(f"{len(ranges)} layer ranges for {num_stages} stages")
     devices = stage_to_device or default_stage_to_device(sched, hardware)
     costs = stage_costs(profile, ranges)
     return PipelineSetup(

@@ -8,7 +8,9 @@ Copy-outs give their bytes back at the next release point (the first task of the
 compute action, which waits for them); copy-ins take theirs when issued; a layer's
 backward consumes the copy-ins of its own saved tensors. The optimizer step of a stage
 (OPT), or of one layer's chunk of it (`OPT:{s}:optim:LAYER`), gives back the gradients it
-used, holding the optimizer's temporaries while it runs.
+used, holding the optimizer's temporaries while it runs. A stage output that torch's
+schedule keeps referenced past its backward (`schedules.held_outputs`: a send's work
+holds it) goes at the end of the backward the schedule lets it go in.
 
 Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
@@ -31,6 +33,7 @@ from mpress.static.memory import (
 )
 from mpress.static.profile import LayerProfile, Profile
 from mpress.static.program import Cost, Program, Task, Transfer
+from mpress.static.schedules import held_outputs
 from mpress.static.stage_memory import backward_steps, forward_steps
 
 __all__ = ["TensorInfo", "build_program", "lower_rank", "lower_rank_traced", "optimizer_transient_bytes"]
@@ -110,16 +113,24 @@ def _unit_layer(action: Action, costs: StageCosts) -> int | None:
 
 
 def lower_rank(actions: Sequence[Action], *, costs: list[StageCosts], devices: list[int], hardware: Hardware,
-               tensors: dict[str, TensorInfo], weight_stashing: bool = False) -> tuple[Task, ...]:
+               tensors: dict[str, TensorInfo], weight_stashing: bool = False,
+               held: dict[tuple[int, int], tuple[int, int]] | None = None) -> tuple[Task, ...]:
     """The tasks of one rank's action list (see the module docstring)."""
     return lower_rank_traced(actions, costs=costs, devices=devices, hardware=hardware, tensors=tensors,
-                             weight_stashing=weight_stashing)[0]
+                             weight_stashing=weight_stashing, held=held)[0]
 
 
 def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], devices: list[int], hardware: Hardware,
-                      tensors: dict[str, TensorInfo],
-                      weight_stashing: bool = False) -> tuple[tuple[Task, ...], list[int]]:
-    """`lower_rank`, and for each task the index of the action in `actions` it comes from."""
+                      tensors: dict[str, TensorInfo], weight_stashing: bool = False,
+                      held: dict[tuple[int, int], tuple[int, int]] | None = None,
+                      ) -> tuple[tuple[Task, ...], list[int]]:
+    """`lower_rank`, and for each task the index of the action in `actions` it comes from.
+    held: stage outputs torch's schedule keeps past their backward (`schedules.held_outputs`):
+    (stage, microbatch) -> the backward at whose end the output goes."""
+    held = {k: v for k, v in (held or {}).items() if k != v}
+    releases: dict[tuple[int, int], int] = {}  # backward -> output bytes it lets go at its end
+    for (stage, _m), holder in held.items():
+        releases[holder] = releases.get(holder, 0) + costs[stage].layers[-1].memory.output_bytes
     out: list[Task] = []
     origins: list[int] = []
     pending: list[int] = []            # copy-outs since the last release point (indices in out)
@@ -166,7 +177,8 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             recomputed = [j in rc for j in range(len(c.layers))]
             first = a.stage not in backward_seen
             backward_seen.add(a.stage)
-            steps = backward_steps(c.layers, recomputed, first_backward=first)
+            steps = backward_steps(c.layers, recomputed, first_backward=first,
+                                   output_held=(a.stage, a.microbatch) in held)
             group: list[Task] = []
             for k, step in enumerate(steps):
                 j = len(steps) - 1 - k
@@ -179,6 +191,9 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 group.append(Task(a, layer=j, compute_s=c.layers[j].backward_time_s, alloc_bytes=step.alloc_bytes,
                                   transient_bytes=step.transient_bytes, free_bytes=step.free_bytes + stash,
                                   consumes=tuple(consumes)))
+            late = releases.get((a.stage, a.microbatch), 0)  # outputs a send held until now
+            if late:
+                group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + late})
             out.append(start(group[0]))
             out.extend(group[1:])
         elif a.kind is Kind.OPT:
@@ -247,8 +262,9 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
     devices = stage_to_device or default_stage_to_device(schedule, hardware)
     table = tensors or {}
     stash = schedule.weight_stashing
+    held = held_outputs(schedule)
     ranks = tuple(lower_rank(actions, costs=costs, devices=devices, hardware=hardware, tensors=table,
-                             weight_stashing=stash) for actions in schedule.ranks)
+                             weight_stashing=stash, held=held) for actions in schedule.ranks)
     offloaded = offloaded_bytes or [0] * schedule.num_stages
     pools = pool_bytes or [0] * hardware.num_devices
     rank_device: list[int] = []

@@ -17,6 +17,7 @@ milliseconds). It records (`mpress.static.profile.LayerMemory`):
 - backward_peak_bytes: the highest live bytes above the start of the backward (the
   start includes what the forward kept and the incoming gradient);
 - input_grad_bytes: the gradient of the input the backward hands to the layer before;
+- loss_bytes: with a loss, the loss's bytes (its seed gradient is as large);
 - and, beside it, the parameters' gradients the first backward of a step creates.
 
 `mpress/static/stage_memory.py` composes these into a stage's memory curve. Units: bytes.
@@ -88,6 +89,7 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
         forward_peak = tracker.peak_bytes - start
         outputs = {t.untyped_storage()._cdata for t in _tensors(output)}
         output_bytes = _nbytes(output)
+        loss_bytes = _nbytes(root) if loss_fn is not None else 0
         roots = [t for t in _tensors(root) if t.requires_grad]
         # the incoming gradient is a receive buffer made before the backward; a loss's
         # seed is made by the backward itself, as at run time
@@ -109,7 +111,7 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
             b.copy_(value)
     return LayerMemory(kept_bytes=kept, forward_peak_bytes=forward_peak, saves_input=bool(saved & inputs),
                        saves_output=bool(saved & outputs), backward_peak_bytes=backward_peak,
-                       input_grad_bytes=input_grads, output_bytes=output_bytes), param_grads
+                       input_grad_bytes=input_grads, output_bytes=output_bytes, loss_bytes=loss_bytes), param_grads
 
 
 class _Checkpointed(nn.Module):

@@ -71,6 +71,9 @@ class LayerMemory:
     """The gradient of its input the backward hands on."""
     output_bytes: int = field(default=0, metadata={"min": 0})
     """The module's output (for the last layer with a loss: the output before the loss)."""
+    loss_bytes: int = field(default=0, metadata={"min": 0})
+    """The last layer of a model: its loss (part of `kept_bytes`); the loss's seed gradient
+    is as large. 0 for every other layer."""
 
 
 @dataclass(kw_only=True, frozen=True)

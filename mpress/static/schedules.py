@@ -295,3 +295,42 @@ def _check_progress(schedule: Schedule) -> None:
     stuck = [f"rank {r} at {acts[pos[r]]}" for r, acts in enumerate(lists) if pos[r] < len(acts)]
     if stuck:
         raise ScheduleError(f"schedule {schedule.name} deadlocks: {', '.join(stuck)}")
+
+
+def held_outputs(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
+    """Stage outputs that torch's schedule keeps alive past their microbatch's backward:
+    (stage, microbatch) of the forward -> (stage, microbatch) of the backward (on the same
+    rank) at whose end the output is let go.
+
+    A forward's output is sent to the next stage with `isend`; the `Work` object of the
+    send holds the tensor until the schedule drops the work, and the schedules drop some
+    works late (torch 2.x, `torch/distributed/pipelining/schedules.py`):
+
+    - `ScheduleGPipe` keeps every forward send's work in `fwd_sends_to_wait`, and
+      `ScheduleInterleaved1F1B` (`_PipelineScheduleRuntime`) every send's in `send_ops`,
+      until the step returns: every output a stage sends lives until the rank's last
+      backward ends;
+    - `Schedule1F1B` keeps the work of the last warm-up forward it fires on its own
+      (forward `min(M, S - s) - 2`) in `send_work` until its 1B1F loop is over: that
+      output lives until the end of the backward that follows the stage's last forward.
+
+    The last stage sends nothing. PipeDream runs as `Schedule1F1B`.
+    """
+    held: dict[tuple[int, int], tuple[int, int]] = {}
+    for s in range(schedule.num_stages - 1):
+        rank_actions = [a for a in schedule.ranks[schedule.stage_to_rank[s]] if a.kind in (Kind.F, Kind.B)]
+        if schedule.name in (ScheduleName.GPIPE, ScheduleName.INTERLEAVED):
+            last = [a for a in rank_actions if a.kind is Kind.B][-1]
+            for m in range(schedule.num_microbatches):
+                held[(s, m)] = (last.stage, last.microbatch)  # type: ignore[assignment]
+            continue
+        m = min(schedule.num_microbatches, schedule.num_stages - s) - 2
+        if m < 0:
+            continue
+        actions = [a for a in rank_actions if a.stage == s]
+        last_forward = max(i for i, a in enumerate(actions) if a.kind is Kind.F)
+        release = next(a for a in actions[last_forward:] if a.kind is Kind.B)
+        own = next(i for i, a in enumerate(actions) if a.kind is Kind.B and a.microbatch == m)
+        if actions.index(release) > own:
+            held[(s, m)] = (s, release.microbatch)  # type: ignore[assignment]
+    return held

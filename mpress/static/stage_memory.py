@@ -64,28 +64,38 @@ def forward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool]) ->
 
 
 def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *,
-                   first_backward: bool) -> list[StepMemory]:
+                   first_backward: bool, output_held: bool = False) -> list[StepMemory]:
     """The backward of one microbatch, one step per layer, last layer first.
 
     first_backward: the step's first backward of this stage (it makes the parameters'
-    gradients). The last layer's incoming gradient (torch's receive buffer, or the loss's
-    seed) is not given back, nor is the gradient of the stage's input (it stays on the
-    receive buffer until the next step).
+    gradients). The last layer's incoming gradient (torch's receive buffer) is not given
+    back, nor is the gradient of the stage's input (it stays on the receive buffer until
+    the next step). A stage that ends the model keeps its loss (`loss_bytes` of its last
+    layer) until the step ends (torch's schedule and the trainer hold the losses), and
+    the loss's seed gradient, which `torch.autograd.backward` makes, lives until the
+    whole backward returns.
+    output_held: something else (a send) holds the stage's output beyond the backward:
+    not given back here (see `lowering.py`).
     """
     n = len(layers)
     out: list[StepMemory] = []
+    last = _memory(layers[n - 1], recomputed[n - 1])
+    loss = last.loss_bytes
     for j in range(n - 1, -1, -1):
         mem = _memory(layers[j], recomputed[j])
         alloc = mem.input_grad_bytes + (layers[j].grad_bytes if first_backward else 0)
         freed = mem.kept_bytes - (0 if mem.saves_output else mem.output_bytes)  # its saved tensors
+        if j == n - 1:
+            alloc += loss  # the seed
+            freed -= loss  # the loss stays
         if j > 0 and mem.saves_input and not _memory(layers[j - 1], recomputed[j - 1]).saves_output:
             freed += _memory(layers[j - 1], recomputed[j - 1]).output_bytes  # the input it saved
         if j < n - 1:
             freed += _memory(layers[j + 1], recomputed[j + 1]).input_grad_bytes  # the gradient it consumed
-        else:
-            last = mem
-        if j == 0 and not last.saves_output:
-            freed += last.output_bytes  # the stage's output, held until the backward ends
+        if j == 0:
+            freed += loss  # the seed
+            if not (last.saves_output or output_held):
+                freed += last.output_bytes  # the stage's output, held until the backward ends
         out.append(StepMemory(alloc_bytes=alloc, transient_bytes=max(mem.backward_peak_bytes - alloc, 0),
                               free_bytes=freed))
     return out

@@ -19,7 +19,7 @@ from mpress.static.planner import (
     check_fits_at_all,
     plan_strategy,
 )
-from mpress.static.profile import LayerProfile, Profile, SavedTensor
+from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import build_schedule
 
 
@@ -34,9 +34,19 @@ TINY = load_model_config("gpt-tiny")  # only its fingerprint ties the toy profil
 
 
 def layer(name, *, saved=0, fwd=0.5, bwd=1.0, params=1 * MB, out=1 * MB):
+    """A toy layer that saves `saved` bytes of its own for its backward (not its input) and
+    hands `out` bytes on. Its memory as the probe would count it: the forward keeps
+    saved + out; the backward makes its input's gradient (`out` bytes: the toy keeps the
+    width). Checkpointed (recomputed), it keeps only its output (and its input), and holds
+    `saved` again while its forward runs and while its backward recomputes it."""
+    plain = LayerMemory(kept_bytes=saved + out, forward_peak_bytes=saved + out, backward_peak_bytes=out,
+                        input_grad_bytes=out, output_bytes=out)
+    recomputed = LayerMemory(kept_bytes=out, forward_peak_bytes=saved + out, saves_input=True,
+                             backward_peak_bytes=saved + out, input_grad_bytes=out, output_bytes=out)
     return LayerProfile(name=name, forward_flops=1e9, backward_flops=2e9, forward_time_s=fwd, backward_time_s=bwd,
                         saved=[SavedTensor(module=f"{name}.op", index=0, bytes=saved)] if saved else [],
-                        param_bytes=params, grad_bytes=params, output_bytes=out)
+                        param_bytes=params, grad_bytes=params, output_bytes=out, memory=plain,
+                        recompute_memory=recomputed)
 
 
 def toy_hardware(memory_bytes, *, pcie_gbps=100.0, nvlink_gbps=100.0):
@@ -59,14 +69,24 @@ def toy_setup(stage0, stage1, hw, num_microbatches=4, schedule="1f1b") -> Pipeli
                          stage_to_device=[0, 1], costs=costs, memory=memory_model(costs, sched, hw, [0, 1]))
 
 
+# A swapped-out tensor's bytes leave the device when the rank's next compute action starts,
+# and its swap-in is issued before the compute action ahead of its backward: swapping a
+# one-layer stage's activations leaves up to three microbatches of them on the device (the
+# one just made, the one the next backward needs, the one after). So the swap tests below
+# give stage 0 four or more microbatches in flight (GPipe); with 1F1B's two on the first of
+# two stages, a swap would take nothing off the peak.
+
+
 def test_long_lived_tensor_gets_host_swap():
-    # Stage 0 holds 2 microbatches x 4 GB of layer a on a 6 GB device: it must shed a.
-    # a lives >= 1.5 s (stage 1's F + B run in between); its round trip over a 100 GB/s
-    # PCIe is 0.08 s, so the swap hides and costs nothing; recompute would cost 1 ms.
-    setup = toy_setup([layer("a", saved=4 * GB, fwd=1e-3, bwd=2e-3)], [layer("b", saved=1 * MB)],
-                      toy_hardware(6 * GB))
+    # GPipe: stage 0 holds 4 microbatches x 4 GB of layer a on a 13 GB device: it must shed
+    # a. a lives >= 3 s (stage 1's forwards and backwards run in between); its round trip
+    # over a 100 GB/s PCIe is 0.08 s, so the swap hides and costs nothing; recompute would
+    # cost its 50 ms forward each time. Swapped, at most three of the four are on the
+    # device at once (12 GB).
+    setup = toy_setup([layer("a", saved=4 * GB, fwd=0.05, bwd=0.1)], [layer("b", saved=1 * MB)],
+                      toy_hardware(13 * GB), schedule="gpipe")
     r = plan_strategy(setup, "mpress")
-    assert r.fits
+    assert r.fits, r.reason
     assert [technique(r.plan, 0, "a.op#0", m) for m in range(4)] == ["host"] * 4
     assert technique(r.plan, 1, "b.op#0", 0) == "keep"
     none = plan_strategy(setup, "none")
@@ -75,11 +95,11 @@ def test_long_lived_tensor_gets_host_swap():
 
 
 def test_cheap_short_lived_tensors_get_recompute():
-    # The last stage's layers c1, c2 are needed right after they are made (c2's live
-    # interval is 0, c1's is c2's 2 ms backward): a host swap would expose most of its
-    # 40 ms round trip, recompute costs a 1 ms forward each. 2 + 2 GB of model states +
-    # 2 x 2 GB of activations exceed the 7 GB device; recomputing both layers leaves one
-    # layer's 2 GB alive at a time during the backward: 6 GB.
+    # The last stage's layers c1, c2 are needed right after they are made (its backward
+    # follows its forward, so a swap could not even start to free them); recompute costs a
+    # 1 ms forward each. 2 GB of parameters + 1 microbatch x 2 x 2 GB of activations (+ the
+    # gradients from the first backward on) exceed the 7 GB device; recomputing both layers
+    # leaves one layer's 2 GB alive at a time.
     setup = toy_setup([layer("p", saved=1 * MB)],
                       [layer("c1", saved=2 * GB, fwd=1e-3, bwd=2e-3, params=2 * GB),
                        layer("c2", saved=2 * GB, fwd=1e-3, bwd=2e-3, params=1 * MB)], toy_hardware(7 * GB))
@@ -87,24 +107,29 @@ def test_cheap_short_lived_tensors_get_recompute():
     assert r.fits
     for name in ("c1.op#0", "c2.op#0"):
         assert [technique(r.plan, 1, name, m) for m in range(4)] == ["recompute"] * 4
-    assert r.evaluation.result.peak_bytes[r.plan.stage_to_device[1]] == pytest.approx(6 * GB, rel=1e-3)
+    # the peak is the last backward's recompute of c2: parameters (2 GB + 1 MB), gradients
+    # (2 GB + 1 MB), c2's 2 GB again (+ its 1 MB output and the 1 MB gradient coming in),
+    # the outputs of c1 and c2 (1 + 1 MB), torch's 4 receive buffers (4 x 1 MB) and the
+    # gradients of the stage's input of microbatches 0..2 (3 x 1 MB)
+    assert r.evaluation.result.peak_bytes[r.plan.stage_to_device[1]] == 6 * GB + 12 * MB
     assert r.peers == [[], []]  # D2D would be slower than 1 ms of recompute: not used
 
 
 def test_short_lived_expensive_tensor_gets_d2d():
-    # Stage 0 holds 2 microbatches x 1.5 GB of layer x next to 1.5 GB of model states on a
-    # 4 GB device. Recomputing x costs its 1 s forward per microbatch; host swap over a
-    # 1 GB/s PCIe takes 3 s each way, longer than x lives; NVLink at 100 GB/s takes 15 ms,
-    # and stage 1's device has 3 GB to lend: the D2D round moves x there.
-    setup = toy_setup([layer("x", saved=int(1.5 * GB), fwd=1.0, bwd=2.0, params=int(0.75 * GB))],
-                      [layer("y", saved=1 * MB, fwd=1.0, bwd=2.0)],
-                      toy_hardware(4 * GB, pcie_gbps=1.0))
+    # GPipe: stage 0 holds 4 microbatches x 0.75 GB of layer x next to 0.5 GB of parameters
+    # on a 3.5 GB device. Recomputing x costs its 1 s forward per microbatch; host swap over
+    # a 0.1 GB/s PCIe takes 7.5 s each way, longer than x lives (6..9 s); NVLink at
+    # 100 GB/s takes 7.5 ms, and stage 1's device has 3 GB to lend: the D2D round moves x
+    # there.
+    setup = toy_setup([layer("x", saved=int(0.75 * GB), fwd=1.0, bwd=2.0, params=int(0.5 * GB))],
+                      [layer("y", fwd=1.0, bwd=2.0)],
+                      toy_hardware(int(3.5 * GB), pcie_gbps=0.1), schedule="gpipe")
     r = plan_strategy(setup, "mpress")
     assert r.fits, r.reason
     assert [technique(r.plan, 0, "x.op#0", m) for m in range(4)] == ["d2d"] * 4
     lender = r.plan.stage_to_device[1]
     assert r.peers[0] == [lender]
-    # 2 in flight x 1.5 GB, plus the quota's slack for the runtime's stripe alignment
+    # 4 in flight x 0.75 GB, plus the quota's slack for the runtime's stripe alignment
     assert r.plan.stages[1].peer_pool_bytes == peer_quota_bytes(3 * GB)
     assert [(q.device, q.quota_bytes) for q in r.plan.stages[0].peer_quotas] == [(lender, peer_quota_bytes(3 * GB))]
     rec = plan_strategy(setup, "recompute")
@@ -112,21 +137,38 @@ def test_short_lived_expensive_tensor_gets_d2d():
 
 
 def test_plans_differ_per_microbatch_where_that_pays():
-    # GPipe, 2 stages x 4 microbatches of 1 s F / 2 s B. Stage 0's layer a (1 GB per
-    # microbatch, 4 in flight on a 3 GB device) lives 6, 7, 8, 9 s in microbatches 0..3.
-    # Over a 0.4 GB/s PCIe a round trip takes 5 s: it hides in every interval, but the
-    # stage's PCIe time over the iteration (4 slots x 3 s = 12 s) carries only two. The
-    # two that live longest (2, 3) are swapped, the others recomputed (1 s each, after
-    # their gradient arrives): faster than recomputing all four or swapping all four.
-    hw = replace(toy_hardware(3 * GB, pcie_gbps=0.4), nvlink_links=[[0, 0], [0, 0]])
-    setup = toy_setup([layer("a", saved=1 * GB, fwd=1.0, bwd=2.0)], [layer("b", saved=1 * MB, fwd=1.0, bwd=2.0)],
-                      hw, schedule="gpipe")
+    # GPipe, 2 stages x 8 microbatches. Stage 0's layer a (1 GB per microbatch, 8 in
+    # flight on a 6.5 GB device) runs first in the stage, so its swap-out hides behind
+    # layer c's 1 s forward. The backwards (0.4 s a stage) are shorter than the forwards
+    # (1.1 s): a lives 10.5 - 0.7 m s in microbatch m. Over a 1 GB/s PCIe a round trip
+    # takes 2 s: it hides in every interval, but the stage's PCIe time over the iteration
+    # (8 slots x 1.5 s = 12 s) carries only six. The six that live longest (0..5) are
+    # swapped, the others recomputed (0.1 s each): faster than recomputing all eight, or
+    # swapping all eight, whose swap-ins the device has no room to bring back early.
+    hw = replace(toy_hardware(int(6.5 * GB), pcie_gbps=1.0), nvlink_links=[[0, 0], [0, 0]])
+    setup = toy_setup([layer("a", saved=1 * GB, fwd=0.1, bwd=0.2), layer("c", fwd=1.0, bwd=0.2)],
+                      [layer("b", fwd=1.1, bwd=0.4)], hw, num_microbatches=8, schedule="gpipe")
     r = plan_strategy(setup, "mpress")
     assert r.fits
-    assert [technique(r.plan, 0, "a.op#0", m) for m in range(4)] == ["recompute", "recompute", "host", "host"]
+    assert [technique(r.plan, 0, "a.op#0", m) for m in range(8)] == ["host"] * 6 + ["recompute"] * 2
     for other in ("recompute", "host-swap"):
         base = plan_strategy(setup, other)
         assert base.fits and r.evaluation.result.iteration_s < base.evaluation.result.iteration_s, other
+
+
+def test_a_pipeline_that_fits_is_left_as_it_is():
+    # 1F1B: stage 0 holds 2 microbatches x 1 GB of layer a on a 2.5 GB device. Uncompacted it
+    # peaks in B2 at 2.012 GB: a2 and a3 (2 x 1.001 GB), 1 MB of parameters and 1 MB of
+    # gradients, 4 x 1 MB receive buffers, the 1 MB input gradients of B0, B1 and B2, and
+    # a0's 1 MB output (its send is held until B2 ends). Every strategy has nothing to shed.
+    setup = toy_setup([layer("a", saved=1 * GB)], [layer("b", saved=1 * MB)], toy_hardware(int(2.5 * GB)))
+    none = plan_strategy(setup, "none")
+    assert none.fits and none.evaluation.result.peak_bytes[0] == 2 * GB + 12 * MB
+    for name in Strategy.words():
+        r = plan_strategy(setup, name)
+        assert r.fits, name
+        assert [sp.rules for sp in r.plan.stages] == [[], []], name
+        assert r.evaluation.result.iteration_s == none.evaluation.result.iteration_s, name
 
 
 def test_strategies_that_cannot_fit_say_so():

@@ -1,29 +1,32 @@
-"""mpress.static.rewriter: where a plan's memory actions land in per-rank action lists,
-and what they do to memory once lowered and emulated.
+"""mpress.static.rewriter: where a plan's memory actions on activations land in per-rank
+action lists, and what they do to memory once lowered.
 
-Expected action strings below are derived by hand from the rewriter's placement rules
-(its module docstring); the memory figures from the toy profile's literal sizes and the
-lowering's accounting (`mpress.static.memory.lower_action`). With fast copies:
+Expected action strings are derived by hand from the rewriter's placement rules (its
+module docstring), counting compute actions (F, B, OPT) of the rank's list from 0:
 
-- F(s, m) takes all of microbatch m's saved bytes when it starts (minus what recompute
-  never stores); a swap-out gives its bytes back when the copy ends, so when two
-  forwards run back to back, the first one's swap-out is still in flight when the
-  second one takes its bytes;
-- a swap-in takes its bytes when it starts, which is where the rewriter placed it
-  (`prefetch_lead` compute actions ahead of the backward).
+- SO/DO/DR right after F(s, m); the copy-out's bytes leave at the next compute action
+  (its release point), so a swap-in goes before compute action
+  max(k - prefetch_lead, p + 2), B(s, m) being action k and F(s, m) action p;
+- nothing is swapped when B(s, m) is the compute action right after F(s, m);
+- RC right after B(s, m), last layer first.
 
-The toy profile and `Case` are in tests.support.rewriter; optimizer states and PipeDream's
-stashed weights are tested in test_rewriter_model_data.py.
+Memory figures are the walk of the rank's lowered list (`walk_peaks`: per task, the most
+bytes while it runs, less the static bytes here), from the toy profile's sizes in
+tests.support.rewriter: layer i keeps ACT[i] + OUT[i] = 6.1, 7.2, 8.3, 9.4 MB; its
+backward takes the gradient of its input (IN[i]; none for layer 0) and, in the stage's
+first backward, 1 MB of parameter gradients, and holds 1 MB more while it runs in later
+backwards (the toy's backward peak always counts the gradients).
+
+Optimizer states and PipeDream's stashed weights are in test_rewriter_model_data.py;
+invariants over every schedule in test_rewriter_invariants.py.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mpress.actions import Kind
 from mpress.errors import PlanError
 from mpress.plan import Stripe, TensorRule
-from mpress.static.emulator import emulate
 from mpress.static.lowering import TensorInfo
 from mpress.static.memory import stage_costs
 from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
@@ -35,191 +38,292 @@ from tests.support.rewriter import (
     FWD,
     MB,
     Case,
-    bytes_at,
     expand,
     make_plan,
+    rise,
     toy_profile,
 )
-
-# -- host swap ---------------------------------------------------------------------------------
-
-
-def test_host_swap_of_one_layer_in_every_microbatch() -> None:
-    # 1F1B, 2 stages x 4 microbatches; rank 0 runs 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3 0OPT.
-    # SO right after each F; SI before the compute action just ahead of the B (lead 1),
-    # but never before the F that produced it: for B0 that is F1, for B3 it is B2.
-    case = Case("1f1b", [(0, 2), (2, 4)], 4, {0: [rule("layers.0.**")]})
-    assert case.rank(0) == expand("""
-        0F0 0SO0:{T} 0SI0:{T} 0F1 0SO1:{T} 0B0 0SI1:{T} 0F2 0SO2:{T} 0B1 0SI2:{T} 0F3 0SO3:{T}
-        0SI3:{T} 0B2 0B3 0OPT""", T="0:layers.0.**@r0")
-    assert case.rank(1) == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1OPT"
-    # the unit is the whole layer: fc#0 + fc#1 + act#0 = 4 + 1 + 1 MB
-    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB)}
-    assert case.rw.schedule.name == "1f1b" and case.rw.schedule.stage_to_rank == (0, 1)
-
-
-def test_prefetch_lead_moves_swap_ins_earlier() -> None:
-    # GPipe, one stage: 0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3 0OPT; lead 2: the SI for B(m)
-    # goes before the compute action two ahead of B(m): F2, F3, B0, B1.
-    case = Case("gpipe", [(0, 4)], 4, {0: [rule("layers.1.**", prefetch_lead=2)]})
-    assert case.rank(0) == expand("""
-        0F0 0SO0:{T} 0F1 0SO1:{T} 0SI0:{T} 0F2 0SO2:{T} 0SI1:{T} 0F3 0SO3:{T} 0SI2:{T} 0B0 0SI3:{T} 0B1
-        0B2 0B3 0OPT""", T="0:layers.1.**@r0")
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7 * MB)}
-
-
-def test_swap_in_never_before_its_swap_out() -> None:
-    # lead 3 would put every SI before the F that produced its tensor: each one is clamped
-    # to right after that F's swap-out instead
-    case = Case("1f1b", [(0, 2), (2, 4)], 4, {0: [rule("layers.0.**", prefetch_lead=3)]})
-    assert case.rank(0) == expand("""
-        0F0 0SO0:{T} 0SI0:{T} 0F1 0SO1:{T} 0SI1:{T} 0B0 0F2 0SO2:{T} 0SI2:{T} 0B1 0F3 0SO3:{T} 0SI3:{T}
-        0B2 0B3 0OPT""", T="0:layers.0.**@r0")
-
-
-def test_rule_on_one_tensor_moves_only_that_tensor() -> None:
-    # a unit is what one rule decides in one layer: two rules on layer 3 make two units
-    case = Case("1f1b", [(0, 2), (2, 4)], 1, {1: [rule("layers.3.fc#0"), rule("layers.3.*#*", "host")]})
-    assert case.rank(1) == expand("1F0 1SO0:{A} 1SO0:{B} 1SI0:{A} 1SI0:{B} 1B0 1OPT",
-                                  A="1:layers.3.**@r0", B="1:layers.3.**@r1")
-    assert case.rw.tensors == {"1:layers.3.**@r0": TensorInfo(bytes=4 * MB),
-                               "1:layers.3.**@r1": TensorInfo(bytes=5 * MB)}
-
-
-def test_host_swap_peak_gpipe() -> None:
-    # GPipe, one stage of 4 layers (30 MB saved per microbatch), 6 microbatches, layer 1
-    # (L = 7 MB) to host. Peak at F5's start: mb 0 is back (its SI sits before F5), mbs
-    # 1-3 are on the host, mb 4's SO was issued the instant F5 started and has not
-    # finished, mb 5 is taken in full: 6 x 30 - 3 x 7 MB of activations.
-    case = Case("gpipe", [(0, 4)], 6, {0: [rule("layers.1.**")]}, hardware=FAST)
-    base, res = case.emulate(rewritten=False), case.emulate()
-    static = case.program().static_bytes[0]
-    assert static == case.program(rewritten=False).static_bytes[0]
-    assert base.peak_bytes[0] == static + 6 * 30 * MB
-    assert res.peak_bytes[0] == static + 6 * 30 * MB - 3 * 7 * MB
-    assert res.timeline[0][-1][1] == static  # everything came back and was freed
-
-
-def test_host_swap_peak_1f1b_first_stage() -> None:
-    # 1F1B, 4 stages of one layer, 8 microbatches, stage 0 (layer 0, S = L = 6 MB, 4 in
-    # flight) to host. Warm-up peak at F3's start: mb 0 back (its SI sits before F3), mb 1
-    # on the host, mb 2's SO still in flight (F2 and F3 run back to back), mb 3 taken:
-    # 4 S - L. In the steady state (F(m+3) after B(m-1)) two microbatches are on the host.
-    case = Case("1f1b", [(0, 1), (1, 2), (2, 3), (3, 4)], 8, {0: [rule("layers.0.**")]}, hardware=FAST)
-    base, res = case.emulate(rewritten=False), case.emulate()
-    static = case.program().static_bytes[0]
-    assert base.peak_bytes[0] == static + 4 * 6 * MB
-    assert res.peak_bytes[0] == static + 4 * 6 * MB - 6 * MB
-    assert res.peak_bytes[1:4] == base.peak_bytes[1:4]  # the other stages are untouched
-    # right after F4 (steady state: mbs 1 and 2 on the host, mb 3 and 4 on the device)
-    f4 = [str(t.action) for t in case.program().ranks[0]].index("0F4")
-    t = res.task_start_s[0][f4]
-    assert bytes_at(res, 0, t) == static + 4 * 6 * MB - 2 * 6 * MB
-
-
-# -- D2D swap -----------------------------------------------------------------------------------
 
 D2D_STRIPES = [Stripe(device=2, fraction=1 / 3), Stripe(device=3, fraction=2 / 3)]
 """GPU 0 of a DGX-1 has 1 NVLink to GPU 2 and 2 to GPU 3: stripes in proportion."""
 
 
+# -- host swap: placement ------------------------------------------------------------------------
+
+
+def test_host_swap_of_one_layer_in_every_microbatch() -> None:
+    # 1F1B, 2 stages x 4 microbatches; rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3 OPT (actions
+    # 0-8). SO right after each F; SI before action max(k - 1, p + 2): B0 (k 2, p 0) -> 2
+    # (B0), B1 (4, 1) -> 3 (F2), B2 (6, 3) -> 5 (F3), B3 (7, 5) -> 7 (B3).
+    case = Case("1f1b", [(0, 2), (2, 4)], 4, {0: [rule("layers.0.**")]})
+    assert case.rank(0) == expand("""
+        0F0 0SO0:{T} 0F1 0SO1:{T} 0SI0:{T} 0B0 0SI1:{T} 0F2 0SO2:{T} 0B1 0SI2:{T} 0F3 0SO3:{T}
+        0B2 0SI3:{T} 0B3 0OPT""", T="0:layers.0.**@r0")
+    assert case.rank(1) == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1OPT"
+    # fc#0 + fc#1 + act#0 = 4 + 1 + 1 MB; its saved input (ln#0, the token ids) is the
+    # input batch's, which swapping would not free
+    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB)}
+    assert case.rw.schedule.name == "1f1b" and case.rw.schedule.stage_to_rank == (0, 1)
+
+
+def test_prefetch_lead_moves_swap_ins_earlier() -> None:
+    # GPipe, one stage: F0 F1 F2 F3 B0 B1 B2 B3 OPT; B(m) is action 4 + m, F(m) action m.
+    # Lead 2: max(2 + m, m + 2): SIs before F2, F3, B0, B1 (lead 1 would give F3, B0, B1, B2).
+    case = Case("gpipe", [(0, 4)], 4, {0: [rule("layers.1.**", prefetch_lead=2)]})
+    assert case.rank(0) == expand("""
+        0F0 0SO0:{T} 0F1 0SO1:{T} 0SI0:{T} 0F2 0SO2:{T} 0SI1:{T} 0F3 0SO3:{T} 0SI2:{T} 0B0 0SI3:{T} 0B1
+        0B2 0B3 0OPT""", T="0:layers.1.**@r0")
+    # 7 MB of its own, and its input (layer 0's 0.1 MB output), which layer 0 does not keep
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000)}
+
+
+def test_swap_in_waits_for_its_swap_outs_release_point() -> None:
+    # 1F1B, 4 stages x 8 microbatches, lead 3; rank 0 runs F0 F1 F2 F3 B0 F4 B1 F5 B2 F6
+    # B3 F7 B4 B5 B6 B7 (actions 0-15). max(k - 3, p + 2) per B: B0 (4, 0) -> 2 (F2: lead
+    # alone gives F1, SO0's release point), B1 (6, 1) -> 3 (F3), B2 (8, 2) -> 5 (F4), B3
+    # (10, 3) -> 7 (F5), B4 (12, 5) -> 9 (F6), B5 (13, 7) -> 10 (B3), B6 (14, 9) -> 11
+    # (F7), B7 (15, 11) -> 13 (B5: lead alone gives B4, SO7's release point).
+    case = Case("1f1b", [(0, 1), (1, 2), (2, 3), (3, 4)], 8, {0: [rule("layers.0.**", prefetch_lead=3)]})
+    assert case.rank(0) == expand("""
+        0F0 0SO0:{T} 0F1 0SO1:{T} 0SI0:{T} 0F2 0SO2:{T} 0SI1:{T} 0F3 0SO3:{T} 0B0 0SI2:{T} 0F4 0SO4:{T}
+        0B1 0SI3:{T} 0F5 0SO5:{T} 0B2 0SI4:{T} 0F6 0SO6:{T} 0SI5:{T} 0B3 0SI6:{T} 0F7 0SO7:{T} 0B4
+        0SI7:{T} 0B5 0B6 0B7 0OPT""", T="0:layers.0.**@r0")
+
+
+def test_rule_on_one_tensor_moves_only_that_tensor() -> None:
+    # a unit is what one rule decides in one layer: two rules on layer 1 make two units.
+    # 1F1B rank 0 of 2 microbatches: F0 F1 B0 B1 OPT; SIs before B0 (max(1, 2)) and B1 (max(2, 3))
+    case = Case("1f1b", [(0, 2), (2, 4)], 2, {0: [rule("layers.1.fc#0"), rule("layers.1.*#*", "host")]})
+    assert case.rank(0) == expand("""
+        0F0 0SO0:{A} 0SO0:{B} 0F1 0SO1:{A} 0SO1:{B} 0SI0:{A} 0SI0:{B} 0B0 0SI1:{A} 0SI1:{B} 0B1 0OPT""",
+                                  A="0:layers.1.**@r0", B="0:layers.1.**@r1")
+    # B: ln#0 (its input, 0.1 MB) + fc#1 1 MB + act#0 2 MB
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=4 * MB),
+                               "0:layers.1.**@r1": TensorInfo(bytes=3_100_000)}
+
+
+def test_no_swap_when_backward_directly_follows_forward() -> None:
+    # 1F1B's last stage runs each B right after its F: a swap-in could only come before the
+    # swap-out's release point, so the unit stays; recompute still applies
+    case = Case("1f1b", [(0, 2), (2, 4)], 2, {1: [rule("layers.2.**", "recompute"), rule("layers.3.**")]})
+    assert case.rank(1) == expand("1F0 1DR0:{R} 1B0 1RC0:{R} 1F1 1DR1:{R} 1B1 1RC1:{R} 1OPT", R="1:layers.2.**@r0")
+    assert case.rw.tensors == {"1:layers.2.**@r0": TensorInfo(bytes=0, compute_s=FWD[2])}
+    # the same on the first stage of a one-microbatch pipeline (rank 0: F0 B0 OPT)
+    one = Case("1f1b", [(0, 2), (2, 4)], 1, {0: [rule("layers.0.**"), rule("layers.1.**", "d2d",
+                                                 stripes=D2D_STRIPES)]})
+    assert one.rw.schedule == one.schedule and one.rw.tensors == {}
+
+
+def test_swapped_bytes_leave_out_inputs_held_elsewhere() -> None:
+    # GPipe, 2 stages x 2 microbatches, every layer to host. A unit frees its layer's own
+    # tensors and its saved input, except the stage's input (the input batch on stage 0,
+    # torch's receive buffer on stage 1), which stays on the device anyway.
+    case = Case("gpipe", [(0, 2), (2, 4)], 2, {0: [rule("layers.0.**"), rule("layers.1.**")],
+                                               1: [rule("layers.2.**"), rule("layers.3.**")]})
+    assert {k: v.bytes for k, v in case.rw.tensors.items()} == {
+        "0:layers.0.**@r0": 6 * MB, "0:layers.1.**@r1": 7 * MB + 100_000,
+        "1:layers.2.**@r0": 8 * MB, "1:layers.3.**@r1": 9 * MB + 300_000}
+
+
+# -- host swap: memory -----------------------------------------------------------------------------
+
+def test_host_swap_peak_gpipe() -> None:
+    # GPipe, one stage of 4 layers, 6 microbatches: each forward keeps A = 31 MB; layer 1
+    # (U = 7.1 MB) to host, lead 1: SI(m) before action 5 + m (F5, B0, ..., B4).
+    # Static: parameters 4 + Adam 8 + master weights 4 MB + 6 x (ids + targets 0.1 MB).
+    case = Case("gpipe", [(0, 4)], 6, {0: [rule("layers.1.**")]}, hardware=FAST)
+    program = case.program()
+    assert program.static_bytes[0] == case.program(rewritten=False).static_bytes[0] == 16_600_000
+    walk = rise(program, 0)
+    t = "0:layers.1.**@r0"
+    # F4 ends holding 5 A less the 4 units released by F1-F4 (SO4's is still on the device)
+    assert walk["0F4 L3"] == 5 * 31 * MB - 4 * 7_100_000 == 126_600_000
+    assert walk[f"0SI0:{t}"] == 133_700_000  # + U
+    assert walk["0F5 L3"] == 6 * 31 * MB - 4 * 7_100_000 == 157_600_000  # SO4's U released, + A
+    # the peak: SI1 is issued before B0, SO5's release point: 3 units away (mbs 2-4)
+    assert walk[f"0SI1:{t}"] == 6 * 31 * MB - 3 * 7_100_000 == 164_700_000
+    # B0 gives SO5's U back, then its last layer takes its input's gradient 0.3 + 1 MB
+    assert walk["0B0 L3"] == 164_700_000 - 7_100_000 + 1_300_000 == 158_900_000
+    assert max(walk.values()) == 164_700_000
+    base, res = case.emulate(rewritten=False), case.emulate()
+    assert base.peak_bytes[0] == 16_600_000 + 6 * 31 * MB + 1_300_000  # all kept, then B0's last layer
+    assert res.peak_bytes[0] == 16_600_000 + 164_700_000  # the emulated memory is the walk
+    assert res.timeline[0][-1][1] == 16_600_000  # everything came back and was freed
+
+
+def test_host_swap_peak_1f1b_first_stage() -> None:
+    # 1F1B, 4 stages of one layer, 8 microbatches; stage 0 (layer 0: A = 6.1 MB kept, U = 6
+    # MB swapped, the 0.1 MB output stays) to host; G = 1 MB of gradients. Rank 0 (see
+    # test_swap_in_waits_for_its_swap_outs_release_point), lead 1: SI0 before F3, SI(m)
+    # before F(m + 3) for m = 1-4, SI5-7 before B4-B6.
+    # Static: parameters 1 + Adam 2 + master 1 MB + 8 x (output's gradient buffer 0.1 +
+    # ids 0.05 MB).
+    case = Case("1f1b", [(0, 1), (1, 2), (2, 3), (3, 4)], 8, {0: [rule("layers.0.**")]}, hardware=FAST)
+    program = case.program()
+    assert program.static_bytes[0] == 5_200_000
+    walk = rise(program, 0)
+    t = "0:layers.0.**@r0"
+    assert walk["0F2 L0"] == 3 * 6_100_000 - 2 * 6 * MB == 6_300_000  # SO0, SO1 released
+    assert walk[f"0SI0:{t}"] == 12_300_000
+    assert walk["0F3 L0"] == 4 * 6_100_000 - 2 * 6 * MB == 12_400_000  # SO2 released, mb 0 back
+    assert walk["0B0 L0"] == 4 * 6_100_000 - 3 * 6 * MB + 1 * MB == 7_400_000  # SO3 released, + G
+    # steady state (F4-F7): 4 microbatches in flight, 2 of them on the host, and G
+    for m in range(4, 8):
+        assert walk[f"0F{m} L0"] == 4 * 6_100_000 - 2 * 6 * MB + 1 * MB == 13_400_000
+    # the peak: SI5 is issued before B4, SO7's release point: only mb 6 is away
+    assert walk[f"0SI5:{t}"] == 4 * 6_100_000 - 6 * MB + 1 * MB == 19_400_000 == max(walk.values())
+    base, res = case.emulate(rewritten=False), case.emulate()
+    # without the swap: 4 microbatches, G and B1's 1 MB while it runs
+    assert base.peak_bytes[0] == 5_200_000 + 4 * 6_100_000 + 2 * MB
+    assert res.peak_bytes[0] == 5_200_000 + 19_400_000
+    assert res.peak_bytes[1:4] == base.peak_bytes[1:4]  # the other stages are untouched
+    assert res.timeline[0][-1][1] == 5_200_000
+
+
+# -- D2D swap -----------------------------------------------------------------------------------
+
 def test_d2d_swap_with_stripes() -> None:
+    # rank 0: F0 F1 B0 B1 OPT; DIs before B0 and B1 (see test_rule_on_one_tensor_moves_only_that_tensor)
     case = Case("1f1b", [(0, 2), (2, 4)], 2, {0: [rule("layers.1.**", "d2d", stripes=D2D_STRIPES)]})
-    assert case.rank(0) == expand("0F0 0DO0:{T} 0DI0:{T} 0F1 0DO1:{T} 0DI1:{T} 0B0 0B1 0OPT",
+    assert case.rank(0) == expand("0F0 0DO0:{T} 0F1 0DO1:{T} 0DI0:{T} 0B0 0DI1:{T} 0B1 0OPT",
                                   T="0:layers.1.**@r0")
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7 * MB, stripes=((2, 1 / 3), (3, 2 / 3)))}
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000, stripes=((2, 1 / 3), (3, 2 / 3)))}
     lowered = {str(t.action): t for t in case.program().ranks[0]}
     assert [(x.channel, x.bytes) for x in lowered["0DO0:0:layers.1.**@r0"].transfers] == [
-        ("nvlink:0->2", round(7 * MB / 3)), ("nvlink:0->3", round(14 * MB / 3))]
+        ("nvlink:0->2", 2_366_667), ("nvlink:0->3", 4_733_333)]  # 7.1 MB / 3, x 2 / 3
     assert [x.channel for x in lowered["0DI1:0:layers.1.**@r0"].transfers] == ["nvlink:2->0", "nvlink:3->0"]
 
 
 def test_d2d_swap_peak_gpipe() -> None:
-    # GPipe, 2 stages, 4 microbatches; stage 0 holds layers 0-1 (13 MB per microbatch),
-    # layer 1 (7 MB) goes to GPUs 2 and 3. As with host swap, at F3's start mb 0 is back,
-    # mb 1 is away and mb 2's DO is in flight: 4 x 13 - 7 MB.
+    # GPipe, 2 stages x 4 microbatches; stage 0 holds layers 0-1 (A = 6.1 + 7.2 MB kept),
+    # layer 1 (U = 7.1 MB) goes to GPUs 2 and 3. Rank 0: F0-F3 B0-B3 OPT; DI(m) before
+    # action 3 + m (F3, B0, B1, B2). Static: parameters 2 + Adam 4 + master 2 MB + 4 x
+    # (output's gradient buffer 0.2 + ids 0.05 MB).
     case = Case("gpipe", [(0, 2), (2, 4)], 4, {0: [rule("layers.1.**", "d2d", stripes=D2D_STRIPES)]},
                 hardware=FAST)
+    program = case.program()
+    assert program.static_bytes[0] == 9 * MB
+    walk = rise(program, 0)
+    t = "0:layers.1.**@r0"
+    assert walk["0F3 L1"] == 4 * 13_300_000 - 2 * 7_100_000 == 39 * MB  # DO0-DO2 released, DI0 back
+    # the peak: DI1 before B0, DO3's release point: mbs 2 and 3 away
+    assert walk[f"0DI1:{t}"] == 4 * 13_300_000 - 7_100_000 == 46_100_000 == max(walk.values())
     base, res = case.emulate(rewritten=False), case.emulate()
-    static = case.program().static_bytes[0]
-    assert base.peak_bytes[0] == static + 4 * 13 * MB
-    assert res.peak_bytes[0] == static + 4 * 13 * MB - 7 * MB
+    assert base.peak_bytes[0] == 9 * MB + 4 * 13_300_000 + 1_100_000  # B0's layer 1: its input's gradient + G
+    assert res.peak_bytes[0] == 9 * MB + 46_100_000
     assert res.peak_bytes[2:4] == base.peak_bytes[2:4]  # no peer pool was planned: the peers hold nothing
-    assert res.timeline[0][-1][1] == static
+    assert res.timeline[0][-1][1] == 9 * MB
 
 
 # -- recompute ------------------------------------------------------------------------------------
 
-def test_recompute_drops_after_forward_and_restores_before_backward() -> None:
+def test_recompute_drops_after_forward_and_restores_after_backward() -> None:
     case = Case("1f1b", [(0, 2), (2, 4)], 4, {0: [rule("layers.1.**", "recompute")]})
     assert case.rank(0) == expand("""
-        0F0 0DR0:{T} 0F1 0DR1:{T} 0RC0:{T} 0B0 0F2 0DR2:{T} 0RC1:{T} 0B1 0F3 0DR3:{T} 0RC2:{T} 0B2
-        0RC3:{T} 0B3 0OPT""", T="0:layers.1.**@r0")
-    # layer 1 keeps its input (layer 0's 0.1 MB output) and re-runs its 1.1 ms forward
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7 * MB - 100_000, compute_s=1.1e-3)}
+        0F0 0DR0:{T} 0F1 0DR1:{T} 0B0 0RC0:{T} 0F2 0DR2:{T} 0B1 0RC1:{T} 0F3 0DR3:{T} 0B2 0RC2:{T}
+        0B3 0RC3:{T} 0OPT""", T="0:layers.1.**@r0")
+    # no bytes move (the layer's recompute memory says what it keeps); it re-runs its
+    # 1.1 ms forward
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=0, compute_s=1.1e-3)}
 
 
-@pytest.mark.parametrize("layers, expected", [
-    # stage 1 holds layers 1-3; each recomputed layer keeps its own input
-    ([1], {1: 7 * MB - 100_000}),
-    ([1, 3], {1: 7 * MB - 100_000, 3: 9 * MB - 300_000}),
-    ([1, 2, 3], {1: 7 * MB - 100_000, 2: 8 * MB - 200_000, 3: 9 * MB - 300_000}),
-])
-def test_recompute_units_keep_their_input(layers: list[int], expected: dict[int, int]) -> None:
+@pytest.mark.parametrize("layers", [[1], [1, 3], [1, 2, 3]])
+def test_recompute_units_drop_in_layer_order_and_recompute_last_layer_first(layers: list[int]) -> None:
     rules = [rule(f"layers.{j}.**", "recompute") for j in layers]
     case = Case("1f1b", [(0, 1), (1, 4)], 1, {1: rules})
     names = {j: f"1:layers.{j}.**@r{r}" for r, j in enumerate(layers)}
-    assert case.rw.tensors == {names[j]: TensorInfo(bytes=b, compute_s=FWD[j]) for j, b in expected.items()}
-    # drops in layer order after F, recomputes in forward order right before B
+    assert case.rw.tensors == {names[j]: TensorInfo(bytes=0, compute_s=FWD[j]) for j in layers}
     drops = " ".join(f"1DR0:{names[j]}" for j in layers)
-    recomputes = " ".join(f"1RC0:{names[j]}" for j in layers)
-    assert case.rank(1) == f"1F0 {drops} {recomputes} 1B0 1OPT"
+    recomputes = " ".join(f"1RC0:{names[j]}" for j in reversed(layers))
+    assert case.rank(1) == f"1F0 {drops} 1B0 {recomputes} 1OPT"
 
 
-def test_recompute_of_the_first_layer_keeps_nothing() -> None:
-    # the model's first layer takes the token ids: its whole saved set is dropped
+def test_recompute_memory_walk() -> None:
+    # stage 1 holds layers 1-3 (L0-L2 of the stage), one microbatch, layers 1 and 3
+    # recomputed: a recomputed layer keeps only its output (its input stays, saved by the
+    # checkpoint) and holds its activations ACT while its forward, and its backward
+    # (which recomputes them), runs. Static: parameters 3 + Adam 6 + master 3 MB + the
+    # input's receive buffer 0.1 + targets 0.05 MB.
+    case = Case("1f1b", [(0, 1), (1, 4)], 1, {1: [rule("layers.1.**", "recompute"), rule("layers.3.**", "recompute")]})
+    program = case.program()
+    assert program.static_bytes[1] == 12_150_000
+    a, b = "1:layers.1.**@r0", "1:layers.3.**@r1"
+    assert list(rise(program, 1).items()) == [
+        ("1F0 L0", 200_000 + 7 * MB),          # keeps OUT 0.2, holds ACT 7 while it runs
+        (f"1DR0:{a}", 200_000),
+        ("1F0 L1", 200_000 + 8_300_000),       # layer 2 keeps 8.3
+        ("1F0 L2", 8_500_000 + 400_000 + 9 * MB),  # keeps OUT 0.4, holds ACT 9
+        (f"1DR0:{b}", 8_900_000),
+        (f"1RC0:{b} L2", 8_900_000),
+        # layer 3's backward: its input's gradient 0.3 + G 1 MB, and ACT 9 recomputed
+        ("1B0 L2", 8_900_000 + 1_300_000 + 9 * MB),
+        # layer 3 gave back its saved input (layer 2's output, 0.3): 9.9; layer 2 takes 0.2 + 1
+        ("1B0 L1", 9_900_000 + 1_200_000),
+        # layer 2 gave back its own 8 MB, its saved input (layer 1's output, 0.2) and the
+        # gradient it consumed (layer 3's input's, 0.3)
+        (f"1RC0:{a} L0", 11_100_000 - 8_500_000),
+        ("1B0 L0", 2_600_000 + 1_100_000 + 7 * MB),  # its input's gradient 0.1 + G 1, ACT 7
+        # left: G 3 MB and the stage input's gradient 0.1 (it stays until the next step);
+        # Adam's temporaries: 2 x 4 bytes and the fp32 gradient 4 bytes per parameter (250k)
+        ("1OPT", 3_100_000 + 3 * MB),
+    ]
+    base = rise(case.program(rewritten=False), 1)
+    assert max(base.values()) == 26_200_000  # 7.2 + 8.3 + 9.4 + B0's first layer 1.3
+
+
+def test_recomputed_layers_keep_only_their_output() -> None:
+    # every layer of stage 0 recomputed: the forward keeps 0.1 + 0.2 MB of outputs; the
+    # token ids are the input batch's (one rule on `layers.*` makes a unit per layer)
     case = Case("1f1b", [(0, 2), (2, 4)], 1, {0: [rule("layers.*", "recompute")]})
-    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, compute_s=1.0e-3),
-                               "0:layers.1.**@r0": TensorInfo(bytes=7 * MB - 100_000, compute_s=1.1e-3)}
+    a, b = "0:layers.0.**@r0", "0:layers.1.**@r0"
+    assert case.rank(0) == f"0F0 0DR0:{a} 0DR0:{b} 0B0 0RC0:{b} 0RC0:{a} 0OPT"
+    assert case.rw.tensors == {a: TensorInfo(bytes=0, compute_s=1.0e-3), b: TensorInfo(bytes=0, compute_s=1.1e-3)}
+    walk = rise(case.program(), 0)
+    assert (walk[f"0DR0:{a}"], walk[f"0DR0:{b}"]) == (100_000, 300_000)
 
 
 def test_catch_all_recompute_rule_leaves_model_data_alone() -> None:
     # `*` names every saved activation of the stage, not its optimizer states or stash
     case = Case("pipedream", [(0, 2), (2, 4)], 1, {0: [rule("*", "recompute")]})
-    assert case.rank(0) == expand("0F0 0DR0:{A} 0DR0:{B} 0RC0:{A} 0RC0:{B} 0B0 0OPT",
+    assert case.rank(0) == expand("0F0 0DR0:{A} 0DR0:{B} 0B0 0RC0:{B} 0RC0:{A} 0OPT",
                                   A="0:layers.0.**@r0", B="0:layers.1.**@r0")
     assert offloaded_optim_bytes(case.plan, case.costs) == [0, 0]
-    assert stash_offloaded(case.plan, case.costs) == [False, False]
+    assert stash_offloaded(case.rw.schedule) == [False, False]
 
 
 def test_recompute_peak_and_overhead() -> None:
-    # GPipe, one stage (30 MB per microbatch), 4 microbatches, layers 2 and 3 recomputed:
-    # D2 = 8 - 0.2 MB and D3 = 9 - 0.3 MB are never kept by the forward; the backward
-    # holds one layer's recomputed tensors at a time (the larger, D3) while it runs.
-    d2, d3 = 8 * MB - 200_000, 9 * MB - 300_000
+    # GPipe, one stage, 4 microbatches, layers 2 and 3 recomputed: each forward keeps
+    # 6.1 + 7.2 + 0.3 + 0.4 = 14 MB instead of 31. Static 16 MB + 4 x 0.1 MB.
     case = Case("gpipe", [(0, 4)], 4, {0: [rule("layers.2.**", "recompute"), rule("layers.3.**", "recompute")]},
                 hardware=FAST)
+    program = case.program()
+    assert program.static_bytes[0] == 16_400_000
+    walk = rise(program, 0)
+    # F3's layer 3: 3 x 14 + 13.6 kept, its 0.4 output and ACT 9 while it runs
+    assert walk["0F3 L3"] == 3 * 14 * MB + 13_600_000 + 400_000 + 9 * MB == 65 * MB
+    # the peak: B0's layer 3 takes its input's gradient 0.3 + G 1 MB and recomputes ACT 9
+    assert walk["0B0 L3"] == 4 * 14 * MB + 1_300_000 + 9 * MB == 66_300_000 == max(walk.values())
     base, res = case.emulate(rewritten=False), case.emulate()
-    static = case.program().static_bytes[0]
-    assert base.peak_bytes[0] == static + 4 * 30 * MB
-    assert res.peak_bytes[0] == static + 4 * (30 * MB - d2 - d3) + d3
+    assert base.peak_bytes[0] == 16_400_000 + 4 * 31 * MB + 1_300_000
+    assert res.peak_bytes[0] == 16_400_000 + 66_300_000
     # each microbatch re-runs the forwards of layers 2 and 3 (1.2 + 1.3 ms)
     assert res.busy_s_by_cost["recompute"] == pytest.approx(4 * (1.2e-3 + 1.3e-3))
     assert res.iteration_s == pytest.approx(base.iteration_s + 4 * 2.5e-3)
-    assert res.timeline[0][-1][1] == static
+    assert res.timeline[0][-1][1] == 16_400_000
 
 
 # -- per-microbatch techniques ---------------------------------------------------------------------
 
 def test_different_techniques_per_microbatch() -> None:
-    # microbatches 0-1 of layer 0 go to host (rule 0), the others are recomputed (rule 1)
+    # microbatches 0-1 of layer 0 go to host (rule 0), the others are recomputed (rule 1).
+    # Rank 0: F0 F1 B0 F2 B1 F3 B2 B3 OPT; SI0 before B0 (max(1, 2)), SI1 before F2 (max(3, 3))
     case = Case("1f1b", [(0, 2), (2, 4)], 4,
                 {0: [rule("layers.0.**", "host", microbatches="0-1"), rule("layers.0.**", "recompute")]})
     assert case.rank(0) == expand("""
-        0F0 0SO0:{H} 0SI0:{H} 0F1 0SO1:{H} 0B0 0SI1:{H} 0F2 0DR2:{R} 0B1 0F3 0DR3:{R} 0RC2:{R} 0B2
-        0RC3:{R} 0B3 0OPT""", H="0:layers.0.**@r0", R="0:layers.0.**@r1")
+        0F0 0SO0:{H} 0F1 0SO1:{H} 0SI0:{H} 0B0 0SI1:{H} 0F2 0DR2:{R} 0B1 0F3 0DR3:{R} 0B2 0RC2:{R}
+        0B3 0RC3:{R} 0OPT""", H="0:layers.0.**@r0", R="0:layers.0.**@r1")
     assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB),
-                               "0:layers.0.**@r1": TensorInfo(bytes=6 * MB, compute_s=1.0e-3)}
+                               "0:layers.0.**@r1": TensorInfo(bytes=0, compute_s=1.0e-3)}
     res = case.emulate()
     assert res.busy_s_by_cost["recompute"] == pytest.approx(2 * 1.0e-3)  # mbs 2 and 3 only
 
@@ -239,7 +343,8 @@ def test_recompute_of_part_of_a_layer_is_refused() -> None:
         Case("1f1b", [(0, 2), (2, 4)], 2, {0: [rule("layers.0.fc#*", "recompute")]})
     msg = str(info.value)
     assert "\n" not in msg
-    assert "stage 0 rule 0 (layers.0.fc#*)" in msg and "use layers.0.**" in msg and "2 of 3 tensors" in msg
+    # layer 0 saves ln#0, fc#0, fc#1, act#0
+    assert "stage 0 rule 0 (layers.0.fc#*)" in msg and "use layers.0.**" in msg and "2 of 4 tensors" in msg
 
 
 @pytest.mark.parametrize("rules, mb", [
@@ -262,59 +367,3 @@ def test_plan_for_another_pipeline_shape_is_refused() -> None:
     plan = make_plan({}, [(0, 2), (2, 4)], build_schedule("1f1b", 2, 8))
     with pytest.raises(PlanError, match="plan is for 2 stages x 8 microbatches, schedule has 2 x 4"):
         rewrite(plan, sched, stage_costs(profile, [(0, 2), (2, 4)]), DGX1)
-
-
-# -- every schedule, every technique: placement invariants and a full emulation ----------------------
-
-def mixed_rules() -> dict[int, list[TensorRule]]:
-    return {
-        0: [rule("optim:*"), rule("stash:*"),
-            rule("layers.0.**", microbatches="0-3", prefetch_lead=2),
-            rule("layers.0.**", "recompute"),
-            rule("layers.1.**", "d2d", stripes=[Stripe(device=3, fraction=0.5), Stripe(device=4, fraction=0.5)])],
-        1: [rule("layers.2.**", "recompute"), rule("layers.3.act#0", microbatches="1,3,5")],
-        3: [rule("optim:layers.7", prefetch_lead=3), rule("layers.7.**", prefetch_lead=4)],
-    }
-
-
-SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("pipedream", {}), ("interleaved", {"num_ranks": 2})]
-
-
-@pytest.mark.parametrize("name, kw", SCHEDULES)
-def test_placement_invariants(name: str, kw: dict) -> None:
-    case = Case(name, [(0, 2), (2, 4), (4, 6), (6, 8)], 8, mixed_rules(), **kw)
-    outs = {Kind.SO, Kind.DO, Kind.DR}
-    for r, (old, new) in enumerate(zip(case.schedule.ranks, case.rw.schedule.ranks)):
-        # the compute actions are the original ones, with each rewritten OPT streamed per chunk
-        plain = [a for a in new if a.kind in (Kind.F, Kind.B) or (a.kind is Kind.OPT and a.tensor is None)]
-        assert plain == [a for a in old if a.kind in (Kind.F, Kind.B) or
-                         (a.kind is Kind.OPT and not offloaded_optim_bytes(case.plan, case.costs)[a.stage])]
-        where = {(a.kind, a.stage, a.microbatch, a.tensor): i for i, a in enumerate(new)}
-        for i, a in enumerate(new):
-            if a.kind in outs:
-                # right after its F: only other memory actions in between
-                f = where[(Kind.F, a.stage, a.microbatch, None)]
-                assert f < i and not any(x.is_compute for x in new[f + 1:i]), (r, str(a))
-            elif a.kind in (Kind.SI, Kind.DI):
-                out_kind = Kind.SO if a.kind is Kind.SI else Kind.DO
-                assert where[(out_kind, a.stage, a.microbatch, a.tensor)] < i < where[
-                    (Kind.B, a.stage, a.microbatch, None)], (r, str(a))
-            elif a.kind is Kind.RC:
-                b = where[(Kind.B, a.stage, a.microbatch, None)]
-                assert where[(Kind.DR, a.stage, a.microbatch, a.tensor)] < i < b
-                assert all(x.kind in (Kind.RC, Kind.SI, Kind.DI, Kind.OI) for x in new[i + 1:b]), (r, str(a))
-        # each tensor a memory action names is described
-        assert {a.tensor for a in new if a.tensor} <= set(case.rw.tensors)
-
-
-@pytest.mark.parametrize("policy", ["capacity", "layer-ahead"])
-@pytest.mark.parametrize("name, kw", SCHEDULES)
-def test_rewritten_iteration_runs_to_the_end(name: str, kw: dict, policy: str) -> None:
-    case = Case(name, [(0, 2), (2, 4), (4, 6), (6, 8)], 8, mixed_rules(), **kw)
-    program = case.program(policy=policy)
-    res = emulate(program)  # raises ScheduleError on a deadlock
-    assert res.iteration_s > 0
-    for r, device in enumerate(program.rank_device):
-        assert res.task_end_s[r][-1] > 0
-        # everything taken during the iteration was given back
-        assert res.timeline[device][-1][1] == program.static_bytes[r]

@@ -40,6 +40,7 @@ handle is dropped (the saved tensor died), discarded, or cancelled by `close`.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -85,7 +86,8 @@ class SwapEngine:
 
     def __init__(self, store: SwapStore | PinnedHostPool, manager: MemoryManager, device: torch.device, *,
                  rank: int, stage: int, timeout_s: float = 60.0,
-                 fault: FaultHook | None = None) -> None:
+                 fault: FaultHook | None = None,
+                 watch: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -96,6 +98,9 @@ class SwapEngine:
         self.store = HostStore(store, device) if isinstance(store, PinnedHostPool) else store
         self._manager = manager
         self._fault = fault
+        self._watch = watch or contextlib.nullcontext
+        """Entered by each worker thread for its lifetime: the rank's live-bytes tracker
+        counts what the workers allocate (swapped-in tensors) as it counts the trainer's."""
         self._cuda = device.type == "cuda"
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
@@ -105,6 +110,7 @@ class SwapEngine:
         self._closing = False
         self._owned: dict[TensorKey, SwapRecord] = {}
         self._with_block: set[SwapRecord] = set()  # records holding a placement, for close()
+        self._outs: set[SwapRecord] = set()  # swap-outs whose copy has not completed
         self._out_queue: queue.SimpleQueue[SwapRecord | None] = queue.SimpleQueue()
         self._in_queue: queue.SimpleQueue[SwapRecord | None] = queue.SimpleQueue()
         self._dropped: queue.SimpleQueue[SwapRecord] = queue.SimpleQueue()
@@ -151,6 +157,7 @@ class SwapEngine:
             if owned:
                 self._owned[key] = record
             self._with_block.add(record)
+            self._outs.add(record)
             if self._cuda:
                 record.ready_event = torch.cuda.Event()
                 record.ready_event.record(torch.cuda.current_stream(self.device))
@@ -178,7 +185,9 @@ class SwapEngine:
 
         Prefetches if needed. Blocks the host only until the copy is enqueued (CUDA) or
         done (CPU), at most `timeout_s`; on CUDA the current stream then waits on the
-        copy's event. May be called again; returns the same tensor.
+        copy's event. The tensor is handed over: the engine keeps no reference, so its
+        memory goes when the caller's last use does (as the memory model says). Called
+        again while the tensor lives, returns the same tensor; after, a SwapError.
         """
         self.prefetch(handle)
         record = handle._record
@@ -194,10 +203,13 @@ class SwapEngine:
         with self._lock:
             self._stats.wait_s += time.perf_counter() - start
             self._raise_for(record)
-            tensor = record.result
+            tensor = record.result if record.result is not None else (
+                record.result_ref() if record.result_ref is not None else None)
             if tensor is None:
-                raise SwapError(f"swap-in of {record.key} produced no tensor "
+                raise SwapError(f"swap-in of {record.key} produced no tensor, or it was fetched and has died "
                                 f"(state {record.state.value})")
+            record.result = None
+            record.result_ref = weakref.ref(tensor)
             if self._cuda:
                 stream = torch.cuda.current_stream(self.device)
                 for event in record.in_events:
@@ -206,6 +218,20 @@ class SwapEngine:
                 # hand the memory back to the in stream before this stream is done.
                 tensor.record_stream(stream)
         return tensor
+
+    def wait_outs(self) -> None:
+        """Block until every swap-out issued so far has completed (its device storage is
+        given up): a release point of the rank's program. At most `timeout_s`."""
+        with self._lock:
+            records = list(self._outs)
+        deadline = time.perf_counter() + self.timeout_s
+        for record in records:
+            while not record.out_done.wait(_POLL_S):
+                self.check()
+                if time.perf_counter() >= deadline:
+                    raise SwapError(f"timed out after {self.timeout_s:g} s waiting for the swap-out of "
+                                    f"{record.key} (state {record.state.value})")
+        self.check()
 
     def discard(self, handle: SwapHandle) -> None:
         """The tensor is no longer needed: release its room off the device and its copy.
@@ -280,7 +306,7 @@ class SwapEngine:
         if self._cuda:
             torch.cuda.set_device(self.device)
         stop = False
-        with torch.no_grad():
+        with self._watch(), torch.no_grad():
             while not stop:
                 batch = [self._out_queue.get()]
                 if batch[0] is None:
@@ -314,7 +340,7 @@ class SwapEngine:
     def _worker(self, work: queue.SimpleQueue, run: Callable[[SwapRecord], None]) -> None:
         if self._cuda:
             torch.cuda.set_device(self.device)
-        with torch.no_grad():
+        with self._watch(), torch.no_grad():
             while (record := work.get()) is not None:
                 try:
                     run(record)
@@ -365,6 +391,7 @@ class SwapEngine:
             self._stats.copy_s += copy_s
             if record.discard_requested:
                 self._cancel(record, "it was discarded")
+            self._outs.discard(record)
             record.out_done.set()
 
     def _run_in(self, record: SwapRecord) -> None:
@@ -437,6 +464,7 @@ class SwapEngine:
             self._release_block(record)
             if self._error is None:
                 self._error = error
+            self._outs.discard(record)
             record.out_done.set()
             record.in_ready.set()
 
@@ -447,6 +475,7 @@ class SwapEngine:
         record.src = record.result = None
         self._release_block(record)
         self._forget_owned(record)
+        self._outs.discard(record)
         record.out_done.set()
         record.in_ready.set()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,8 @@ class SwapRecord:
         self.busy = False                    # a worker is using the placement right now
         self.discard_requested = False
         self.result: torch.Tensor | None = None
+        """The swapped-in tensor until `fetch` hands it over (then only `result_ref`)."""
+        self.result_ref: weakref.ref[torch.Tensor] | None = None
         self.error: SwapError | None = None
 
 

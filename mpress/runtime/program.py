@@ -185,6 +185,8 @@ class RankProgram:
         if handler is None:
             raise PlanError(f"rank {self.rank}: nothing on this rank executes {action} "
                             f"({action.kind.value} for stage {action.stage})")
+        if self.live is not None:
+            self.live.context = str(action)
         handler(action)
         now = time.perf_counter()
         self.log.append(action)

@@ -10,7 +10,8 @@ backward consumes the copy-ins of its own saved tensors. The optimizer step of a
 (OPT), or of one layer's chunk of it (`OPT:{s}:optim:LAYER`), gives back the gradients it
 used, holding the optimizer's temporaries while it runs. A stage output that torch's
 schedule keeps referenced past its backward (`schedules.held_outputs`: a send's work
-holds it) goes at the end of the backward the schedule lets it go in.
+holds it), and the gradient of a stage's input (`schedules.held_input_grads`), go at the
+end of the backward in which the schedule lets their send go (`late_frees`).
 
 Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
@@ -33,10 +34,11 @@ from mpress.static.memory import (
 )
 from mpress.static.profile import LayerProfile, Profile
 from mpress.static.program import Cost, Program, Task, Transfer
-from mpress.static.schedules import held_outputs
+from mpress.static.schedules import held_input_grads, held_outputs
 from mpress.static.stage_memory import backward_steps, forward_steps
 
-__all__ = ["TensorInfo", "build_program", "lower_rank", "lower_rank_traced", "optimizer_transient_bytes"]
+__all__ = ["LateFrees", "TensorInfo", "build_program", "late_frees", "lower_rank", "lower_rank_traced",
+           "optimizer_transient_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,10 +76,12 @@ def tensor_info(action: Action, tensors: dict[str, TensorInfo]) -> TensorInfo:
 
 def optimizer_transient_bytes(layer: LayerProfile, hardware: Hardware) -> int:
     """Temporaries of one layer's optimizer step: the fp32 gradients of its masters under
-    mixed precision, and Adam's (its whole group at once when the hardware's optimizer
-    runs fused multi-tensor calls, else its largest tensor)."""
+    mixed precision, and Adam's: its whole group at once when the hardware's optimizer
+    runs fused multi-tensor calls; else, one tensor at a time, the square root and the
+    denominator of a tensor while the previous tensor's denominator is still referenced
+    (torch's `_single_tensor_adam` loop), at most three times its largest tensor."""
     numel = layer.optim_bytes // 8
-    adam = 2 * 4 * numel if hardware.optimizer_foreach else 2 * layer.largest_param_bytes
+    adam = 2 * 4 * numel if hardware.optimizer_foreach else 3 * layer.largest_param_bytes
     return (4 * numel if layer.master_bytes else 0) + adam
 
 
@@ -112,25 +116,43 @@ def _unit_layer(action: Action, costs: StageCosts) -> int | None:
     raise ScheduleError(f"action {action} names layer {unit.layer!r}, which stage {action.stage} does not hold")
 
 
+@dataclass(frozen=True)
+class LateFrees:
+    """What torch's schedule holds past a microbatch's backward (its send works): the
+    stage outputs not given back at their own backward, and per backward (stage,
+    microbatch) the bytes given back at its end (held outputs and input gradients)."""
+
+    outputs: frozenset[tuple[int, int]] = frozenset()
+    frees: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+def late_frees(schedule: Schedule, costs: list[StageCosts]) -> LateFrees:
+    """`LateFrees` of `schedule` (`schedules.held_outputs`, `schedules.held_input_grads`)."""
+    frees: dict[tuple[int, int], int] = {}
+    outputs = {k: v for k, v in held_outputs(schedule).items() if k != v}
+    for (stage, _m), holder in outputs.items():
+        frees[holder] = frees.get(holder, 0) + costs[stage].layers[-1].memory.output_bytes
+    for (stage, _m), holder in held_input_grads(schedule).items():
+        frees[holder] = frees.get(holder, 0) + costs[stage].layers[0].memory.input_grad_bytes
+    return LateFrees(frozenset(outputs), frees)
+
+
 def lower_rank(actions: Sequence[Action], *, costs: list[StageCosts], devices: list[int], hardware: Hardware,
                tensors: dict[str, TensorInfo], weight_stashing: bool = False,
-               held: dict[tuple[int, int], tuple[int, int]] | None = None) -> tuple[Task, ...]:
+               late: LateFrees | None = None) -> tuple[Task, ...]:
     """The tasks of one rank's action list (see the module docstring)."""
     return lower_rank_traced(actions, costs=costs, devices=devices, hardware=hardware, tensors=tensors,
-                             weight_stashing=weight_stashing, held=held)[0]
+                             weight_stashing=weight_stashing, late=late)[0]
 
 
 def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], devices: list[int], hardware: Hardware,
                       tensors: dict[str, TensorInfo], weight_stashing: bool = False,
-                      held: dict[tuple[int, int], tuple[int, int]] | None = None,
-                      ) -> tuple[tuple[Task, ...], list[int]]:
+                      late: LateFrees | None = None) -> tuple[tuple[Task, ...], list[int]]:
     """`lower_rank`, and for each task the index of the action in `actions` it comes from.
-    held: stage outputs torch's schedule keeps past their backward (`schedules.held_outputs`):
-    (stage, microbatch) -> the backward at whose end the output goes."""
-    held = {k: v for k, v in (held or {}).items() if k != v}
-    releases: dict[tuple[int, int], int] = {}  # backward -> output bytes it lets go at its end
-    for (stage, _m), holder in held.items():
-        releases[holder] = releases.get(holder, 0) + costs[stage].layers[-1].memory.output_bytes
+    late: what torch's schedule gives back late (`late_frees`); None: nothing (outputs go
+    with their backward, input gradients stay)."""
+    late = late or LateFrees()
+    held, releases = late.outputs, late.frees
     out: list[Task] = []
     origins: list[int] = []
     pending: list[int] = []            # copy-outs since the last release point (indices in out)
@@ -191,9 +213,9 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 group.append(Task(a, layer=j, compute_s=c.layers[j].backward_time_s, alloc_bytes=step.alloc_bytes,
                                   transient_bytes=step.transient_bytes, free_bytes=step.free_bytes + stash,
                                   consumes=tuple(consumes)))
-            late = releases.get((a.stage, a.microbatch), 0)  # outputs a send held until now
-            if late:
-                group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + late})
+            let_go = releases.get((a.stage, a.microbatch), 0)  # what the schedule's sends held until now
+            if let_go:
+                group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + let_go})
             out.append(start(group[0]))
             out.extend(group[1:])
         elif a.kind is Kind.OPT:
@@ -262,9 +284,9 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
     devices = stage_to_device or default_stage_to_device(schedule, hardware)
     table = tensors or {}
     stash = schedule.weight_stashing
-    held = held_outputs(schedule)
+    late = late_frees(schedule, costs)
     ranks = tuple(lower_rank(actions, costs=costs, devices=devices, hardware=hardware, tensors=table,
-                             weight_stashing=stash, held=held) for actions in schedule.ranks)
+                             weight_stashing=stash, late=late) for actions in schedule.ranks)
     offloaded = offloaded_bytes or [0] * schedule.num_stages
     pools = pool_bytes or [0] * hardware.num_devices
     rank_device: list[int] = []

@@ -13,11 +13,10 @@ from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan
 from mpress.static.emulator import emulate
 from mpress.static.evaluate import Evaluation, PipelineSetup
-from mpress.static.lowering import build_program, lower_rank_traced
+from mpress.static.lowering import build_program, late_frees, lower_rank_traced
 from mpress.static.memory import memory_model
 from mpress.static.placement import place_by_capacity
 from mpress.static.program import Program
-from mpress.static.schedules import held_outputs
 from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
 from mpress.vocabulary import SwapInPolicy
 
@@ -59,7 +58,7 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
         for r, actions in enumerate(schedule.ranks):
             tasks, origins = lower_rank_traced(actions, costs=setup.costs, devices=devices, hardware=setup.hardware,
                                                tensors=rw.tensors, weight_stashing=schedule.weight_stashing,
-                                               held=held_outputs(schedule))
+                                               late=late_frees(schedule, setup.costs))
             placed.append(place_by_capacity(actions, tasks, origins, static_bytes=static[r],
                                             capacity_bytes=setup.hardware.usable_memory_bytes))
         schedule = schedule.with_ranks(placed)

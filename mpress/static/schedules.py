@@ -334,3 +334,26 @@ def held_outputs(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
         if actions.index(release) > own:
             held[(s, m)] = (s, release.microbatch)  # type: ignore[assignment]
     return held
+
+
+def held_input_grads(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
+    """The gradient of a stage's input, made by B(s, m) (stages after the first), lives
+    until torch's schedule drops the send that carries it back: (stage, microbatch) of the
+    backward -> (stage, microbatch) of the backward (same rank) at whose end it goes.
+
+    `stage_backward` hands the gradient to the stage's `bwd_cache` (the receive buffer's
+    `.grad` is cleared) and `get_bwd_send_ops` moves it into the send ops; `Schedule1F1B`
+    keeps those ops (`bwd_sends`, then `send_work`) until the stage's next backward has
+    made its own; `ScheduleGPipe` and `ScheduleInterleaved1F1B` keep every send's work
+    until the step returns (the rank's last backward)."""
+    held: dict[tuple[int, int], tuple[int, int]] = {}
+    for s in range(1, schedule.num_stages):
+        rank_actions = [a for a in schedule.ranks[schedule.stage_to_rank[s]] if a.kind is Kind.B]
+        own = [a for a in rank_actions if a.stage == s]
+        for i, b in enumerate(own):
+            if schedule.name in (ScheduleName.GPIPE, ScheduleName.INTERLEAVED):
+                holder = rank_actions[-1]
+            else:
+                holder = own[min(i + 1, len(own) - 1)]
+            held[(s, b.microbatch)] = (holder.stage, holder.microbatch)  # type: ignore[index,assignment]
+    return held

@@ -19,8 +19,9 @@ its input):
   it gives back what its forward kept (its output excepted when the next layer held it),
   its saved input, and the gradient it consumed; the stage's output (held by the
   pipeline until the microbatch's backward is over) goes when the backward ends; the
-  gradient of the stage's input stays (torch keeps it on the receive buffer until the
-  next step).
+  gradient of the stage's input stays: the send that carries it back holds it, and the
+  lowering gives it back when torch's schedule lets that send go
+  (`schedules.held_input_grads`).
 
 Units: bytes.
 """
@@ -69,8 +70,8 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
 
     first_backward: the step's first backward of this stage (it makes the parameters'
     gradients). The last layer's incoming gradient (torch's receive buffer) is not given
-    back, nor is the gradient of the stage's input (it stays on the receive buffer until
-    the next step). A stage that ends the model keeps its loss (`loss_bytes` of its last
+    back, nor is the gradient of the stage's input (the send carrying it holds it; see
+    the module docstring). A stage that ends the model keeps its loss (`loss_bytes` of its last
     layer) until the step ends (torch's schedule and the trainer hold the losses), and
     the loss's seed gradient, which `torch.autograd.backward` makes, lives until the
     whole backward returns.

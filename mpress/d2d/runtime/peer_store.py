@@ -21,7 +21,6 @@ the store checks that the processes holding its peers' pools are alive.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
@@ -148,29 +147,25 @@ class PeerStore(SwapStore):
                                      stream))
         return copies
 
-    def copy_in(self, placement: Placement, dtype: torch.dtype,
-                shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
+    def copy_in(self, placement: Placement, dst: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
         for slot in placement.slots:  # a dead peer's pool must not be read (CUDA: freed IPC memory)
             self.pools.check_peer(slot.peer)
         self.table.update(placement.entry_id, StripeState.READING)
-        first = self._streams.get(("in", placement.slots[0].peer))
-        with torch.cuda.stream(first) if first is not None else contextlib.nullcontext():
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        flat = byte_view(tensor)
+        flat = byte_view(dst)
         copies = []
         for slot in placement.slots:
-            dst = flat[slot.tensor_offset_bytes:slot.tensor_offset_bytes + slot.nbytes]
+            part = flat[slot.tensor_offset_bytes:slot.tensor_offset_bytes + slot.nbytes]
             src = slot.block.view(torch.uint8, (slot.nbytes,))
-            if first is None:
-                copies.append(issue_copy(dst, src, None))
+            stream = self._streams.get(("in", slot.peer))
+            if stream is None:
+                copies.append(issue_copy(part, src, None))
                 continue
-            stream = self._streams[("in", slot.peer)]
-            source_stream = self._streams[("in-src", slot.peer)]
-            if stream is not first:
-                stream.wait_stream(first)  # the tensor was allocated on `first`
-                tensor.record_stream(stream)
-            copies.append(_peer_copy_in(dst, src, stream, source_stream))
-        return tensor, copies
+            # `dst` was allocated on the compute stream: wait for it there, and tell the
+            # allocator this stream writes it
+            stream.wait_event(ready)
+            dst.record_stream(stream)
+            copies.append(_peer_copy_in(part, src, stream, self._streams[("in-src", slot.peer)]))
+        return copies
 
     def completed(self, placement: Placement, direction: str) -> None:
         self.table.update(placement.entry_id, StripeState.ON_PEERS if direction == "out" else StripeState.READ)

@@ -11,8 +11,8 @@ training thread:
       reserve room            copy t -> block(s) (non_blocking)
       record ready event      wait copies, drop t, manager -> HOST/PEER ─► (out done)
       return handle
-    prefetch(handle) ──────────────────────────────────────────► allocate, copy block(s) -> device
-                                                                  manager -> DEVICE, signal
+    prefetch(handle) ──────────────────────────────────────────► copy block(s) -> device
+      allocate device tensor                                      manager -> DEVICE, signal
     fetch(handle) ◄── current stream waits on the copies' events ── wait copies, free block(s)
 
 Batching: the out worker takes every swap-out already queued (up to `MAX_BATCH`) and
@@ -177,6 +177,17 @@ class SwapEngine:
             if record.in_requested:
                 return
             record.in_requested = True
+        try:  # the bytes come back now, on this thread (an out-of-memory error names the action)
+            dst = self.store.allocate(record.dtype, record.shape)
+        except BaseException:
+            with self._lock:
+                record.in_requested = False
+            raise
+        with self._lock:
+            record.dst = dst
+            if self._cuda:
+                record.dst_ready = torch.cuda.Event()
+                record.dst_ready.record(torch.cuda.current_stream(self.device))
             self._num_pending += 1
         self._in_queue.put(record)
 
@@ -410,8 +421,10 @@ class SwapEngine:
             if self._fault is not None:
                 self._fault(record.key, "in")
             self.store.check()  # a dead peer's stripes cannot come back
+            tensor = record.dst
             with torch.profiler.record_function("mpress:swap_in_copy"):
-                tensor, copies = self.store.copy_in(record.placement, record.dtype, record.shape)
+                copies = self.store.copy_in(record.placement, tensor, record.dst_ready)
+            record.dst = record.dst_ready = None
             with self._lock:
                 if not record.discard_requested:
                     self._manager.move(record.key, Residency.DEVICE)
@@ -460,7 +473,7 @@ class SwapEngine:
             record.busy = False
             record.error = error
             record.state = SwapState.FAILED
-            record.src = record.result = None
+            record.src = record.result = record.dst = None
             self._release_block(record)
             if self._error is None:
                 self._error = error
@@ -472,7 +485,7 @@ class SwapEngine:
         record.state = SwapState.CANCELLED
         if record.error is None:
             record.error = SwapError(f"swap of {record.key} was cancelled: {reason}")
-        record.src = record.result = None
+        record.src = record.result = record.dst = None
         self._release_block(record)
         self._forget_owned(record)
         self._outs.discard(record)

@@ -68,6 +68,8 @@ class SwapRecord:
         self.in_requested = False
         self.busy = False                    # a worker is using the placement right now
         self.discard_requested = False
+        self.dst: torch.Tensor | None = None  # made by `prefetch`, filled by the in worker
+        self.dst_ready: torch.cuda.Event | None = None  # compute stream, after `dst` was made
         self.result: torch.Tensor | None = None
         """The swapped-in tensor until `fetch` hands it over (then only `result_ref`)."""
         self.result_ref: weakref.ref[torch.Tensor] | None = None

@@ -3,7 +3,8 @@
 The swap engine (`engine.py`) owns the life cycle of a swap: queues, worker
 threads, states, errors, residency reports. A `SwapStore` owns the destination: it
 reserves room for a tensor (`reserve`, on the training thread, so exhaustion is raised
-where the tensor is named), issues the copies out and back on its own CUDA streams, and
+where the tensor is named), makes the device tensor a swap-in fills (`allocate`, on the
+training thread too), issues the copies out and back on its own CUDA streams, and
 releases the room. Two stores exist:
 
 - `HostStore`: one block of the pinned host pool per tensor, one out and one in stream;
@@ -17,7 +18,6 @@ block of which pool. Units: bytes.
 from __future__ import annotations
 
 import abc
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -128,10 +128,16 @@ class SwapStore(abc.ABC):
                  ready: torch.cuda.Event | None) -> list[Copy]:
         """Issue the copies of `src` into `placement`, each after `ready` (CUDA)."""
 
+    def allocate(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The device tensor a swap-in fills, made on the calling (training) thread and its
+        current stream: the bytes are taken when the swap-in is issued, where the rank's
+        program puts them, not whenever a worker gets to it."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
     @abc.abstractmethod
-    def copy_in(self, placement: Placement, dtype: torch.dtype,
-                shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
-        """A new device tensor and the copies filling it from `placement`."""
+    def copy_in(self, placement: Placement, dst: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
+        """Issue the copies filling `dst` (from `allocate`) from `placement`, each after
+        `ready` (CUDA: recorded on the allocating stream after `allocate`)."""
 
     def completed(self, placement: Placement, direction: str) -> None:
         """The engine saw the "out" or "in" copies of `placement` complete."""
@@ -173,14 +179,15 @@ class HostStore(SwapStore):
             src.record_stream(stream)
         return [issue_copy(slot.block.view(src.dtype, src.shape), src, stream)]
 
-    def copy_in(self, placement: Placement, dtype: torch.dtype,
-                shape: tuple[int, ...]) -> tuple[torch.Tensor, list[Copy]]:
+    def copy_in(self, placement: Placement, dst: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
         (slot,) = placement.slots
         stream = self._in_stream
-        # Allocated on the in stream; the engine's `fetch` records the consumer's stream.
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        return tensor, [issue_copy(tensor, slot.block.view(dtype, shape), stream)]
+        if stream is not None:
+            stream.wait_event(ready)
+            # Allocated on the compute stream, written on this one: the allocator must not
+            # hand the memory back to the compute stream before this copy is done.
+            dst.record_stream(stream)
+        return [issue_copy(dst, slot.block.view(dst.dtype, dst.shape), stream)]
 
 
 class PeerStores(Protocol):

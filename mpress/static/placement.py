@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mpress.actions import Action, Kind
-from mpress.static.program import Task, walk_peaks
+from mpress.static.program import Task, walk
 
 SWAP_INS = (Kind.SI, Kind.DI)
 
@@ -25,11 +25,19 @@ SWAP_INS = (Kind.SI, Kind.DI)
 def place_by_capacity(actions: Sequence[Action], tasks: Sequence[Task], origins: Sequence[int], *,
                       static_bytes: int, capacity_bytes: int) -> list[Action]:
     """`actions` (one rank's list) with its activation swap-ins moved as early as the
-    memory walk allows; `tasks`/`origins` are its lowering (`lower_rank_traced`)."""
+    memory walk allows; `tasks`/`origins` are its lowering (`lower_rank_traced`).
+
+    A swap-in moved before compute action q holds its bytes from the moment q is reached
+    (before q gives back what its release point frees) to where it stood, so the walk
+    with its bytes added must stay within capacity at q's entry and at every peak from q
+    on."""
     out = list(actions)
     peaks = [0] * len(out)  # per list position: the highest walk value of its tasks
-    for task_peak, origin in zip(walk_peaks(tasks, static_bytes), origins):
+    entries = [-1] * len(out)  # per list position: the walk value when it is reached
+    for (entry, task_peak), origin in zip(walk(tasks, static_bytes), origins):
         peaks[origin] = max(peaks[origin], task_peak)
+        if entries[origin] < 0:
+            entries[origin] = entry
     alloc = {i: t.alloc_bytes for t, i in zip(tasks, origins) if t.action.kind in SWAP_INS}
     bytes_of = [alloc.get(i, 0) for i in range(len(out))]
     done: set[Action] = set()
@@ -44,16 +52,22 @@ def place_by_capacity(actions: Sequence[Action], tasks: Sequence[Task], origins:
         target, high = p, 0
         for q in range(p - 1, earliest - 1, -1):
             high = max(high, peaks[q])
-            if high + bytes_of[p] > capacity_bytes:
+            if max(high, entries[q]) + bytes_of[p] > capacity_bytes:
                 break
             if _starts_action(out[q]):
                 target = q
         if target < p:
             for q in range(target, p):
                 peaks[q] += bytes_of[p]
-            out.insert(target, out.pop(p))
-            peaks.pop(p)
-            peaks.insert(target, peaks[target])  # issued right before that action, within its peak
+                if q > target:
+                    entries[q] += bytes_of[p]
+            moved = out.pop(p)
+            out.insert(target, moved)
+            peaks.insert(target, peaks.pop(p))
+            entries.insert(target, entries.pop(p))
+            peaks[target] = entries[target + 1] + bytes_of[p]  # issued right before that action
+            entries[target] = entries[target + 1]
+            entries[target + 1] += bytes_of[p]
             bytes_of.insert(target, bytes_of.pop(p))
         p += 1
     return out

@@ -124,12 +124,18 @@ class PlanWriter:
 
     def _lead(self, s: int, d: Draft) -> int:
         """Compute actions ahead of the backward at which swap-ins start: enough compute to
-        cover bringing one microbatch's swapped bytes back over PCIe."""
+        cover bringing one microbatch's swapped bytes back, host swaps over PCIe and D2D
+        swaps over the NVLinks to their stripes' peers."""
         c = self.costs[s]
-        swapped = sum(c.layers[j].saved_bytes for j in range(len(c.layers))
-                      if any(t in (HOST, D2D) for t in d.layer_tech[s][j]))
+        device = d.stage_to_device[s]
+        host = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if HOST in d.layer_tech[s][j])
+        d2d = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if D2D in d.layer_tech[s][j])
+        back_s = host / (self.hw.pcie_gbps("h2d") * 1e9)
+        nvlink_gbps = sum(self.hw.nvlink_gbps(device, p) for p, _f in (d.stripes[s] if d.stripes else ()))
+        if d2d and nvlink_gbps:
+            back_s += d2d / (nvlink_gbps * 1e9)
         per_action_s = max(min(c.forward_s, c.backward_s), 1e-9)
-        return max(1, min(8, math.ceil(swapped / (self.hw.pcie_gbps("h2d") * 1e9) / per_action_s)))
+        return max(1, min(8, math.ceil(back_s / per_action_s)))
 
     def _host_bytes(self, d: Draft, s: int) -> int:
         """Pinned host bytes stage s needs: swapped activations of every microbatch that

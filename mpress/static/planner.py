@@ -97,7 +97,9 @@ class _Planner(D2DSteps):
         self.setup, self.strategy, self.options = setup, Strategy(strategy), options
         self.allowed = _ALLOWED[self.strategy]
         self.layer_allowed: tuple[Technique, ...] = self.allowed
-        """Techniques the initial assignment may give activations (model data: host)."""
+        """Techniques the current seed gives activations."""
+        self.model_data_host = HOST in self.allowed
+        """Whether the current seed may send optimizer data and stashed weights to the host."""
         self.progress = progress or (lambda _msg: None)
         self.hw: Hardware = setup.hardware
         self.sched = setup.schedule
@@ -182,7 +184,7 @@ class _Planner(D2DSteps):
                         for j in range(len(c.layers)))
         pcie_budget = max(x.forward_s + x.backward_s for x in self.costs) * self.num_mb
         candidates: list[tuple[float, int, int, str, int]] = []
-        host = HOST in self.allowed
+        host = self.model_data_host
         optim_bytes = c.optim_bytes + c.master_bytes
         if host and d.optim[s] == KEEP and optim_bytes:
             candidates.append((self._model_data_overhead_s(s, optim_bytes) / optim_bytes, 1, 0, "optim", -1))
@@ -231,12 +233,15 @@ class _Planner(D2DSteps):
             return self.result(empty, base, t0)
         times = stage_times(base.result, n_st, self.num_mb)
         live = [layer_live_intervals(times[s], self.costs[s]) for s in range(n_st)]
-        # mpress seeds its search with the mixed assignment and a recompute-first one (the
-        # cost model cannot see every bubble that hides recompute); the emulator picks
-        seeds = [self.allowed] if self.strategy is not Strategy.MPRESS else [(HOST, RECOMPUTE), (RECOMPUTE,)]
+        # mpress seeds its search with the mixed assignment and recompute-first ones, with
+        # and without model data on the host (the cost model cannot see every bubble that
+        # hides recompute, nor every stall of streamed model data); the emulator picks
+        seeds = [(self.allowed, HOST in self.allowed)] if self.strategy is not Strategy.MPRESS else [
+            ((HOST, RECOMPUTE), True), ((RECOMPUTE,), True), ((RECOMPUTE,), False)]
         best: tuple[Draft, Evaluation] | None = None
-        for layer_techniques in seeds:
+        for layer_techniques, model_data_host in seeds:
             self.layer_allowed = layer_techniques
+            self.model_data_host = model_data_host
             d, ev = self._fit(empty.copy(), base, live)
             if best is None or _better(ev, best[1]):
                 best = (d, ev)

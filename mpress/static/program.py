@@ -141,15 +141,22 @@ def walk_peaks(tasks: Sequence[Task], static_bytes: int) -> list[int]:
     """The memory walk of one rank's tasks (see the module docstring): for each task, the
     most device bytes while it runs (a copy or marker: after it is issued), starting from
     `static_bytes`. Independent of timing, so plans can be shaped by it before emulation."""
+    return [peak for _entry, peak in walk(tasks, static_bytes)]
+
+
+def walk(tasks: Sequence[Task], static_bytes: int) -> list[tuple[int, int]]:
+    """Per task: (the device bytes when it is reached, before a compute task's release;
+    its peak, as `walk_peaks`)."""
     mem = static_bytes
     out = []
     for t in tasks:
+        entry = mem
         if t.action.is_compute:
             mem -= t.release_bytes
-            out.append(mem + t.alloc_bytes + t.transient_bytes)
+            out.append((entry, mem + t.alloc_bytes + t.transient_bytes))
             mem += t.alloc_bytes - t.free_bytes
         else:
             mem += t.alloc_bytes
-            out.append(mem)
+            out.append((entry, mem))
             mem -= t.free_bytes
     return out

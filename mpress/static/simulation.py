@@ -120,6 +120,8 @@ class Simulation:
             if c == MARKER:
                 self.start[n] = self.end[n] = t
             else:
+                if n < self.num_tasks and self.tasks[n].alloc_bytes:  # a copy-in takes its bytes when issued
+                    self._mem(self.device_of[n], self.tasks[n].alloc_bytes, t)
                 self._satisfy(n, ARRIVAL, t)
             n += 1
         self.pos[r] = stop
@@ -155,11 +157,9 @@ class Simulation:
         heapq.heappush(self.events, (t + task.compute_s, self.seq, n, _EV_COMPUTE_END))
 
     def _start_copy(self, n: int, t: float) -> None:
-        """Start a copy task or send: its transfers join their channels after the latency;
-        a copy-in takes its bytes now."""
+        """Start a copy task or send: its transfers join their channels after the latency
+        (a copy-in took its bytes when it was issued)."""
         self.start[n] = t
-        if n < self.num_tasks and self.tasks[n].alloc_bytes:
-            self._mem(self.device_of[n], self.tasks[n].alloc_bytes, t)
         transfers = self.transfers[n]
         if not transfers:
             self._done(n, t)

@@ -110,6 +110,11 @@ class LiveBytes:
             if resident is not None:
                 self._live -= resident.nbytes
 
+    def counts(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s storage is counted (made while watching, or adopted)."""
+        with self._lock:
+            return tensor.untyped_storage()._cdata in self._residents
+
     def is_host(self, tensor: torch.Tensor) -> bool:
         with self._lock:
             resident = self._residents.get(tensor.untyped_storage()._cdata)

@@ -151,6 +151,8 @@ class RankProgram:
                 raise PlanError(f"rank {self.rank}: the step ended before the program's {a} "
                                 f"({len(self.actions) - self._pos} actions left)")
             self._issue(a)
+        for release in self._releases:  # copy-outs after the last compute action end with the step
+            release()
         self.last_log, self.log = self.log, []
         self._pos = 0
 

@@ -18,8 +18,9 @@ microbatch are moved, by the action it names there:
 
 Storages, not tensors, take up memory, so a storage saved twice in a microbatch keeps
 its first decision (a second save of a swapped storage shares the swap; the fetched
-tensor is held until its last save was unpacked), and the stage's input (torch's receive
-buffer or the input batch holds it anyway) is never moved: swapping it would free
+tensor is held until its last save was unpacked), and what something else holds anyway
+(the stage's input: torch's receive buffer or the input batch; the loss's targets and
+the stage's output; the module's buffers) is never moved: swapping it would free
 nothing, as the memory model says. Parameters, and tensors sharing a parameter's
 storage, are never moved.
 """
@@ -143,6 +144,7 @@ class SavedTensorRouter:
         self.layer_names = list(self.layers)
         self.rules = StageRules(plan, tensors, num_microbatches)
         self.namer = SavedTensorNamer(module, self.layer_names)
+        self._buffers = [storage_key(b) for b in module.buffers()]  # the module holds them
         self._input_hook = module.register_forward_pre_hook(self._stage_input)
         for name, layer in self.layers.items():
             self._originals[name] = layer.forward
@@ -160,9 +162,13 @@ class SavedTensorRouter:
     # -- hooks --------------------------------------------------------------------------------
     def _stage_input(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._active:
-            for t in args:
-                if isinstance(t, torch.Tensor):
-                    self._saved.setdefault(storage_key(t), None)  # held by the pipeline: kept
+            self._keep_storages(args)  # held by the pipeline
+
+    def _keep_storages(self, values: Any) -> None:
+        """Never move these tensors' storages in this microbatch (something else holds them)."""
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                self._saved.setdefault(storage_key(t), None)
 
     def _layer_forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         forward = self._originals[name]
@@ -233,7 +239,7 @@ class SavedTensorRouter:
             return
         self._units = self.program.compacted(self.stage, microbatch)
         self._dropped = {UnitId.parse(u).layer: u for u, k in self._units.items() if k is Kind.DR}  # type: ignore[misc]
-        self._saved = {}
+        self._saved = dict.fromkeys(self._buffers)
         self.namer.begin()
         self._microbatch = microbatch
         with self._routing():
@@ -256,6 +262,9 @@ class SavedTensorRouter:
             return loss_fn
 
         def routed(*args: Any, **kwargs: Any) -> torch.Tensor:
+            # the stage's output (the pipeline holds it) and the targets (a view of the
+            # iteration's) are held anyway: never moved
+            self._keep_storages([*args, *kwargs.values()])
             with self._routing():
                 return loss_fn(*args, **kwargs)
 

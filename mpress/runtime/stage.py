@@ -78,10 +78,11 @@ class StageRuntime:
             self.pool = PinnedHostPool(size)
             if live is not None:
                 live.adopt(self.pool.buffer, f"stage {stage_index} pinned host pool", host=True)
-            self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index, watch=watch)
+            self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index, watch=watch,
+                                     hold_until_release=True)
         if Technique.D2D in techniques and peers is not None:
             self.d2d_engine = SwapEngine(peers.store_for(stage_index), self.manager, device, rank=rank,
-                                         stage=stage_index, watch=watch)
+                                         stage=stage_index, watch=watch, hold_until_release=True)
         self.router = SavedTensorRouter(module, self.stage_plan, program, rank=rank, example_args=example_args,
                                         layers=layers, engine=self.engine, d2d_engine=self.d2d_engine,
                                         num_microbatches=plan.num_microbatches)

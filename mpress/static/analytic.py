@@ -74,9 +74,9 @@ class _SavedList:
         self._next_index: dict[str, int] = {}
 
     def add(self, module: str, shape: list[int], dtype: str, what: str, *, alias_of: str | None = None,
-            is_input: bool = False) -> str:
+            is_input: bool = False, held: bool = False) -> str:
         """Append one saved tensor; `alias_of` (an id) marks storage already counted;
-        `is_input`: its storage is the layer's input."""
+        `is_input`: its storage is the layer's input; `held`: something else holds it."""
         index = self._next_index.get(module, 0)
         self._next_index[module] = index + 1
         numel = 1
@@ -86,7 +86,7 @@ class _SavedList:
         if alias_of is not None:
             what = f"{what} (same storage as {alias_of})"
         tensor = SavedTensor(module=module, index=index, bytes=nbytes, shape=list(shape), dtype=dtype, what=what,
-                             input=is_input)
+                             input=is_input, held=held)
         self.tensors.append(tensor)
         return tensor.id
 
@@ -149,7 +149,7 @@ def _head_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
     # the targets and the total weight), attributed to the head layer.
     logp = out.add("head", [b * t, v], "float32", "log-probabilities (log_softmax output)")
     out.add("head", [b * t, v], "float32", "log-probabilities for nll_loss", alias_of=logp)
-    out.add("head", [b * t], "int64", "targets")
+    out.add("head", [b * t], "int64", "targets", held=True)  # a view of the iteration's targets
     out.add("head", [], "float32", "nll_loss total weight")
 
 

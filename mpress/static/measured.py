@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mpress.errors import UserError
 from mpress.identity import SavedTensorNamer, layer_paths, storage_key
+from mpress.live_bytes import LiveBytes
 from mpress.model_config import ModelConfig
 from mpress.models.transformer import (
     build_model,
@@ -231,16 +232,19 @@ def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
             what, nbytes = f"{what} (same storage as {seen[layer_key]})", 0
         else:
             seen[layer_key] = name.id
+        is_input = storage_key(t) in layer_inputs.get(name.layer, ())
         records[name.layer].saved.append(SavedTensor(
             module=name.module, index=name.index, bytes=nbytes, shape=list(t.shape),
-            dtype=str(t.dtype).removeprefix("torch."), what=what,
-            input=storage_key(t) in layer_inputs.get(name.layer, ())))
+            dtype=str(t.dtype).removeprefix("torch."), what=what, input=is_input,
+            # made before the step and not the layer's input: the targets, a buffer
+            held=not is_input and not made.counts(t)))
         return t
 
     handles = [layer.register_forward_hook(output) for layer in layer_of]
     handles += [layer.register_forward_pre_hook(enter) for layer in layer_of]
+    made = LiveBytes(rank=0)  # the storages the step makes
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with made.watch(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             namer.begin()
             output_value = module(*args)
             loss = loss_fn(output_value)  # outside every module: the last layer's

@@ -45,6 +45,9 @@ class SavedTensor:
     input: bool = False
     """Its storage is the layer's input (the previous layer's output, or, for a stage's
     first layer, the stage's received activation, which swapping it does not free)."""
+    held: bool = False
+    """Its storage existed before the step and something else holds it throughout (the
+    loss's targets, a module buffer): swapping it frees nothing."""
 
     @property
     def id(self) -> str:

@@ -105,10 +105,13 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
 def freeable_bytes(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
                    recomputed: Sequence[bool]) -> int:
     """Bytes swapping `tensors` (saved by layer `layer` of the stage) out frees: their
-    storages, except the stage's input (the receive buffer or the input batch holds it)
-    and an input whose producer keeps it too."""
+    storages, except the stage's input (the receive buffer or the input batch holds it),
+    an input whose producer keeps it too, and storages held elsewhere (the loss's
+    targets)."""
     total = 0
     for t in tensors:
+        if t.held:
+            continue
         if t.input:
             if layer == 0:
                 continue

@@ -87,7 +87,8 @@ class SwapEngine:
     def __init__(self, store: SwapStore | PinnedHostPool, manager: MemoryManager, device: torch.device, *,
                  rank: int, stage: int, timeout_s: float = 60.0,
                  fault: FaultHook | None = None,
-                 watch: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+                 watch: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 hold_until_release: bool = False) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -98,6 +99,10 @@ class SwapEngine:
         self.store = HostStore(store, device) if isinstance(store, PinnedHostPool) else store
         self._manager = manager
         self._fault = fault
+        self._hold_until_release = hold_until_release
+        """Keep a swapped-out tensor's device storage until `wait_outs` (the program's
+        release point) instead of dropping it when its copy completes, so the device's
+        memory follows the plan exactly, whatever the copy's speed."""
         self._watch = watch or contextlib.nullcontext
         """Entered by each worker thread for its lifetime: the rank's live-bytes tracker
         counts what the workers allocate (swapped-in tensors) as it counts the trainer's."""
@@ -110,7 +115,7 @@ class SwapEngine:
         self._closing = False
         self._owned: dict[TensorKey, SwapRecord] = {}
         self._with_block: set[SwapRecord] = set()  # records holding a placement, for close()
-        self._outs: set[SwapRecord] = set()  # swap-outs whose copy has not completed
+        self._outs: set[SwapRecord] = set()  # swap-outs not yet released (`wait_outs`)
         self._out_queue: queue.SimpleQueue[SwapRecord | None] = queue.SimpleQueue()
         self._in_queue: queue.SimpleQueue[SwapRecord | None] = queue.SimpleQueue()
         self._dropped: queue.SimpleQueue[SwapRecord] = queue.SimpleQueue()
@@ -231,8 +236,8 @@ class SwapEngine:
         return tensor
 
     def wait_outs(self) -> None:
-        """Block until every swap-out issued so far has completed (its device storage is
-        given up): a release point of the rank's program. At most `timeout_s`."""
+        """Block until every swap-out issued so far has completed, and give up its device
+        storage: a release point of the rank's program. At most `timeout_s`."""
         with self._lock:
             records = list(self._outs)
         deadline = time.perf_counter() + self.timeout_s
@@ -242,6 +247,10 @@ class SwapEngine:
                 if time.perf_counter() >= deadline:
                     raise SwapError(f"timed out after {self.timeout_s:g} s waiting for the swap-out of "
                                     f"{record.key} (state {record.state.value})")
+        with self._lock:
+            for record in records:  # held until now (`hold_until_release`): the storage goes here
+                record.src = None
+            self._outs.difference_update(records)
         self.check()
 
     def discard(self, handle: SwapHandle) -> None:
@@ -394,7 +403,8 @@ class SwapEngine:
             return
         with self._lock:
             self.store.completed(record.placement, "out")
-            record.src = None  # the copy completed: the storage may go back to the allocator
+            if not self._hold_until_release:
+                record.src = None  # the copy completed: the storage may go back to the allocator
             record.busy = False
             record.state = SwapState.OFF_DEVICE
             self._stats.bytes_out += record.nbytes
@@ -402,7 +412,8 @@ class SwapEngine:
             self._stats.copy_s += copy_s
             if record.discard_requested:
                 self._cancel(record, "it was discarded")
-            self._outs.discard(record)
+            if not self._hold_until_release:
+                self._outs.discard(record)
             record.out_done.set()
 
     def _run_in(self, record: SwapRecord) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpress.actions import Kind, UnitId, UnitKind
+from mpress.actions import Action, Kind, UnitId, UnitKind
 from mpress.errors import PlanError
 from mpress.hardware import load_hardware
 from mpress.identity import SavedTensorNamer, StageRules, inspect_stage, layer_paths
@@ -19,11 +19,12 @@ from mpress.models import build_stage, example_batch, lm_loss
 from mpress.plan import Plan, StagePlan, TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
+from mpress.runtime.program import RankProgram
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.static.measured import measure_profile
 from mpress.static.memory import stage_costs
-from mpress.static.rewriter import rewrite
+from mpress.static.rewriter import layer_tensors, rewrite
 from mpress.static.schedules import build_schedule
 
 CPU = torch.device("cpu")
@@ -117,7 +118,7 @@ def test_the_residual_module_is_one_layer_for_both_halves():
     module = Residual()
     router = SavedTensorRouter(module, StagePlan(stage=0, device=0, first_layer=0, end_layer=1,
                                                  rules=[TensorRule(tensor="*", technique="keep")]),
-                               None, rank=0, example_args=(x,))
+                               RankProgram([], rank=0), rank=0, example_args=(x,))
     assert layer_paths(module, (x,)) == [""] == list(router.layers) == profile_of(module, x).layer_names()
     router.close()
 
@@ -189,46 +190,105 @@ def _plan(cfg, rules: list[TensorRule], num_microbatches: int) -> Plan:
                 fits=True)
 
 
-def test_a_rule_decides_the_same_at_plan_time_and_at_run_time():
-    """The rewriter's memory actions (plan time) against what the router does with each
-    saved tensor of the real forwards (run time), microbatch by microbatch."""
-    cfg = load_model_config("gpt-tiny")
-    num_mb = 3
+def _rewritten(cfg, rules: list[TensorRule], num_mb: int):
+    """gpt-tiny as one stage, its profile's costs, and the program the rewriter makes of
+    `rules` for GPipe (plan time)."""
     stage = build_stage(cfg, 0, cfg.num_layers + 2, seed=1)
     batches = [example_batch(cfg, 2, seed=m) for m in range(num_mb)]
     profile = profile_of(stage, batches[0][0], lambda out: lm_loss(out, batches[0][1]))
-    plan = _plan(cfg, RULES, num_mb)
+    plan = _plan(cfg, rules, num_mb)
     costs = stage_costs(profile, [(0, cfg.num_layers + 2)])
     rewritten = rewrite(plan, build_schedule("gpipe", 1, num_mb), costs, load_hardware("cpu-local", num_devices=1))
+    return stage, batches, plan, costs, rewritten
+
+
+def _run_program(stage, batches, plan: Plan, actions: list[Action]):
+    """Run `actions` as rank 0's program with the router (run time), as the pipeline
+    stage and the job do: F and B begun and ended, the loss routed, OPT begun (nothing to
+    step here). Returns the program, the router and each swapped tensor (microbatch,
+    id, bytes)."""
+    program = RankProgram(actions, rank=0)
+    engine = SwapEngine(PinnedHostPool(16 << 20), MemoryManager(CPU, rank=0), CPU, rank=0, stage=0)
+    router = SavedTensorRouter(stage, plan.stage(0), program, rank=0, example_args=(batches[0][0],), engine=engine,
+                               num_microbatches=len(batches))
+    program.on(Kind.SI, 0, router.prefetch_unit)
+    program.on_release(engine.wait_outs)
+    swapped: list[tuple[int, str, int]] = []
+    swap_out = engine.swap_out
+    engine.swap_out = lambda key, t, **kw: (swapped.append((key.microbatch, key.tensor, t.numel() * t.element_size()))
+                                            or swap_out(key, t, **kw))
+    try:
+        losses = []
+        for m, (x, y) in enumerate(batches):
+            program.begin(Action(0, Kind.F, m))
+            with router.microbatch(m):
+                out = stage(x)
+            program.end()
+            losses.append(router.route_loss(lm_loss)(out, y))
+        for m, loss in enumerate(losses):
+            program.begin(Action(0, Kind.B, m))
+            loss.backward()
+            router.finish(m)
+            program.end()
+        for action in program.optimizer_actions():
+            program.begin(action)
+            program.end()
+        program.end_step()
+    finally:
+        router.close()
+        engine.close()
+    return program, router, swapped
+
+
+def test_a_rule_decides_the_same_at_plan_time_and_at_run_time():
+    """The rewriter's program (plan time) runs under the router (run time): each unit it
+    compacts is one the router makes of the real forward's saved tensors (each SO had
+    tensors to move, each DR a layer to checkpoint, each RC a recompute: the executed
+    log is the list, with nothing else), and the tensors swapped are the ones the
+    profile puts in the swapped units, with the bytes the plan counts on freeing."""
+    cfg = load_model_config("gpt-tiny")
+    num_mb = 3
+    stage, batches, plan, costs, rewritten = _rewritten(cfg, RULES, num_mb)
+    actions = list(rewritten.schedule.ranks[0])
+    rules = StageRules(plan.stage(0), layer_tensors(costs[0]), num_mb)  # the rewriter's reading
     planned: dict[int, dict[str, set]] = {m: {"dropped": set(), "swapped": set()} for m in range(num_mb)}
-    for action in rewritten.schedule.ranks[0]:
+    planned_bytes: dict[tuple[int, str], int] = {}
+    for action in actions:
         if action.kind in (Kind.DR, Kind.SO):
             unit = UnitId.parse(action.tensor)
             assert unit.kind is UnitKind.ACTIVATIONS
             what = "dropped" if action.kind is Kind.DR else "swapped"
             planned[action.microbatch][what].add((unit.layer, unit.rule))
-
-    manager = MemoryManager(CPU, rank=0)
-    engine = SwapEngine(PinnedHostPool(16 << 20), manager, CPU, rank=0, stage=0)
-    router = SavedTensorRouter(stage, plan.stage(0), engine, rank=0, example_args=(batches[0][0],),
-                               manager=manager, num_microbatches=num_mb)
-    swapped: list[tuple[int, str]] = []
-    swap_out = engine.swap_out
-    engine.swap_out = lambda key, t, **kw: swapped.append((key.microbatch, key.tensor)) or swap_out(key, t, **kw)
-    layer_of = {t: layer.name for layer in router.rules.layers for t in layer.saved}
-    for m, (x, y) in enumerate(batches):
-        with router.microbatch(m):
-            lm_loss(stage(x), y).backward()
-        ran = {"dropped": {(name, next(iter(router.rules.layer_groups(i, m))))
-                           for i, name in enumerate(router.layers) if router.recomputes(name, m)},
-               "swapped": {(layer_of[t], router.rules.rule_index(t, m)) for mb, t in swapped if mb == m}}
-        assert ran == planned[m], m
-        router.finish(m)
-    engine.wait_idle()
+        if action.kind is Kind.SO:
+            planned_bytes[(action.microbatch, action.tensor)] = rewritten.tensors[action.tensor].bytes
     assert ("layers.0", 0) in planned[0]["dropped"]  # the glob recomputes the whole of block 0
     assert ("layers.1", 2) in planned[1]["dropped"] and ("layers.1", 1) in planned[0]["swapped"]
-    router.close()
-    engine.close()
+
+    program, router, swapped = _run_program(stage, batches, plan, actions)
+    assert program.last_log == actions
+    assert router.layers_recomputed == sum(len(planned[m]["dropped"]) for m in range(num_mb))
+    layer_of = {t.id: layer.name for layer in costs[0].layers for t in layer.saved}
+    ran_bytes: dict[tuple[int, str], int] = {}
+    for m, tensor, nbytes in swapped:
+        unit = (layer_of[tensor], router.rules.rule_index(tensor, m))
+        assert unit in planned[m]["swapped"], (m, tensor)
+        assert rules.rule_index(tensor, m) == unit[1]  # both halves read the rules alike
+        key = (m, str(UnitId(0, UnitKind.ACTIVATIONS, layer=unit[0], rule=unit[1])))
+        ran_bytes[key] = ran_bytes.get(key, 0) + nbytes
+    assert ran_bytes == planned_bytes
+
+
+def test_a_rule_naming_only_the_stage_input_makes_a_program_the_router_runs():
+    """The stage's input is never moved (the pipeline holds it: swapping it frees
+    nothing, as the memory model says). A rule that names only it (here the token ids
+    that embed.tok saves) compacts nothing at run time, so the program must not list a
+    swap-out the router cannot run (or the router must count it as run)."""
+    cfg = load_model_config("gpt-tiny")
+    stage, batches, plan, _costs, rewritten = _rewritten(cfg, [TensorRule(tensor="embed.tok#0", technique="host")], 2)
+    actions = list(rewritten.schedule.ranks[0])
+    assert all(rewritten.tensors[a.tensor].bytes == 0 for a in actions if a.kind is Kind.SO)  # frees nothing
+    program, _router, swapped = _run_program(stage, batches, plan, actions)
+    assert program.last_log == actions and swapped == []
 
 
 def test_a_recompute_rule_over_part_of_a_layer_is_refused_by_both_halves():
@@ -240,4 +300,4 @@ def test_a_recompute_rule_over_part_of_a_layer_is_refused_by_both_halves():
     with pytest.raises(PlanError, match="recompute must cover whole layers"):
         StageRules(partial, layers)
     with pytest.raises(PlanError, match="recompute must cover whole layers"):
-        SavedTensorRouter(stage, partial, None, rank=0, example_args=(x,))
+        SavedTensorRouter(stage, partial, RankProgram([], rank=0), rank=0, example_args=(x,))

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -124,7 +127,12 @@ class SavedTensorRouter:
         self._microbatch = -1
         self._units: dict[str, Kind] = {}
         self._dropped: dict[str, str] = {}    # layer -> its DR unit, this microbatch
-        self._saved: dict[tuple[str, int], _Swapped | None] = {}  # storage -> its swap (None: kept)
+        self._saved: dict[tuple[str, int], tuple[int, _Swapped | None]] = {}
+        """Storage (device, address) -> (its entry's number, its swap or None: kept), for the
+        storages alive that this microbatch saved or holds; a storage's entry goes when it
+        dies, so a new storage at a freed address is a new storage."""
+        self._entries = itertools.count()
+        self._saved_lock = threading.Lock()
         self._pending: dict[tuple[int, str], list[_Swapped]] = {}  # (microbatch, unit) -> swaps to bring back
         self.tensors_swapped = 0
         self.layers_recomputed = 0
@@ -144,7 +152,7 @@ class SavedTensorRouter:
         self.layer_names = list(self.layers)
         self.rules = StageRules(plan, tensors, num_microbatches)
         self.namer = SavedTensorNamer(module, self.layer_names)
-        self._buffers = [storage_key(b) for b in module.buffers()]  # the module holds them
+        self._buffers = list(module.buffers())  # the module holds them
         self._input_hook = module.register_forward_pre_hook(self._stage_input)
         for name, layer in self.layers.items():
             self._originals[name] = layer.forward
@@ -167,8 +175,21 @@ class SavedTensorRouter:
     def _keep_storages(self, values: Any) -> None:
         """Never move these tensors' storages in this microbatch (something else holds them)."""
         for t in values:
-            if isinstance(t, torch.Tensor):
-                self._saved.setdefault(storage_key(t), None)
+            if isinstance(t, torch.Tensor) and storage_key(t) not in self._saved:
+                self._remember(t, None)
+
+    def _remember(self, tensor: torch.Tensor, decision: _Swapped | None) -> None:
+        """`decision` holds for `tensor`'s storage while it lives."""
+        key, number = storage_key(tensor), next(self._entries)
+        with self._saved_lock:
+            self._saved[key] = (number, decision)
+        weakref.finalize(tensor.untyped_storage(), self._forget, key, number)
+
+    def _forget(self, key: tuple[str, int], number: int) -> None:
+        """A storage died (on any thread): its address may hold a new storage next."""
+        with self._saved_lock:
+            if self._saved.get(key, (-1, None))[0] == number:
+                del self._saved[key]
 
     def _layer_forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         forward = self._originals[name]
@@ -195,9 +216,10 @@ class SavedTensorRouter:
         name = self.namer.name(tensor)
         if name is None:  # a parameter's storage: never moved
             return tensor
-        key = storage_key(tensor)
-        if key in self._saved:  # saved before in this microbatch: its first decision holds
-            swapped = self._saved[key]
+        with self._saved_lock:
+            entry = self._saved.get(storage_key(tensor))
+        if entry is not None:  # saved before in this microbatch: its first decision holds
+            swapped = entry[1]
             if swapped is None:
                 return tensor
             if swapped.view == _view_of(tensor):
@@ -212,13 +234,13 @@ class SavedTensorRouter:
         kind = self._units.get(unit or "")
         engine = self.engine if kind is Kind.SO else self.d2d_engine if kind is Kind.DO else None
         if engine is None:  # kept, or recomputed (saved outside its checkpoint: the loss's)
-            self._saved[key] = None
+            self._remember(tensor, None)
             return tensor
         stripes = self.plan.rules[rule].stripes  # type: ignore[index]
         weights = tuple((s.device, s.fraction) for s in stripes) or None
         tkey = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=name.id)
         swapped = _Swapped(engine, engine.swap_out(tkey, tensor, weights=weights), tensor)
-        self._saved[key] = swapped
+        self._remember(tensor, swapped)
         pending = self._pending.setdefault((self._microbatch, unit), [])  # type: ignore[arg-type]
         if not pending:
             self.program.record(Action(self.stage, kind, self._microbatch, unit))  # type: ignore[arg-type]
@@ -239,7 +261,9 @@ class SavedTensorRouter:
             return
         self._units = self.program.compacted(self.stage, microbatch)
         self._dropped = {UnitId.parse(u).layer: u for u, k in self._units.items() if k is Kind.DR}  # type: ignore[misc]
-        self._saved = dict.fromkeys(self._buffers)
+        with self._saved_lock:
+            self._saved = {}
+        self._keep_storages(self._buffers)
         self.namer.begin()
         self._microbatch = microbatch
         with self._routing():

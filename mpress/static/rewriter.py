@@ -88,6 +88,8 @@ class _Stage:
                 rule = self.sp.rules[r]
                 nbytes = 0 if rule.technique is Technique.RECOMPUTE else freeable_bytes(
                     self.costs.layers, li, [layer.saved[p] for p in positions], recomputed)
+                if rule.technique is not Technique.RECOMPUTE and nbytes == 0:
+                    continue  # swapping it frees nothing (the stage's input, the targets): it stays
                 unit = UnitId(self.sp.stage, UnitKind.ACTIVATIONS, layer=layer.name, rule=r)
                 out.append((_Unit(unit, li, rule), nbytes))
         return out

@@ -155,7 +155,7 @@ class LiveBytes:
     def _oom_message(self, name: str, nbytes: int) -> str:
         largest = ", ".join(f"{n} {fmt_bytes(b)}" for n, b in self.largest())
         return (f"rank {self.rank} {self.context}: out of device memory: {name} ({fmt_bytes(nbytes)}) takes the "
-                f"live bytes to {fmt_bytes(self._live)}, over the capacity of {fmt_bytes(self.capacity_bytes)}; "
+                f"live bytes to {self._live:,} B, over the capacity of {self.capacity_bytes:,} B; "
                 f"largest: {largest}")
 
     # ---- watching -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from mpress.model_config import ModelConfig
 from mpress.plan import Plan
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.evaluate import PipelineSetup, evaluate, setup_pipeline
+from mpress.static.host_memory import pinned_bytes
 from mpress.static.plan_eval import evaluate_plan
 from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
 from mpress.vocabulary import ScheduleName
@@ -41,7 +42,8 @@ class StartPlan:
 
 def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) -> StartPlan:
     """The plan, the stage layer ranges and the predicted peaks; rank 0 only. A plan file
-    without a program gets the one its rules make (the rewriter's, as the planner would)."""
+    without a program gets the one its rules make (the rewriter's, as the planner would),
+    and its pinned pools the size that program needs where the file gives none."""
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     if cfg.plan not in ("auto", "none"):
         plan = Plan.load(cfg.plan)
@@ -51,8 +53,12 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) 
         setup = _setup(cfg, model, hardware, plan.num_stages, world,
                        ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
         ev = evaluate_plan(setup, plan)
-        if not plan.actions:
-            plan = dataclasses.replace(plan, actions=[format_actions(list(r)) for r in ev.schedule.ranks])
+        if not plan.actions:  # a plan written by hand: the program and pool sizes its rules make
+            pinned = pinned_bytes(ev.schedule, ev.tensors)
+            plan = dataclasses.replace(
+                plan, actions=[format_actions(list(r)) for r in ev.schedule.ranks],
+                stages=[sp if sp.pinned_host_bytes else dataclasses.replace(sp, pinned_host_bytes=pinned[sp.stage])
+                        for sp in plan.stages])
         return StartPlan(plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages],
                          _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world))
     hardware = hardware_for(cfg, world, cuda)

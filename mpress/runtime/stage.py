@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.actions import Action, Kind
-from mpress.errors import SwapError
+from mpress.errors import PlanError, SwapError
 from mpress.identity import layer_paths
 from mpress.live_bytes import LiveBytes
 from mpress.plan import Plan
@@ -35,12 +35,6 @@ from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.runtime.swap.store import PeerStores
 from mpress.vocabulary import Technique
-
-MIN_POOL_BYTES = 1 << 20
-"""Smallest pinned pool a stage that host-swaps allocates (the plan may say less)."""
-POOL_SLACK = 1.25
-"""Pool size over the plan's pinned-host bytes: block alignment and fragmentation."""
-
 
 @dataclass
 class StageStats:
@@ -73,8 +67,11 @@ class StageRuntime:
         self.d2d_engine: SwapEngine | None = None
         watch = live.watch if live is not None else None
         if Technique.HOST in techniques:
-            size = (host_pool_bytes if host_pool_bytes is not None
-                    else max(int(self.stage_plan.pinned_host_bytes * POOL_SLACK), MIN_POOL_BYTES))
+            # exactly what the plan says (its program's most pinned bytes at once, blocks aligned)
+            size = host_pool_bytes if host_pool_bytes is not None else self.stage_plan.pinned_host_bytes
+            if size == 0:
+                raise PlanError(f"stage {stage_index}: the plan host-swaps but pins no host memory "
+                                "(pinned_host_bytes: 0; make the plan with mpress plan)")
             self.pool = PinnedHostPool(size)
             if live is not None:
                 live.adopt(self.pool.buffer, f"stage {stage_index} pinned host pool", host=True)

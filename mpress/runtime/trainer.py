@@ -196,7 +196,8 @@ class PipelineJob:
                                model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
                                peers=self.peers, program=self.program, live=self.live)
             return module, stage, list(stage.runtime.router.layers)
-        stage = PipelineStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group)
+        stage = _PlainStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group,
+                            live=self.live)
         return module, stage, layer_paths(module, (x,))
 
     @property
@@ -250,6 +251,8 @@ class PipelineJob:
     def _optimizer_steps(self) -> None:
         if self.program is None:
             for s in self.stage_ids:
+                if self.live is not None:
+                    self.live.context = f"{s}OPT"
                 for names in self.params[s].values():
                     self.masters.step(names)
             return
@@ -349,6 +352,25 @@ class PipelineJob:
             rt.close()
         if self.peers is not None:
             self.peers.close(barrier=True)
+
+
+class _PlainStage(PipelineStage):
+    """torch's stage, untouched, that tells the rank's live-bytes tracker which action
+    runs (an out-of-memory error of a plain run names it too)."""
+
+    def __init__(self, *args: object, live: LiveBytes | None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.live = live
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: object, **kwargs: object) -> object:
+        if self.live is not None:
+            self.live.context = f"{self.stage_index}F{fwd_chunk_id}"
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[arg-type]
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: object, **kwargs: object) -> object:
+        if self.live is not None:
+            self.live.context = f"{self.stage_index}B{bwd_chunk_id}"
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # type: ignore[arg-type]
 
 
 def share_loss(loss: float | None, job: PipelineJob) -> float:

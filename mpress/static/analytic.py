@@ -232,9 +232,9 @@ def _kind(cfg: ModelConfig, index: int) -> int:
 
 
 @functools.cache
-def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int) -> dict[str, LayerMemory]:
+def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int) -> dict[str, LayerMemory | int]:
     """What layer `index` holds, probed on the meta device (the memory probe; nothing is
-    computed or allocated), the head with the model's loss."""
+    computed or allocated), the head with the model's loss; and its parameter count."""
     layer = build_stage(cfg, index, index + 1, device="meta").train()
     b, t = microbatch_size, cfg.seq_len
     if index == 0:
@@ -244,4 +244,4 @@ def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int) -> dict[st
     targets = torch.zeros(b, t, dtype=torch.long, device="meta")
     loss = (lambda out: lm_loss(out, targets)) if index == cfg.num_layers + 1 else None
     plain, recomputed, _grads = probe(layer, (x,), loss_fn=loss)
-    return {"memory": plain, "recompute_memory": recomputed}
+    return {"memory": plain, "recompute_memory": recomputed, "param_tensors": len(list(layer.parameters()))}

@@ -7,7 +7,7 @@ Used by `mpress emulate`, the benchmarks and the planner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from mpress.actions import Schedule
@@ -51,6 +51,8 @@ class Evaluation:
     """The action lists emulated (with a plan: its program, `Plan.actions`)."""
     program: Program
     result: EmulatorResult
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    """What the memory actions of `schedule` move (the rewriter's)."""
 
 
 def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: ScheduleName, num_stages: int,

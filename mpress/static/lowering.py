@@ -50,10 +50,13 @@ class TensorInfo:
     compute_s: compute time of the action that restores it (RC) or updates it (OPT of
         one chunk of model data).
     stripes: D2D only: (peer device, fraction of the bytes) per stripe; fractions sum to 1.
+    pool_bytes: what its blocks take in a pinned or peer pool while it is away (each of its
+        tensors rounded up to the pools' alignment); 0 for what never leaves the device.
     """
 
     bytes: int
     compute_s: float = 0.0
+    pool_bytes: int = 0
     stripes: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
 

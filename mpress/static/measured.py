@@ -274,7 +274,7 @@ def _model_state(layer: nn.Module) -> dict[str, int]:
     half = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
     return {"param_bytes": nbytes, "grad_bytes": nbytes, "optim_bytes": 8 * numel,
             "master_bytes": 4 * numel if half else 0,
-            "largest_param_bytes": 4 * max((p.numel() for p in params), default=0)}
+            "largest_param_bytes": 4 * max((p.numel() for p in params), default=0), "param_tensors": len(params)}
 
 
 def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, fingerprint: str,

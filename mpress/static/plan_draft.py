@@ -22,6 +22,7 @@ from mpress.plan import (
     format_microbatches,
     hardware_fingerprint,
 )
+from mpress.static.host_memory import pinned_bytes
 from mpress.static.evaluate import Evaluation, PipelineSetup
 from mpress.units import round_up
 from mpress.vocabulary import Strategy, SwapInPolicy, Technique
@@ -75,12 +76,12 @@ class PlanWriter:
         self.sched = setup.schedule
         self.costs = setup.costs
         self.num_mb = self.sched.num_microbatches
-        self.in_flight = [m.max_in_flight for m in setup.memory]
 
     def to_plan(self, d: Draft, predicted: Evaluation | None = None) -> Plan:
         """The plan the draft describes (`predicted`: its emulation, for the predicted
-        peaks and iteration time)."""
+        peaks, iteration time, program and pinned host bytes)."""
         stages = []
+        pinned = pinned_bytes(predicted.schedule, predicted.tensors) if predicted else [0] * len(self.costs)
         for s, c in enumerate(self.costs):
             rules: list[TensorRule] = []
             stripes = [Stripe(device=p, fraction=f) for p, f in (d.stripes[s] if d.stripes else ())]
@@ -99,7 +100,7 @@ class PlanWriter:
             peak = predicted.result.peak_bytes[d.stage_to_device[s]] if predicted else 0
             stages.append(StagePlan(
                 stage=s, device=d.stage_to_device[s], first_layer=c.first_layer, end_layer=c.end_layer,
-                rules=rules, pinned_host_bytes=self._host_bytes(d, s),
+                rules=rules, pinned_host_bytes=pinned[s],
                 peer_pool_bytes=sum(b for dev, b in d.pool_bytes.items() if dev == d.stage_to_device[s]),
                 peer_quotas=[PeerQuota(device=dev, quota_bytes=b) for dev, b in (d.quotas[s] if d.quotas else ())],
                 need_bytes=self.setup.memory[s].total_bytes, predicted_peak_bytes=peak,
@@ -137,17 +138,6 @@ class PlanWriter:
         per_action_s = max(min(c.forward_s, c.backward_s), 1e-9)
         return max(1, min(8, math.ceil(back_s / per_action_s)))
 
-    def _host_bytes(self, d: Draft, s: int) -> int:
-        """Pinned host bytes stage s needs: swapped activations of every microbatch that
-        can be in flight, offloaded optimizer data, stashed versions."""
-        c = self.costs[s]
-        act = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if HOST in d.layer_tech[s][j])
-        host = act * self.in_flight[s]
-        if d.optim[s] == HOST:
-            host += c.optim_bytes + c.master_bytes
-        if d.stash[s] == HOST:
-            host += c.param_bytes * self.in_flight[s]
-        return host
 
 
 def profile_fingerprint(setup: PipelineSetup) -> str:

@@ -73,4 +73,5 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
     program = lower(schedule)
     placed_setup = replace(setup, stage_to_device=devices,
                            memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices))
-    return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program))
+    return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program),
+                      tensors=rw.tensors)

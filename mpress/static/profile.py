@@ -99,6 +99,8 @@ class LayerProfile:
     """Optimizer states (Adam: exp_avg and exp_avg_sq in fp32)."""
     master_bytes: int = field(default=0, metadata={"min": 0})
     """fp32 master weights under mixed precision, else 0."""
+    param_tensors: int = field(default=0, metadata={"min": 0})
+    """How many parameter tensors it has (each moves as its own block when offloaded)."""
     largest_param_bytes: int = field(default=0, metadata={"min": 0})
     """The largest parameter tensor's bytes as the optimizer steps it (fp32): one-tensor
     optimizer steps hold temporaries of this size."""

@@ -38,7 +38,8 @@ from mpress.identity import LayerTensors, StageRules
 from mpress.plan import Plan, StagePlan, TensorRule
 from mpress.static.lowering import TensorInfo
 from mpress.static.memory import StageCosts, optimizer_step_s
-from mpress.static.stage_memory import freeable_bytes
+from mpress.static.stage_memory import freeable_tensors
+from mpress.units import ALIGNMENT_BYTES, round_up
 from mpress.vocabulary import Technique
 
 _OUT = {Technique.HOST: Kind.SO, Technique.D2D: Kind.DO}
@@ -59,6 +60,8 @@ class _Unit:
     layer: int
     """Index of the layer within the stage."""
     rule: TensorRule
+    pool_bytes: int = 0
+    """What its blocks take in a pinned or peer pool while it is away."""
 
 
 def layer_tensors(costs: StageCosts) -> list[LayerTensors]:
@@ -86,12 +89,13 @@ class _Stage:
         for li, layer in enumerate(self.costs.layers):
             for r, positions in sorted(self.rules.layer_groups(li, microbatch).items()):
                 rule = self.sp.rules[r]
-                nbytes = 0 if rule.technique is Technique.RECOMPUTE else freeable_bytes(
+                moved = [] if rule.technique is Technique.RECOMPUTE else freeable_tensors(
                     self.costs.layers, li, [layer.saved[p] for p in positions], recomputed)
-                if rule.technique is not Technique.RECOMPUTE and nbytes == 0:
+                if rule.technique is not Technique.RECOMPUTE and not moved:
                     continue  # swapping it frees nothing (the stage's input, the targets): it stays
                 unit = UnitId(self.sp.stage, UnitKind.ACTIVATIONS, layer=layer.name, rule=r)
-                out.append((_Unit(unit, li, rule), nbytes))
+                pool = sum(round_up(t.bytes, ALIGNMENT_BYTES) for t in moved)
+                out.append((_Unit(unit, li, rule, pool), sum(t.bytes for t in moved)))
         return out
 
     def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:
@@ -103,6 +107,14 @@ class _Stage:
             out.append((layer.name, found[1] if found else None, layer.optim_bytes + layer.master_bytes,
                         layer.optim_bytes // 8))
         return out
+
+    def optim_pool_bytes(self, layer_name: str) -> int:
+        """What one layer's offloaded optimizer data takes in a pool: each parameter's
+        two Adam states and fp32 master move as their own blocks, each rounded up to the
+        pools' alignment (at most one alignment unit more each)."""
+        layer = next(x for x in self.costs.layers if x.name == layer_name)
+        blocks = layer.param_tensors * (3 if layer.master_bytes else 2)
+        return layer.optim_bytes + layer.master_bytes + blocks * ALIGNMENT_BYTES
 
     def optim_lead(self) -> int:
         """Prefetch lead of the first offloaded optimizer chunk's rule."""
@@ -116,7 +128,7 @@ class _Stage:
             found = self.rules.model_data_rule("stash", layer.name, microbatch)
             if found is not None:
                 groups[found[0]] = groups.get(found[0], 0) + layer.param_bytes
-        return [(_Unit(UnitId(self.sp.stage, UnitKind.STASH, rule=r), -1, self.sp.rules[r]), b)
+        return [(_Unit(UnitId(self.sp.stage, UnitKind.STASH, rule=r), -1, self.sp.rules[r], b), b)
                 for r, b in sorted(groups.items()) if b]
 
 
@@ -136,8 +148,9 @@ def _backward_follows(actions: Sequence[Action], compute_pos: list[int], i: int)
     return nxt.kind is Kind.B and (nxt.stage, nxt.microbatch) == (actions[i].stage, actions[i].microbatch)
 
 
-def _info(rule: TensorRule, nbytes: int) -> TensorInfo:
-    return TensorInfo(bytes=nbytes, stripes=tuple((s.device, s.fraction) for s in rule.stripes))
+def _info(rule: TensorRule, nbytes: int, pool_bytes: int) -> TensorInfo:
+    return TensorInfo(bytes=nbytes, stripes=tuple((s.device, s.fraction) for s in rule.stripes),
+                      pool_bytes=pool_bytes)
 
 
 def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: Hardware) -> Rewritten:
@@ -177,7 +190,7 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                     if tech is Technique.RECOMPUTE:
                         after.setdefault(i, []).append(Action(a.stage, Kind.DR, a.microbatch, key))
                     else:
-                        tensors[key] = _info(unit.rule, nbytes)
+                        tensors[key] = _info(unit.rule, nbytes, unit.pool_bytes)
                         after.setdefault(i, []).append(Action(a.stage, _OUT[tech], a.microbatch, key))
             elif a.kind is Kind.B and a.microbatch is not None:
                 m = a.microbatch
@@ -203,7 +216,7 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                     continue
                 k = compute_pos.index(last_b.get(a.stage, i))
                 prefetch_at = compute_pos[max(k - st.optim_lead(), 0)]
-                replace[i] = _stream_optimizer(a.stage, chunks, hardware, tensors,
+                replace[i] = _stream_optimizer(st, chunks, hardware, tensors,
                                                before.setdefault(prefetch_at, []))
         out: list[Action] = []
         for i, a in enumerate(actions):
@@ -219,19 +232,20 @@ OPTIMIZER_PREFETCH_DEPTH = 2
 whose copy-out is still in flight, at most this many + 1 are resident)."""
 
 
-def _stream_optimizer(stage: int, chunks: list[tuple[str, TensorRule | None, int, int]], hardware: Hardware,
+def _stream_optimizer(st: _Stage, chunks: list[tuple[str, TensorRule | None, int, int]], hardware: Hardware,
                       tensors: dict[str, TensorInfo], prefetch: list[Action]) -> list[Action]:
     """Replace a stage's OPT by one OPT per layer, streaming offloaded states through the
     device: the first chunks come in during the last backward (`prefetch`), each later
     one when the step `OPTIMIZER_PREFETCH_DEPTH` chunks earlier is done, and each goes
     out again after its own step. Only a few chunks are ever resident, so states larger
     than the device can still be updated there."""
+    stage = st.sp.stage
     names = [str(UnitId(stage, UnitKind.OPTIM, layer=layer)) for layer, _r, _b, _p in chunks]
     offloaded = [n for n, (_l, rule, _b, _p) in zip(names, chunks) if rule]
-    for name, (_layer, rule, nbytes, num_params) in zip(names, chunks):
-        info = _info(rule, nbytes) if rule else TensorInfo(bytes=nbytes)
+    for name, (layer, rule, nbytes, num_params) in zip(names, chunks):
+        info = _info(rule, nbytes, st.optim_pool_bytes(layer)) if rule else TensorInfo(bytes=nbytes)
         tensors[name] = TensorInfo(bytes=info.bytes, compute_s=optimizer_step_s(num_params, hardware),
-                                   stripes=info.stripes)
+                                   stripes=info.stripes, pool_bytes=info.pool_bytes)
     prefetch.extend(Action(stage, Kind.OI, None, n) for n in offloaded[:OPTIMIZER_PREFETCH_DEPTH])
     out: list[Action] = []
     for name, (_layer, rule, _b, _p) in zip(names, chunks):

@@ -102,20 +102,26 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
     return out
 
 
-def freeable_bytes(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
-                   recomputed: Sequence[bool]) -> int:
-    """Bytes swapping `tensors` (saved by layer `layer` of the stage) out frees: their
-    storages, except the stage's input (the receive buffer or the input batch holds it),
-    an input whose producer keeps it too, and storages held elsewhere (the loss's
-    targets)."""
-    total = 0
+def freeable_tensors(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
+                     recomputed: Sequence[bool]) -> list[SavedTensor]:
+    """The tensors among `tensors` (saved by layer `layer` of the stage) whose storage
+    swapping them out frees: all but the stage's input (the receive buffer or the input
+    batch holds it), an input whose producer keeps it too, storages held elsewhere (the
+    loss's targets) and storages counted before (0 bytes)."""
+    out = []
     for t in tensors:
-        if t.held:
+        if t.held or t.bytes == 0:
             continue
         if t.input:
             if layer == 0:
                 continue
             if _memory(layers[layer - 1], recomputed[layer - 1]).saves_output:
                 continue
-        total += t.bytes
-    return total
+        out.append(t)
+    return out
+
+
+def freeable_bytes(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
+                   recomputed: Sequence[bool]) -> int:
+    """Bytes swapping `tensors` out frees (`freeable_tensors`)."""
+    return sum(t.bytes for t in freeable_tensors(layers, layer, tensors, recomputed))

@@ -2,11 +2,14 @@
 
 Host swap needs page-locked (pinned) memory so that device<->host copies can run
 asynchronously on a side stream. Pinning is expensive and pinned memory fragments badly,
-so the runtime pins ONE buffer at start-up, sized from the plan, and hands out blocks of
-it through `BlockPool` (`block_pool.py`). Units: bytes.
+so the runtime pins ONE buffer at start-up, exactly the plan's size (page-locked in place
+with `cudaHostRegister`, not through torch's power-of-two pinned allocator), and hands out
+blocks of it through `BlockPool` (`block_pool.py`). Units: bytes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -18,22 +21,54 @@ from mpress.units import ALIGNMENT_BYTES, round_up
 class PinnedHostPool(BlockPool):
     """One host buffer, pinned when CUDA is available, handed out as aligned blocks.
 
-    `capacity_bytes` is rounded up to a multiple of `alignment_bytes`. `pin_memory=None`
-    pins when CUDA is available; True without CUDA is a UserError. Never pins per tensor.
+    `capacity_bytes` is rounded up to a multiple of `alignment_bytes`, and exactly that is
+    pinned: the buffer is allocated as ordinary host memory and page-locked in place with
+    `cudaHostRegister` (torch's pinned allocator would round each allocation up to a power
+    of two, up to twice what the plan says). `pin_memory=None` pins when CUDA is
+    available; True without CUDA is a UserError. `cudart`: the CUDA runtime bindings
+    (default `torch.cuda.cudart()`; tests pass a fake). Never pins per tensor. Call
+    `close()` to unpin.
     """
 
     def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
-                 alignment_bytes: int = ALIGNMENT_BYTES) -> None:
+                 alignment_bytes: int = ALIGNMENT_BYTES, cudart: Any = None) -> None:
         if capacity_bytes < 0:
             raise UserError(f"pinned host pool: capacity must be >= 0 bytes, got {capacity_bytes}")
         check_alignment("pinned host pool", alignment_bytes)
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() or cudart is not None
         if pin_memory and not cuda:
             raise UserError("pinned host pool: pin_memory=True needs CUDA, which is not available")
         self.pinned = cuda if pin_memory is None else bool(pin_memory)
         capacity = round_up(capacity_bytes, alignment_bytes)
-        # Over-allocate by one alignment unit so the usable part starts on an aligned
-        # address whatever the allocator returned.
-        self._raw = torch.empty(capacity + alignment_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        pad = (-self._raw.data_ptr()) % alignment_bytes
-        super().__init__(self._raw[pad:pad + capacity], alignment_bytes=alignment_bytes, name="pinned host pool")
+        # Over-allocate so the usable part starts on a page (and alignment) boundary
+        # whatever the allocator returned: page-locking works on whole pages.
+        start_alignment = max(alignment_bytes, PAGE_BYTES)
+        self._raw = torch.empty(capacity + start_alignment, dtype=torch.uint8)
+        pad = (-self._raw.data_ptr()) % start_alignment
+        buffer = self._raw[pad:pad + capacity]
+        self._cudart = None
+        self.pinned_bytes = 0
+        """What is page-locked: the capacity, to the byte."""
+        if self.pinned and capacity:
+            self._cudart = cudart if cudart is not None else torch.cuda.cudart()
+            _check(self._cudart, self._cudart.cudaHostRegister(buffer.data_ptr(), capacity, HOST_REGISTER_DEFAULT),
+                   f"pinning {capacity} bytes of host memory")
+            self.pinned_bytes = capacity
+        super().__init__(buffer, alignment_bytes=alignment_bytes, name="pinned host pool")
+
+    def close(self) -> None:
+        """Unpin the buffer (idempotent); no copy may still use it."""
+        if self._cudart is not None and self.pinned_bytes:
+            _check(self._cudart, self._cudart.cudaHostUnregister(self.buffer.data_ptr()), "unpinning the host pool")
+            self.pinned_bytes = 0
+
+
+PAGE_BYTES = 4096
+"""Host page size page-locking works in."""
+HOST_REGISTER_DEFAULT = 0
+"""`cudaHostRegisterDefault`: the memory is page-locked for the current CUDA context."""
+
+
+def _check(cudart: Any, error: Any, what: str) -> None:
+    if int(error) != 0:  # cudaSuccess
+        raise UserError(f"pinned host pool: {what} failed: {cudart.cudaGetErrorString(error)}")

@@ -179,6 +179,9 @@ class HostStore(SwapStore):
             src.record_stream(stream)
         return [issue_copy(slot.block.view(src.dtype, src.shape), src, stream)]
 
+    def close(self) -> None:
+        self.pool.close()  # unpin
+
     def copy_in(self, placement: Placement, dst: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
         (slot,) = placement.slots
         stream = self._in_stream

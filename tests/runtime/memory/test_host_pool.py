@@ -241,3 +241,52 @@ def test_pool_is_pinned_when_cuda_is_available():
     block = pool.allocate(4096, "t")
     assert block.view(torch.bfloat16, (2048,)).is_pinned()
     assert not PinnedHostPool(1 << 20, pin_memory=False).buffer.is_pinned()
+
+
+class FakeCudart:
+    """Stands in for `torch.cuda.cudart()`: records what is page-locked (cudaError 0 = success)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.registered: dict[int, int] = {}
+        self.calls: list[str] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - the CUDA name
+        self.calls.append(f"register {size} flags {flags}")
+        if self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append("unregister")
+        return 0 if self.registered.pop(ptr, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
+
+    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+        return {2: "out of memory", 712: "not registered"}[int(error)]
+
+
+@pytest.mark.parametrize("capacity", [ALIGN, 3 * ALIGN + 1, 10 * 4096 + 7])
+def test_exactly_the_capacity_is_page_locked_in_place(capacity):
+    cudart = FakeCudart()
+    pool = PinnedHostPool(capacity, pin_memory=True, alignment_bytes=ALIGN, cudart=cudart)
+    expected = -(-capacity // ALIGN) * ALIGN  # the capacity rounded up to the alignment, nothing more
+    assert pool.capacity_bytes == pool.pinned_bytes == expected
+    assert cudart.registered == {pool.buffer.data_ptr(): expected}  # the pool's own buffer, whole pages first
+    assert pool.buffer.data_ptr() % 4096 == 0
+    pool.close()
+    pool.close()  # idempotent
+    assert cudart.calls == [f"register {expected} flags 0", "unregister"]
+    assert pool.pinned_bytes == 0
+
+
+def test_a_failed_pinning_is_one_clear_error():
+    with pytest.raises(UserError, match=f"pinned host pool: pinning {4 * ALIGN} bytes of host memory failed: "
+                                        "out of memory"):
+        PinnedHostPool(4 * ALIGN, pin_memory=True, alignment_bytes=ALIGN, cudart=FakeCudart(fail=True))
+
+
+def test_an_unpinned_pool_registers_nothing():
+    pool = make_pool()
+    assert pool.pinned_bytes == 0
+    pool.close()

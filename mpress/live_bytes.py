@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class LiveBytes:
         self._live = 0
         self._peak = 0
         self._peak_context = ""
+        self.timeline: list[tuple[float, int]] | None = None
+        """When a list: (time.perf_counter(), live bytes) after every change, for a trace."""
 
     # ---- what is counted --------------------------------------------------------------
 
@@ -97,6 +100,8 @@ class LiveBytes:
             nbytes = 0 if host else storage.nbytes()
             self._residents[key] = _Resident(nbytes, name, host)
             self._live += nbytes
+            if self.timeline is not None and nbytes:
+                self.timeline.append((time.perf_counter(), self._live))
             if self._live > self._peak:
                 self._peak, self._peak_context = self._live, self.context
             over = self.capacity_bytes is not None and self._live > self.capacity_bytes
@@ -109,6 +114,8 @@ class LiveBytes:
             resident = self._residents.pop(key, None)
             if resident is not None:
                 self._live -= resident.nbytes
+                if self.timeline is not None and resident.nbytes:
+                    self.timeline.append((time.perf_counter(), self._live))
 
     def counts(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`'s storage is counted (made while watching, or adopted)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -24,7 +25,9 @@ import torch.distributed as dist
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mpress.d2d.runtime.peer_watch import PeerWatch
+from mpress.config import write_text_atomic
 from mpress.errors import UserError
+from mpress.launcher import run_trace
 from mpress.launcher.checkpoint import resume, save_checkpoint
 from mpress.launcher.control import COLLECTIVE_TIMEOUT_S, broadcast, control_group, root_cause, single_process_env
 from mpress.launcher.job import start_job
@@ -84,6 +87,9 @@ def train(cfg: TrainConfig) -> int:
         for step in range(first, cfg.steps):
             x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
                            step=step)
+            tracing = cfg.trace is not None and step == cfg.steps - 1
+            if tracing:
+                run_trace.start(job)
             t0 = time.perf_counter()
             result = job.step(x, y)
             loss = share_loss(result.loss, job)
@@ -97,6 +103,12 @@ def train(cfg: TrainConfig) -> int:
             progress.update(task, advance=1, info=info)
             if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
                 progress.console.print(f"step {step}: loss {loss:.4f}")
+            if tracing:
+                traces: list[dict] = [{} for _ in range(world)]
+                dist.all_gather_object(traces, run_trace.collect(job))
+                if rank == 0:
+                    progress.console.print(f"trace of step {step} written to "
+                                           f"{run_trace.write(cfg.trace, traces, step=step)}")
             every = cfg.checkpoint.every_steps
             if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
                 save_checkpoint(cfg, job, step)
@@ -106,6 +118,8 @@ def train(cfg: TrainConfig) -> int:
     if rank == 0:
         for table in report_tables(rows):
             console.print(table)
+        if cfg.report is not None:
+            write_text_atomic(cfg.report, json.dumps(rows, indent=1))
         for r in rows:
             if r.get("cuda_check", "ok") != "ok":
                 console.print(f"[red]accounting check failed[/]: {r['cuda_check']}")

@@ -144,6 +144,13 @@ class TrainConfig:
     """Checkpointing."""
     dropout: float | None = field(default=None, metadata={"min": 0, "max": 0.99})
     """Override the model preset's dropout probability; null = keep the preset's."""
+    trace: str | None = None
+    """Write a Perfetto trace of the last step as executed (compute, memory actions, swap
+    copies and waits, each CPU device's live bytes) to this JSON path, in the layout of
+    `mpress emulate --trace`; null = none."""
+    report: str | None = None
+    """Also write the end-of-run per-rank figures (predicted and measured peaks, swaps,
+    recomputes) as JSON to this path; null = the tables only."""
     log_every: int = field(default=10, metadata={"min": 1})
     """Log the loss every this many steps (and at the first and last step)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from mpress.actions import Action
+from mpress.actions import Action, Kind
 from mpress.errors import PlanError, SwapError, UserError
 from mpress.identity import layer_paths
 from mpress.live_bytes import LiveBytes
@@ -35,7 +36,7 @@ from mpress.plan_check import Shape, check_plan
 from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.master_weights import MasterWeights
 from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload, layer_params, unit_layer
-from mpress.runtime.program import RankProgram
+from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.stage import MpressStage, wrap_stage
 from mpress.runtime.swap.store import PeerStores
 from mpress.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
@@ -121,6 +122,8 @@ class PipelineJob:
         """CPU: every storage on the rank's stand-in device (see `mpress.live_bytes`)."""
         self.program = RankProgram(plan.program(self.rank), rank=self.rank, live=self.live) \
             if plan is not None else None
+        self.spans: list[Span] = self.program.spans if self.program is not None else []
+        """Executed actions (with start and end times), for the run's trace; the caller clears it."""
         self.modules: list[nn.Module] = []
         self.stages: list[PipelineStage] = []
         self.params: dict[int, dict[str, list[str]]] = {}
@@ -160,9 +163,13 @@ class PipelineJob:
             self._adopt_model_data()
 
     def _adopt_model_data(self) -> None:
-        """Count what exists before training on the rank's device: parameters, buffers,
-        masters and optimizer states (host copies are host memory)."""
+        """Count what exists before training on the rank's device: the peer pool it lends,
+        parameters, buffers, masters and optimizer states (host copies are host memory)."""
         live = self.live
+        device = self.plan.stage(self.stage_ids[0]).device if self.plan is not None else self.rank
+        pool = self.peers.pool_on(device) if self.peers is not None else None
+        if pool is not None:  # the memory this rank's device lends to other stages
+            live.adopt(pool, f"peer pool of device {device}")
         for m in self.modules:
             for name, p in m.named_parameters():
                 live.adopt(p, f"parameter {name}")
@@ -197,7 +204,7 @@ class PipelineJob:
                                peers=self.peers, program=self.program, live=self.live)
             return module, stage, list(stage.runtime.router.layers)
         stage = _PlainStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group,
-                            live=self.live)
+                            live=self.live, spans=self.spans)
         return module, stage, layer_paths(module, (x,))
 
     @property
@@ -356,21 +363,28 @@ class PipelineJob:
 
 class _PlainStage(PipelineStage):
     """torch's stage, untouched, that tells the rank's live-bytes tracker which action
-    runs (an out-of-memory error of a plain run names it too)."""
+    runs (an out-of-memory error of a plain run names it too) and records it for the trace."""
 
-    def __init__(self, *args: object, live: LiveBytes | None, **kwargs: object) -> None:
+    def __init__(self, *args: object, live: LiveBytes | None, spans: list[Span], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.live = live
+        self.spans = spans
+
+    def _run(self, action: Action, run: Callable[[], object]) -> object:
+        if self.live is not None:
+            self.live.context = str(action)
+        start = time.perf_counter()
+        out = run()
+        self.spans.append(Span(action, start, time.perf_counter()))
+        return out
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: object, **kwargs: object) -> object:
-        if self.live is not None:
-            self.live.context = f"{self.stage_index}F{fwd_chunk_id}"
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[arg-type]
+        return self._run(Action(self.stage_index, Kind.F, fwd_chunk_id),
+                         lambda: super(_PlainStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: object, **kwargs: object) -> object:
-        if self.live is not None:
-            self.live.context = f"{self.stage_index}B{bwd_chunk_id}"
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # type: ignore[arg-type]
+        return self._run(Action(self.stage_index, Kind.B, bwd_chunk_id),
+                         lambda: super(_PlainStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs))
 
 
 def share_loss(loss: float | None, job: PipelineJob) -> float:

@@ -85,7 +85,9 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
     for j in range(n - 1, -1, -1):
         mem = _memory(layers[j], recomputed[j])
         alloc = mem.input_grad_bytes + (layers[j].grad_bytes if first_backward else 0)
-        freed = mem.kept_bytes - (0 if mem.saves_output else mem.output_bytes)  # its saved tensors
+        # what its forward kept, but the output the next layer's backward gives back (its
+        # saved input) or, for the last layer, the stage's output, which goes at the end
+        freed = mem.kept_bytes - (0 if mem.saves_output and j < n - 1 else mem.output_bytes)
         if j == n - 1:
             alloc += loss  # the seed
             freed -= loss  # the loss stays
@@ -95,7 +97,7 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
             freed += _memory(layers[j + 1], recomputed[j + 1]).input_grad_bytes  # the gradient it consumed
         if j == 0:
             freed += loss  # the seed
-            if not (last.saves_output or output_held):
+            if not output_held:
                 freed += last.output_bytes  # the stage's output, held until the backward ends
         out.append(StepMemory(alloc_bytes=alloc, transient_bytes=max(mem.backward_peak_bytes - alloc, 0),
                               free_bytes=freed))

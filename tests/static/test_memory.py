@@ -1,13 +1,22 @@
 """The memory model (per-stage bytes by category, imbalance, stashing) and the lowering of
 action lists into layer tasks with their memory, copies and release points."""
 
+from dataclasses import replace
+
 import pytest
 
 from mpress.actions import parse_actions
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware import load_hardware
-from mpress.static.lowering import TensorInfo, build_channels, build_program, lower_rank, lower_rank_traced, \
-    peer_transfers
+from mpress.static.lowering import (
+    TensorInfo,
+    build_channels,
+    build_program,
+    lower_rank,
+    lower_rank_traced,
+    optimizer_transient_bytes,
+    peer_transfers,
+)
 from mpress.static.memory import memory_model, stage_costs
 from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
 from mpress.static.program import walk_peaks
@@ -65,8 +74,10 @@ def test_1f1b_imbalance_and_pipedream_stash():
     # receive buffers per microbatch: input activation (2 MB, not on stage 0) and output
     # gradient (2 MB, not on stage 3); the batch (1 MB) on stage 0, the targets (0.5 MB) on 3
     assert [m.buffer_bytes for m in sync] == [24 * MB, 32 * MB, 32 * MB, 20 * MB]
-    assert all(m.transient_bytes == 14 * MB and m.capacity_bytes == DGX1.usable_memory_bytes for m in sync)
-    assert [m.total_bytes for m in sync] == [158 * MB, 144 * MB, 122 * MB, 88 * MB]
+    # transient: the larger of a forward's 2 MB beyond what its layer keeps (14 - 12) and
+    # a backward's 8 MB
+    assert all(m.transient_bytes == 8 * MB and m.capacity_bytes == DGX1.usable_memory_bytes for m in sync)
+    assert [m.total_bytes for m in sync] == [152 * MB, 138 * MB, 116 * MB, 82 * MB]
     async_ = memory_model(costs, build_schedule("pipedream", 4, 8), DGX1)
     # PipeDream keeps one parameter version per microbatch in flight: (in_flight - 1) extra
     assert [m.stash_bytes for m in async_] == [24 * MB, 16 * MB, 8 * MB, 0]
@@ -153,7 +164,8 @@ def test_lowering_layer_tasks_copies_and_release_points():
     assert [(x.channel, x.bytes) for x in tasks[6].transfers] == [("pcie-down:0", 10)]
     assert (tasks[1].cost, tasks[3].cost, tasks[7].cost) == ("host", "drop", "recompute")
     assert walk_peaks(tasks, 0) == [14, 12, 26, 14, 18, 30, 36, 36, 56, 49, 41, 33, 20]
-    # what is left: the input gradients of the stage (2 per microbatch)
+    # what is left: the input gradients of the stage (2 per microbatch): lowered without
+    # `late`, nothing gives them back (test_schedule_holds.py has the schedule's late frees)
     assert sum(t.alloc_bytes - t.free_bytes - t.release_bytes for t in tasks) == 4
 
 
@@ -165,6 +177,21 @@ def test_a_copy_out_with_no_release_point_after_it_gives_back_when_it_ends():
 def test_weight_stashing_takes_a_weight_version_per_forward():
     f0, _, _, b0 = lower("0F0 0B0", weight_stashing=True)
     assert f0.alloc_bytes == 12 + 8 and b0.free_bytes == 14 + 8
+
+
+def test_optimizer_temporaries_fused_or_one_tensor_at_a_time():
+    layer = small_stage()[0].layers[0]  # 1 parameter: 4 bytes, Adam 8, largest tensor 4
+    # fused multi-tensor Adam: 2 x 4 bytes per parameter of the group
+    assert optimizer_transient_bytes(layer, DGX1) == 8
+    # torch's one-tensor loop: the square root and the denominator of a tensor while the
+    # previous tensor's denominator is still referenced: 3 x its largest tensor
+    one_tensor = replace(DGX1, optimizer_foreach=False)
+    assert optimizer_transient_bytes(layer, one_tensor) == 3 * 4
+    # mixed precision adds the fp32 gradients of the master weights (4 bytes per parameter)
+    assert optimizer_transient_bytes(replace(layer, master_bytes=4), one_tensor) == 3 * 4 + 4
+    opt = lower_rank(parse_actions("0F0 0B0 0OPT"), costs=small_stage(), devices=[0], hardware=one_tensor,
+                     tensors={})[-1]
+    assert (opt.label(), opt.transient_bytes, opt.free_bytes) == ("0OPT", 12, 8)
 
 
 def test_d2d_copies_follow_their_stripes():

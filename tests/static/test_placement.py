@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mpress.actions import Action, format_actions, parse_actions
 from mpress.static.placement import place_by_capacity
-from mpress.static.program import Task, walk_peaks
+from mpress.static.program import Task, walk, walk_peaks
 
 # One stage, four microbatches, x (40 bytes) of microbatch 0 swapped out after its
 # forward and back in before B1 (where a prefetch lead of one puts it). Walk (static 0):
@@ -115,3 +115,27 @@ def test_a_layer_task_counts_at_its_action_with_the_highest_of_its_layers():
     assert format_actions(placed) == "0F0 0SO0:x 0F1 0F2 0SI0:x 0B2 0B1 0B0"
     placed = place_by_capacity(actions, tasks, origins, static_bytes=0, capacity_bytes=130)
     assert format_actions(placed) == "0F0 0SO0:x 0F1 0SI0:x 0F2 0B2 0B1 0B0"
+
+
+def test_a_swap_in_moved_before_a_release_point_counts_what_it_releases():
+    # x (40 bytes, microbatch 0) and y (100, microbatch 1) are swapped out; 0F2 is y's
+    # release point. Walk (static 0): 0F0 40 | SO x | 0F1 releases x: 0 + 100 | SO y |
+    # 0F2 reached at 100, releases y: 0 + 10 | SI x 50 | 0B0 50 -> 10 | SI y 110 | 0B1
+    # 110 -> 10 | 0B2 10 -> 0
+    text = "0F0 0SO0:x 0F1 0SO1:y 0F2 0SI0:x 0B0 0SI1:y 0B1 0B2"
+    extra = {"0F1": dict(alloc_bytes=100, release_bytes=40), "0F2": dict(alloc_bytes=10, release_bytes=100),
+             "0SI1:y": dict(alloc_bytes=100), "0B1": dict(free_bytes=100), "0B2": dict(free_bytes=10)}
+    _, tasks, _ = lowered(text, **extra)
+    assert walk_peaks(tasks, 0) == [40, 40, 100, 100, 10, 50, 50, 110, 110, 10]
+    # Before 0F2, x would be on the device while y still is (0F2 gives y back only when it
+    # starts): 100 + 40 = 140 at 0F2's entry, though 0F2's own peak with it is 10 + 40.
+    # A capacity of 139 keeps it where it is (peaks alone would have moved it, and the
+    # device would hold 140)...
+    assert place(text, 139, **extra) == text
+    # ...and 140 lets it go there: the walk of the new list peaks at 140, as the swap-in
+    # is issued
+    moved = "0F0 0SO0:x 0F1 0SO1:y 0SI0:x 0F2 0B0 0SI1:y 0B1 0B2"
+    assert place(text, 140, **extra) == moved
+    _, tasks, _ = lowered(moved, **extra)
+    assert walk_peaks(tasks, 0) == [40, 40, 100, 100, 140, 50, 50, 110, 110, 10]
+    assert walk(tasks, 0)[5] == (140, 50)  # 0F2: reached at 140, its own peak 50

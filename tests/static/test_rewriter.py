@@ -15,7 +15,10 @@ bytes while it runs, less the static bytes here), from the toy profile's sizes i
 tests.support.rewriter: layer i keeps ACT[i] + OUT[i] = 6.1, 7.2, 8.3, 9.4 MB; its
 backward takes the gradient of its input (IN[i]; none for layer 0) and, in the stage's
 first backward, 1 MB of parameter gradients, and holds 1 MB more while it runs in later
-backwards (the toy's backward peak always counts the gradients).
+backwards (the toy's backward peak always counts the gradients). The walk also counts
+what torch's schedule holds past a backward (test_schedule_holds.py): 1F1B keeps stage
+s's output of forward min(M, S - s) - 2 until the backward after the stage's last
+forward ends, and a stage's input gradient until its next backward ends.
 
 Optimizer states and PipeDream's stashed weights are in test_rewriter_model_data.py;
 invariants over every schedule in test_rewriter_invariants.py.
@@ -44,6 +47,11 @@ from tests.support.rewriter import (
     toy_profile,
 )
 
+L0_POOL = 4_000_256 + 1_000_448 + 1_000_448
+"""Pool blocks of layer 0's swapped tensors (`TensorInfo.pool_bytes`: each tensor rounded
+up to the pools' 512-byte alignment): fc#0 4 MB, fc#1 1 MB, act#0 1 MB."""
+L1_POOL = 100_352 + 4_000_256 + 1_000_448 + 2_000_384
+"""Layer 1's, with its saved input: ln#0 0.1 MB, fc#0 4 MB, fc#1 1 MB, act#0 2 MB."""
 D2D_STRIPES = [Stripe(device=2, fraction=1 / 3), Stripe(device=3, fraction=2 / 3)]
 """GPU 0 of a DGX-1 has 1 NVLink to GPU 2 and 2 to GPU 3: stripes in proportion."""
 
@@ -62,7 +70,7 @@ def test_host_swap_of_one_layer_in_every_microbatch() -> None:
     assert case.rank(1) == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1OPT"
     # fc#0 + fc#1 + act#0 = 4 + 1 + 1 MB; its saved input (ln#0, the token ids) is the
     # input batch's, which swapping would not free
-    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB)}
+    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, pool_bytes=L0_POOL)}
     assert case.rw.schedule.name == "1f1b" and case.rw.schedule.stage_to_rank == (0, 1)
 
 
@@ -74,7 +82,7 @@ def test_prefetch_lead_moves_swap_ins_earlier() -> None:
         0F0 0SO0:{T} 0F1 0SO1:{T} 0SI0:{T} 0F2 0SO2:{T} 0SI1:{T} 0F3 0SO3:{T} 0SI2:{T} 0B0 0SI3:{T} 0B1
         0B2 0B3 0OPT""", T="0:layers.1.**@r0")
     # 7 MB of its own, and its input (layer 0's 0.1 MB output), which layer 0 does not keep
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000)}
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000, pool_bytes=L1_POOL)}
 
 
 def test_swap_in_waits_for_its_swap_outs_release_point() -> None:
@@ -98,8 +106,8 @@ def test_rule_on_one_tensor_moves_only_that_tensor() -> None:
         0F0 0SO0:{A} 0SO0:{B} 0F1 0SO1:{A} 0SO1:{B} 0SI0:{A} 0SI0:{B} 0B0 0SI1:{A} 0SI1:{B} 0B1 0OPT""",
                                   A="0:layers.1.**@r0", B="0:layers.1.**@r1")
     # B: ln#0 (its input, 0.1 MB) + fc#1 1 MB + act#0 2 MB
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=4 * MB),
-                               "0:layers.1.**@r1": TensorInfo(bytes=3_100_000)}
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=4 * MB, pool_bytes=4_000_256),
+                               "0:layers.1.**@r1": TensorInfo(bytes=3_100_000, pool_bytes=100_352 + 1_000_448 + 2_000_384)}
 
 
 def test_no_swap_when_backward_directly_follows_forward() -> None:
@@ -167,15 +175,21 @@ def test_host_swap_peak_1f1b_first_stage() -> None:
     assert walk[f"0SI0:{t}"] == 12_300_000
     assert walk["0F3 L0"] == 4 * 6_100_000 - 2 * 6 * MB == 12_400_000  # SO2 released, mb 0 back
     assert walk["0B0 L0"] == 4 * 6_100_000 - 3 * 6 * MB + 1 * MB == 7_400_000  # SO3 released, + G
-    # steady state (F4-F7): 4 microbatches in flight, 2 of them on the host, and G
-    for m in range(4, 8):
+    # steady state (F4-F7): 4 microbatches in flight, 2 of them on the host, and G; from
+    # F6 on, also mb 2's 0.1 MB output: 1F1B's send of forward min(8, 4) - 2 = 2 holds it
+    # until B4 (the backward after the stage's last forward) ends
+    for m in range(4, 6):
         assert walk[f"0F{m} L0"] == 4 * 6_100_000 - 2 * 6 * MB + 1 * MB == 13_400_000
+    for m in range(6, 8):
+        assert walk[f"0F{m} L0"] == 13_400_000 + 100_000
+    held_by_b4 = next(t for t in program.ranks[0] if t.label() == "0B4 L0")
+    assert held_by_b4.free_bytes == 6_100_000 + 100_000  # its own microbatch's and mb 2's output
     # the peak: SI5 is issued before B4, SO7's release point: only mb 6 is away
-    assert walk[f"0SI5:{t}"] == 4 * 6_100_000 - 6 * MB + 1 * MB == 19_400_000 == max(walk.values())
+    assert walk[f"0SI5:{t}"] == 4 * 6_100_000 - 6 * MB + 1 * MB + 100_000 == 19_500_000 == max(walk.values())
     base, res = case.emulate(rewritten=False), case.emulate()
-    # without the swap: 4 microbatches, G and B1's 1 MB while it runs
-    assert base.peak_bytes[0] == 5_200_000 + 4 * 6_100_000 + 2 * MB
-    assert res.peak_bytes[0] == 5_200_000 + 19_400_000
+    # without the swap: 4 microbatches, G, B3's 1 MB while it runs and mb 2's held output
+    assert base.peak_bytes[0] == 5_200_000 + 4 * 6_100_000 + 2 * MB + 100_000
+    assert res.peak_bytes[0] == 5_200_000 + 19_500_000
     assert res.peak_bytes[1:4] == base.peak_bytes[1:4]  # the other stages are untouched
     assert res.timeline[0][-1][1] == 5_200_000
 
@@ -187,7 +201,8 @@ def test_d2d_swap_with_stripes() -> None:
     case = Case("1f1b", [(0, 2), (2, 4)], 2, {0: [rule("layers.1.**", "d2d", stripes=D2D_STRIPES)]})
     assert case.rank(0) == expand("0F0 0DO0:{T} 0F1 0DO1:{T} 0DI0:{T} 0B0 0DI1:{T} 0B1 0OPT",
                                   T="0:layers.1.**@r0")
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000, stripes=((2, 1 / 3), (3, 2 / 3)))}
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000, pool_bytes=L1_POOL,
+                                                                  stripes=((2, 1 / 3), (3, 2 / 3)))}
     lowered = {str(t.action): t for t in case.program().ranks[0]}
     assert [(x.channel, x.bytes) for x in lowered["0DO0:0:layers.1.**@r0"].transfers] == [
         ("nvlink:0->2", 2_366_667), ("nvlink:0->3", 4_733_333)]  # 7.1 MB / 3, x 2 / 3
@@ -263,9 +278,11 @@ def test_recompute_memory_walk() -> None:
         # gradient it consumed (layer 3's input's, 0.3)
         (f"1RC0:{a} L0", 11_100_000 - 8_500_000),
         ("1B0 L0", 2_600_000 + 1_100_000 + 7 * MB),  # its input's gradient 0.1 + G 1, ACT 7
-        # left: G 3 MB and the stage input's gradient 0.1 (it stays until the next step);
-        # Adam's temporaries: 2 x 4 bytes and the fp32 gradient 4 bytes per parameter (250k)
-        ("1OPT", 3_100_000 + 3 * MB),
+        # left: G 3 MB (the stage input's 0.1 MB gradient went when B0 ended: 1F1B lets
+        # the send of B(s, m)'s input gradient go at the end of the stage's next backward,
+        # and B0 is its last); Adam's temporaries: 2 x 4 bytes and the fp32 gradient 4
+        # bytes per parameter (250k)
+        ("1OPT", 3 * MB + 3 * MB),
     ]
     base = rise(case.program(rewritten=False), 1)
     assert max(base.values()) == 26_200_000  # 7.2 + 8.3 + 9.4 + B0's first layer 1.3
@@ -322,7 +339,7 @@ def test_different_techniques_per_microbatch() -> None:
     assert case.rank(0) == expand("""
         0F0 0SO0:{H} 0F1 0SO1:{H} 0SI0:{H} 0B0 0SI1:{H} 0F2 0DR2:{R} 0B1 0F3 0DR3:{R} 0B2 0RC2:{R}
         0B3 0RC3:{R} 0OPT""", H="0:layers.0.**@r0", R="0:layers.0.**@r1")
-    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB),
+    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, pool_bytes=L0_POOL),
                                "0:layers.0.**@r1": TensorInfo(bytes=0, compute_s=1.0e-3)}
     res = case.emulate()
     assert res.busy_s_by_cost["recompute"] == pytest.approx(2 * 1.0e-3)  # mbs 2 and 3 only

@@ -127,7 +127,7 @@ def test_rewritten_iteration_runs_to_the_end(name: str, kw: dict, policy: str) -
         static = program.static_bytes[r]
         # the emulated memory is the walk of the rank's list, whatever the timing
         assert res.peak_bytes[device] == max(walk_peaks(program.ranks[r], static))
-        # everything taken during the iteration was given back, except the gradients of
-        # each stage's input (torch keeps them on the receive buffers until the next step)
-        kept = sum(case.schedule.num_microbatches * case.costs[s].input_bytes for s in case.schedule.stages_of_rank(r))
-        assert res.timeline[device][-1][1] == static + kept
+        # everything taken during the iteration was given back: the gradients of each
+        # stage's input too (at the end of the backward in which torch's schedule drops
+        # the send holding them); the toy has no loss to keep
+        assert res.timeline[device][-1][1] == static

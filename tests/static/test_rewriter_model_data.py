@@ -116,7 +116,7 @@ def test_pipedream_stash_offload() -> None:
     assert case.rank(0) == expand("""
         0F0 0SO0:{T} 0F1 0SO1:{T} 0SI0:{T} 0B0 0SI1:{T} 0F2 0SO2:{T} 0B1 0SI2:{T} 0F3 0SO3:{T}
         0B2 0SI3:{T} 0B3 0OPT""", T="0:stash@r0")
-    assert case.rw.tensors == {"0:stash@r0": TensorInfo(bytes=2 * PARAM)}
+    assert case.rw.tensors == {"0:stash@r0": TensorInfo(bytes=2 * PARAM, pool_bytes=2 * PARAM)}
     assert stash_offloaded(case.rw.schedule) == [True, False]
     # a rule for some microbatches only (not microbatch 0) moves versions out too. Rank 0:
     # F0 F1 B0 F2 B1 F3 B2 B3 (actions 0-7): SI2 before F3 (max(5, 5)), SI3 before B3 (max(6, 7))
@@ -149,13 +149,17 @@ def test_pipedream_stash_offload_memory() -> None:
     walk = rise(program, 0)
     t = "0:stash@r0"
     assert walk["0F3 L0"] == 4 * 6_100_000 + 2 * PARAM  # versions of mbs 0 (back) and 3
-    # steady state (F4-F7): mbs 4 in flight, G = 1 MB, 2 versions on the device and 2 away
-    for m in range(4, 8):
+    # steady state (F4-F7): mbs 4 in flight, G = 1 MB, 2 versions on the device and 2
+    # away; from F6 on also mb 2's 0.1 MB output, which the send of PipeDream's (1F1B's)
+    # forward min(8, 4) - 2 = 2 holds until B4 ends
+    for m in range(4, 6):
         assert walk[f"0F{m} L0"] == 4 * 6_100_000 + 1 * MB + 2 * PARAM == 27_400_000
+    for m in range(6, 8):
+        assert walk[f"0F{m} L0"] == 27_400_000 + 100_000
     # the peak: SI5 is issued before B4, SO7's release point: only mb 6's version is away
-    assert walk[f"0SI5:{t}"] == 4 * 6_100_000 + 1 * MB + 3 * PARAM == 28_400_000 == max(walk.values())
+    assert walk[f"0SI5:{t}"] == 4 * 6_100_000 + 1 * MB + 3 * PARAM + 100_000 == 28_500_000 == max(walk.values())
     res, base = case.emulate(), case.emulate(rewritten=False)
-    assert res.peak_bytes[0] == 5_200_000 + 28_400_000
-    # without the plan: 4 versions, G and B1's 1 MB while it runs
-    assert base.peak_bytes[0] == 4_200_000 + 4 * (6_100_000 + PARAM) + 2 * MB
+    assert res.peak_bytes[0] == 5_200_000 + 28_500_000
+    # without the plan: 4 versions, G, B3's 1 MB while it runs and mb 2's held output
+    assert base.peak_bytes[0] == 4_200_000 + 4 * (6_100_000 + PARAM) + 2 * MB + 100_000
     assert res.timeline[0][-1][1] == 5_200_000

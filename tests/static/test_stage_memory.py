@@ -96,8 +96,55 @@ def test_backward_of_a_recomputed_layer():
 def test_a_microbatch_leaves_only_the_input_gradient_and_parameter_gradients(recomputed, first):
     steps = forward_steps(LAYERS, recomputed) + backward_steps(LAYERS, recomputed, first_backward=first)
     left = sum(s.alloc_bytes - s.free_bytes for s in steps)
-    # A's input gradient 5 stays (the receive buffer's); parameters' gradients 7 + 3 + 2
+    # A's input gradient 5 stays (the send carrying it holds it: the lowering gives it back
+    # when the schedule lets the send go); parameters' gradients 7 + 3 + 2
     assert left == 5 + (12 if first else 0)
+
+
+# D with a loss of 6 bytes (part of what it keeps: 36 saved + its output 4 + the loss)
+D_LOSS = layer("d", grad_bytes=2, kept_bytes=46, forward_peak_bytes=56, backward_peak_bytes=45, input_grad_bytes=30,
+               output_bytes=4, loss_bytes=6)
+
+
+def test_a_stage_that_ends_the_model_keeps_its_loss_and_the_seed_lives_through_the_backward():
+    steps = backward_steps([A, B, C, D_LOSS], PLAIN, first_backward=True)
+    assert steps == [
+        # D: C's gradient 30, its parameters' 2 and the loss's seed gradient 6 (peak 45 -
+        # 38); gives back what it kept but its output and the loss (46 - 4 - 6)
+        StepMemory(alloc_bytes=38, transient_bytes=7, free_bytes=36),
+        *backward_steps(LAYERS, PLAIN, first_backward=True)[1:3],  # C and B as without a loss
+        # A: as without a loss (114), and the seed (6) when the whole backward ends
+        StepMemory(alloc_bytes=12, transient_bytes=48, free_bytes=114 + 6),
+    ]
+    left = sum(s.alloc_bytes - s.free_bytes for s in forward_steps([A, B, C, D_LOSS], PLAIN) + steps)
+    assert left == 5 + 12 + 6  # A's input gradient, the parameters' gradients, the loss
+    # one layer: the seed comes and goes in the same step; the stage's output goes too
+    (only,) = backward_steps([D_LOSS], [False], first_backward=False)
+    assert only == StepMemory(alloc_bytes=30 + 6, transient_bytes=9, free_bytes=46 - 4 - 6 + 6 + 4)
+
+
+def test_an_output_a_send_holds_is_not_given_back_by_its_backward():
+    held = backward_steps(LAYERS, PLAIN, first_backward=True, output_held=True)
+    assert held[:3] == backward_steps(LAYERS, PLAIN, first_backward=True)[:3]
+    assert held[3] == StepMemory(alloc_bytes=12, transient_bytes=48, free_bytes=114 - 4)  # D's output 4 stays
+    left = sum(s.alloc_bytes - s.free_bytes for s in forward_steps(LAYERS, PLAIN) + held)
+    assert left == 5 + 12 + 4  # and the held output, which the lowering gives back later
+
+
+def test_the_stage_output_goes_when_the_backward_ends_even_when_its_layer_saves_it():
+    # A, B, C: C (the last) saves its own output (30). The pipeline holds the stage's
+    # output until the microbatch's whole backward is over (and a send may hold it longer):
+    # C's step gives back only its saved input (B's output, 20); A's gives the output back
+    # at the end, or, with output_held, leaves it to the lowering.
+    three = [A, B, C]
+    steps = backward_steps(three, [False] * 3, first_backward=True)
+    assert steps == [StepMemory(alloc_bytes=23, transient_bytes=27, free_bytes=20),
+                     StepMemory(alloc_bytes=10, transient_bytes=20, free_bytes=20),
+                     StepMemory(alloc_bytes=12, transient_bytes=48, free_bytes=100 + 10 + 30)]
+    held = backward_steps(three, [False] * 3, first_backward=True, output_held=True)
+    assert [s.free_bytes for s in held] == [20, 20, 100 + 10]
+    left = sum(s.alloc_bytes - s.free_bytes for s in forward_steps(three, [False] * 3) + held)
+    assert left == 5 + 10 + 30  # A's input gradient, A's and C's parameters' gradients, the held output
 
 
 def test_freeable_bytes_leave_out_inputs_something_else_holds():
@@ -144,15 +191,12 @@ def _forward(model: nn.Sequential, x: torch.Tensor, recomputed: list[bool]) -> t
     return h
 
 
-@pytest.mark.parametrize("recomputed", [list(r) for r in itertools.product([False, True], repeat=5)],
-                         ids=lambda r: "".join("R" if x else "-" for x in r))
-def test_walk_of_a_middle_stage_equals_a_cpu_run(recomputed):
-    # A stage between two others: its inputs and the gradients of its outputs are receive
-    # buffers made before the step (not counted); two microbatches, all forwards then all
-    # backwards; the pipeline holds each output until its backward.
-    model = _model()
+def _run_middle_stage(model: nn.Sequential, recomputed: list[bool], out_width: int) -> None:
+    """A stage between two others: its inputs and the gradients of its outputs are receive
+    buffers made before the step (not counted); two microbatches, all forwards then all
+    backwards; the pipeline holds each output until its backward is over."""
     xs = [torch.randn(5, 8, requires_grad=True) for _ in range(2)]
-    grads = [torch.ones(5, 4) for _ in xs]
+    grads = [torch.ones(5, out_width) for _ in xs]
     peak, end = _walk(_probed(model, xs[0]), recomputed, len(xs))
     tracker = LiveBytes(rank=0)
     for t in [*model.parameters(), *xs, *grads]:
@@ -167,28 +211,55 @@ def test_walk_of_a_middle_stage_equals_a_cpu_run(recomputed):
     assert (tracker.peak_bytes - start, tracker.live_bytes - start) == (peak, end)
 
 
-def test_walk_of_a_last_stage_with_its_loss_equals_a_cpu_run():
+@pytest.mark.parametrize("recomputed", [list(r) for r in itertools.product([False, True], repeat=5)],
+                         ids=lambda r: "".join("R" if x else "-" for x in r))
+def test_walk_of_a_middle_stage_equals_a_cpu_run(recomputed):
+    _run_middle_stage(_model(), recomputed, out_width=4)
+
+
+@pytest.mark.parametrize("recomputed", [list(r) for r in itertools.product([False, True], repeat=4)],
+                         ids=lambda r: "".join("R" if x else "-" for x in r))
+def test_walk_of_a_stage_whose_last_layer_saves_its_output_equals_a_cpu_run(recomputed):
+    # the stage ends in a ReLU, which saves its own output (the stage's output) for its
+    # backward; the pipeline still holds that output until the whole backward is over
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU())
+    assert _probed(model, torch.randn(5, 8, requires_grad=True))[-1].memory.saves_output
+    _run_middle_stage(model, recomputed, out_width=32)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+@pytest.mark.parametrize("recomputed", [[False] * 5, [False, True, False, True, True]],
+                         ids=lambda r: "".join("R" if x else "-" for x in r))
+def test_walk_of_a_last_stage_with_its_loss_equals_a_cpu_run(recomputed, num_microbatches):
     # The last stage as torch's pipelining runs it: the loss is part of the last layer; the
     # schedule keeps each loss (`_internal_losses`) until the step ends, and
     # `torch.autograd.backward(loss)` makes the loss's seed gradient itself and holds it
-    # until the whole backward returns.
+    # until the whole backward returns. All forwards, then all backwards.
     model = _model()
-    x, target = torch.randn(5, 8), torch.randn(5, 4)
+    xs, target = [torch.randn(5, 8) for _ in range(num_microbatches)], torch.randn(5, 4)
 
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return ((out - target) ** 2).mean()
 
-    peak, end = _walk(_probed(model, x, loss_fn), [False] * 5, 1)
+    layers = _probed(model, xs[0], loss_fn)
+    loss_bytes = 4  # a float32 scalar
+    assert layers[-1].memory.loss_bytes == loss_bytes and layers[0].memory.loss_bytes == 0
+    peak, end = _walk(layers, recomputed, num_microbatches)
     tracker = LiveBytes(rank=0)
-    for t in [*model.parameters(), x, target]:
+    for t in [*model.parameters(), *xs, target]:
         tracker.adopt(t, "before the step")
     with tracker.watch():
         start = tracker.live_bytes
         tracker.reset_peak()
-        out = model(x)
-        losses = [loss_fn(out)]
-        torch.autograd.backward(losses[0])
-        del out
-        peak_seen = tracker.peak_bytes - start
+        outs: list[torch.Tensor | None] = [_forward(model, x, recomputed) for x in xs]
+        losses = [loss_fn(out) for out in outs]
+        for m in range(num_microbatches):
+            torch.autograd.backward(losses[m])
+            outs[m] = None
+        seen = (tracker.peak_bytes - start, tracker.live_bytes - start)  # the iteration's end: the losses are kept
         losses.clear()  # the step is over
-    assert (peak_seen, tracker.live_bytes - start) == (peak, end)
+        after_step = tracker.live_bytes - start
+    assert seen == (peak, end)
+    # the losses were the only thing the walk kept past the backwards
+    assert after_step == end - num_microbatches * loss_bytes

@@ -119,6 +119,10 @@ class PeerPools:
         self._owner = {e.device: info.rank for info in infos for e in info.exports}
         """Pool device -> the rank that holds (allocated and exported) it."""
 
+    def pool_on(self, device: int) -> torch.Tensor | None:
+        """The pool this rank allocated for device `device` (to lend it), if any."""
+        return self._local_buffers.get(device)
+
     def quota(self, stage: int, device: int) -> QuotaPool:
         """Stage `stage`'s quota on device `device`'s pool."""
         pool = self._quotas.get((stage, device))

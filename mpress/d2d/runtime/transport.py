@@ -54,7 +54,9 @@ class SharedMemoryTransport(PoolTransport):
 
     def create(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
         try:
-            shm = shared_memory.SharedMemory(create=True, size=nbytes + ALIGNMENT_BYTES)
+            # exactly the pool (a segment is mapped at a page boundary, so it is aligned): a
+            # CPU rank counts what it lends as a GPU would
+            shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
         except OSError as exc:
             raise SwapError(f"cannot allocate a {nbytes}-byte shared-memory peer pool: {exc}") from exc
         self._created.append(shm)
@@ -63,7 +65,7 @@ class SharedMemoryTransport(PoolTransport):
             # the segment is sparse until written: reserve it now, so a full /dev/shm is a
             # start-up error here and not a SIGBUS at the first swap
             try:
-                os.posix_fallocate(fd, 0, nbytes + ALIGNMENT_BYTES)
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
             except OSError as exc:
                 raise SwapError(f"cannot reserve a {nbytes}-byte shared-memory peer pool in /dev/shm: "
                                 f"{exc.strerror}") from exc
@@ -78,8 +80,10 @@ class SharedMemoryTransport(PoolTransport):
 
     def _aligned(self, shm: shared_memory.SharedMemory | mmap.mmap, nbytes: int) -> torch.Tensor:
         raw = torch.frombuffer(shm.buf if isinstance(shm, shared_memory.SharedMemory) else shm, dtype=torch.uint8)
-        pad = (-raw.data_ptr()) % ALIGNMENT_BYTES
-        buffer = raw[pad:pad + nbytes]
+        if raw.data_ptr() % ALIGNMENT_BYTES:
+            raise SwapError(f"shared-memory peer pool mapped at {raw.data_ptr():#x}, not a multiple of "
+                            f"{ALIGNMENT_BYTES} bytes")
+        buffer = raw[:nbytes]
         self._buffers.append(buffer)
         return buffer
 

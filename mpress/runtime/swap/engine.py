@@ -99,6 +99,9 @@ class SwapEngine:
         self.store = HostStore(store, device) if isinstance(store, PinnedHostPool) else store
         self._manager = manager
         self._fault = fault
+        self.trace: list[tuple[str, str, float, float]] | None = None
+        """When a list: (what, tensor key, start, end) of every copy ("out", "in", host
+        times: issued until waited for) and every wait of `fetch` ("wait"), for a trace."""
         self._hold_until_release = hold_until_release
         """Keep a swapped-out tensor's device storage until `wait_outs` (the program's
         release point) instead of dropping it when its copy completes, so the device's
@@ -216,8 +219,11 @@ class SwapEngine:
                     raise SwapError(
                         f"timed out after {self.timeout_s:g} s waiting for swap-in of "
                         f"{record.key} (state {record.state.value})")
+        waited = time.perf_counter()
+        if self.trace is not None and waited - start > 1e-6:
+            self.trace.append(("wait", str(record.key), start, waited))
         with self._lock:
-            self._stats.wait_s += time.perf_counter() - start
+            self._stats.wait_s += waited - start
             self._raise_for(record)
             tensor = record.result if record.result is not None else (
                 record.result_ref() if record.result_ref is not None else None)
@@ -382,6 +388,7 @@ class SwapEngine:
                 self._cancel(record, "the swap engine was closed")
                 return None
             record.state, record.busy = SwapState.OUT_COPYING, True
+        record.copy_started_s = time.perf_counter()
         try:
             if self._fault is not None:
                 self._fault(record.key, "out")
@@ -395,6 +402,7 @@ class SwapEngine:
         """Wait for `record`'s out copies, then free its device storage (drop `src`)."""
         try:
             copy_s = wait_copies(copies)
+            self._trace("out", record)
             with self._lock:
                 if not record.discard_requested:  # else the key may belong to a newer tensor
                     self._manager.move(record.key, self.store.residency, peer=record.placement.peer_bytes() or None)
@@ -428,6 +436,7 @@ class SwapEngine:
                 self._cancel(record, "the swap engine was closed")
                 return
             record.state, record.busy = SwapState.IN_COPYING, True
+        record.copy_started_s = time.perf_counter()
         try:
             if self._fault is not None:
                 self._fault(record.key, "in")
@@ -444,6 +453,7 @@ class SwapEngine:
                 record.state = SwapState.ON_DEVICE
                 record.in_ready.set()  # consumers may go on; their stream waits on the events
             copy_s = wait_copies(copies)  # the blocks may be reused only after the copies read them
+            self._trace("in", record)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self._fail(record, "swap-in", exc)
             return
@@ -456,6 +466,10 @@ class SwapEngine:
             self._stats.copy_s += copy_s
             if record.discard_requested:
                 self._cancel(record, "it was discarded")
+
+    def _trace(self, what: str, record: SwapRecord) -> None:
+        if self.trace is not None:
+            self.trace.append((what, str(record.key), record.copy_started_s, time.perf_counter()))
 
     # ---- bookkeeping (callers hold self._lock unless noted) ---------------------------
 

@@ -66,6 +66,7 @@ class SwapRecord:
         self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
         self.in_ready = threading.Event()    # in copy enqueued (or failed/cancelled)
         self.in_requested = False
+        self.copy_started_s = 0.0            # when a worker issued its latest copy (traces)
         self.busy = False                    # a worker is using the placement right now
         self.discard_requested = False
         self.dst: torch.Tensor | None = None  # made by `prefetch`, filled by the in worker

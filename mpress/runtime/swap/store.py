@@ -201,6 +201,10 @@ class PeerStores(Protocol):
     def store_for(self, stage: int) -> SwapStore:
         """The D2D swap destination of `stage`, which this rank runs."""
 
+    def pool_on(self, device: int) -> torch.Tensor | None:
+        """The peer pool this rank allocated for device `device` (memory that device lends
+        to others), if any."""
+
     def dead_ranks(self) -> list[str]:
         """One line per other rank of the job whose process is gone."""
 

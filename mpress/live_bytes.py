@@ -38,16 +38,19 @@ _LARGEST_NAMED = 5
 """Residents an out-of-memory error names."""
 
 
-def _tensors(tree: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors in nested tuples/lists/dicts (operator arguments and results)."""
+def tensors_in(tree: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors in nested tuples/lists/dicts (operator arguments and results, a
+    module's inputs and outputs); a small walk instead of pytree, which costs more than
+    the operators it would serve."""
+    out = [] if out is None else out
     if isinstance(tree, torch.Tensor):
         out.append(tree)
     elif isinstance(tree, (tuple, list)):
         for t in tree:
-            _tensors(t, out)
+            tensors_in(t, out)
     elif isinstance(tree, dict):
         for t in tree.values():
-            _tensors(t, out)
+            tensors_in(t, out)
     return out
 
 
@@ -65,7 +68,7 @@ class LiveBytes:
     `context` names what the rank is doing (an action such as `1B3`); the runtime sets it.
     """
 
-    def __init__(self, *, rank: int, capacity_bytes: int | None = None) -> None:
+    def __init__(self, *, rank: int = 0, capacity_bytes: int | None = None) -> None:
         self.rank = rank
         self.capacity_bytes = capacity_bytes
         self.context = "start-up"
@@ -74,6 +77,7 @@ class LiveBytes:
         self._live = 0
         self._peak = 0
         self._peak_context = ""
+        self._entered: list[contextlib.ExitStack] = []
         self.timeline: list[tuple[float, int]] | None = None
         """When a list: (time.perf_counter(), live bytes) after every change, for a trace."""
 
@@ -173,6 +177,21 @@ class LiveBytes:
         with _Watch(self):
             yield
 
+    def __enter__(self) -> LiveBytes:
+        """`with LiveBytes() as live:` watches this thread for the block."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.watch())
+        self._entered.append(stack)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._entered.pop().close()
+
+    def storage_bytes(self) -> dict[int, int]:
+        """The counted storages alive now: storage key (`_cdata`) -> bytes."""
+        with self._lock:
+            return {key: r.nbytes for key, r in self._residents.items()}
+
 
 class _Watch(TorchDispatchMode):
     """The dispatch mode one thread runs under while it is watched."""
@@ -184,10 +203,10 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        results = _tensors(out, [])
+        results = tensors_in(out)
         if not results:
             return out
-        inputs = _tensors((args, kwargs), [])
+        inputs = tensors_in((args, kwargs))
         seen = {t.untyped_storage()._cdata for t in inputs}
         host = bool(inputs) and all(self.tracker.is_host(t) for t in inputs)
         name = f"{func.__name__.split('.')[0]} in {self.tracker.context}"

@@ -33,25 +33,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mpress.live_bytes import LiveBytes
+from mpress.live_bytes import LiveBytes, tensors_in
 from mpress.static.profile import LayerMemory
 
 LossFn = Callable[[Any], torch.Tensor]
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 def _nbytes(values: Any) -> int:
     seen: dict[int, int] = {}
-    for t in _tensors(values):
+    for t in tensors_in(values):
         seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -64,7 +54,7 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
     gradients; none are left behind. Random streams and buffers are left as they were.
     Returns the layer's memory and the bytes of the parameter gradients its backward made."""
     tracker = LiveBytes(rank=0)
-    for t in _tensors(args):
+    for t in tensors_in(args):
         tracker.adopt(t, "input")
     for p in layer.parameters():
         tracker.adopt(p, "parameter")
@@ -76,7 +66,7 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
         saved.add(t.untyped_storage()._cdata)
         return t
 
-    inputs = {t.untyped_storage()._cdata for t in _tensors(args)}
+    inputs = {t.untyped_storage()._cdata for t in tensors_in(args)}
     devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
     with torch.random.fork_rng(devices=devices), tracker.watch():
@@ -87,10 +77,10 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
             root = loss_fn(output) if loss_fn is not None else output
         kept = tracker.live_bytes - start
         forward_peak = tracker.peak_bytes - start
-        outputs = {t.untyped_storage()._cdata for t in _tensors(output)}
+        outputs = {t.untyped_storage()._cdata for t in tensors_in(output)}
         output_bytes = _nbytes(output)
         loss_bytes = _nbytes(root) if loss_fn is not None else 0
-        roots = [t for t in _tensors(root) if t.requires_grad]
+        roots = [t for t in tensors_in(root) if t.requires_grad]
         # the incoming gradient is a receive buffer made before the backward; a loss's
         # seed is made by the backward itself, as at run time
         grads = [torch.ones_like(t) for t in roots] if loss_fn is None else None
@@ -100,10 +90,10 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
             torch.autograd.backward(roots, grads)
         del output, root, roots, grads
         backward_peak = tracker.peak_bytes - backward_start
-        input_grads = sum(t.grad.untyped_storage().nbytes() for t in _tensors(args)
+        input_grads = sum(t.grad.untyped_storage().nbytes() for t in tensors_in(args)
                           if isinstance(t, torch.Tensor) and t.grad is not None)
         param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
-    for t in _tensors(args):
+    for t in tensors_in(args):
         t.grad = None
     layer.zero_grad(set_to_none=True)
     with torch.no_grad():

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mpress.tiling.graph import Graph, OpNode
-from mpress.tiling.memory import LiveBytes
+from mpress.live_bytes import LiveBytes
 from mpress.tiling.ops import characterise_module
 
 
@@ -71,7 +71,7 @@ def _probe_once(call: Callable[[torch.Tensor], torch.Tensor], params: list[torch
 
     with LiveBytes() as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = call(x)
-    created = dict(fwd._sizes)
+    created = fwd.storage_bytes()
     xk, yk = x.untyped_storage()._cdata, y.untyped_storage()._cdata
     keys = {t.untyped_storage()._cdata for t in saved}
     other = sum(created[k] for k in keys if k not in (xk, yk) and k in created)

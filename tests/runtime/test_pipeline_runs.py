@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from mpress.actions import format_actions
 from mpress.errors import PlanError
 from mpress.model_config import load_model_config
-from mpress.plan import Plan, TensorRule
+from mpress.plan import Plan, Stripe, TensorRule
+from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
 from tests.support.plans import pipeline_plan
@@ -28,7 +29,7 @@ def _job_worker(rank: int, world: int, plan_paths: list[str | None], schedule: s
     for plan_path in plan_paths:
         torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
         plan = Plan.load(plan_path) if plan_path else None
-        job = PipelineJob(spec, plan, torch.device("cpu"))
+        job = start_job(spec, plan, torch.device("cpu"))  # with the peer pools a D2D plan needs
         losses, peaks = [], []
         extra = {}
         for step in range(STEPS):
@@ -134,26 +135,37 @@ LAYERS = {
 """Layers of each stage, by number of stages (`tiny_pipeline.RANGES`)."""
 PLANS_PER_SCHEDULE = 17
 """Random plans per schedule: 51 in all, each run against the plain run."""
+PEER_POOL_BYTES = 16 << 20
+"""The peer pool a device lends when a stage of the other device D2D-swaps."""
 
 
 @st.composite
 def random_plan(draw, schedule: str) -> Plan:
-    """Per stage: random layers, each with a technique for a random set of microbatches,
-    and optimizer offload (all layers or one) or not."""
+    """Per stage: random layers, each with a technique (keep, recompute, host swap, D2D
+    swap striped to the other device) for a random set of microbatches, and optimizer
+    offload (all layers or one, to the host or the other device) or not."""
     rules: dict[int, list[TensorRule]] = {}
+    pools: dict[int, int] = {}
     for stage, layers in LAYERS[num_stages_of(schedule, 2)].items():
         stage_rules = []
+        other = 1 - stage % 2  # the other rank's device
+        stripes = [Stripe(device=other, fraction=1.0)]
         optim = draw(st.sampled_from(["none", "all", "one"]))
         if optim != "none":
             target = "*" if optim == "all" else draw(st.sampled_from(layers))
-            stage_rules.append(TensorRule(tensor=f"optim:{target}", technique="host"))
+            where = draw(st.sampled_from(["host", "d2d"]))
+            stage_rules.append(TensorRule(tensor=f"optim:{target}", technique=where,
+                                          stripes=stripes if where == "d2d" else []))
         for layer in draw(st.lists(st.sampled_from(layers), unique=True, max_size=3)):
             mbs = draw(st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=4))
-            technique = draw(st.sampled_from(["host", "recompute", "keep"]))
+            technique = draw(st.sampled_from(["host", "recompute", "keep", "d2d"]))
             stage_rules.append(TensorRule(tensor=f"{layer}.**", technique=technique,
-                                          microbatches=",".join(map(str, sorted(mbs)))))
+                                          microbatches=",".join(map(str, sorted(mbs))),
+                                          stripes=stripes if technique == "d2d" else []))
+        if any(r.technique == "d2d" for r in stage_rules):
+            pools[other] = PEER_POOL_BYTES  # stage `other` runs on device `other`: it lends the pool
         rules[stage] = stage_rules
-    return pipeline_plan(schedule, 2, 4, rules)
+    return pipeline_plan(schedule, 2, 4, rules, peer_pools=pools)
 
 
 @pytest.mark.slow

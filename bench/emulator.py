@@ -41,14 +41,17 @@ def main() -> None:
                            microbatch_size=2, num_microbatches=32)
     plan = plan_strategy(setup, "mpress").plan
     # stress: every saved tensor of every layer its own host-swap unit (one SO and one SI
-    # per tensor and microbatch): the largest program a plan can make of this pipeline
-    per_tensor = replace(plan, stages=[
+    # per tensor and microbatch): the largest program a plan can make of this pipeline.
+    # Variants of the plan drop its carried program (`actions=[]`): evaluate_plan refuses
+    # a program that is not the one the changed rules or policy make, so it re-derives it.
+    per_tensor = replace(plan, actions=[], stages=[
         replace(sp, rules=[TensorRule(tensor=t.id, technique="host", prefetch_lead=2) for t in c.saved])
         for sp, c in zip(plan.stages, setup.costs)])
     programs = {
         "no memory actions": evaluate(setup).program,
         "mpress plan, capacity": evaluate_plan(setup, plan).program,
-        "mpress plan, layer-ahead": evaluate_plan(setup, replace(plan, swap_in_policy="layer-ahead")).program,
+        "mpress plan, layer-ahead": evaluate_plan(
+            setup, replace(plan, swap_in_policy="layer-ahead", actions=[])).program,
         "every tensor host-swapped": evaluate_plan(setup, per_tensor).program,
     }
     table = Table(title="emulate(): one iteration, 8 stages x 32 microbatches, 48-layer GPT on dgx1-v100")

@@ -9,30 +9,44 @@ seed, so the same parameters; routers install hooks and must not share a module)
    autograd saves (parameters included) is copied into a freshly allocated pinned host
    tensor and back in backward, on the compute stream, so the copies queue behind and in
    front of the kernels instead of running beside them;
-3. mpress host swap of the same activations: a `StagePlan` with the rule `* -> host`,
-   driven through `SavedTensorRouter.microbatch(0)` around the forward; the swap engine
-   copies on its own out/in streams into one pinned pool allocated at start-up; the
-   swap-in is issued with `--prefetch`: `after-forward` (as the stage runtime does when
-   its budget has room), `before-backward`, or `on-demand` (no prefetch: each tensor is
-   fetched when backward unpacks it); `finish(0)` after backward;
-4. mpress recompute of the same layers (for context: no copies, one extra forward).
+3. mpress host swap of the same activations: a `StagePlan` with the rule `* -> host` and
+   the one-microbatch program a plan's list would give the stage (`RankProgram`): `0F0`
+   with the swap-out (SO) of each layer's unit inside it, the swap-ins (SI) of those
+   units (last layer first: the backward needs it first), then `0B0`. The stage runs as
+   `MpressStage` runs it: `program.begin` / `end` around the forward (inside
+   `SavedTensorRouter.microbatch(0)`) and around the backward, SIs issued by
+   `router.prefetch_unit` when the backward begins, the copy-outs' device storage given
+   up there (the engine holds it until that release point), `finish(0)` after the
+   backward. The swap engine copies on its own out/in streams into one pinned pool
+   allocated at start-up. `--prefetch` says where the backward begins, i.e. where the
+   SIs are issued: `after-forward` (before the loss), `before-backward` (after it), or
+   `on-demand` (a list without SIs: each tensor is fetched when backward unpacks it);
+4. mpress recompute of the same layers: the program drops (DR) each layer's unit inside
+   the forward and recomputes (RC) it inside the backward (for context: no copies, one
+   extra forward).
+Every mpress step checks that the program executed exactly its list.
 
 With one microbatch, `after-forward` and `before-backward` differ only by the loss, and
-both bring every swapped tensor back before backward has used any (the router prefetches
-a whole microbatch, in the order the forward saved it), so the step's peak is plain's;
+both bring every swapped tensor back before backward has used any; the SIs are issued
+before the release point that gives up the swapped-out storages, so for a moment both
+are live and the step's peak is above plain's (as the memory model counts such a list);
 `on-demand` is the one whose peak, like save_on_cpu's, stays below plain's in backward.
 
-Variants run in interleaved rounds, one step each per round, so drift in the machine's
-load hits them alike; step times are medians. Every step starts from the same RNG seed
-and the same inputs, and every variant's parameter (and input) gradients are compared
-with plain's by `torch.equal` after every step: a variant that computes something else
-is reported, not timed silently.
+The variants are built in `bench/host_swap_variants.py`. They run in interleaved rounds,
+one step each per round, so drift in the machine's load hits them alike; step times are
+medians. Every step starts from the same RNG seed and the same inputs, and every
+variant's parameter (and input) gradients are compared with plain's by `torch.equal`
+after every step: a variant that computes something else is reported, not timed
+silently.
 
-Memory: on CUDA the peak of `torch.cuda.max_memory_allocated` above what was allocated
-when the step started (parameters, gradients, inputs); on CPU the memory manager's
-tracked peak of saved tensors on the device (plain: the saved storages a census pass
-counts; save_on_cpu: not tracked). Bytes moved per step: mpress from the engine's
-counters, save_on_cpu from the census (it also copies the parameters ops save).
+Memory: the peak above what was live when the step started (parameters, gradients,
+inputs). On CUDA `torch.cuda.max_memory_allocated`, on every timed step. On CPU every
+byte on the stand-in device as the runtime counts a CPU rank (`mpress.live_bytes.
+LiveBytes`; the pinned pool is host memory), on one more step per variant after the
+timed rounds (untimed: its dispatch hook would slow the timed steps); save_on_cpu is not
+measured on CPU, where its host copies cannot be told from device bytes. Bytes moved per
+step: mpress from the engine's counters, save_on_cpu from the census (it also copies the
+stage's input and the parameters ops save, which mpress never moves).
 
 Copy bandwidth, measured in the same run: a `--copy-mib` D2H copy into pinned memory
 and H2D back, timed with CUDA events, best of `--copy-reps` (CPU: a host memcpy). The
@@ -52,11 +66,11 @@ Usage: python bench/host_swap.py [--device auto|cpu|cuda] [--model NAME] [--laye
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from rich.console import Console
@@ -64,191 +78,13 @@ from rich.table import Table
 
 from mpress.errors import UserError
 from mpress.model_config import ModelConfig, load_model_config
-from mpress.models import build_stage, lm_loss
-from mpress.models.transformer import TORCH_DTYPES, check_layer_range
-from mpress.plan import StagePlan, TensorRule
-from mpress.runtime.memory.host_pool import PinnedHostPool
-from mpress.runtime.memory.manager import MemoryManager
-from mpress.runtime.router import SavedTensorRouter
-from mpress.runtime.swap.engine import SwapEngine, SwapStats
-from mpress.units import ALIGNMENT_BYTES
+from mpress.models import build_stage
+from mpress.models.transformer import check_layer_range
+
+# bench/host_swap_variants.py, beside this script (its directory is on sys.path when run)
+from host_swap_variants import Batch, Variant, build_variants, make_batch, take_census  # isort: skip
 
 MiB = 1 << 20
-POOL_SLACK = 1.25
-"""Pinned pool over the census's activation bytes (alignment, blocks of a step still
-held when the next one starts)."""
-
-
-@dataclass(kw_only=True)
-class Batch:
-    """One microbatch, the same for every variant and step."""
-
-    x: torch.Tensor
-    """(B, T) int64 ids for a stage with the embedding, else (B, T, h) hidden states."""
-    targets: torch.Tensor | None
-    """(B, T) int64 next tokens when the stage ends with the head."""
-    upstream: torch.Tensor | None
-    """(B, T, h) gradient of the stage's output when it has no head (as the next stage
-    would send it)."""
-
-    def leaf(self) -> torch.Tensor:
-        """A fresh input for one step (hidden states require grad, as a received
-        activation does in a pipeline)."""
-        return self.x.detach().requires_grad_() if self.x.is_floating_point() else self.x
-
-    def loss(self, out: torch.Tensor) -> torch.Tensor:
-        if self.targets is not None:
-            return lm_loss(out, self.targets)
-        return (out.float() * self.upstream).sum()
-
-
-@dataclass(kw_only=True)
-class Census:
-    """What autograd saves in one forward of the stage (counted by hooks that keep all)."""
-
-    num_activations: int
-    activation_bytes: int
-    """Per saved tensor, parameters excluded: what a per-tensor swap moves each way."""
-    activation_storage_bytes: int
-    """Distinct storages of those: what keeping them holds on the device."""
-    parameter_bytes: int
-    """Saved tensors sharing a parameter's storage (save_on_cpu copies these too)."""
-
-
-@dataclass(kw_only=True)
-class Variant:
-    """One way of running the step, on its own copy of the stage."""
-
-    name: str
-    stage: torch.nn.Module
-    step: Callable[[Variant, Batch], torch.Tensor]
-    """Forward + backward of one microbatch; returns the input leaf (for its grad)."""
-    router: SavedTensorRouter | None = None
-    engine: SwapEngine | None = None
-    manager: MemoryManager | None = None
-    times_s: list[float] = field(default_factory=list)
-    peaks_bytes: list[int] = field(default_factory=list)
-    max_diff: float = 0.0
-    """Largest |gradient - plain's| over every checked step (0: all equal)."""
-    grads_equal: bool = True
-    stats_start: SwapStats | None = None
-    stats_end: SwapStats | None = None
-
-    def close(self) -> None:
-        if self.router is not None:
-            self.router.close()
-        if self.engine is not None:
-            self.engine.close()
-            self.engine.store.close()
-
-
-# ---- steps ------------------------------------------------------------------------------
-
-def step_plain(v: Variant, batch: Batch) -> torch.Tensor:
-    x = batch.leaf()
-    batch.loss(v.stage(x)).backward()
-    return x
-
-
-def step_save_on_cpu(v: Variant, batch: Batch) -> torch.Tensor:
-    x = batch.leaf()
-    with torch.autograd.graph.save_on_cpu(pin_memory=True):
-        out = v.stage(x)
-    batch.loss(out).backward()
-    return x
-
-
-def step_mpress(prefetch: str) -> Callable[[Variant, Batch], torch.Tensor]:
-    """The router's forward/backward with the swap-in issued at `prefetch`."""
-    def step(v: Variant, batch: Batch) -> torch.Tensor:
-        x = batch.leaf()
-        with v.router.microbatch(0):
-            out = v.stage(x)
-        if prefetch == "after-forward":
-            v.router.prefetch(0)
-        loss = batch.loss(out)
-        if prefetch == "before-backward":
-            v.router.prefetch(0)
-        loss.backward()  # on-demand: each unpack fetches its own tensor
-        v.router.finish(0)
-        return x
-    return step
-
-
-# ---- set-up -----------------------------------------------------------------------------
-
-def make_batch(cfg: ModelConfig, first_layer: int, end_layer: int, microbatch_size: int,
-               device: torch.device, seed: int) -> Batch:
-    g = torch.Generator().manual_seed(seed + 1)
-    b, t, h = microbatch_size, cfg.seq_len, cfg.hidden_size
-    dtype = TORCH_DTYPES[cfg.precision]
-    if first_layer == 0:
-        x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
-    else:
-        x = torch.randn(b, t, h, generator=g).to(dtype)  # (B, T, h)
-    has_head = end_layer == cfg.num_layers + 2
-    targets = torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(device) if has_head else None
-    upstream = None if has_head else (torch.randn(b, t, h, generator=g) / (b * t)).to(device)  # (B, T, h)
-    return Batch(x=x.to(device), targets=targets, upstream=upstream)
-
-
-def take_census(stage: torch.nn.Module, batch: Batch) -> Census:
-    """Count what one forward saves (parameters apart), keeping everything."""
-    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    storages: dict[int, int] = {}
-    counts = {"n": 0, "act": 0, "param": 0}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in params:
-            counts["param"] += nbytes
-        else:
-            counts["n"] += 1
-            counts["act"] += nbytes
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = stage(batch.leaf())
-    del out
-    return Census(num_activations=counts["n"], activation_bytes=counts["act"],
-                  activation_storage_bytes=sum(storages.values()), parameter_bytes=counts["param"])
-
-
-def stage_plan(first_layer: int, end_layer: int, rules: list[TensorRule], pinned_bytes: int = 0) -> StagePlan:
-    return StagePlan(stage=0, device=0, first_layer=first_layer, end_layer=end_layer, rules=rules,
-                     pinned_host_bytes=pinned_bytes)
-
-
-def build_variants(cfg: ModelConfig, first_layer: int, end_layer: int, device: torch.device, seed: int,
-                   prefetch: str, census: Census, batch: Batch) -> list[Variant]:
-    def stage() -> torch.nn.Module:
-        return build_stage(cfg, first_layer, end_layer, seed=seed, device=device)
-
-    plain = Variant(name="plain (keep all)", stage=stage(), step=step_plain)
-    soc = Variant(name="save_on_cpu(pin_memory=True)", stage=stage(), step=step_save_on_cpu)
-
-    host_stage = stage()
-    pool_bytes = int(census.activation_bytes * POOL_SLACK)
-    # one alignment unit per tensor for block rounding; pinned when CUDA is there
-    pool = PinnedHostPool(pool_bytes + census.num_activations * ALIGNMENT_BYTES)
-    host_manager = MemoryManager(device, rank=0)
-    engine = SwapEngine(pool, host_manager, device, rank=0, stage=0)
-    host_plan = stage_plan(first_layer, end_layer, [TensorRule(tensor="*", technique="host")], pool_bytes)
-    host = Variant(name=f"mpress host swap ({prefetch})", stage=host_stage, step=step_mpress(prefetch),
-                   router=SavedTensorRouter(host_stage, host_plan, engine, rank=0, example_args=(batch.x,),
-                                            manager=host_manager),
-                   engine=engine, manager=host_manager)
-
-    rc_stage = stage()
-    rc_rules = [TensorRule(tensor=f"{name}.**", technique="recompute") for name in rc_stage.layer_names()]
-    rc_manager = MemoryManager(device, rank=0)
-    recompute = Variant(name="mpress recompute", stage=rc_stage, step=step_mpress("none"),
-                        router=SavedTensorRouter(rc_stage, stage_plan(first_layer, end_layer, rc_rules), None,
-                                                 rank=0, example_args=(batch.x,), manager=rc_manager),
-                        manager=rc_manager)
-    return [plain, soc, host, recompute]
 
 
 # ---- measurement ------------------------------------------------------------------------
@@ -265,9 +101,11 @@ def grads(v: Variant, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_step(v: Variant, batch: Batch, device: torch.device, seed: int) -> tuple[float, int | None, torch.Tensor]:
-    """One timed step: (seconds, peak bytes or None, the input leaf). Outstanding copies
-    belong to the step: it ends when the device and the swap engine are idle."""
+def run_step(v: Variant, batch: Batch, device: torch.device, seed: int,
+             measure: bool) -> tuple[float, int | None, torch.Tensor]:
+    """One step: (seconds, peak bytes above the step's start or None, the input leaf).
+    Outstanding copies belong to the step: it ends when the device and the swap engine
+    are idle. `measure`: count the step's memory (CPU: under the variant's LiveBytes)."""
     for p in v.stage.parameters():
         if p.grad is not None:
             p.grad.zero_()  # kept allocated, so the memory baseline holds them
@@ -276,18 +114,21 @@ def run_step(v: Variant, batch: Batch, device: torch.device, seed: int) -> tuple
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    if v.manager is not None:
-        v.manager.reset_peaks()
+    live = v.live if measure else None
+    if live is not None:
+        live.reset_peak()
+        base = live.live_bytes
     start = time.perf_counter()
-    x = v.step(v, batch)
+    with live.watch() if live is not None else contextlib.nullcontext():
+        x = v.step(v, batch)
     sync(device)
     if v.engine is not None:
         v.engine.wait_idle()
     elapsed = time.perf_counter() - start
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) - base
+        peak = torch.cuda.max_memory_allocated(device) - base if measure else None
     else:
-        peak = v.manager.peak_device_bytes() if v.manager is not None else None
+        peak = live.peak_bytes - base if live is not None else None
     return elapsed, peak, x
 
 
@@ -345,7 +186,7 @@ def parse_layers(text: str | None, cfg: ModelConfig) -> tuple[int, int]:
 
 def fmt_bytes(n: float | None) -> str:
     if n is None:
-        return "not tracked"
+        return "not measured"
     return f"{n / MiB:.2f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.2f} GiB"
 
 
@@ -396,22 +237,30 @@ def main() -> None:
     variants = build_variants(cfg, first, end, device, args.seed, args.prefetch, census, batch)
     plain = variants[0]
     ref: dict[str, torch.Tensor] = {}
+    timed_end = args.warmup + args.rounds
+    # CPU: one more, untimed round measures memory (LiveBytes' dispatch hook costs time)
+    num_rounds = timed_end + (device.type == "cpu")
     try:
-        for rnd in range(args.warmup + args.rounds):
+        for rnd in range(num_rounds):
             for v in variants:
-                if rnd == args.warmup and v.engine is not None:
-                    v.stats_start = v.engine.stats
-                step_s, peak, x = run_step(v, batch, device, args.seed)
+                if v.engine is not None and rnd in (args.warmup, timed_end):
+                    if rnd == args.warmup:
+                        v.stats_start = v.engine.stats
+                    else:
+                        v.stats_end = v.engine.stats
+                timed = args.warmup <= rnd < timed_end
+                step_s, peak, x = run_step(v, batch, device, args.seed,
+                                           measure=timed if device.type == "cuda" else rnd == timed_end)
                 got = grads(v, x)
                 if not ref:
                     ref = got  # plain's first step: the reference for everyone
                 compare(v, got, ref)
-                if rnd >= args.warmup:
+                if timed:
                     v.times_s.append(step_s)
-                    if peak is not None:
-                        v.peaks_bytes.append(peak)
+                if peak is not None:
+                    v.peaks_bytes.append(peak)
         for v in variants:
-            if v.engine is not None:
+            if v.engine is not None and v.stats_end is None:
                 v.stats_end = v.engine.stats
     finally:
         for v in variants:
@@ -425,9 +274,9 @@ def main() -> None:
     in_bytes = (host.stats_end.bytes_in - host.stats_start.bytes_in) / args.rounds
     copy_s = (host.stats_end.copy_s - host.stats_start.copy_s) / args.rounds
     wait_s = (host.stats_end.wait_s - host.stats_start.wait_s) / args.rounds
-    soc_bytes = census.activation_bytes + census.parameter_bytes
+    soc_bytes = census.activation_bytes + census.input_bytes + census.parameter_bytes
 
-    mem_col = "peak allocated above step start" if device.type == "cuda" else "saved-tensor peak (tracked)"
+    mem_col = "peak allocated above step start" if device.type == "cuda" else "peak live bytes above step start"
     table = Table(title=f"host swap on {where}: {cfg.name} layers [{first}, {end}), microbatch "
                         f"{args.microbatch_size} x {cfg.seq_len}, {cfg.precision}, median of {args.rounds} steps")
     for col in ["variant", "step time", "vs plain", "vs save_on_cpu", mem_col, "moved out / step",
@@ -436,12 +285,7 @@ def main() -> None:
     moved = {plain.name: (0, 0), soc.name: (soc_bytes, soc_bytes), host.name: (out_bytes, in_bytes),
              variants[3].name: (0, 0)}
     for v in variants:
-        if v.peaks_bytes:
-            peak = max(v.peaks_bytes)
-        elif v is plain:
-            peak = census.activation_storage_bytes  # CPU: what keeping them all holds
-        else:
-            peak = None
+        peak = max(v.peaks_bytes) if v.peaks_bytes else None
         step_s = med[v.name]
         table.add_row(v.name, f"{step_s * 1e3:.2f} ms", f"{step_s / plain_s:.3f}x", f"{step_s / med[soc.name]:.3f}x",
                       fmt_bytes(peak), fmt_bytes(moved[v.name][0]), fmt_bytes(moved[v.name][1]),
@@ -451,7 +295,8 @@ def main() -> None:
     console.print(f"saved per forward: {census.num_activations} activation tensors, "
                   f"{fmt_bytes(census.activation_bytes)} "
                   f"(distinct storages {fmt_bytes(census.activation_storage_bytes)}); "
-                  f"save_on_cpu also copies {fmt_bytes(census.parameter_bytes)} of parameters ops save, which stay on "
+                  f"save_on_cpu also copies the stage's input ({fmt_bytes(census.input_bytes)} as saved) and "
+                  f"{fmt_bytes(census.parameter_bytes)} of parameters ops save, which stay on "
                   f"the device anyway. mpress moved the census's activations each way: "
                   f"{'✓' if out_bytes == in_bytes == census.activation_bytes else '✗'}")
 
@@ -462,8 +307,8 @@ def main() -> None:
     if device.type != "cuda":
         console.print("CPU: no CUDA streams, so nothing overlaps: the swap engine copies on worker threads "
                       "that share the cores with the compute, and save_on_cpu's unpack is a no-op; this run "
-                      "checks the plumbing, the target applies to a GPU. One compute thread; plain's "
-                      "memory figure is the census's distinct saved storages")
+                      "checks the plumbing, the target applies to a GPU. One compute thread; memory is "
+                      "counted by LiveBytes on one untimed step per variant")
 
     def peak_s(nbytes_out: float, nbytes_in: float) -> float:
         return nbytes_out / (d2h_gbps * 1e9) + nbytes_in / (h2d_gbps * 1e9)

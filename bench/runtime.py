@@ -1,19 +1,30 @@
 """Benchmark: the runtime on 4 CPU ranks (gloo), tiny GPT, 1F1B, 8 microbatches of 4.
 
 In one run, on the same process group, one after the other:
-- plain `torch.distributed.pipelining` (no mpress);
+- plain `torch.distributed.pipelining` (no mpress: `PipelineJob` without a plan);
 - mpress with a keep-all plan (its overhead over plain: the target is under 3%), and
-  with an explicit keep rule, which routes and accounts every saved tensor (the cost of
-  the hooks themselves);
+  with an explicit keep rule, which routes every saved tensor (the cost of the hooks
+  themselves);
 - recompute-only (every layer of every stage checkpointed);
-- host-swap-only (every saved tensor swapped to the pinned pool and back);
-- d2d-only (every saved tensor striped over the other ranks' peer pools and back; on CPU
+- host-swap-only (every saved tensor swapped to the pinned pool and back, on every stage
+  where a swap frees anything: not the last, whose backward follows each forward);
+- d2d-only (the same tensors striped over two other ranks' peer pools and back; on CPU
   the pools are shared memory, so this shows the protocol's overhead, not NVLink);
-- mixed: the planner's plan for a 1.7 MB budget on cpu-local (as `gpt-tiny-mixed`).
+- mixed: the planner's plan for `gpt-tiny-mixed` (its `device_memory` budget on
+  cpu-local), made as `plan: auto` makes it at start-up.
+Every variant but the last is a plan written here (rules only), so each gets the program
+its rules make, as `mpress plan` would write it (the static rewriter's action lists),
+and pools sized for that program: pinned pools for what it holds at once, D2D quotas
+for half of that per peer (the planner's quota slack on top), both times
+`POOL_HEADROOM` for the swap-only variants. Jobs are started as the launcher starts them
+(`start_job`: peer pools first when a plan uses them).
 The variants run in interleaved rounds of a few steps each, so load drift on the machine
-hits them alike. Per variant: median step time, its ratio to plain,
-and the largest per-rank peak of device-resident saved tensors as the memory manager
-tracks them (plain: not tracked). On a GPU the host-swap comparison against
+hits them alike. Per variant: median step time, its ratio to plain, and the largest
+per-rank peak of every byte on the rank's device over the timed steps (`StepResult.
+peak_bytes`: on CPU the rank's `LiveBytes`, which the job counts on every step and
+variant alike; parameters, optimizer states and the peer pools a rank lends included,
+so the d2d row carries its pools' headroom; the pinned pools are host memory; no
+capacity is set, so no variant stops at the budget). On a GPU the host-swap comparison against
 `save_on_cpu` belongs here too; this machine has none.
 
 Usage: python bench/runtime.py [--steps N] [--warmup N]
@@ -26,6 +37,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -34,37 +46,86 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from mpress.actions import Kind, format_actions
+from mpress.hardware import load_hardware
+from mpress.launcher.job import start_job
+from mpress.model_config import ModelConfig
 from mpress.models import layer_names
-from mpress.plan import Stripe, TensorRule
+from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
 from mpress.runtime.data import batches, build_dataset
-from mpress.runtime.memory.manager import Category
-from mpress.runtime.stage import MpressStage
 from mpress.runtime.train_config import load_train_config, model_config
-from mpress.runtime.trainer import JobSpec, PipelineJob
+from mpress.runtime.trainer import JobSpec
+from mpress.static.evaluate import setup_pipeline
+from mpress.static.host_memory import pinned_bytes
+from mpress.static.plan_draft import peer_quota_bytes
+from mpress.static.plan_eval import evaluate_plan
 
 WORLD = 4
 STEPS_PER_ROUND = 4
+POOL_HEADROOM = 2
+"""The swap-only variants' pools (pinned, and the peer quotas) over what their programs
+hold at once: a pool of exactly that size runs out (first fit leaves the free bytes in
+pieces smaller than the next tensor's block), so the variant would stop, not be timed."""
 
 
-def variants(plan, cfg):
-    """(name, plan or None) for every variant, from the planner's mixed plan."""
+def with_program(plan: Plan, model: ModelConfig) -> Plan:
+    """`plan` (rules written by hand) with the program its rules make for `model` on the
+    plan's hardware and its pinned pools sized for that program, as `plan_for` completes
+    a plan file without a program. Peer pools and quotas are left as `plan` gives them."""
+    hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
+    setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
+                           microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
+                           ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
+    ev = evaluate_plan(setup, replace(plan, actions=[]))
+    pinned = pinned_bytes(ev.schedule, ev.tensors)
+    return replace(plan, actions=[format_actions(list(r)) for r in ev.schedule.ranks],
+                   stages=[replace(sp, pinned_host_bytes=pinned[sp.stage]) for sp in plan.stages])
+
+
+def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:
+    """(name, plan or None) for every variant, from the planner's mixed plan (its stages,
+    devices and shape; each hand-written variant has its own rules, program and pools)."""
     names = layer_names(cfg)
-    keep = replace(plan, stages=[replace(sp, rules=[]) for sp in plan.stages])
-    routed = replace(plan, stages=[replace(sp, rules=[TensorRule(tensor="*", technique="keep")])
-                                   for sp in plan.stages])
-    recompute = replace(plan, stages=[
-        replace(sp, rules=[TensorRule(tensor=f"{n}.**", technique="recompute")
-                           for n in names[sp.first_layer:sp.end_layer]]) for sp in plan.stages])
-    host = replace(plan, stages=[replace(sp, rules=[TensorRule(tensor="*", technique="host")],
-                                         pinned_host_bytes=64 << 20) for sp in plan.stages])
+
+    def written(rules: Callable[[StagePlan], list[TensorRule]]) -> Plan:
+        bare = replace(plan, actions=[], stages=[
+            replace(sp, rules=rules(sp), pinned_host_bytes=0, peer_pool_bytes=0, peer_quotas=[])
+            for sp in plan.stages])
+        return with_program(bare, cfg)
+
+    def swapping(variant: Plan) -> Plan:
+        """`variant` without the swap rules of stages its program swaps nothing of (the
+        last stage under 1F1B: a swap there frees nothing, so the rewriter lists none):
+        the runtime refuses a host rule without a pinned pool, even one that moves nothing."""
+        moved = {a.stage for r in range(variant.num_ranks) for a in variant.program(r)
+                 if a.kind in (Kind.SO, Kind.DO)}
+        return with_program(replace(variant, actions=[], stages=[
+            sp if sp.stage in moved else replace(sp, rules=[]) for sp in variant.stages]), cfg)
+
+    keep = written(lambda sp: [])
+    routed = written(lambda sp: [TensorRule(tensor="*", technique="keep")])
+    recompute = written(lambda sp: [TensorRule(tensor=f"{n}.**", technique="recompute")
+                                    for n in names[sp.first_layer:sp.end_layer]])
+    host = swapping(written(lambda sp: [TensorRule(tensor="*", technique="host")]))
+    host_run = replace(host, stages=[replace(sp, pinned_host_bytes=sp.pinned_host_bytes * POOL_HEADROOM)
+                                     for sp in host.stages])
     n = plan.num_stages
-    d2d = replace(plan, stages=[
-        replace(sp, rules=[TensorRule(tensor="*", technique="d2d", stripes=[
-            Stripe(device=(sp.device + k) % n, fraction=0.5) for k in (1, 2)])],
-                peer_pool_bytes=64 << 20) for sp in plan.stages])
+    peers = {sp.stage: [(sp.device + k) % n for k in (1, 2)] for sp in plan.stages}
+    d2d = swapping(written(lambda sp: [TensorRule(tensor="*", technique="d2d", stripes=[
+        Stripe(device=d, fraction=0.5) for d in peers[sp.stage]])]))
+    peers = {sp.stage: peers[sp.stage] for sp in d2d.stages if sp.rules}
+    # D2D units are the host variant's, striped half to each peer: a stage's quota on a
+    # peer is half what host swap pins at once (each tensor block-aligned) with the
+    # headroom, plus the planner's slack for stripe rounding; a device's pool holds its
+    # exporters' quotas
+    quota = {sp.stage: peer_quota_bytes(sp.pinned_host_bytes / 2 * POOL_HEADROOM) for sp in host.stages}
+    d2d = replace(d2d, stages=[
+        replace(sp, peer_quotas=[PeerQuota(device=d, quota_bytes=quota[sp.stage]) for d in peers.get(sp.stage, [])],
+                peer_pool_bytes=sum(quota[e] for e, ds in peers.items() if sp.device in ds))
+        for sp in d2d.stages])
     return [("plain pipelining", None), ("mpress, keep-all plan", keep),
             ("mpress, keep rule (every tensor routed)", routed), ("mpress, recompute-only", recompute),
-            ("mpress, host-swap-only", host), ("mpress, d2d-only (2 peers each)", d2d),
+            ("mpress, host-swap-only", host_run), ("mpress, d2d-only (2 peers each)", d2d),
             ("mpress, planner's mixed plan", plan)]
 
 
@@ -74,14 +135,19 @@ def worker(rank: int, init: str, steps: int, warmup: int, out: str) -> None:
     from mpress.launcher.startup import plan_for  # the launcher's planning step, as `plan: auto` runs it
     tcfg = load_train_config("gpt-tiny-mixed")
     cfg = model_config(tcfg)
-    box = [plan_for(tcfg, cfg, WORLD, WORLD) if rank == 0 else None]
+    box: list = [None]
+    if rank == 0:  # the planning and the variants' programs, once
+        start = plan_for(tcfg, cfg, WORLD, WORLD)
+        box = [(start.ranges, variants(start.plan, cfg))]
     dist.broadcast_object_list(box, src=0)
-    plan, ranges = box[0]
+    ranges, plans = box[0]
     dataset = build_dataset(tcfg.data, cfg, seed=0)
     spec = JobSpec(model=cfg, schedule="1f1b", ranges=list(ranges), microbatch_size=tcfg.microbatch_size,
                    num_microbatches=tcfg.num_microbatches, seed=0)
-    jobs = [(name, PipelineJob(spec, variant, torch.device("cpu"))) for name, variant in variants(plan, cfg)]
+    # as the launcher starts a job: the peer pools first (a collective) when the plan uses them
+    jobs = [(name, start_job(spec, variant, torch.device("cpu"))) for name, variant in plans]
     times: dict[str, list[float]] = {name: [] for name, _ in jobs}
+    peaks: dict[str, int] = {name: 0 for name, _ in jobs}
     # rounds interleave the variants, so drift in the machine's load hits all of them alike
     rounds = max(1, steps // STEPS_PER_ROUND)
     for rnd in range(rounds + 1):
@@ -91,16 +157,15 @@ def worker(rank: int, init: str, steps: int, warmup: int, out: str) -> None:
                                num_microbatches=spec.num_microbatches, step=rnd * STEPS_PER_ROUND + k)
                 dist.barrier()
                 t0 = time.perf_counter()
-                job.step(x, y)
+                result = job.step(x, y)
                 dist.barrier()
                 if rnd > 0 or k >= warmup:  # first round: warm-up steps are not timed
                     times[name].append(time.perf_counter() - t0)
+                    peaks[name] = max(peaks[name], result.peak_bytes)
     results = []
     for name, job in jobs:
-        peak = (job.stage.runtime.manager.peak_device_bytes(Category.ACTIVATION)
-                if isinstance(job.stage, MpressStage) else None)
         job.close()
-        results.append((name, statistics.median(times[name]), peak))
+        results.append((name, statistics.median(times[name]), peaks[name]))
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -119,14 +184,13 @@ def main() -> None:
                            join=True, start_method="spawn")
         per_rank = torch.load(out, weights_only=False)
     table = Table(title=f"runtime: gpt-tiny, {WORLD} CPU ranks (gloo), 1F1B, 8 x 4, median of {args.steps} steps")
-    for col in ["variant", "step time", "vs plain", "max per-rank saved-tensor peak (tracked)"]:
+    for col in ["variant", "step time", "vs plain", "max per-rank peak (every byte, LiveBytes)"]:
         table.add_column(col, justify="left" if col == "variant" else "right")
     plain = max(r[0][1] for r in per_rank)
     for i, (name, _, _) in enumerate(per_rank[0]):
         step_s = max(r[i][1] for r in per_rank)  # the pipeline is as slow as its slowest rank's view
-        peaks = [r[i][2] for r in per_rank if r[i][2] is not None]
-        table.add_row(name, f"{step_s * 1e3:.1f} ms", f"{step_s / plain:.3f}x",
-                      f"{max(peaks) / 1e6:.2f} MB" if peaks else "not tracked")
+        peak = max(r[i][2] for r in per_rank)
+        table.add_row(name, f"{step_s * 1e3:.1f} ms", f"{step_s / plain:.3f}x", f"{peak / 1e6:.2f} MB")
     Console(width=140).print(table)
 
 

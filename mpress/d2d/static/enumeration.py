@@ -1,5 +1,6 @@
-"""Mapper fixtures for tests and bench/mapper.py: the optimum by enumeration, and a
-hypothetical 16-GPU topology."""
+"""The reference the device mapper's search is measured against (its tests and
+`bench/mapper.py`): the optimum by enumerating every mapping, as the MPress paper does,
+and a hypothetical 16-GPU topology beyond the presets for scaling studies."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from mpress.d2d.static.mapping import (
 
 
 def brute_force(problem: MappingProblem) -> Assignment:
-    """The optimum by trying every mapping (the paper's method; for tests, small N only).
+    """The optimum by trying every mapping (the paper's method; small N only: N!/(N-S)!).
 
     Ties: the identity if it is optimal, else the lexicographically smallest optimal mapping.
     """

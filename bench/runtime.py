@@ -15,8 +15,8 @@ In one run, on the same process group, one after the other:
 Every variant but the last is a plan written here (rules only), so each gets the program
 its rules make, as `mpress plan` would write it (the static rewriter's action lists),
 and pools sized for that program: pinned pools for what it holds at once, D2D quotas
-for half of that per peer (the planner's quota slack on top), both times
-`POOL_HEADROOM` for the swap-only variants. Jobs are started as the launcher starts them
+for half of that per peer (the planner's quota slack on top); the plan's pinned figure
+includes its fragmentation headroom (`mpress.static.host_memory`). Jobs are started as the launcher starts them
 (`start_job`: peer pools first when a plan uses them).
 The variants run in interleaved rounds of a few steps each, so load drift on the machine
 hits them alike. Per variant: median step time, its ratio to plain, and the largest
@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
-from mpress.actions import Kind, format_actions
+from mpress.actions import Kind
 from mpress.hardware import load_hardware
 from mpress.launcher.job import start_job
 from mpress.model_config import ModelConfig
@@ -56,30 +56,23 @@ from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec
 from mpress.static.evaluate import setup_pipeline
-from mpress.static.host_memory import pinned_bytes
 from mpress.static.plan_draft import peer_quota_bytes
-from mpress.static.plan_eval import evaluate_plan
+from mpress.static.plan_eval import complete_plan
 
 WORLD = 4
 STEPS_PER_ROUND = 4
-POOL_HEADROOM = 2
-"""The swap-only variants' pools (pinned, and the peer quotas) over what their programs
-hold at once: a pool of exactly that size runs out (first fit leaves the free bytes in
-pieces smaller than the next tensor's block), so the variant would stop, not be timed."""
 
 
 def with_program(plan: Plan, model: ModelConfig) -> Plan:
     """`plan` (rules written by hand) with the program its rules make for `model` on the
     plan's hardware and its pinned pools sized for that program, as `plan_for` completes
-    a plan file without a program. Peer pools and quotas are left as `plan` gives them."""
+    a plan file without a program (`complete_plan`). Peer pools and quotas are left as
+    `plan` gives them."""
     hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                            ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
-    ev = evaluate_plan(setup, replace(plan, actions=[]))
-    pinned = pinned_bytes(ev.schedule, ev.tensors)
-    return replace(plan, actions=[format_actions(list(r)) for r in ev.schedule.ranks],
-                   stages=[replace(sp, pinned_host_bytes=pinned[sp.stage]) for sp in plan.stages])
+    return complete_plan(setup, replace(plan, actions=[]))[0]
 
 
 def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:
@@ -107,8 +100,6 @@ def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:
     recompute = written(lambda sp: [TensorRule(tensor=f"{n}.**", technique="recompute")
                                     for n in names[sp.first_layer:sp.end_layer]])
     host = swapping(written(lambda sp: [TensorRule(tensor="*", technique="host")]))
-    host_run = replace(host, stages=[replace(sp, pinned_host_bytes=sp.pinned_host_bytes * POOL_HEADROOM)
-                                     for sp in host.stages])
     n = plan.num_stages
     peers = {sp.stage: [(sp.device + k) % n for k in (1, 2)] for sp in plan.stages}
     d2d = swapping(written(lambda sp: [TensorRule(tensor="*", technique="d2d", stripes=[
@@ -118,14 +109,14 @@ def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:
     # peer is half what host swap pins at once (each tensor block-aligned) with the
     # headroom, plus the planner's slack for stripe rounding; a device's pool holds its
     # exporters' quotas
-    quota = {sp.stage: peer_quota_bytes(sp.pinned_host_bytes / 2 * POOL_HEADROOM) for sp in host.stages}
+    quota = {sp.stage: peer_quota_bytes(sp.pinned_host_bytes / 2) for sp in host.stages}
     d2d = replace(d2d, stages=[
         replace(sp, peer_quotas=[PeerQuota(device=d, quota_bytes=quota[sp.stage]) for d in peers.get(sp.stage, [])],
                 peer_pool_bytes=sum(quota[e] for e, ds in peers.items() if sp.device in ds))
         for sp in d2d.stages])
     return [("plain pipelining", None), ("mpress, keep-all plan", keep),
             ("mpress, keep rule (every tensor routed)", routed), ("mpress, recompute-only", recompute),
-            ("mpress, host-swap-only", host_run), ("mpress, d2d-only (2 peers each)", d2d),
+            ("mpress, host-swap-only", host), ("mpress, d2d-only (2 peers each)", d2d),
             ("mpress, planner's mixed plan", plan)]
 
 

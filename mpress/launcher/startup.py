@@ -14,15 +14,13 @@ import torch
 import torch.distributed as dist
 
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
-from mpress.actions import format_actions
 from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware import Hardware, load_hardware
 from mpress.model_config import ModelConfig
 from mpress.plan import Plan
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.evaluate import PipelineSetup, evaluate, setup_pipeline
-from mpress.static.host_memory import pinned_bytes
-from mpress.static.plan_eval import evaluate_plan
+from mpress.static.plan_eval import complete_plan
 from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
 from mpress.vocabulary import ScheduleName
 
@@ -52,13 +50,7 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) 
             check_topology(hardware)
         setup = _setup(cfg, model, hardware, plan.num_stages, world,
                        ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
-        ev = evaluate_plan(setup, plan)
-        if not plan.actions:  # a plan written by hand: the program and pool sizes its rules make
-            pinned = pinned_bytes(ev.schedule, ev.tensors)
-            plan = dataclasses.replace(
-                plan, actions=[format_actions(list(r)) for r in ev.schedule.ranks],
-                stages=[sp if sp.pinned_host_bytes else dataclasses.replace(sp, pinned_host_bytes=pinned[sp.stage])
-                        for sp in plan.stages])
+        plan, ev = complete_plan(setup, plan)  # written by hand: the program and pools its rules make
         return StartPlan(plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages],
                          _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world))
     hardware = hardware_for(cfg, world, cuda)

@@ -45,7 +45,6 @@ from mpress.identity import SavedTensorNamer, StageRules, TensorKey, inspect_sta
 from mpress.plan import StagePlan
 from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
-from mpress.vocabulary import Technique
 
 
 class _Swapped:
@@ -159,13 +158,17 @@ class SavedTensorRouter:
             layer.forward = functools.partial(self._layer_forward, name)  # instance override keeps paths
 
     def _check_plan(self) -> None:
-        for rule in self.plan.rules:
-            if rule.technique is Technique.HOST and self.engine is None:
-                raise PlanError(f"stage {self.stage}: the plan host-swaps {rule.tensor!r} but no swap engine runs")
-            if rule.technique is Technique.D2D and self.d2d_engine is None:
-                raise PlanError(f"stage {self.stage}: the plan D2D-swaps {rule.tensor!r} but no peer pools were "
-                                "set up (call mpress.d2d.runtime.peer_pool.setup_peer_pools on every rank and pass them "
-                                "to wrap_stage as peers)")
+        """Every swap the program lists for this stage has an engine to run it."""
+        for action in self.program.actions:
+            if action.stage != self.stage:
+                continue
+            if action.kind is Kind.SO and self.engine is None:
+                raise PlanError(f"stage {self.stage}: the program host-swaps ({action}) but no swap engine runs "
+                                "(the plan pins no host memory for it: pinned_host_bytes is 0)")
+            if action.kind is Kind.DO and self.d2d_engine is None:
+                raise PlanError(f"stage {self.stage}: the program D2D-swaps ({action}) but no peer pools were "
+                                "set up (call mpress.d2d.runtime.peer_pool.setup_peer_pools on every rank and pass "
+                                "them to wrap_stage as peers)")
 
     # -- hooks --------------------------------------------------------------------------------
     def _stage_input(self, _module: nn.Module, args: tuple[Any, ...]) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.actions import Action, Kind
-from mpress.errors import PlanError, SwapError
+from mpress.errors import SwapError
 from mpress.identity import layer_paths
 from mpress.live_bytes import LiveBytes
 from mpress.plan import Plan
@@ -66,12 +66,10 @@ class StageRuntime:
         self.engine: SwapEngine | None = None
         self.d2d_engine: SwapEngine | None = None
         watch = live.watch if live is not None else None
-        if Technique.HOST in techniques:
-            # exactly what the plan says (its program's most pinned bytes at once, blocks aligned)
-            size = host_pool_bytes if host_pool_bytes is not None else self.stage_plan.pinned_host_bytes
-            if size == 0:
-                raise PlanError(f"stage {stage_index}: the plan host-swaps but pins no host memory "
-                                "(pinned_host_bytes: 0; make the plan with mpress plan)")
+        # exactly what the plan pins for its program (none where the program moves nothing
+        # to the host, e.g. the last stage, whose swaps would free nothing)
+        size = host_pool_bytes if host_pool_bytes is not None else self.stage_plan.pinned_host_bytes
+        if Technique.HOST in techniques and size:
             self.pool = PinnedHostPool(size)
             if live is not None:
                 live.adopt(self.pool.buffer, f"stage {stage_index} pinned host pool", host=True)

@@ -7,20 +7,35 @@ swap-in has copied them, at the latest when the backward that consumes it ends. 
 optimizer chunk offloaded to the host lives in the pool from the start (the runtime sends
 it out when the job is built); its OI gives the blocks back by the end of the chunk's
 optimizer step, its OO takes them again. D2D units and chunks (with stripes) use peer
-pools, not this one. Units: bytes.
+pools, not this one.
+
+The pool the plan asks for is that peak plus room for fragmentation: the runtime carves
+blocks first fit, and blocks come back in another order than they went out (a swap-in
+completes when its copy does), so the free bytes can be in pieces smaller than the next
+tensor's block. `FRAGMENTATION_HEADROOM` of the peak, and one largest block, are added;
+that is what the runtime pins (`PinnedHostPool` pins exactly the plan's figure). Units:
+bytes.
 """
 
 from __future__ import annotations
 
 from mpress.actions import Action, Kind, Schedule
 from mpress.static.lowering import TensorInfo
+from mpress.units import ALIGNMENT_BYTES, round_up
+
+FRAGMENTATION_HEADROOM = 0.25
+"""Pool bytes over the program's most bytes at once, as a fraction of them (see the module
+docstring; a pool of exactly the peak runs out in `bench/runtime.py`'s host-swap-only
+variant)."""
 
 
 def pinned_bytes(schedule: Schedule, tensors: dict[str, TensorInfo]) -> list[int]:
-    """Per stage, the most pinned-pool bytes in use over one iteration of `schedule` (a
-    program: the rewriter's action lists), starting with its host-offloaded optimizer
-    chunks in the pool."""
+    """Per stage, the pinned pool its program needs: the most pool bytes in use over one
+    iteration of `schedule` (a program: the rewriter's action lists), starting with its
+    host-offloaded optimizer chunks in the pool, plus room for fragmentation (0 for a
+    stage that moves nothing to the host)."""
     peak = [0] * schedule.num_stages
+    largest = [0] * schedule.num_stages
     for actions in schedule.ranks:
         on_host = {a.tensor for a in actions if a.kind is Kind.OO and _host(a, tensors)}
         in_use: dict[int, int] = {}
@@ -33,6 +48,7 @@ def pinned_bytes(schedule: Schedule, tensors: dict[str, TensorInfo]) -> list[int
         for a in actions:
             if a.kind in (Kind.SO, Kind.OO) and _host(a, tensors):
                 nbytes = tensors[a.tensor].pool_bytes  # type: ignore[index]
+                largest[a.stage] = max(largest[a.stage], tensors[a.tensor].largest_block_bytes)  # type: ignore[index]
                 in_use[a.stage] = in_use.get(a.stage, 0) + nbytes
                 peak[a.stage] = max(peak[a.stage], in_use[a.stage])
                 if a.kind is Kind.SO:
@@ -43,7 +59,8 @@ def pinned_bytes(schedule: Schedule, tensors: dict[str, TensorInfo]) -> list[int
             elif a.kind is Kind.B or (a.kind is Kind.OPT and a.tensor is not None):
                 key = (a.stage, a.microbatch, None) if a.kind is Kind.B else (a.stage, None, a.tensor)
                 in_use[a.stage] = in_use.get(a.stage, 0) - held.pop(key, 0)
-    return peak
+    return [p + round_up(int(p * FRAGMENTATION_HEADROOM), ALIGNMENT_BYTES) + b if p else 0
+            for p, b in zip(peak, largest)]
 
 
 def _host(action: Action, tensors: dict[str, TensorInfo]) -> bool:

@@ -52,11 +52,13 @@ class TensorInfo:
     stripes: D2D only: (peer device, fraction of the bytes) per stripe; fractions sum to 1.
     pool_bytes: what its blocks take in a pinned or peer pool while it is away (each of its
         tensors rounded up to the pools' alignment); 0 for what never leaves the device.
+    largest_block_bytes: its largest single block in such a pool.
     """
 
     bytes: int
     compute_s: float = 0.0
     pool_bytes: int = 0
+    largest_block_bytes: int = 0
     stripes: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
 

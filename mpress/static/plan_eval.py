@@ -13,6 +13,7 @@ from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan
 from mpress.static.emulator import emulate
 from mpress.static.evaluate import Evaluation, PipelineSetup
+from mpress.static.host_memory import pinned_bytes
 from mpress.static.lowering import build_program, late_frees, lower_rank_traced
 from mpress.static.memory import memory_model
 from mpress.static.placement import place_by_capacity
@@ -75,3 +76,17 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
                            memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices))
     return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program),
                       tensors=rw.tensors)
+
+
+def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
+    """`plan` with what a plan written by hand leaves out, and its evaluation: the program
+    its rules make on `setup` (`actions`, checked against the carried one when there is
+    one), each stage's pinned pool sized for that program where it gives none, and each
+    stage's predicted peak (its device's emulated peak) where it gives none."""
+    ev = evaluate_plan(setup, plan)
+    pinned = pinned_bytes(ev.schedule, ev.tensors)
+    peaks = ev.result.peak_bytes
+    stages = [replace(sp, pinned_host_bytes=sp.pinned_host_bytes or pinned[sp.stage],
+                      predicted_peak_bytes=sp.predicted_peak_bytes or peaks[sp.device]) for sp in plan.stages]
+    actions = plan.actions or [format_actions(list(r)) for r in ev.schedule.ranks]
+    return replace(plan, stages=stages, actions=actions), ev

@@ -62,6 +62,8 @@ class _Unit:
     rule: TensorRule
     pool_bytes: int = 0
     """What its blocks take in a pinned or peer pool while it is away."""
+    largest_block_bytes: int = 0
+    """Its largest block there."""
 
 
 def layer_tensors(costs: StageCosts) -> list[LayerTensors]:
@@ -94,8 +96,8 @@ class _Stage:
                 if rule.technique is not Technique.RECOMPUTE and not moved:
                     continue  # swapping it frees nothing (the stage's input, the targets): it stays
                 unit = UnitId(self.sp.stage, UnitKind.ACTIVATIONS, layer=layer.name, rule=r)
-                pool = sum(round_up(t.bytes, ALIGNMENT_BYTES) for t in moved)
-                out.append((_Unit(unit, li, rule, pool), sum(t.bytes for t in moved)))
+                blocks = [round_up(t.bytes, ALIGNMENT_BYTES) for t in moved]
+                out.append((_Unit(unit, li, rule, sum(blocks), max(blocks, default=0)), sum(t.bytes for t in moved)))
         return out
 
     def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:
@@ -148,9 +150,9 @@ def _backward_follows(actions: Sequence[Action], compute_pos: list[int], i: int)
     return nxt.kind is Kind.B and (nxt.stage, nxt.microbatch) == (actions[i].stage, actions[i].microbatch)
 
 
-def _info(rule: TensorRule, nbytes: int, pool_bytes: int) -> TensorInfo:
+def _info(rule: TensorRule, nbytes: int, pool_bytes: int, largest_block_bytes: int = 0) -> TensorInfo:
     return TensorInfo(bytes=nbytes, stripes=tuple((s.device, s.fraction) for s in rule.stripes),
-                      pool_bytes=pool_bytes)
+                      pool_bytes=pool_bytes, largest_block_bytes=largest_block_bytes)
 
 
 def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: Hardware) -> Rewritten:
@@ -190,7 +192,7 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                     if tech is Technique.RECOMPUTE:
                         after.setdefault(i, []).append(Action(a.stage, Kind.DR, a.microbatch, key))
                     else:
-                        tensors[key] = _info(unit.rule, nbytes, unit.pool_bytes)
+                        tensors[key] = _info(unit.rule, nbytes, unit.pool_bytes, unit.largest_block_bytes)
                         after.setdefault(i, []).append(Action(a.stage, _OUT[tech], a.microbatch, key))
             elif a.kind is Kind.B and a.microbatch is not None:
                 m = a.microbatch
@@ -243,9 +245,11 @@ def _stream_optimizer(st: _Stage, chunks: list[tuple[str, TensorRule | None, int
     names = [str(UnitId(stage, UnitKind.OPTIM, layer=layer)) for layer, _r, _b, _p in chunks]
     offloaded = [n for n, (_l, rule, _b, _p) in zip(names, chunks) if rule]
     for name, (layer, rule, nbytes, num_params) in zip(names, chunks):
-        info = _info(rule, nbytes, st.optim_pool_bytes(layer)) if rule else TensorInfo(bytes=nbytes)
+        largest = round_up(next(x for x in st.costs.layers if x.name == layer).largest_param_bytes, ALIGNMENT_BYTES)
+        info = _info(rule, nbytes, st.optim_pool_bytes(layer), largest) if rule else TensorInfo(bytes=nbytes)
         tensors[name] = TensorInfo(bytes=info.bytes, compute_s=optimizer_step_s(num_params, hardware),
-                                   stripes=info.stripes, pool_bytes=info.pool_bytes)
+                                   stripes=info.stripes, pool_bytes=info.pool_bytes,
+                                   largest_block_bytes=info.largest_block_bytes)
     prefetch.extend(Action(stage, Kind.OI, None, n) for n in offloaded[:OPTIMIZER_PREFETCH_DEPTH])
     out: list[Action] = []
     for name, (_layer, rule, _b, _p) in zip(names, chunks):

@@ -70,7 +70,8 @@ def test_host_swap_of_one_layer_in_every_microbatch() -> None:
     assert case.rank(1) == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1OPT"
     # fc#0 + fc#1 + act#0 = 4 + 1 + 1 MB; its saved input (ln#0, the token ids) is the
     # input batch's, which swapping would not free
-    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, pool_bytes=L0_POOL)}
+    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, pool_bytes=L0_POOL,
+                                                                 largest_block_bytes=4_000_256)}  # fc#0
     assert case.rw.schedule.name == "1f1b" and case.rw.schedule.stage_to_rank == (0, 1)
 
 
@@ -82,7 +83,8 @@ def test_prefetch_lead_moves_swap_ins_earlier() -> None:
         0F0 0SO0:{T} 0F1 0SO1:{T} 0SI0:{T} 0F2 0SO2:{T} 0SI1:{T} 0F3 0SO3:{T} 0SI2:{T} 0B0 0SI3:{T} 0B1
         0B2 0B3 0OPT""", T="0:layers.1.**@r0")
     # 7 MB of its own, and its input (layer 0's 0.1 MB output), which layer 0 does not keep
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000, pool_bytes=L1_POOL)}
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000, pool_bytes=L1_POOL,
+                                                                 largest_block_bytes=4_000_256)}
 
 
 def test_swap_in_waits_for_its_swap_outs_release_point() -> None:
@@ -106,8 +108,10 @@ def test_rule_on_one_tensor_moves_only_that_tensor() -> None:
         0F0 0SO0:{A} 0SO0:{B} 0F1 0SO1:{A} 0SO1:{B} 0SI0:{A} 0SI0:{B} 0B0 0SI1:{A} 0SI1:{B} 0B1 0OPT""",
                                   A="0:layers.1.**@r0", B="0:layers.1.**@r1")
     # B: ln#0 (its input, 0.1 MB) + fc#1 1 MB + act#0 2 MB
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=4 * MB, pool_bytes=4_000_256),
-                               "0:layers.1.**@r1": TensorInfo(bytes=3_100_000, pool_bytes=100_352 + 1_000_448 + 2_000_384)}
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=4 * MB, pool_bytes=4_000_256,
+                                                                 largest_block_bytes=4_000_256),
+                               "0:layers.1.**@r1": TensorInfo(bytes=3_100_000, pool_bytes=100_352 + 1_000_448 + 2_000_384,
+                                                                 largest_block_bytes=2_000_384)}
 
 
 def test_no_swap_when_backward_directly_follows_forward() -> None:
@@ -202,6 +206,7 @@ def test_d2d_swap_with_stripes() -> None:
     assert case.rank(0) == expand("0F0 0DO0:{T} 0F1 0DO1:{T} 0DI0:{T} 0B0 0DI1:{T} 0B1 0OPT",
                                   T="0:layers.1.**@r0")
     assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=7_100_000, pool_bytes=L1_POOL,
+                                                                  largest_block_bytes=4_000_256,
                                                                   stripes=((2, 1 / 3), (3, 2 / 3)))}
     lowered = {str(t.action): t for t in case.program().ranks[0]}
     assert [(x.channel, x.bytes) for x in lowered["0DO0:0:layers.1.**@r0"].transfers] == [
@@ -339,7 +344,8 @@ def test_different_techniques_per_microbatch() -> None:
     assert case.rank(0) == expand("""
         0F0 0SO0:{H} 0F1 0SO1:{H} 0SI0:{H} 0B0 0SI1:{H} 0F2 0DR2:{R} 0B1 0F3 0DR3:{R} 0B2 0RC2:{R}
         0B3 0RC3:{R} 0OPT""", H="0:layers.0.**@r0", R="0:layers.0.**@r1")
-    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, pool_bytes=L0_POOL),
+    assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, pool_bytes=L0_POOL,
+                                                                 largest_block_bytes=4_000_256),
                                "0:layers.0.**@r1": TensorInfo(bytes=0, compute_s=1.0e-3)}
     res = case.emulate()
     assert res.busy_s_by_cost["recompute"] == pytest.approx(2 * 1.0e-3)  # mbs 2 and 3 only

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from mpress.actions import format_actions
 from mpress.hardware import load_hardware
 from mpress.model_config import ModelConfig, load_model_config
 from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
 from mpress.static.evaluate import setup_pipeline
-from mpress.static.plan_eval import evaluate_plan
+from mpress.static.plan_eval import complete_plan
 from tests.support.tiny_pipeline import (
     MICROBATCH_SIZE,
     MODEL,
@@ -81,16 +80,13 @@ def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[
 def with_program(plan: Plan, model: ModelConfig) -> Plan:
     """`plan` with the program its rules make for `model` on the plan's hardware (the
     static rewriter's, as `mpress plan` writes it) and each stage's predicted peak: the
-    emulated peak of its device."""
+    emulated peak of its device (`complete_plan`, as the launcher completes a plan file)."""
     hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages]
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                            num_ranks=plan.num_ranks if plan.num_ranks != plan.num_stages else None, ranges=ranges)
-    ev = evaluate_plan(setup, dataclasses.replace(plan, actions=[]))
-    peaks = ev.result.peak_bytes
-    stages = [dataclasses.replace(sp, predicted_peak_bytes=peaks[sp.device]) for sp in plan.stages]
-    return dataclasses.replace(plan, stages=stages, actions=[format_actions(list(r)) for r in ev.schedule.ranks])
+    return complete_plan(setup, dataclasses.replace(plan, actions=[]))[0]
 
 
 def d2d_plan(devices: list[int], *, stripes: dict[int, dict[int, float]] | None = None,

@@ -8,7 +8,7 @@ also enumerates all 8! = 40320 mappings, each solved exactly by max-flow, and pr
 speed-up. (The paper's enumeration also enumerates spare splits per mapping, so it is
 slower still: 47 s on its worst case.)
 
-Usage: python bench/mapper.py [--repeats N] [--budget S] [--enumerate first|all|none]
+Usage: PYTHONPATH=. python bench/mapper.py [--repeats N] [--budget S] [--enumerate first|all|none]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mpress.d2d.static.mapper import map_devices
 from mpress.d2d.static.mapping import MapperResult, MappingProblem, mapping_value
 from mpress.hardware import load_hardware
 from mpress.units import fmt_bytes, fmt_seconds
-from mpress.d2d.static.enumeration import brute_force, mesh16
+from tests.support.mapper import brute_force, mesh16  # test fixtures, not package code: needs PYTHONPATH=.
 
 GB = 10**9
 

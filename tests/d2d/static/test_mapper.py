@@ -20,7 +20,7 @@ from mpress.d2d.static.mapping import MappingProblem, assign_spare, mapping_valu
 from mpress.d2d.static.maxflow import SwapNetwork, solve_by_flow, solve_concave, stage_levels
 from mpress.errors import PlanError, UserError
 from mpress.hardware import load_hardware
-from mpress.d2d.static.enumeration import brute_force, mesh16
+from tests.support.mapper import brute_force, mesh16
 
 GB = 10**9
 

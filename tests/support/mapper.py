@@ -1,6 +1,5 @@
-"""The reference the device mapper's search is measured against (its tests and
-`bench/mapper.py`): the optimum by enumerating every mapping, as the MPress paper does,
-and a hypothetical 16-GPU topology beyond the presets for scaling studies."""
+"""Mapper fixtures for tests and bench/mapper.py (fixtures stay out of the package): the
+optimum by enumeration, as the MPress paper finds it, and a hypothetical 16-GPU topology."""
 
 from __future__ import annotations
 

@@ -181,7 +181,9 @@ class PipelineJob:
             if target.numel():  # a released master's storage is away
                 live.adopt(target, f"master {name}", host=host)
             for part, state in self.optimizer.state.get(target, {}).items():
-                if isinstance(state, torch.Tensor):
+                # Adam's step counter is a host scalar (non-capturable optimizers keep it
+                # on the CPU), as when Adam makes it itself
+                if isinstance(state, torch.Tensor) and state.dim() > 0:
                     live.adopt(state, f"optimizer {part} {name}", host=host)
 
     def _build_stage(self, s: int, group: dist.ProcessGroup | None) -> tuple[nn.Module, PipelineStage, list[str]]:

@@ -40,7 +40,7 @@ from mpress.static.lowering import TensorInfo
 from mpress.static.memory import StageCosts, optimizer_step_s
 from mpress.static.stage_memory import freeable_tensors
 from mpress.units import ALIGNMENT_BYTES, round_up
-from mpress.vocabulary import Technique
+from mpress.vocabulary import OptimizerStep, Technique
 
 _OUT = {Technique.HOST: Kind.SO, Technique.D2D: Kind.DO}
 _IN = {Technique.HOST: Kind.SI, Technique.D2D: Kind.DI}
@@ -102,10 +102,13 @@ class _Stage:
 
     def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:
         """Per layer: (layer name, the rule that offloads its optimizer states and master
-        weights or None when kept, their bytes, its parameter count)."""
+        weights or None when kept, their bytes, its parameter count). A stage whose step
+        runs on the host keeps them there for good: nothing streams (its `optim:` rules
+        are subsumed)."""
         out = []
+        host_step = self.sp.optimizer_step is OptimizerStep.HOST
         for layer in self.costs.layers:
-            found = self.rules.model_data_rule("optim", layer.name)
+            found = None if host_step else self.rules.model_data_rule("optim", layer.name)
             out.append((layer.name, found[1] if found else None, layer.optim_bytes + layer.master_bytes,
                         layer.optim_bytes // 8))
         return out

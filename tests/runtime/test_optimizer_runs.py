@@ -1,7 +1,10 @@
 """The optimizer under a plan: fp32 master weights (bf16 model), their offload with the
-Adam states (`optim:` host rules), and the step on the host (`optimizer_step: host`).
-Pure plan tests first, then one spawn of 2 CPU (gloo) ranks running every job: each must
-equal plain pipelining of the same precision bit for bit (`torch.equal`), dropout on."""
+Adam states (`optim:` host rules, streamed one layer's chunk at a time by the program's
+OI/OO actions), and the step on the host (`optimizer_step: host`). Every run steps the
+optimizer one layer at a time, plain pipelining included. Pure plan tests first, then
+one spawn of 2 CPU (gloo) ranks running every job: each must equal plain pipelining of
+the same precision bit for bit (`torch.equal`), dropout on, and execute its program's
+list exactly."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from mpress.actions import Kind
 from mpress.errors import ConfigError
 from mpress.model_config import ModelConfig, load_model_config
 from mpress.plan import Plan, StagePlan, Stripe, TensorRule
@@ -58,6 +62,28 @@ def test_bad_optimizer_step_values_are_refused(tmp_path):
         StagePlan(stage=0, device=0, first_layer=0, end_layer=3, rules=[d2d], optimizer_step="host")
 
 
+def test_an_offloaded_stage_streams_its_optimizer_one_layer_chunk_at_a_time():
+    """Each offloaded layer's chunk comes in (OI) before its own step and goes out (OO)
+    right after it; a stage without `optim:` rules steps as a whole (one OPT)."""
+    plan = plan_for("bf16", "1f1b", {0: [OFFLOAD]})
+    chunks = ["0:optim:embed", "0:optim:layers.0", "0:optim:layers.1"]
+    moves = [(a.kind, a.tensor) for a in plan.program(0) if a.kind in (Kind.OI, Kind.OO, Kind.OPT)]
+    assert [t for k, t in moves if k is Kind.OPT] == chunks
+    for chunk in chunks:
+        at = {k: moves.index((k, chunk)) for k in (Kind.OI, Kind.OPT, Kind.OO)}
+        assert at[Kind.OI] < at[Kind.OPT] < at[Kind.OO], (chunk, moves)
+    assert [str(a) for a in plan.program(1) if a.kind in (Kind.OI, Kind.OO, Kind.OPT)] == ["1OPT"]
+
+
+def test_a_host_step_stage_moves_no_optimizer_chunks():
+    """`optimizer_step: host` subsumes the stage's `optim:` rules (its data lives on the
+    host for good, `optimizer_offload.py`): its program must not stream chunks through
+    the device, which nothing at run time would execute."""
+    plan = plan_for("bf16", "1f1b", {0: [OFFLOAD]}, host_step=(0,))
+    moves = [str(a) for a in plan.program(0) if a.kind in (Kind.OI, Kind.OO)]
+    assert moves == [], moves
+
+
 def test_a_plan_without_the_field_loads_with_device_steps(tmp_path):
     text = plan_for("fp32", "1f1b", {}).to_yaml()
     assert "optimizer_step: device" in text
@@ -90,9 +116,13 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
             pj.close()
             pj = PipelineJob(spec, plan, torch.device("cpu"))
             pj.load_state(saved)
+            del saved  # the loaded states may share its storages: gone, as in the launcher
             torch.set_rng_state(rng)
         x, y = batch(step, NUM_MICROBATCHES)
         losses.append(pj.step(x, y).loss)
+    live_between_steps = pj.live.live_bytes  # after the last step: what stays on the device
+    executed = ([str(a) for a in pj.program.last_log], [str(a) for a in pj.program.actions]) \
+        if pj.program is not None else None
     stages = []
     for rt, module in zip(pj.runtimes, pj.modules):
         if rt.engine is not None:
@@ -103,7 +133,9 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
                        "num_params": sum(p.numel() for p in module.parameters()),
                        "num_tensors": len(list(module.parameters())),
                        "bytes_out": rt.engine.stats.bytes_out if rt.engine is not None else 0})
-    result = {"losses": losses, "state": pj.state(), "stages": stages,
+    result = {"losses": losses, "state": pj.state(), "stages": stages, "live_bytes": live_between_steps,
+              "executed": executed, "num_params": {s: sum(p.numel() for p in m.parameters())
+                                                    for s, m in zip(pj.stage_ids, pj.modules)},
               "dtypes": {p.dtype for m in pj.modules for p in m.parameters()}}
     pj.close()
     return result
@@ -114,11 +146,19 @@ def _jobs_worker(rank: int, world: int, plan_paths: list[str | None], jobs: list
         yield _run_one(job, path, rank)
 
 
-def run(jobs: list[Job]) -> list[list[dict]]:
-    """Per job, per rank: losses, final state and per-stage accounting (one spawn)."""
-    spawned = spawn(_jobs_worker, WORLD, [job.plan for job in jobs], jobs)
-    assert not spawned.errors, spawned.errors
-    return spawned.results
+@dataclasses.dataclass
+class Runs:
+    """Per job, per rank: losses, final state and per-stage accounting (one spawn), and
+    the errors by rank of the job that stopped the spawn (jobs after it did not run)."""
+
+    results: dict[str, list[dict | None]]
+    errors: dict[int, str]
+
+    def __getitem__(self, name: str) -> list[dict]:
+        if any(r is None for r in self.results[name]):
+            firsts = {rank: text.splitlines()[0] for rank, text in self.errors.items()}
+            pytest.fail(f"job {name} did not finish: {firsts}")
+        return self.results[name]  # type: ignore[return-value]
 
 
 def stage_records(result: list[dict]) -> dict[int, dict]:
@@ -126,10 +166,10 @@ def stage_records(result: list[dict]) -> dict[int, dict]:
 
 
 JOBS = {
+    # jobs run in this order in one spawn; a failing job stops the ones after it
     "bf16": Job(precision="bf16"),
+    "bf16-resumed": Job(precision="bf16", resume_after=2),
     "bf16-offload": Job(precision="bf16", plan=plan_for("bf16", "1f1b", {0: [OFFLOAD, ACTIVATIONS], 1: [OFFLOAD]})),
-    "bf16-host-step": Job(precision="bf16", plan=plan_for("bf16", "1f1b", {0: [OFFLOAD, ACTIVATIONS]},
-                                                          host_step=(0, 1))),
     "bf16-mixed-resumed": Job(precision="bf16", resume_after=2,
                               plan=plan_for("bf16", "1f1b", {1: [OFFLOAD, ACTIVATIONS]}, host_step=(0,))),
     "fp32": Job(precision="fp32"),
@@ -138,12 +178,24 @@ JOBS = {
     # rank 0 holds stages 0 (host step) and 2 (offload): one optimizer over CPU and device masters
     "bf16-interleaved-mixed": Job(precision="bf16", schedule="interleaved",
                                   plan=plan_for("bf16", "interleaved", {2: [OFFLOAD], 1: [OFFLOAD]}, host_step=(0, 3))),
+    # last: the host step subsumes stage 0's `optim:` rule (see
+    # test_a_host_step_stage_moves_no_optimizer_chunks)
+    "bf16-host-step": Job(precision="bf16", plan=plan_for("bf16", "1f1b", {0: [OFFLOAD, ACTIVATIONS]},
+                                                          host_step=(0, 1))),
 }
+OPTIMIZER_BYTES_PER_PARAM = {"bf16": 12, "fp32": 8}
+"""Optimizer data per parameter a stage keeps on the device when it steps there and
+offloads nothing: Adam's two fp32 states, plus the fp32 master under bf16 (fp32 steps
+the parameter itself)."""
+BASELINE = {"bf16-resumed": "bf16", "bf16-offload": "bf16", "bf16-host-step": "bf16", "bf16-mixed-resumed": "bf16",
+            "fp32-host-step": "fp32", "bf16-interleaved-mixed": "bf16-interleaved"}
+"""The plain, uninterrupted run each job must equal bit for bit."""
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, list[dict]]:
-    return dict(zip(JOBS, run(list(JOBS.values()))))
+def results() -> Runs:
+    spawned = spawn(_jobs_worker, WORLD, [job.plan for job in JOBS.values()], list(JOBS.values()))
+    return Runs(dict(zip(JOBS, spawned.results)), spawned.errors)
 
 
 @pytest.mark.slow
@@ -160,13 +212,23 @@ def test_bf16_trains_half_parameters_with_fp32_masters(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, plain", [
-    ("bf16-offload", "bf16"), ("bf16-host-step", "bf16"), ("bf16-mixed-resumed", "bf16"),
-    ("fp32-host-step", "fp32"), ("bf16-interleaved-mixed", "bf16-interleaved"),
-])
+@pytest.mark.parametrize("name, plain", BASELINE.items())
 def test_runs_equal_plain_pipelining_bit_for_bit(results, name, plain):
     assert all(loss is not None for loss in results[name][-1]["losses"])
     assert_identical(results[plain], results[name], masters=True)
+    for rank, r in enumerate(results[name]):  # what ran is the plan's list, action for action
+        if JOBS[name].plan is not None:
+            executed, planned = r["executed"]
+            assert executed == planned, rank
+
+
+@pytest.mark.slow
+def test_a_resumed_run_holds_what_the_uninterrupted_one_holds(results):
+    """Between steps a run resumed from a checkpoint has the same bytes on each rank's
+    device as one that never stopped (the loaded model and optimizer data replace what
+    was there; Adam's `step` counts are host scalars in both)."""
+    for rank, (a, b) in enumerate(zip(results["bf16"], results["bf16-resumed"])):
+        assert b["live_bytes"] == a["live_bytes"], (rank, a["live_bytes"], b["live_bytes"])
 
 
 @pytest.mark.slow
@@ -174,13 +236,26 @@ def test_runs_equal_plain_pipelining_bit_for_bit(results, name, plain):
                                   "bf16-interleaved-mixed"])
 def test_optimizer_data_off_the_device_is_in_the_managers_report(results, name):
     """Every stage with an `optim:*` host rule or a host step has its masters (or host
-    copies) and both Adam states on the host after a step, and its manager says so."""
-    plan = JOBS[name].plan
+    copies) and both Adam states off the device after a step (the rank's live bytes are
+    the plain run's less exactly those), and its manager says so."""
+    job = JOBS[name]
+    plan, plain = job.plan, results[BASELINE[name]]
+    offs = []
+    for rank, (r, p) in enumerate(zip(results[name], plain)):
+        # between steps the device holds the plain run's bytes less the optimizer data of
+        # every stage whose data is off it (activations are all back by then)
+        offs.append(sum(OPTIMIZER_BYTES_PER_PARAM[job.precision] * n for s, n in r["num_params"].items()
+                        if plan.stage(s).optimizer_step == "host" or OFFLOAD in plan.stage(s).rules))
+        assert p["live_bytes"] - r["live_bytes"] == offs[-1], (rank, p["live_bytes"], r["live_bytes"], offs[-1])
+    assert any(offs)
     for s, st in stage_records(results[name]).items():
         sp = plan.stage(s)
         off = sp.optimizer_step == "host" or OFFLOAD in sp.rules
         assert st["host_bytes"] == (BYTES_PER_PARAM_OFF_DEVICE * st["num_params"] if off else 0), s
         assert st["masters"] == (st["num_tensors"] if off else 0), s
-        # a host step moves nothing through the swap engine between steps; an offload does
+        # the swap engine carries what the program sends out: offloaded chunks (OO) and
+        # activations (SO; none where B follows F at once); a host step moves nothing
         swaps_optimizer = sp.optimizer_step == "device" and OFFLOAD in sp.rules
-        assert (st["bytes_out"] > 0) == (swaps_optimizer or ACTIVATIONS in sp.rules), s
+        sends = {a.kind for a in plan.program(s % WORLD) if a.stage == s and a.kind in (Kind.SO, Kind.OO)}
+        assert (Kind.OO in sends) == swaps_optimizer, s
+        assert (st["bytes_out"] > 0) == bool(sends), s

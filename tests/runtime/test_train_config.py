@@ -1,6 +1,7 @@
 """Training configs: presets load, bad files are refused naming file and key, world-size
 and backend rules."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_mixed_and_plain_differ_only_in_plan():
     mixed = load_train_config("gpt-tiny-mixed")
     plain = load_train_config("gpt-tiny-plain")
     assert mixed.schedule == "1f1b" and mixed.plan == "auto" and mixed.hardware == "cpu-local"
-    assert mixed.device_memory_bytes == 1_700_000
+    assert mixed.device_memory_bytes == 2_500_000
     assert plain.plan == "none" and plain.device_memory is None
     assert (mixed.model, mixed.schedule, mixed.steps, mixed.seed, mixed.optimizer, mixed.data) == \
         (plain.model, plain.schedule, plain.steps, plain.seed, plain.optimizer, plain.data)
@@ -89,7 +90,7 @@ def test_defaults(tmp_path):
     ("model: gpt-tiny\ncheckpoint: {resume: true}\n", "checkpoint.resume"),
     ("model: gpt-tiny\nplan: missing-plan.yaml\n", "plan"),
     ("model: gpt-tiny\nplan: auto\ndevice_memory: lots\n", "device_memory"),
-    ("model: gpt-tiny\ndevice_memory: 3MB\n", "device_memory"),
+    ("model: gpt-tiny\ndevice_memory: 0MB\n", "device_memory"),
     ("model: gpt-tiny\nplan: auto\nhardware: no-such-box\n", "hardware"),
     ("model: gpt-nano\n", "model"),
     ("model: gpt-tiny\nnum_stages: 7\nnum_microbatches: 8\n", "num_stages"),
@@ -97,6 +98,13 @@ def test_defaults(tmp_path):
 ])
 def test_bad_config_names_file_and_key(tmp_path, text, key):
     refused(write(tmp_path, text), key)
+
+
+@pytest.mark.parametrize("plan", ["none", "auto"])
+def test_device_memory_goes_with_any_plan(tmp_path, plan):
+    """With `plan: none` it is the capacity of each CPU rank's stand-in device."""
+    cfg = load_train_config(write(tmp_path, f"model: gpt-tiny\nplan: {plan}\ndevice_memory: 3MB\n"))
+    assert cfg.device_memory_bytes == 3_000_000
 
 
 def test_bad_yaml_and_unknown_preset(tmp_path):
@@ -162,12 +170,36 @@ def test_resolve_backend(monkeypatch):
 
 
 def test_the_mixed_example_plans_a_mix_of_techniques():
+    """Every stage of the main example needs more than its budget without mpress, so
+    every stage compacts, with more than one technique; the plan fits the budget."""
     from mpress.launcher.startup import plan_for
 
     cfg = load_train_config("gpt-tiny-mixed")
-    plan, ranges = plan_for(cfg, model_config(cfg), 4, 4)
-    assert plan is not None and plan.fits and len(ranges) == 4
+    budget = cfg.device_memory_bytes
+    start = plan_for(cfg, model_config(cfg), 4, 4)
+    plan = start.plan
+    assert plan is not None and plan.fits and len(start.ranges) == 4
+    plain = plan_for(dataclasses.replace(cfg, plan="none"), model_config(cfg), 4, 4)
+    assert all(peak > budget for peak in plain.predicted_peak_bytes), plain.predicted_peak_bytes
+    assert all(peak <= budget for peak in start.predicted_peak_bytes), start.predicted_peak_bytes
+    assert all(sp.rules for sp in plan.stages)
     techniques = {(r.tensor.split(":")[0] if ":" in r.tensor else "activation", r.technique)
                   for sp in plan.stages for r in sp.rules}
-    assert ("optim", "host") in techniques
-    assert ("activation", "host") in techniques and ("activation", "recompute") in techniques
+    assert ("optim", "host") in techniques and ("activation", "recompute") in techniques
+
+
+def test_the_d2d_example_needs_peer_memory_and_finds_it():
+    """Stage 0 of the D2D example needs more than its budget without mpress; the d2d
+    strategy fits every rank by parking data in other ranks' spare memory."""
+    from mpress.launcher.startup import plan_for
+
+    cfg = load_train_config("gpt-tiny-d2d")
+    budget = cfg.device_memory_bytes
+    plain = plan_for(dataclasses.replace(cfg, plan="none", strategy="mpress"), model_config(cfg), 4, 4)
+    assert plain.predicted_peak_bytes[0] > budget, plain.predicted_peak_bytes
+    start = plan_for(cfg, model_config(cfg), 4, 4)
+    assert start.plan is not None and start.plan.fits
+    assert all(peak <= budget for peak in start.predicted_peak_bytes), start.predicted_peak_bytes
+    rules = [r for sp in start.plan.stages for r in sp.rules]
+    assert rules and all(r.technique == "d2d" for r in rules)
+    assert any(sp.peer_pool_bytes for sp in start.plan.stages)

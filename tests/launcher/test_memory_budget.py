@@ -81,3 +81,24 @@ def test_the_main_job_without_a_plan_runs_out_of_memory_naming_rank_action_and_r
         residents = m.group(6).split(", ")
         assert residents and all(re.fullmatch(r".+ [\d.]+ [KM]?B", x) for x in residents), line
     assert len({x.split(":")[1] for x in lines}) == len(lines)  # one line per rank
+
+
+SHIPPED = sorted(p.stem for p in (ROOT / "configs/train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_peaks_within_its_prediction(name, tmp_path):
+    """Each shipped config, a few steps through torchrun: on every rank the measured peak
+    (every byte, the `report:` figures) is at most the emulator's prediction of the same
+    program and at least 90% of it, and within the config's device budget."""
+    config = yaml.safe_load((ROOT / f"configs/train/{name}.yaml").read_text())
+    config.update(steps=3, log_every=3, report=str(tmp_path / "report.json"))
+    config.pop("checkpoint", None)
+    stages = int(config.get("num_stages") or 4)
+    res = launch(config, tmp_path, nproc=stages // 2 if config.get("schedule") == "interleaved" else stages)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = yaml.safe_load((tmp_path / "report.json").read_text())
+    budget = parse_bytes(str(config["device_memory"])) if config.get("device_memory") else None
+    for r in rows:
+        assert 0.9 * r["predicted"] <= r["measured"] <= r["predicted"], (name, r)
+        assert budget is None or r["measured"] <= budget, (name, r)

@@ -4,8 +4,15 @@ fragmentation headroom and one largest block."""
 
 from __future__ import annotations
 
+import pytest
+
 from mpress.actions import Schedule, parse_actions
+from mpress.hardware import load_hardware
+from mpress.model_config import load_model_config
+from mpress.static.evaluate import setup_pipeline
 from mpress.static.host_memory import FRAGMENTATION_HEADROOM, pinned_bytes
+from mpress.static.plan_eval import evaluate_plan
+from mpress.static.planner import PlannerOptions, plan_strategy
 from mpress.static.lowering import TensorInfo
 from mpress.units import ALIGNMENT_BYTES, round_up
 from mpress.vocabulary import ScheduleName
@@ -45,3 +52,22 @@ def test_host_offloaded_optimizer_chunks_are_in_the_pool_from_the_start():
 def test_a_stage_that_moves_nothing_to_the_host_needs_no_pool():
     sched = schedule("0F0 0F1 0B0 0B1 0OPT", f"1F0 1B0 1F1 1B1 1OPT:{OB} 1OO:{OB}")
     assert pinned_bytes(sched, {**TENSORS, OB: TENSORS[OB]}) == [0, 0]
+
+
+@pytest.mark.slow
+def test_the_gpt_20b_dgx1_plan_pins_what_the_runtime_pins_and_the_host_holds_it():
+    """The README's real-size plan: each stage's pinned figure is what its program needs
+    (this walk), the runtime pins exactly that figure (`PinnedHostPool` page-locks its
+    capacity rounded up to the block alignment, tested with a fake cudart beside it), and
+    all of it fits the preset's host memory."""
+    hardware = load_hardware("dgx1-v100")
+    setup = setup_pipeline(load_model_config("gpt-20.4b"), hardware, schedule="1f1b", num_stages=8,
+                           microbatch_size=2, num_microbatches=16)
+    result = plan_strategy(setup, "mpress", PlannerOptions())
+    assert result.fits
+    plan = result.plan
+    ev = evaluate_plan(setup, plan)
+    walked = pinned_bytes(ev.schedule, ev.tensors)
+    assert [sp.pinned_host_bytes for sp in plan.stages] == walked
+    pinned = sum(round_up(b, ALIGNMENT_BYTES) for b in walked)  # what the stages' pools page-lock
+    assert 0 < pinned <= hardware.host_memory_bytes

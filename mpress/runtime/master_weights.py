@@ -87,8 +87,8 @@ class MasterWeights:
     params: the model's parameters by name (their order is the optimizer's order).
     make_optimizer: builds the optimizer over `tensors()`.
     host: names of parameters whose step runs on the host (`optimizer_step: host`).
-    Pinned host memory is used for host copies exactly when their parameter is on CUDA.
-    """
+    A host copy of a parameter on CUDA gets a pinned staging buffer in the parameter's
+    dtype (what crosses PCIe); its fp32 master is pageable host memory."""
 
     def __init__(self, params: dict[str, nn.Parameter], make_optimizer: OptimizerFactory, *,
                  host: Collection[str] = ()) -> None:
@@ -246,14 +246,20 @@ class MasterWeights:
             raise UserError(f"no parameter named {name!r}") from None
 
 
+def _on_accelerator(p: torch.Tensor) -> bool:
+    """Whether `p` lives across PCIe from the host (its host copy needs pinned staging)."""
+    return p.device.type == "cuda"
+
+
 def _make_entry(name: str, p: nn.Parameter, *, on_host: bool) -> _Entry:
     if not p.is_floating_point():
         raise UserError(f"parameter {name} is {p.dtype}; the optimizer steps floating-point parameters")
     if on_host:
-        pin = p.device.type == "cuda"
-        target = torch.empty(p.shape, dtype=MASTER_DTYPE, pin_memory=pin)
+        # Only the staging buffer crosses PCIe (gradients in, rounded parameters out); the
+        # fp32 master stays on the host, where the CPU's optimizer steps it: pageable.
+        target = torch.empty(p.shape, dtype=MASTER_DTYPE)
         target.copy_(p.detach())
-        staging = torch.empty(p.shape, dtype=p.dtype, pin_memory=True) if pin else None
+        staging = torch.empty(p.shape, dtype=p.dtype, pin_memory=True) if _on_accelerator(p) else None
         return _Entry(name=name, param=p, kind=Kind.HOST_COPY, target=target, staging=staging)
     if p.dtype == MASTER_DTYPE:
         return _Entry(name=name, param=p, kind=Kind.PARAM, target=p)

@@ -199,10 +199,11 @@ def test_wrong_uses_are_refused():
 
 
 @pytest.mark.cuda
-def test_cuda_host_step_uses_pinned_buffers_and_equals_the_cpu_step():
+def test_cuda_host_step_equals_the_cpu_step():
     gpu = make_params(torch.bfloat16, "cuda")
     mw = MasterWeights(gpu, adam, host=list(gpu))
-    assert all(mw.target(n).is_pinned() and mw.target(n).device.type == "cpu" for n in gpu)
+    # the masters are pageable host memory (only staging crosses PCIe: test_master_pinning.py)
+    assert all(not mw.target(n).is_pinned() and mw.target(n).device.type == "cpu" for n in gpu)
     train(mw, gpu, range(3))
     cpu = make_params(torch.bfloat16)
     ref = MasterWeights(cpu, adam, host=list(cpu))

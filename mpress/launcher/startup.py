@@ -16,6 +16,7 @@ import torch.distributed as dist
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
 from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware import Hardware, load_hardware
+from mpress.launcher.devices import cuda_bus_ids, cuda_index_of
 from mpress.model_config import ModelConfig
 from mpress.plan import Plan
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
@@ -36,6 +37,9 @@ class StartPlan:
     predicted_peak_bytes: list[int]
     """Per rank: the emulator's peak of its device in one iteration of the same program
     (plain pipelining for `plan: none`), for the predicted-vs-measured report."""
+    device_bus_ids: list[str] | None = None
+    """The PCI bus id of each of the plan's devices: the CUDA devices rank 0 saw, in CUDA
+    order (the plan's device d is its cuda:d); None on CPU runs."""
 
 
 def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) -> StartPlan:
@@ -43,6 +47,11 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) 
     without a program gets the one its rules make (the rewriter's, as the planner would),
     and its pinned pools the size that program needs where the file gives none."""
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+    bus_ids = cuda_bus_ids() if cuda else None
+    return dataclasses.replace(_plan_for(cfg, model, num_stages, world, cuda), device_bus_ids=bus_ids)
+
+
+def _plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int, cuda: bool) -> StartPlan:
     if cfg.plan not in ("auto", "none"):
         plan = Plan.load(cfg.plan)
         hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
@@ -82,12 +91,14 @@ def _rank_peaks(device_peaks: list[int], stage_to_device: list[int], world: int)
     return [device_peaks[stage_to_device[r]] for r in range(world)]
 
 
-def hardware_for(cfg: TrainConfig, world: int, cuda: bool) -> Hardware:
+def hardware_for(cfg: TrainConfig, world: int, cuda: bool, *, nvml: object = None) -> Hardware:
     """What `plan: auto` plans for: the config's preset (its device count and memory as
-    the run has them), checked against this machine's GPUs on CUDA; or, with `hardware:
-    detect`, the GPUs pynvml finds."""
+    the run has them), checked against the GPUs this process sees on CUDA; or, with
+    `hardware: detect`, the GPUs this process sees (its CUDA devices, in CUDA order, linked
+    as pynvml reports them; every GPU NVML lists where CUDA sees none), never GPUs that
+    CUDA_VISIBLE_DEVICES leaves to other jobs. `nvml` replaces the pynvml module (tests)."""
     if cfg.hardware == HARDWARE_DETECT:
-        topology, why = detect_local_hardware()
+        topology, why = detect_local_hardware(nvml=nvml, visible_bus_ids=cuda_bus_ids())
         if topology is None:
             raise TopologyError(f"hardware: detect: {why}")
         hardware = topology.hardware
@@ -97,16 +108,16 @@ def hardware_for(cfg: TrainConfig, world: int, cuda: bool) -> Hardware:
         return hardware
     hardware = load_hardware(cfg.hardware, num_devices=world, memory_bytes=cfg.device_memory_bytes)
     if cuda:
-        check_topology(hardware)
+        check_topology(hardware, nvml=nvml)
     return hardware
 
 
 def check_topology(expected: Hardware, *, nvml: object = None) -> None:
-    """Refuse to train when this machine's GPUs are not linked as `expected` says (a plan
-    for another topology would stripe over links that do not exist). A subset of the
-    machine's GPUs may be used: a larger machine is not a mismatch. `nvml` replaces the
-    pynvml module (tests)."""
-    topology, why = detect_local_hardware(nvml=nvml)
+    """Refuse to train when the GPUs this process sees (its CUDA devices, in CUDA order:
+    the plan's device d is cuda:d) are not linked as `expected` says (a plan for another
+    topology would stripe over links that do not exist). A subset of them may be used: more
+    GPUs than the plan's is not a mismatch. `nvml` replaces the pynvml module (tests)."""
+    topology, why = detect_local_hardware(nvml=nvml, visible_bus_ids=cuda_bus_ids())
     if topology is None:
         raise TopologyError(f"cannot check the topology of {expected.name} against this machine: {why}")
     problems = [p for p in compare_topology(expected, topology.hardware)
@@ -115,9 +126,17 @@ def check_topology(expected: Hardware, *, nvml: object = None) -> None:
         raise TopologyError(f"the plan's hardware {expected.name} does not match this machine: {'; '.join(problems)}")
 
 
-def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool) -> torch.device:
+def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
+                plan_bus_ids: list[str] | None = None) -> torch.device:
     """The device this rank trains on: on CUDA the plan's stage-to-device map decides
-    (without a plan: LOCAL_RANK); gloo ranks all use the CPU."""
+    (without a plan: LOCAL_RANK); gloo ranks all use the CPU.
+
+    plan_bus_ids (`StartPlan.device_bus_ids`): the PCI bus id of each of the plan's
+    devices. The rank takes the CUDA device with its device's bus id, whatever this
+    process's CUDA numbers it; without them, the plan's number is taken as this process's
+    CUDA index. A D2D plan addresses peer GPUs by the plan's numbers, so there every rank
+    must number them as rank 0 did.
+    """
     if not cuda:
         return torch.device("cpu")
     if plan is None:
@@ -126,9 +145,18 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool) -> torch.d
     if len(devices) != 1:
         raise PlanError(f"plan puts the stages of rank {rank} on devices {sorted(devices)}; a rank has one device")
     index = devices.pop()
-    if index >= torch.cuda.device_count():
-        raise PlanError(f"plan maps rank {rank} to GPU {index}, this process sees {torch.cuda.device_count()} GPUs")
-    return torch.device("cuda", index)
+    if plan_bus_ids is None:
+        if index >= torch.cuda.device_count():
+            raise PlanError(f"plan maps rank {rank} to GPU {index}, this process sees {torch.cuda.device_count()} GPUs")
+        return torch.device("cuda", index)
+    if index >= len(plan_bus_ids):
+        raise PlanError(f"plan maps rank {rank} to GPU {index}, rank 0 saw {len(plan_bus_ids)} GPUs when it planned")
+    bus_id = plan_bus_ids[index]
+    local = cuda_index_of(bus_id, cuda_bus_ids(), rank=rank, plan_device=index)
+    if local != index and plan.uses_peer_pools:
+        raise PlanError(f"rank {rank}: the plan's GPU {index} (PCI {bus_id}) is cuda:{local} here, and D2D swaps "
+                        "address peer GPUs by the plan's numbers: give every rank the same CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", local)
 
 
 def pool_override(variable: str) -> int | None:

@@ -160,7 +160,7 @@ class DetectedGpu:
     """What NVML reports about one GPU."""
 
     index: int
-    """NVML device index."""
+    """NVML device index (not the CUDA index: NVML numbers every GPU of the machine)."""
     name: str
     """Model name, e.g. "Tesla V100-SXM2-32GB"."""
     memory_bytes: int
@@ -178,7 +178,7 @@ class DetectedTopology:
     """The local machine as NVML sees it, and the `Hardware` built from it."""
 
     gpus: list[DetectedGpu]
-    """One entry per GPU, in NVML index order."""
+    """One entry per device of `hardware`, in its order (NVML's, or the visible order asked for)."""
     link_matrix: list[list[int]]
     """Direct GPU-to-GPU NVLink link counts (symmetric, zero diagonal)."""
     nvswitch: bool
@@ -191,14 +191,22 @@ class DetectedTopology:
 
 def detect_local_hardware(*, nvml: Any = None,
                           compute_efficiency: float = DETECTED_COMPUTE_EFFICIENCY,
+                          visible_bus_ids: list[str] | None = None,
                           ) -> tuple[DetectedTopology | None, str]:
     """Detect this machine's GPUs and NVLink topology through NVML.
+
+    visible_bus_ids: describe only these GPUs (PCI bus ids, any format NVML or CUDA
+    writes), in this order: device i of the result is the GPU with visible_bus_ids[i].
+    Pass the bus ids of the CUDA devices a process sees (CUDA_VISIBLE_DEVICES, SLURM and
+    containers leave it a subset, numbered its own way; NVML numbers the whole machine in
+    PCI order), so that device i is cuda:i. Their links are NVML's: a link to a GPU left
+    out is not mistaken for a switch. None = every GPU, in NVML's order.
 
     Returns `(topology, "")`, or `(None, reason)` when there is nothing to detect: the
     `pynvml` module or the NVML library is missing, NVML fails to initialise (no driver),
     or it reports zero GPUs. `nvml` replaces the `pynvml` module (tests pass a fake).
     Raises TopologyError when NVML answers but the answers are inconsistent (e.g. GPU i
-    sees two links to GPU j but j sees one).
+    sees two links to GPU j but j sees one), or a visible bus id is not one of NVML's GPUs.
     """
     if nvml is None:
         try:
@@ -213,7 +221,7 @@ def detect_local_hardware(*, nvml: Any = None,
         count = nvml.nvmlDeviceGetCount()
         if count == 0:
             return None, "no NVIDIA GPU found: NVML reports 0 devices"
-        return _detect(nvml, count, compute_efficiency), ""
+        return _detect(nvml, count, compute_efficiency, visible_bus_ids), ""
     except nvml.NVMLError as exc:
         return None, f"NVML query failed: {_describe(exc)}"
     finally:
@@ -228,11 +236,21 @@ def _describe(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _detect(nvml: Any, count: int, compute_efficiency: float) -> DetectedTopology:
-    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-    gpus = [_detect_gpu(nvml, i, h) for i, h in enumerate(handles)]
-    matrix, nvswitch = link_matrix_from_remote_ids(
-        [g.pci_bus_id for g in gpus], [g.nvlink_remote_bus_ids for g in gpus])
+def _detect(nvml: Any, count: int, compute_efficiency: float,
+            visible_bus_ids: list[str] | None) -> DetectedTopology:
+    every = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    bus_ids = [_bus_id(nvml.nvmlDeviceGetPciInfo(h)) for h in every]
+    order = list(range(count)) if visible_bus_ids is None else _nvml_order(bus_ids, visible_bus_ids)
+    handles = [every[i] for i in order]
+    gpus = [_detect_gpu(nvml, i, every[i]) for i in order]
+    # Remote ids are matched against every GPU NVML lists, so a link to a GPU left out
+    # ends at a GPU (not at a switch); then only the links between the chosen GPUs count.
+    remotes: list[list[str]] = [[] for _ in range(count)]
+    for i, g in zip(order, gpus):
+        remotes[i] = g.nvlink_remote_bus_ids
+    every_matrix, nvswitch = link_matrix_from_remote_ids(bus_ids, remotes)
+    matrix = [[every_matrix[i][j] for j in order] for i in order]
+    count = len(order)
     for i in range(count):
         for j in range(count):
             if matrix[i][j] != matrix[j][i]:
@@ -287,6 +305,22 @@ def _detect(nvml: Any, count: int, compute_efficiency: float) -> DetectedTopolog
         nvlink_gbps_per_link=per_link_gbps,
     )
     return DetectedTopology(gpus=gpus, link_matrix=matrix, nvswitch=nvswitch, hardware=hardware, notes=notes)
+
+
+def _nvml_order(bus_ids: list[str], visible_bus_ids: list[str]) -> list[int]:
+    """NVML index of each visible GPU, in the visible order."""
+    index = {b: i for i, b in enumerate(bus_ids)}
+    order: list[int] = []
+    for k, raw in enumerate(visible_bus_ids):
+        bus = normalize_bus_id(raw)
+        if bus not in index:
+            raise TopologyError(f"CUDA device {k} (PCI {bus}) is not one of the {len(bus_ids)} GPUs NVML lists "
+                                f"({', '.join(bus_ids)})")
+        if index[bus] in order:
+            raise TopologyError(f"CUDA devices {order.index(index[bus])} and {k} are the same GPU (PCI {bus}; MIG "
+                                "instances?): mpress plans whole GPUs, one per CUDA device")
+        order.append(index[bus])
+    return order
 
 
 def _bus_id(pci: Any) -> str:

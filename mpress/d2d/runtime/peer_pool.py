@@ -9,6 +9,11 @@ runs) and keeps, per pool, a `QuotaPool`: a `BlockPool` over its own slice of th
 (its quota, `pool_layout.py`). From then on the importer takes no part: exporters carve
 their quota and copy stripes with one-sided copies on their own streams (`PeerStore`).
 
+The rank holding a pool never opens its own export: an idle GPU's pool (a lender no
+stage runs on) is held by one of its exporters (`pool_layout.pool_holders`), and a
+process cannot open a CUDA IPC handle it made (`transport.py`), so that exporter's
+quota is a view of the buffer it allocated, and it writes its ledger slot directly.
+
 A small shared-memory ledger per pool holds each exporter's bytes in use, high-water mark
 and tensor bytes held, written by the exporter on every allocation and free, so the
 importer (and its report) can see how much of its pool is used without taking part.
@@ -248,7 +253,9 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
     opened: dict[tuple[int, int], QuotaPool] = {}
     error = None
     try:
-        opened = _open_quotas(infos, stage_ids, device, transport, plan, attached)
+        own = {e.device: (local[e.device], torch.frombuffer(ledger.buf, dtype=torch.int64))
+               for e, ledger in zip(exports, ledgers)}
+        opened = _open_quotas(infos, stage_ids, device, transport, plan, attached, own)
     except Exception as exc:  # noqa: BLE001 - as above
         error = _describe_failure(exc)
     outcomes: list[Any] = [None] * world
@@ -280,10 +287,14 @@ def _describe_failure(exc: Exception) -> tuple[str, str]:
 
 
 def _open_quotas(infos: list[_RankInfo], stage_ids: list[int], device: torch.device, transport: PoolTransport,
-                 plan: Plan, attached: list[mmap.mmap]) -> dict[tuple[int, int], QuotaPool]:
+                 plan: Plan, attached: list[mmap.mmap],
+                 own: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[int, int], QuotaPool]:
+    """The quotas of this rank's stages. `own`: pool device -> (buffer, ledger counters) of
+    the pools this rank holds; its stages write into those directly (no IPC open of its
+    own export), and open the other ranks' pools through `transport`."""
     exports = {e.device: e for info in infos for e in info.exports}
     opened: dict[tuple[int, int], QuotaPool] = {}
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = dict(own)
     for stage in stage_ids:
         for peer in exporter_peers(plan, stage):
             export = exports[peer]

@@ -6,6 +6,21 @@
   it is a peer-to-peer copy over NVLink;
 - `SharedMemoryTransport`: the pool is a `multiprocessing.shared_memory` segment, so the
   whole protocol runs on CPU-only machines and in CI (a test vehicle, not a fast path).
+
+A payload can only be opened by a process other than the one that created it: CUDA IPC
+maps memory exported by *another* process (`cudaIpcOpenMemHandle`; in one process torch
+keeps the producer's storage under `shared_cache[handle]` but looks it up under `(handle,
+offset)`, misses, and calls `cudaIpcOpenMemHandle` on its own handle, which fails). Both
+transports refuse such an open with a `SwapError` (the shared-memory one could map its own
+segment twice, but then a CPU run would pass where a GPU job crashes): the process that
+allocated a pool uses the buffer `create` returned (`peer_pool.py`).
+
+CUDA contexts: `open` rebuilds the storage with `_new_shared_cuda`, which makes the
+handle's device current (`CUDAGuard` in torch/csrc/StorageSharing.cpp) before
+`cudaIpcOpenMemHandle` maps the memory "into the current device address space", so every
+process that opens a pool of GPU j creates its primary context on GPU j (and so does the
+process that allocates an idle GPU's pool in `create`). What that costs on the lender is
+counted at plan time (`d2d/static/mapping.py`, `PEER_CONTEXT_BYTES`).
 """
 
 from __future__ import annotations
@@ -20,13 +35,15 @@ from typing import Any
 
 import torch
 
+from mpress.d2d.runtime.liveness import ProcessId
 from mpress.errors import SwapError
 from mpress.units import ALIGNMENT_BYTES
 
 
 class PoolTransport(abc.ABC):
-    """Allocates, exports and opens pool memory. `create` runs on the importer, `open`
-    on exporters; payloads must pickle (they travel through `all_gather_object`)."""
+    """Allocates, exports and opens pool memory. `create` runs on the pool's holder,
+    `open` on exporters in other processes; payloads must pickle (they travel through
+    `all_gather_object`)."""
 
     name: str
 
@@ -36,7 +53,8 @@ class PoolTransport(abc.ABC):
 
     @abc.abstractmethod
     def open(self, payload: Any, device: torch.device) -> torch.Tensor:
-        """The buffer an importer exported, mapped into this process."""
+        """The buffer another process exported, mapped into this process. Raises
+        SwapError when this process created `payload` itself (see the module docstring)."""
 
     def close(self) -> None:
         """Unmap what was opened and free what was created (after the job)."""
@@ -70,10 +88,11 @@ class SharedMemoryTransport(PoolTransport):
                 raise SwapError(f"cannot reserve a {nbytes}-byte shared-memory peer pool in /dev/shm: "
                                 f"{exc.strerror}") from exc
         buffer = self._aligned(shm, nbytes)
-        return buffer, (shm.name, nbytes)
+        return buffer, (shm.name, nbytes, ProcessId.current())
 
     def open(self, payload: Any, device: torch.device) -> torch.Tensor:
-        name, nbytes = payload
+        name, nbytes, creator = payload
+        _refuse_own_export(f"shared-memory segment {name}", creator)
         segment = attach_shared_memory(name)
         self._opened.append(segment)
         return self._aligned(segment, nbytes)
@@ -112,18 +131,27 @@ class CudaIpcTransport(PoolTransport):
             raise SwapError(f"cannot allocate the {nbytes}-byte peer pool on {device}: {free} of {total} "
                             "bytes free") from exc
         self._keep.append(buffer)  # the exporters' mappings need it alive
-        return buffer, reduce_tensor(buffer)
+        return buffer, (*reduce_tensor(buffer), ProcessId.current(), str(device))
 
     def open(self, payload: Any, device: torch.device) -> torch.Tensor:
-        # the handle names the importer's GPU by index: every rank must see the GPUs
+        # the handle names the holder's GPU by index: every rank must see the GPUs
         # numbered alike (the same CUDA_VISIBLE_DEVICES), which torchrun's default gives
-        rebuild, args = payload
-        buffer = rebuild(*args)
+        rebuild, args, creator, where = payload
+        _refuse_own_export(f"on {where}", creator)
+        buffer = rebuild(*args)  # creates this process's context on the pool's GPU
         self._keep.append(buffer)
         return buffer
 
     def close(self) -> None:
         self._keep.clear()
+
+
+def _refuse_own_export(what: str, creator: ProcessId) -> None:
+    """Raise SwapError when this process is `creator` (pid and start time: two ranks in
+    separate pid namespaces may share a pid)."""
+    if creator == ProcessId.current():
+        raise SwapError(f"the peer pool {what} was exported by this process (pid {creator.pid}): use the buffer "
+                        "it allocated; an IPC handle opens only in another process")
 
 
 def make_transport(device: torch.device) -> PoolTransport:

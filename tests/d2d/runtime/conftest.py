@@ -1,9 +1,11 @@
 """Fixtures of the D2D runtime tests: `make_pools` sets up peer pools in one process (a
 world-1 gloo group whose rank runs every stage, shared-memory pools).
 
-The CPU tiers drive the same protocol as a GPU job: the pools are created, exported
-through `all_gather_object` and opened again by name, so an exporter writes through a
-mapping of its own, as it would through a CUDA IPC handle.
+The CPU tiers drive the same protocol as a GPU job: the pools are created and exported
+through `all_gather_object`. Here one process holds every pool, so its stages write into
+the buffers it allocated, as a GPU job's holder must (a process cannot open its own CUDA
+IPC handle, and the shared-memory transport refuses its own export likewise); opening
+another process's export is what the multi-process tests (`spawn`) exercise.
 """
 
 from __future__ import annotations

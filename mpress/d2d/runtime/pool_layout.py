@@ -29,7 +29,13 @@ class Quota:
 
 def pool_holders(plan: Plan, quotas: dict[int, list[Quota]]) -> dict[int, int]:
     """Per pool device, the rank that allocates and exports it: the rank running a stage
-    there, or, for an idle device, the lowest rank among its exporters."""
+    there, or, for an idle device, the lowest rank among its exporters.
+
+    An idle device runs no process, so its pool must be allocated by a process whose own
+    GPU is another one: that creates the holder's CUDA context on the idle GPU. Taking an
+    exporter (which opens a context there anyway to write its stripes) adds no context;
+    the plan counts one per exporter (`d2d/static/mapping.py`, `idle_lendable_bytes`). The
+    holder writes into its own allocation and never opens its own export (`peer_pool.py`)."""
     owner = {plan.stage_to_device[s]: plan.rank_of_stage(s) for s in range(plan.num_stages)}
     return {d: owner.get(d, min(plan.rank_of_stage(q.stage) for q in qs)) for d, qs in quotas.items()}
 

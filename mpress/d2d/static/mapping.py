@@ -3,6 +3,10 @@ searches over. A mapping puts each pipeline stage on a distinct device; for one 
 the best striping of every overflowing stage over its NVLink peers' spare memory is exact
 (`maxflow.py`), and its value is (unplaced bytes, slowest swap time).
 
+What a lender can give: each exporter process that opens a peer pool holds a CUDA
+context on the lender's GPU (`PEER_CONTEXT_BYTES`), so an idle GPU lends its usable
+memory less those contexts (`idle_lendable_bytes`), not its whole memory.
+
 Units: bytes, seconds, GB/s with GB = 1e9 bytes.
 """
 
@@ -29,6 +33,19 @@ MAX_CUT_STAGES = 12
 search falls back to swaps evaluated by max-flow, and reports a bound instead of a proof."""
 REL_TOL = 1e-9
 """Two slowest-swap times within this relative distance are a tie."""
+PEER_CONTEXT_BYTES = 512 << 20
+"""GPU memory of one CUDA context that an exporter process creates on a lender GPU.
+
+Opening a peer pool makes its GPU current (torch's `_new_shared_cuda` puts a `CUDAGuard`
+on the handle's device, torch/csrc/StorageSharing.cpp) before `cudaIpcOpenMemHandle` maps
+the pool "into the current device address space", so each process that opens a pool on
+GPU j (and the process that allocates an idle GPU's pool there) holds a primary context
+on j, in memory that no plan of j's own process counts. Size: a bound, not a measurement
+here. torch sets CUDA_MODULE_LOADING=LAZY since 1.13 (pytorch/pytorch#86509, which
+measured a process's context at 287,047,680 bytes lazily loaded against 666,632,192
+eagerly); 512 MiB covers the lazy figure with room for the copy kernels' modules and for
+drivers that take more (the 300-500 MiB usually seen on recent drivers). Not a field of
+the hardware presets (`hardware.py` has none for it)."""
 _GB = 1e9
 
 
@@ -89,14 +106,37 @@ class MappingProblem:
 
     @classmethod
     def from_hardware(cls, hw: Hardware, overflow_bytes: Sequence[int], spare_bytes: Sequence[int]) -> MappingProblem:
-        """Links from `hw.nvlink_gbps`, idle devices lend their whole memory; on NVSwitch
-        each GPU's links are one port shared by its peers."""
+        """Links from `hw.nvlink_gbps`; on NVSwitch each GPU's links are one port shared by
+        its peers. An idle device lends `idle_lendable_bytes`: its usable memory less the
+        contexts of the exporters that may open its pool. `spare_bytes` are the caller's
+        (a busy lender's exporter contexts are its to leave out, `exporter_context_bytes`)."""
         n = hw.num_devices
         port = hw.nvlink_links_per_gpu * hw.nvlink_gbps_per_link * hw.nvlink_efficiency
+        exporters = sum(1 for b in overflow_bytes if b > 0)
         return cls(link_gbps=tuple(tuple(hw.nvlink_gbps(i, j) for j in range(n)) for i in range(n)),
                    overflow_bytes=tuple(overflow_bytes), spare_bytes=tuple(spare_bytes),
-                   idle_spare_bytes=(hw.device.memory_bytes,) * n,
+                   idle_spare_bytes=tuple(idle_lendable_bytes(hw, d, exporters) for d in range(n)),
                    port_gbps=(port,) * n if hw.nvswitch and port > 0 else None)
+
+
+def exporter_context_bytes(hw: Hardware, device: int, num_exporters: int) -> int:
+    """Device memory that exporters' CUDA contexts take on lender `device`: one
+    `PEER_CONTEXT_BYTES` per exporter process that may open its pool, i.e. per overflowing
+    stage (`num_exporters`), at most one per NVLink peer of `device` (no other GPU stripes
+    to it). An upper bound for any mapping: which stages end up next to it is the mapper's
+    choice. Bytes."""
+    peers = sum(1 for e in range(hw.num_devices) if hw.nvlink_gbps(device, e) > 0)
+    return min(num_exporters, peers) * PEER_CONTEXT_BYTES
+
+
+def idle_lendable_bytes(hw: Hardware, device: int, num_exporters: int) -> int:
+    """What `device` may lend when no stage runs on it: its usable memory (memory less
+    the hardware reserve, kept as on every device) less its exporters' contexts
+    (`exporter_context_bytes`). The pool's
+    holder, the lowest exporter rank, allocates it from a process whose own GPU is
+    another one: no process runs on an idle GPU, so someone's context must hold the
+    allocation, and the holder's context there is one of those counted. Bytes, >= 0."""
+    return max(0, hw.usable_memory_bytes - exporter_context_bytes(hw, device, num_exporters))
 
 
 def _byte_counts(name: str, values: Sequence[int]) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ the plan: a file from `mpress plan`, `auto` (rank 0 plans at start-up for the co
 hardware and broadcasts the plan) or `none` (plain pipelining, the baseline). Rank 0
 shows a progress bar (step, loss, samples/s, per-rank peak) and a report per rank at the
 end. Without torchrun it runs as a single process (one stage). Bad input: one line,
-exit status 2; a failure on any rank: one line naming the rank, exit status 1.
+exit status 2; a failure on any rank: one line naming the rank, exit status 1, and every
+other rank stops within seconds with one line naming it (launcher/rank_watch.py).
 """
 
 from __future__ import annotations
@@ -24,27 +25,40 @@ import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mpress.d2d.runtime.peer_watch import PeerWatch
 from mpress.config import write_text_atomic
 from mpress.errors import UserError
 from mpress.launcher import run_trace
 from mpress.launcher.checkpoint import resume, save_checkpoint
-from mpress.launcher.control import COLLECTIVE_TIMEOUT_S, broadcast, control_group, root_cause, single_process_env
+from mpress.launcher.control import (
+    COLLECTIVE_TIMEOUT_S,
+    broadcast,
+    control_group,
+    nccl_error_handling,
+    root_cause,
+    root_kind,
+    single_process_env,
+)
+from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for
 from mpress.launcher.job import start_job
+from mpress.launcher.rank_watch import STOP_WAIT_S, RankWatch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
-from mpress.runtime.trainer import JobSpec, share_loss
+from mpress.runtime.trainer import JobSpec
 from mpress.ui import make_console
 from mpress.units import fmt_bytes
 
 
-def train(cfg: TrainConfig) -> int:
+def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: RankWatch | None = None) -> int:
+    """Train under `cfg` on every rank. control: the gloo group for object collectives
+    (None: made here); watch: this rank's watch over the others, stopped once every rank
+    has finished (None: none)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     num_stages = check_world_size(cfg, world)
     model = model_config(cfg)
-    control = control_group()
+    if control is None:
+        control = control_group()
     payload: object = None
     if rank == 0:
         try:
@@ -58,9 +72,11 @@ def train(cfg: TrainConfig) -> int:
         return 2
     start: StartPlan = payload  # type: ignore[assignment]
     plan, ranges = start.plan, start.ranges
-    device = rank_device(plan, rank, world, dist.get_backend() == "nccl")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = rank_device(plan, rank, world, dist.get_backend() == "nccl", plan_bus_ids=start.device_bus_ids)
+    claims: list[object] = [None] * world
+    dist.all_gather_object(claims, claim_for(rank, device), group=control)
+    check_distinct_devices(claims)  # type: ignore[arg-type]  # before NCCL meets one GPU twice
+    bind_device(device)
     spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
                    num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
                    betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,  # type: ignore[arg-type]
@@ -70,7 +86,6 @@ def train(cfg: TrainConfig) -> int:
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     dataset = build_dataset(cfg.data, model, seed=cfg.seed)
     job = start_job(spec, plan, device, control_group=control)
-    watch = PeerWatch(job.peers.dead_ranks if job.peers is not None else None, rank=rank, stages=job.stage_ids)
     first = resume(cfg, job)
     console = make_console()
     if rank == 0:
@@ -92,12 +107,15 @@ def train(cfg: TrainConfig) -> int:
                 run_trace.start(job)
             t0 = time.perf_counter()
             result = job.step(x, y)
-            loss = share_loss(result.loss, job)
+            # the last stage's loss and every rank's peak in one object collective on the
+            # gloo group: on the default (NCCL) group it would copy through, and sync, the GPU
+            stats: list[tuple[float | None, int]] = [(None, 0)] * world
+            dist.all_gather_object(stats, (result.loss, result.peak_bytes), group=control)
+            loss = float(stats[job.last_rank][0] or 0.0)
             elapsed = time.perf_counter() - t0
             if result.peak_bytes >= peak:
                 peak, peak_at = result.peak_bytes, result.peak_context
-            peaks = [0] * world
-            dist.all_gather_object(peaks, result.peak_bytes)
+            peaks = [p for _, p in stats]
             info = (f"loss {loss:.4f}  {cfg.global_batch_size / elapsed:.1f} samples/s  peak/rank "
                     + " ".join(fmt_bytes(p) for p in peaks))
             progress.update(task, advance=1, info=info)
@@ -105,7 +123,7 @@ def train(cfg: TrainConfig) -> int:
                 progress.console.print(f"step {step}: loss {loss:.4f}")
             if tracing:
                 traces: list[dict] = [{} for _ in range(world)]
-                dist.all_gather_object(traces, run_trace.collect(job))
+                dist.all_gather_object(traces, run_trace.collect(job), group=control)
                 if rank == 0:
                     progress.console.print(f"trace of step {step} written to "
                                            f"{run_trace.write(cfg.trace, traces, step=step)}")
@@ -114,7 +132,7 @@ def train(cfg: TrainConfig) -> int:
                 save_checkpoint(cfg, job, step)
     rows: list[dict[str, object]] = [{} for _ in range(world)]
     dist.all_gather_object(rows, rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[rank],
-                                             measured_bytes=peak, measured_at=peak_at))
+                                             measured_bytes=peak, measured_at=peak_at), group=control)
     if rank == 0:
         for table in report_tables(rows):
             console.print(table)
@@ -123,7 +141,8 @@ def train(cfg: TrainConfig) -> int:
         for r in rows:
             if r.get("cuda_check", "ok") != "ok":
                 console.print(f"[red]accounting check failed[/]: {r['cuda_check']}")
-    watch.stop()  # every rank got here (the gather above): none has left yet
+    if watch is not None:
+        watch.stop()  # this rank is done: its leaving is no failure
     job.close()
     return 0
 
@@ -136,25 +155,43 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_train_config(args.config)
-        # a bounded timeout: with NCCL a dead peer would otherwise block the others for 10 minutes
+        nccl_error_handling()
+        # a bounded timeout: with NCCL a hung peer would otherwise block the others for 10 minutes
         dist.init_process_group(resolve_backend(cfg), timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except UserError as exc:
         if rank == 0:
             print(f"mpress.train: error: {exc}", file=sys.stderr)
         return 2
+    watch: RankWatch | None = None
     try:
-        return train(cfg)
+        control = control_group()
+        watch = start_rank_watch(control, rank=rank, world=dist.get_world_size())
+        code = train(cfg, control=control, watch=watch)
+        watch.stop()  # also after an early return: every rank returned the same
+        return code
     except UserError as exc:  # may concern one stage only (its plan part): every rank says its own
-        print(f"mpress.train: rank {rank}: error: {exc}", file=sys.stderr)
-        return 2
+        return _stop(watch, f"mpress.train: rank {rank}: error: {exc}", type(exc).__name__, 2)
     except Exception as exc:  # a failure on any rank: one line naming the rank, never a hang
         if os.environ.get("MPRESS_DEBUG"):
             raise
-        print(f"mpress.train: rank {rank}: {root_cause(exc)}", file=sys.stderr)
-        return 1
+        return _stop(watch, f"mpress.train: rank {rank}: {root_cause(exc)}", root_kind(exc), 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _stop(watch: RankWatch | None, line: str, kind: str, code: int) -> int:
+    """This rank failed: its one line, the others told and waited for, then leave."""
+    if watch is None:  # failed before the watch started
+        print(line, file=sys.stderr)
+        return code
+    if not watch.fail(line, kind):
+        time.sleep(STOP_WAIT_S)  # the watch is stopping this rank for another's failure: it prints and exits
+    # Leave without tearing the process groups down: under NCCL shutting a communicator
+    # down waits for work that the stopped ranks will never finish.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The job's control plane: the process group set-up, a gloo group for object
-collectives, and the one line a failure is reported as."""
+"""The job's control plane: the process group set-up (NCCL's error handling included), a
+gloo group for object collectives, and the one line a failure is reported as."""
 
 from __future__ import annotations
 
@@ -12,7 +12,22 @@ import torch.distributed as dist
 from mpress.errors import MpressError
 
 COLLECTIVE_TIMEOUT_S = 300
-"""Longest a collective or pipeline send/recv may wait for a peer before the rank fails."""
+"""Longest a collective or pipeline send/recv may wait for a peer before the rank fails.
+A rank that fails or dies is noticed by the others' rank watch (launcher/rank_watch.py)
+within seconds; this bounds only what nothing else notices (a hung peer)."""
+
+NCCL_ASYNC_ERROR_HANDLING = "3"
+"""TORCH_NCCL_ASYNC_ERROR_HANDLING for the job: when NCCL reports an error or a timeout,
+end the process without aborting its communicators first (torch's own default; torchrun
+sets 1, abort then end, and an abort can itself block on a dead peer). The other ranks'
+watches then see the process gone and stop, each with one line naming it; the values
+that keep the process alive (0, 2) would leave it blocked in its next CUDA sync."""
+
+
+def nccl_error_handling() -> None:
+    """Set NCCL's error handling for this process (read when a NCCL process group is
+    made: call before `init_process_group`)."""
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
 
 
 def single_process_env() -> None:
@@ -44,7 +59,17 @@ def root_cause(exc: BaseException) -> str:
     """One line for a failure: torch wraps stage failures in generic errors, so follow the
     causes to mpress's own error (it names rank, stage, microbatch and tensor) or, if
     there is none, to the innermost cause."""
-    while exc.__cause__ is not None and not isinstance(exc, MpressError):
-        exc = exc.__cause__
+    exc = _innermost(exc)
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def root_kind(exc: BaseException) -> str:
+    """The type name of `root_cause`'s error (what the other ranks' lines name)."""
+    return type(_innermost(exc)).__name__
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None and not isinstance(exc, MpressError):
+        exc = exc.__cause__
+    return exc

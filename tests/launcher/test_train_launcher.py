@@ -85,7 +85,7 @@ def test_swap_failure_stops_every_rank_with_its_name(plan_file, tmp_path):
     assert res.returncode != 0
     lines = [x for x in res.stderr.splitlines() if x.startswith("mpress.train: rank")]
     assert any(re.match(r"mpress\.train: rank 0: SwapError: swap-out failed: rank 0 stage 0 microbatch \d+ "
-                        r"tensor layers\.\S+: pinned host pool exhausted", x) for x in lines), res.stderr[-3000:]
+                        r"tensor \S*layers\.\S+: pinned host pool exhausted", x) for x in lines), res.stderr[-3000:]
     assert any(x.startswith("mpress.train: rank 1:") for x in lines)
 
 
@@ -117,18 +117,3 @@ def test_a_peer_pool_too_small_stops_every_rank_at_start_up(tmp_path):
     assert lines, res.stderr[-3000:]
     assert all(": error: peer pools: rank " in x and "is too small: 4096 bytes" in x for x in lines), lines
     assert "step 0:" not in res.stdout  # nothing trained
-
-
-def test_peer_watch_ends_the_rank_naming_the_dead_one():
-    """The launcher's watch over a D2D job's ranks: when one is gone, this rank prints who
-    and leaves at once (a rank blocked in a recv from it would wait out the timeout)."""
-    code = (
-        "import time, types\n"
-        "from mpress.d2d.runtime.peer_watch import PeerWatch\n"
-        "dead = lambda: ['rank 3 (pid 99, holds the D2D peer pool of device(s) 3) has died']\n"
-        "PeerWatch(dead, rank=1, stages=[1], interval_s=0.05)\n"
-        "time.sleep(30)\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 1
-    assert res.stderr.strip() == ("mpress.train: rank 1: SwapError: rank 1 stage 1: rank 3 (pid 99, holds the D2D peer "
-                                  "pool of device(s) 3) has died; stopping")

@@ -134,3 +134,16 @@ def test_a_d2d_plan_needs_every_rank_to_number_the_gpus_alike(monkeypatch: pytes
     _fake_cuda(monkeypatch, [5, 4])
     with pytest.raises(PlanError, match=r"rank 0: the plan's GPU 0 \(PCI 0000:85:00\.0\) is cuda:1 here.+D2D"):
         startup.rank_device(plan, 0, 2, True, plan_bus_ids=planned)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_machine_cuda_bus_ids_are_gpus_nvml_lists() -> None:
+    """torch's PCI numbers for each CUDA device, written as NVML's bus ids are, name GPUs
+    NVML lists; detection over them describes exactly this process's CUDA devices."""
+    pytest.importorskip("pynvml")
+    ids = cuda_bus_ids()
+    assert ids is not None and len(ids) == torch.cuda.device_count()
+    detected, why = detect_local_hardware(visible_bus_ids=ids)
+    assert detected is not None, why
+    assert [g.pci_bus_id for g in detected.gpus] == ids
+    assert detected.hardware.num_devices == torch.cuda.device_count()

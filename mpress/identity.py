@@ -125,9 +125,10 @@ def layer_paths(module: nn.Module, args: tuple[Any, ...]) -> list[str]:
 
 # ---- saved tensors -------------------------------------------------------------------------------
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """What identifies a tensor's storage: its device and address."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    """What identifies a tensor's storage: its device and address (called for every
+    saved tensor, so kept to two cheap attribute reads)."""
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 @dataclass(frozen=True)
@@ -195,9 +196,10 @@ class SavedTensorNamer:
         """Whether `t` is a parameter or shares a parameter's storage."""
         return storage_key(t) in self._params
 
-    def name(self, t: torch.Tensor) -> SavedName | None:
-        """The name of `t`, which autograd is saving now; None for parameters."""
-        if self.is_parameter(t):
+    def name(self, t: torch.Tensor, storage: tuple[torch.device, int] | None = None) -> SavedName | None:
+        """The name of `t`, which autograd is saving now; None for parameters.
+        `storage`: `storage_key(t)` when the caller has it."""
+        if (storage_key(t) if storage is None else storage) in self._params:
             return None
         module = self._stack[-1] if self._stack else self.layers[-1]
         index = self._counts.get(module, 0)

@@ -214,9 +214,10 @@ def _run_program(stage, batches, plan: Plan, actions: list[Action]):
     program.on(Kind.SI, 0, router.prefetch_unit)
     program.on_release(engine.wait_outs)
     swapped: list[tuple[int, str, int]] = []
-    swap_out = engine.swap_out
-    engine.swap_out = lambda key, t, **kw: (swapped.append((key.microbatch, key.tensor, t.numel() * t.element_size()))
-                                            or swap_out(key, t, **kw))
+    swap_out = engine.swap_out_group
+    engine.swap_out_group = lambda key, parts, **kw: (
+        swapped.extend((key.microbatch, n, t.numel() * t.element_size()) for n, t in parts)
+        or swap_out(key, parts, **kw))
     try:
         losses = []
         for m, (x, y) in enumerate(batches):

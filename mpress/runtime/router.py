@@ -9,9 +9,11 @@ tensor's *unit* (`mpress.actions.UnitId`: its layer and that rule) is looked up 
 program (`RankProgram.compacted`): only the units the program compacts in this
 microbatch are moved, by the action it names there:
 
-- SO / DO: the pack hook hands the tensor to the host / D2D swap engine and returns a
-  handle; the unit's SI / DI (`prefetch_unit`, issued by the program where the list puts
-  it) starts the copy back; the unpack hook in backward fetches it;
+- SO / DO: the pack hook adds the tensor to its unit's group and returns its place in
+  it; when the layer's forward ends the group goes to the host / D2D swap engine as one
+  swap (one placement, one copy batch: host work per unit, not per tensor); the unit's
+  SI / DI (`prefetch_unit`, issued by the program where the list puts it) starts the
+  copy back; the unpack hook in backward takes the tensor from the fetched group;
 - DR: the layer's forward runs under non-reentrant `torch.utils.checkpoint` (RNG state
   preserved, so dropout masks repeat); its RC is recorded when the backward recomputes it;
 - anything else is kept (the pack hook returns the tensor).
@@ -40,20 +42,55 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mpress.actions import Action, Kind, UnitId, UnitKind
-from mpress.errors import PlanError
+from mpress.errors import PlanError, SwapError
 from mpress.identity import SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
 from mpress.plan import StagePlan
 from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
 
 
+class _Group:
+    """The tensors of one unit saved in one microbatch, swapped as one (`SwapEngine.
+    swap_out_group`: one placement, one copy batch): collected by the pack hook while
+    the unit's layer runs, issued when its forward ends (where the emulator starts the
+    swap-out), brought back together by the unit's SI / DI."""
+
+    def __init__(self, engine: SwapEngine, key: TensorKey, weights: Any) -> None:
+        self.engine = engine
+        self.key = key
+        self.weights = weights
+        self.parts: list[tuple[str, torch.Tensor]] | None = []
+        """(name, tensor) until issued; then the engine holds them."""
+        self.handle: SwapHandle | None = None
+        self.fetched: list[torch.Tensor | None] | None = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> int:
+        self.parts.append((name, tensor))  # type: ignore[union-attr]
+        return len(self.parts) - 1  # type: ignore[arg-type]
+
+    def issue(self) -> None:
+        self.handle = self.engine.swap_out_group(self.key, self.parts, weights=self.weights)  # type: ignore[arg-type]
+        self.parts = None
+
+    def take(self, index: int) -> torch.Tensor:
+        """Tensor `index` back on the device (the group is fetched on the first take); the
+        group keeps no reference to it after (its saves hold it as long as they need)."""
+        if self.fetched is None:
+            self.fetched = list(self.engine.fetch_group(self.handle))  # type: ignore[arg-type]
+        tensor = self.fetched[index]
+        if tensor is None:
+            raise SwapError(f"{self.key}: tensor {index} of the group was taken twice")
+        self.fetched[index] = None
+        return tensor
+
+
 class _Swapped:
     """What the autograd graph holds instead of a swapped-out storage (one per storage,
-    shared by every save of it in the microbatch)."""
+    shared by every save of it in the microbatch): its place in its unit's group."""
 
-    def __init__(self, engine: SwapEngine, handle: SwapHandle, tensor: torch.Tensor) -> None:
-        self.engine = engine
-        self.handle = handle
+    def __init__(self, group: _Group, index: int, tensor: torch.Tensor) -> None:
+        self.group = group
+        self.index = index
         self.view = _view_of(tensor)
         self.contiguous = tensor.is_contiguous()
         self.uses = 1
@@ -74,7 +111,7 @@ class _Swapped:
         return offset <= tensor.storage_offset() and (tensor.numel() == 0 or last < offset + numel)
 
     def unpack(self) -> torch.Tensor:
-        tensor = self.tensor if self.tensor is not None else self.engine.fetch(self.handle)
+        tensor = self.tensor if self.tensor is not None else self.group.take(self.index)
         self.uses -= 1
         self.tensor = tensor if self.uses > 0 else None
         return tensor
@@ -126,13 +163,15 @@ class SavedTensorRouter:
         self._microbatch = -1
         self._units: dict[str, Kind] = {}
         self._dropped: dict[str, str] = {}    # layer -> its DR unit, this microbatch
-        self._saved: dict[tuple[str, int], tuple[int, _Swapped | None]] = {}
+        self._saved: dict[tuple[torch.device, int], tuple[int, _Swapped | None, weakref.ref]] = {}
         """Storage (device, address) -> (its entry's number, its swap or None: kept), for the
         storages alive that this microbatch saved or holds; a storage's entry goes when it
         dies, so a new storage at a freed address is a new storage."""
         self._entries = itertools.count()
         self._saved_lock = threading.Lock()
-        self._pending: dict[tuple[int, str], list[_Swapped]] = {}  # (microbatch, unit) -> swaps to bring back
+        self._pending: dict[tuple[int, str], list[_Group]] = {}  # (microbatch, unit) -> swaps to bring back
+        self._open: dict[str, _Group] = {}  # unit -> its group collecting tensors now
+        self._unit_names: dict[tuple[int, int], str] = {}  # (layer index, rule) -> unit
         self.tensors_swapped = 0
         self.layers_recomputed = 0
         # No rule about activations (a keep-all plan, or model data only): no hooks at
@@ -181,24 +220,31 @@ class SavedTensorRouter:
             if isinstance(t, torch.Tensor) and storage_key(t) not in self._saved:
                 self._remember(t, None)
 
-    def _remember(self, tensor: torch.Tensor, decision: _Swapped | None) -> None:
-        """`decision` holds for `tensor`'s storage while it lives."""
-        key, number = storage_key(tensor), next(self._entries)
+    def _remember(self, tensor: torch.Tensor, decision: _Swapped | None,
+                  key: tuple[torch.device, int] | None = None) -> None:
+        """`decision` holds for `tensor`'s storage (`key`: its `storage_key`) while it lives."""
+        key = storage_key(tensor) if key is None else key
+        number = next(self._entries)
+        # the entry holds the weak reference whose callback ends it when the storage dies
+        # (a `weakref.finalize` would cost several times more per saved tensor)
+        alive = weakref.ref(tensor.untyped_storage(), functools.partial(self._forget, key, number))
         with self._saved_lock:
-            self._saved[key] = (number, decision)
-        weakref.finalize(tensor.untyped_storage(), self._forget, key, number)
+            self._saved[key] = (number, decision, alive)
 
-    def _forget(self, key: tuple[str, int], number: int) -> None:
+    def _forget(self, key: tuple[torch.device, int], number: int, _ref: Any = None) -> None:
         """A storage died (on any thread): its address may hold a new storage next."""
         with self._saved_lock:
-            if self._saved.get(key, (-1, None))[0] == number:
+            if self._saved.get(key, (-1, None, None))[0] == number:
                 del self._saved[key]
 
     def _layer_forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         forward = self._originals[name]
         unit = self._dropped.get(name) if self._active else None
         if unit is None:
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+            if self._open:
+                self._issue_groups()  # the layer's forward ended: its swap-outs start
+            return out
         microbatch = self._microbatch
         self.program.record(Action(self.stage, Kind.DR, microbatch, unit))
         self.layers_recomputed += 1
@@ -216,11 +262,12 @@ class SavedTensorRouter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not self._active or self.namer is None:
             return tensor
-        name = self.namer.name(tensor)
+        skey = storage_key(tensor)
+        name = self.namer.name(tensor, skey)
         if name is None:  # a parameter's storage: never moved
             return tensor
         with self._saved_lock:
-            entry = self._saved.get(storage_key(tensor))
+            entry = self._saved.get(skey)
         if entry is not None:  # saved before in this microbatch: its first decision holds
             swapped = entry[1]
             if swapped is None:
@@ -232,24 +279,45 @@ class SavedTensorRouter:
             # can be; else kept (the storage stays, as the profile's alias entry says)
             return _View(swapped, tensor) if swapped.covers(tensor) else tensor
         rule = self.rules.rule_index(name.id, self._microbatch)
-        unit = None if rule is None else str(UnitId(self.stage, UnitKind.ACTIVATIONS,
-                                                     layer=self.layer_names[name.layer], rule=rule))
+        unit = None if rule is None else self._unit_name(name.layer, rule)
         kind = self._units.get(unit or "")
         engine = self.engine if kind is Kind.SO else self.d2d_engine if kind is Kind.DO else None
-        if engine is None:  # kept, or recomputed (saved outside its checkpoint: the loss's)
-            self._remember(tensor, None)
+        if engine is None or skey[0] != engine.device:
+            # kept, or recomputed (saved outside its checkpoint: the loss's), or not in the
+            # device's memory at all (a CPU scalar a user's forward made): nothing to move
+            self._remember(tensor, None, skey)
             return tensor
-        stripes = self.plan.rules[rule].stripes  # type: ignore[index]
-        weights = tuple((s.device, s.fraction) for s in stripes) or None
-        tkey = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch, tensor=name.id)
-        swapped = _Swapped(engine, engine.swap_out(tkey, tensor, weights=weights), tensor)
-        self._remember(tensor, swapped)
-        pending = self._pending.setdefault((self._microbatch, unit), [])  # type: ignore[arg-type]
-        if not pending:
-            self.program.record(Action(self.stage, kind, self._microbatch, unit))  # type: ignore[arg-type]
-        pending.append(swapped)
+        group = self._open.get(unit)  # type: ignore[arg-type]
+        if group is None:
+            groups = self._pending.setdefault((self._microbatch, unit), [])  # type: ignore[arg-type]
+            if not groups:
+                self.program.record(Action(self.stage, kind, self._microbatch, unit))  # type: ignore[arg-type]
+            stripes = self.plan.rules[rule].stripes  # type: ignore[index]
+            weights = tuple((s.device, s.fraction) for s in stripes) or None
+            # a unit's tensors saved after its group was issued (after its layer's
+            # forward) form another group: another key
+            tkey = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch,
+                             tensor=unit if not groups else f"{unit}/{len(groups)}")  # type: ignore[arg-type]
+            group = self._open[unit] = _Group(engine, tkey, weights)  # type: ignore[index]
+            groups.append(group)
+        swapped = _Swapped(group, group.add(name.id, tensor), tensor)
+        self._remember(tensor, swapped, skey)
         self.tensors_swapped += 1
         return swapped
+
+    def _unit_name(self, layer: int, rule: int) -> str:
+        """The unit (string form) of layer `layer`'s tensors under rule `rule`."""
+        found = self._unit_names.get((layer, rule))
+        if found is None:
+            found = self._unit_names[(layer, rule)] = str(
+                UnitId(self.stage, UnitKind.ACTIVATIONS, layer=self.layer_names[layer], rule=rule))
+        return found
+
+    def _issue_groups(self) -> None:
+        """Start the swap-outs of the groups collected so far (a layer's forward ended)."""
+        groups, self._open = list(self._open.values()), {}
+        for group in groups:
+            group.issue()
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
@@ -278,8 +346,10 @@ class SavedTensorRouter:
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
+            self._issue_groups()  # what was saved after the last layer (the loss's)
         finally:
             self._active = False
+            self._open = {}
 
     def route_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """`loss_fn` with its saved tensors routed as part of the last forward's microbatch
@@ -301,14 +371,14 @@ class SavedTensorRouter:
         """Start bringing back every tensor of the unit `action` (an SI or DI) names, the
         last-saved first (the backward needs it first; each engine copies in the order it
         is asked)."""
-        for swapped in reversed(self._pending.pop((action.microbatch, action.tensor), ())):  # type: ignore[arg-type]
-            swapped.engine.prefetch(swapped.handle)
+        for group in reversed(self._pending.pop((action.microbatch, action.tensor), ())):  # type: ignore[arg-type]
+            group.engine.prefetch(group.handle)
 
     def finish(self, microbatch: int) -> None:
         """After `microbatch`'s backward: give up swaps the program never brought back."""
         for key in [k for k in self._pending if k[0] == microbatch]:
-            for swapped in self._pending.pop(key):
-                swapped.engine.discard(swapped.handle)
+            for group in self._pending.pop(key):
+                group.engine.discard(group.handle)
 
     def close(self) -> None:
         """Remove the hooks and restore the layers' forwards."""

@@ -210,7 +210,9 @@ def test_a_failing_swap_worker_stops_every_rank_with_the_tensor_named():
     spawned = spawn(_faulty_worker, 2, [plan])
     assert not spawned.errors, spawned.errors
     messages, elapsed = spawned.results[0], spawned.elapsed_s
-    assert messages[0].startswith("SwapError: swap-in failed: rank 0 stage 0 microbatch 2 tensor layers.1."), messages
+    # the failed swap is named by its unit (layer 1's tensors under rule 0) and its tensors
+    assert messages[0].startswith("SwapError: swap-in failed: rank 0 stage 0 microbatch 2 tensor 0:layers.1.**@r0 "
+                                  "(tensors layers.1."), messages
     assert "injected copy failure" in messages[0]
     assert messages[1] != "finished without error"  # the peer notices instead of waiting forever
     assert elapsed < 120

@@ -219,12 +219,12 @@ def toy_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def toy_run(rules: list[TensorRule] | None, program_text: str = "", *, num_mb: int = 2, middle=SavesTwice,
-            on_engine: Callable[[SwapEngine], None] = lambda e: None, **step_kw):
+            last=lambda: nn.Linear(H, H), on_engine: Callable[[SwapEngine], None] = lambda e: None, **step_kw):
     """A GPipe step of a 3-layer toy ("0": Linear, "1": `middle()`, "2": Linear; its input
     (B, T, H) is the stage's) under `rules` and the program `program_text`. Returns
     losses, grads, the (microbatch, tensor) keys swapped out, the router and the engine."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(H, H), middle(), nn.Linear(H, H))
+    model = nn.Sequential(nn.Linear(H, H), middle(), last())
     batches = [(torch.randn(4, 8, H), torch.randn(4, 8, H)) for _ in range(num_mb)]
     torch.manual_seed(1)
     if rules is None:
@@ -232,8 +232,9 @@ def toy_run(rules: list[TensorRule] | None, program_text: str = "", *, num_mb: i
         return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, [], None, None
     engine = host_engine()
     swapped: list[tuple[int, str]] = []
-    swap_out = engine.swap_out
-    engine.swap_out = lambda key, t, **kw: swapped.append((key.microbatch, key.tensor)) or swap_out(key, t, **kw)
+    swap_out = engine.swap_out_group
+    engine.swap_out_group = lambda key, parts, **kw: (swapped.extend((key.microbatch, n) for n, _t in parts)
+                                                      or swap_out(key, parts, **kw))
     on_engine(engine)
     router, program = make_router(model, rules, parse_actions(program_text), batches[0][0], engine=engine, end=3)
     losses = step(model, router, program, batches, toy_loss, **step_kw)
@@ -257,8 +258,10 @@ def test_a_storage_saved_twice_is_swapped_once_and_both_saves_come_back():
     _, _, swapped, router, engine = result
     # y is saved as 1#0 and again, as another view, as 1#1: one swap of its storage
     assert [t for m, t in swapped if m == 0] == ["1.drop#0", "1#0", "2#0", "2#1"]
-    assert router.tensors_swapped == engine.stats.num_out == 8
-    assert engine.stats.num_in == 8  # one fetch serves both saves of y
+    assert router.tensors_swapped == 8
+    # one swap per unit and microbatch (layer 1's three tensors together), and one more
+    # for the loss's tensor, saved after layer 2's group had left
+    assert engine.stats.num_out == engine.stats.num_in == 6  # one fetch serves both saves of y
 
 
 def test_the_stage_input_is_never_swapped():
@@ -296,46 +299,60 @@ def test_the_executed_log_is_the_program():
     assert router.layers_recomputed == 2 and result[2] == [(0, "2#0"), (0, "2#1")]
 
 
-class ReusesFreedMemory(nn.Module):
-    """Two temporaries, each saved by the operator that reads it; the second is made in
-    the memory of the first once that is freed (its swap-out completed: `settle`), as an
-    allocator hands a freed block to the next tensor of its size (CUDA's caching
-    allocator does at once). `reuse=False`: each in memory of its own (the reference)."""
+class Arena:
+    """Memory two layers share: the first saves a temporary made in it; the second, once
+    that is freed (its swap-out completed: `settle`), makes its own temporary in the same
+    memory, as an allocator hands a freed block to the next tensor of its size (CUDA's
+    caching allocator does at once). `reuse=False`: each in memory of its own (the
+    reference)."""
 
     def __init__(self, settle: Callable[[], None] = lambda: None, reuse: bool = False) -> None:
-        super().__init__()
         self.settle, self.reuse = settle, reuse
+        self.arenas: list[bytearray] = []
         self.freed: list[bool] = []
+        self.gone: Callable[[], torch.Tensor | None] = lambda: None
+
+    def tensor(self, x: torch.Tensor, *, second: bool) -> torch.Tensor:
+        """A tensor like `x` in new memory, or for the `second` layer with `reuse` in the
+        first layer's (each forward's first tensor gets new memory)."""
+        if not (second and self.reuse):
+            self.arenas.append(bytearray(x.numel() * x.element_size()))
+        return torch.frombuffer(self.arenas[-1], dtype=x.dtype).view(x.shape)  # the tensor keeps its arena
+
+
+class SavesInArena(nn.Module):
+    def __init__(self, arena: Arena) -> None:
+        super().__init__()
+        self.arena = arena
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        arenas = [bytearray(x.numel() * x.element_size()) for _ in range(1 if self.reuse else 2)]
-        y = torch.frombuffer(arenas[0], dtype=x.dtype).view(x.shape)  # the tensor keeps its arena
+        y = self.arena.tensor(x, second=False)
         y.copy_(x * 2)
-        a = y.sin()  # saves y (1#0)
-        gone = weakref.ref(y)
-        del y
-        self.settle()
-        self.freed.append(gone() is None)
-        w = torch.frombuffer(arenas[-1], dtype=x.dtype).view(x.shape)
+        self.arena.gone = weakref.ref(y)
+        return y.sin()  # saves y (1#0); only the swap holds it after this layer
+
+
+class ReusesArena(SavesInArena):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.arena.settle()
+        self.arena.freed.append(self.arena.gone() is None)
+        w = self.arena.tensor(x, second=True)
         w.copy_(x * 3)
-        return a + w.cos()  # saves w (1#1): with reuse, a new storage where y's was
+        return x + w.cos()  # saves w (2#0): with reuse, a new storage where y's was
 
 
 def test_a_storage_made_where_a_swapped_one_was_freed_is_a_new_storage():
     settle: list[Callable[[], None]] = []
-    layers: list[ReusesFreedMemory] = []
-
-    def middle() -> ReusesFreedMemory:
-        layers.append(ReusesFreedMemory(lambda: settle[0](), reuse=True))
-        return layers[-1]
-
+    arena = Arena(lambda: settle[0](), reuse=True)
     text = "0F0 0SO0:0:1.**@r0 0F1 0SO1:0:1.**@r0 0SI0:0:1.**@r0 0B0 0SI1:0:1.**@r0 0B1"
-    result = toy_run([TensorRule(tensor="1#0", technique="host")], text, middle=middle,
-                     on_engine=lambda e: settle.append(e.wait_outs))
-    assert layers[-1].freed[-2:] == [True, True]  # in both microbatches y's storage was gone first
+    result = toy_run([TensorRule(tensor="1#0", technique="host")], text, middle=lambda: SavesInArena(arena),
+                     last=lambda: ReusesArena(arena), on_engine=lambda e: settle.append(e.wait_outs))
+    assert arena.freed[-2:] == [True, True]  # in both microbatches y's storage was gone first
     assert result[2] == [(0, "1#0"), (1, "1#0")]
     # w is kept (no rule names it): the backward must see its own values, not y's
-    assert_identical(toy_run(None, middle=ReusesFreedMemory), result, "reused memory")
+    reference = Arena()
+    assert_identical(toy_run(None, middle=lambda: SavesInArena(reference), last=lambda: ReusesArena(reference)),
+                     result, "reused memory")
 
 
 # ---- swap-ins where the list puts them; fetched tensors handed over -------------------------------
@@ -374,8 +391,8 @@ def test_a_unit_comes_back_when_its_swap_in_is_issued_not_before():
         issued = events.index(("SI", m, u))
         ins = [(i, t) for i, (d, mb, t) in enumerate(events) if d == "in" and mb == m]
         outs = [t for d, mb, t in events if d == "out" and mb == m]
-        assert len(outs) > 4 and all(i > issued for i, _t in ins)
-        assert [t for _i, t in ins] == outs[::-1]  # the backward needs the last-saved first
+        # the unit's tensors leave as one swap and come back as one, after its SI
+        assert outs == [u] and [t for _i, t in ins] == [u] and ins[0][0] > issued
     assert format_actions(program.last_log) == text
     router.close()
     engine.close()
@@ -389,14 +406,14 @@ def test_fetched_tensors_die_with_their_backward():
     alive_after: dict[int, list[int]] = {}
 
     def spy(engine: SwapEngine) -> None:
-        fetch = engine.fetch
+        fetch = engine.fetch_group
 
         def fetch_and_note(handle):
-            tensor = fetch(handle)
-            fetched.setdefault(handle.key.microbatch, []).append(weakref.ref(tensor))
-            return tensor
+            tensors = fetch(handle)
+            fetched.setdefault(handle.key.microbatch, []).extend(weakref.ref(t) for t in tensors)
+            return tensors
 
-        engine.fetch = fetch_and_note
+        engine.fetch_group = fetch_and_note
 
     def after_backward(m: int) -> None:
         alive_after[m] = [sum(r() is not None for r in fetched[k]) for k in sorted(fetched)]
@@ -404,7 +421,7 @@ def test_fetched_tensors_die_with_their_backward():
     result = toy_run(HOST_ALL, TOY_PROGRAM, on_engine=spy, after_backward=after_backward)
     assert [len(fetched[m]) for m in (0, 1)] == [4, 4]  # y fetched once for its two saves
     assert alive_after == {0: [0], 1: [0, 0]}
-    assert result[4].stats.num_in == 8
+    assert result[4].stats.num_in == 6  # a swap per unit and microbatch, one for the loss's
 
 
 def _live_run(rules: list[TensorRule], compact: Compact) -> tuple[int, int, SwapEngine]:

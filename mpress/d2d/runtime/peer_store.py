@@ -7,9 +7,10 @@ stage's quota of that peer's pool, and records the stripes in its `StripeTable`.
 run one stream per peer link and direction, so stripes to different peers move in
 parallel:
 
-- out: stripe k of the tensor's bytes -> its block on peer k, on this GPU's out stream
-  for peer k (a peer-to-peer write over NVLink; torch enables peer access);
-- in: each block -> its range of a fresh tensor on this GPU; torch runs a cross-device
+- out: stripe k of the swap's bytes -> its block on peer k, on this GPU's out stream
+  for peer k (a peer-to-peer write over NVLink; torch enables peer access); the engine
+  hands over contiguous bytes made on the compute stream, so nothing is gathered here;
+- in: each block -> its range of the tensors the engine allocated on this GPU; torch runs a cross-device
   copy on the *source* device's current stream, so the copy is issued on a stream of
   the peer's device, with this GPU's in stream for peer k as the destination's current
   stream (it waits for the copy); the consumer waits on events recorded there.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,11 +36,13 @@ from mpress.errors import SwapError
 from mpress.runtime.memory.manager import Residency
 from mpress.runtime.swap.store import (
     Copy,
+    Pieces,
     Placement,
     Slot,
     SwapStore,
-    byte_view,
-    issue_copy,
+    copy_events,
+    issue_copies,
+    segments,
 )
 
 if TYPE_CHECKING:  # the pools build their stores (`PeerPools.store_for`)
@@ -125,46 +128,37 @@ class PeerStore(SwapStore):
             slot.block.pool.free(slot.block)
         self.table.remove(placement.entry_id)
 
-    def copy_out(self, placement: Placement, src: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
+    def copy_out(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
         self.table.update(placement.entry_id, StripeState.WRITING)
-        src = src.resolve_conj().resolve_neg()  # lazy conjugate/negative views have no plain bytes
-        flat = byte_view(src.contiguous()) if src.is_contiguous() or not self.cuda else None
-        if flat is None:  # gather on the first stream, the others wait for it
-            first = self._streams[("out", placement.slots[0].peer)]
-            first.wait_event(ready)
-            with torch.cuda.stream(first):
-                flat = byte_view(src.contiguous())
-            ready = torch.cuda.Event()
-            ready.record(first)
+        by_peer = _by_peer(segments(placement, pieces))
         copies = []
-        for slot in placement.slots:
-            stream = self._streams.get(("out", slot.peer))
+        for peer, pairs in by_peer.items():
+            stream = self._streams.get(("out", peer))
             if stream is not None:
                 stream.wait_event(ready)
-                flat.record_stream(stream)
-            dst = slot.block.view(torch.uint8, (slot.nbytes,))
-            copies.append(issue_copy(dst, flat[slot.tensor_offset_bytes:slot.tensor_offset_bytes + slot.nbytes],
-                                     stream))
+                for _offset, _layout, data in pieces:
+                    data.record_stream(stream)  # made on the compute stream, read on this one
+            copies.append(issue_copies(pairs, stream))
         return copies
 
-    def copy_in(self, placement: Placement, dst: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
+    def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
         for slot in placement.slots:  # a dead peer's pool must not be read (CUDA: freed IPC memory)
             self.pools.check_peer(slot.peer)
         self.table.update(placement.entry_id, StripeState.READING)
-        flat = byte_view(dst)
+        by_peer = _by_peer(segments(placement, pieces))
         copies = []
-        for slot in placement.slots:
-            part = flat[slot.tensor_offset_bytes:slot.tensor_offset_bytes + slot.nbytes]
-            src = slot.block.view(torch.uint8, (slot.nbytes,))
-            stream = self._streams.get(("in", slot.peer))
+        for peer, pairs in by_peer.items():
+            pairs = [(data, block) for block, data in pairs]
+            stream = self._streams.get(("in", peer))
             if stream is None:
-                copies.append(issue_copy(part, src, None))
+                copies.append(issue_copies(pairs, None))
                 continue
-            # `dst` was allocated on the compute stream: wait for it there, and tell the
-            # allocator this stream writes it
+            # the pieces were allocated on the compute stream: wait for that there, and
+            # tell the allocator this stream writes them
             stream.wait_event(ready)
-            dst.record_stream(stream)
-            copies.append(_peer_copy_in(part, src, stream, self._streams[("in-src", slot.peer)]))
+            for _offset, _layout, data in pieces:
+                data.record_stream(stream)
+            copies.append(_peer_copy_in(pairs, stream, self._streams[("in-src", peer)]))
         return copies
 
     def completed(self, placement: Placement, direction: str) -> None:
@@ -179,16 +173,25 @@ class PeerStore(SwapStore):
             self.pools.check_peer(peer)
 
 
-def _peer_copy_in(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
+def _by_peer(overlaps: Iterable[tuple[Slot, torch.Tensor, torch.Tensor]]
+             ) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(block bytes, piece bytes) pairs grouped by the peer holding the block."""
+    out: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for slot, block, data in overlaps:
+        out.setdefault(slot.peer, []).append((block, data))  # type: ignore[arg-type]
+    return out
+
+
+def _peer_copy_in(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream,
                   source_stream: torch.cuda.Stream) -> Copy:
-    """Copy a peer block into this GPU's tensor: issued on the peer device's
-    `source_stream` (torch runs cross-device copies on the source's current stream) with
-    `stream` as the destination's current stream, which torch makes wait for the copy;
-    the returned events are recorded on `stream`."""
-    start = torch.cuda.Event(enable_timing=True)
-    done = torch.cuda.Event(enable_timing=True)
+    """Copy peer blocks into this GPU's tensors ((dst, src) pairs): issued on the peer
+    device's `source_stream` (torch runs cross-device copies on the source's current
+    stream) with `stream` as the destination's current stream, which torch makes wait
+    for each copy; the returned events are recorded on `stream`."""
+    start, done = copy_events()
     start.record(stream)
     with torch.cuda.stream(stream), torch.cuda.stream(source_stream):
-        dst.copy_(src, non_blocking=True)
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
     done.record(stream)
     return Copy(done=done, start=start, wall_s=0.0)

@@ -87,6 +87,21 @@ class Block:
         flat = self._pool.buffer[start:start + need_bytes]  # (need_bytes,) uint8
         return flat.view(dtype).view(shape)
 
+    def strided(self, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...], offset_bytes: int,
+                nbytes: int) -> torch.Tensor:
+        """A tensor of `dtype`, `shape` and `stride` (dense: it spans `nbytes` from its
+        first element) over this block's bytes from `offset_bytes` (a multiple of the
+        element size) on; no copy, one view op (the pool keeps a typed view per dtype).
+        Same validity and errors as `view`."""
+        if self._state is not BlockState.ALLOCATED:
+            raise SwapError(f"{self._pool.name} block {self.block_id} of {self.owner} used after free")
+        if offset_bytes + nbytes > self.size_bytes:
+            raise SwapError(f"{self._pool.name} block of {self.owner} holds {self.size_bytes} bytes, "
+                            f"{nbytes} bytes from offset {offset_bytes} do not fit")
+        typed = self._pool.typed(dtype)
+        start = typed.storage_offset() + (self.offset_bytes + offset_bytes) // dtype.itemsize
+        return typed.as_strided(shape, stride, start)
+
     def __repr__(self) -> str:
         return (f"Block(id={self.block_id}, offset={self.offset_bytes}, "
                 f"size={self.size_bytes}, owner={self.owner!r}, state={self._state.value})")
@@ -119,6 +134,15 @@ class BlockPool:
         self._next_id = 0
         self._in_use_bytes = 0
         self._high_water_bytes = 0
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        """The buffer viewed as each dtype a block was viewed as (`typed`)."""
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole buffer as a flat tensor of `dtype` (made once per dtype)."""
+        found = self._typed.get(dtype)
+        if found is None:
+            found = self._typed[dtype] = self.buffer.view(dtype)
+        return found
 
     # ---- counters --------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -61,6 +61,7 @@ from mpress.runtime.swap.record import (
     SwapState,
     SwapStats,
 )
+from mpress.runtime.swap.layout import Layout
 from mpress.runtime.swap.store import HostStore, SwapStore
 from mpress.runtime.swap.workers import POLL_S, EngineWorkers
 
@@ -123,7 +124,7 @@ class SwapEngine(EngineWorkers):
         kind = self.store.kind
         self._out_thread = threading.Thread(target=self._out_worker, name=f"mpress-{kind}-out-r{rank}s{stage}",
                                             daemon=True)
-        self._in_thread = threading.Thread(target=self._worker, args=(self._in_queue, self._run_in),
+        self._in_thread = threading.Thread(target=self._in_worker,
                                            name=f"mpress-{kind}-in-r{rank}s{stage}", daemon=True)
         self._out_thread.start()
         self._in_thread.start()
@@ -138,41 +139,56 @@ class SwapEngine(EngineWorkers):
         peer, a tensor on another device or a non-strided tensor raise SwapError here.
         `weights` goes to the store (D2D: the rule's stripe weights).
         """
+        return self.swap_out_group(key, [(key.tensor, tensor)], category=category, weights=weights)
+
+    def swap_out_group(self, key: TensorKey, tensors: Sequence[tuple[str, torch.Tensor]], *,
+                       category: Category = Category.ACTIVATION, weights: object = None) -> SwapHandle:
+        """`swap_out` of several (name, tensor) pairs moved as one: one placement, one
+        record, one copy batch per stream, under one key (a unit of the rank's program:
+        what one layer saves under one rule). Host work is per group, not per tensor."""
         self.check()
         self._reap_dropped()  # frees their blocks and keys before this one needs them
-        if tensor.layout is not torch.strided:
-            raise SwapError(f"cannot swap out {key}: {tensor.layout} tensors are not supported")
-        if tensor.device != self.device:
-            raise SwapError(f"cannot swap out {key}: it is on {tensor.device}, the engine "
-                            f"serves {self.device}")
-        nbytes = tensor.numel() * tensor.element_size()
-        with torch.profiler.record_function("mpress:swap_out"), self._lock:
-            owned = self._claim_key(key, nbytes, category)
-            try:
-                placement = self.store.reserve(str(key), nbytes, weights)
-            except Exception as exc:
+        for name, tensor in tensors:
+            what = key if name == key.tensor else f"{key} ({name})"
+            if tensor.layout is not torch.strided:
+                raise SwapError(f"cannot swap out {what}: {tensor.layout} tensors are not supported")
+            if tensor.device != self.device:
+                raise SwapError(f"cannot swap out {what}: it is on {tensor.device}, the engine "
+                                f"serves {self.device}")
+        with torch.profiler.record_function("mpress:swap_out"):
+            # contiguous bytes of each tensor, made here on the compute stream (`layout.py`)
+            layouts, sources = zip(*(Layout.source(t.detach()) for _name, t in tensors)) if tensors else ((), ())
+            layouts, sources = list(layouts), list(sources)
+            nbytes = sum(layout.nbytes for layout in layouts)
+            with self._lock:
+                owned = self._claim_key(key, nbytes, category)
+                record = SwapRecord(key, [name for name, _t in tensors], layouts, sources, None, owned)  # type: ignore[arg-type]
+                try:
+                    record.placement = self.store.reserve(str(key), record.span_bytes, weights)
+                except Exception as exc:
+                    if owned:
+                        self._owned.pop(key, None)
+                        self._manager.forget(key)
+                    if isinstance(exc, SwapError):
+                        raise SwapError(f"swap-out failed: {key}: {exc}") from exc
+                    raise
                 if owned:
-                    self._owned.pop(key, None)
-                    self._manager.forget(key)
-                if isinstance(exc, SwapError):
-                    raise SwapError(f"swap-out failed: {key}: {exc}") from exc
-                raise
-            record = SwapRecord(key, tensor.detach(), placement, owned)
-            if owned:
-                self._owned[key] = record
-            self._with_block.add(record)
-            self._outs.add(record)
-            if self._cuda:
-                record.ready_event = torch.cuda.Event()
-                record.ready_event.record(torch.cuda.current_stream(self.device))
-            self._num_pending += 1
+                    self._owned[key] = record
+                self._with_block.add(record)
+                self._outs.add(record)
+                if self._cuda:
+                    record.ready_event = torch.cuda.Event()
+                    record.ready_event.record(torch.cuda.current_stream(self.device))
+                self._num_pending += 1
         handle = SwapHandle(record)
         weakref.finalize(handle, self._handle_dropped, record).atexit = False
         self._out_queue.put(record)
         return handle
 
     def prefetch(self, handle: SwapHandle) -> None:
-        """Enqueue the swap-in of `handle` (idempotent); returns at once."""
+        """Enqueue the swap-in of `handle` (idempotent); returns at once. The device
+        tensors it fills are allocated here, on the calling thread and its current
+        stream, in their original layouts."""
         self.check()
         self._reap_dropped()
         record = handle._record
@@ -182,7 +198,7 @@ class SwapEngine(EngineWorkers):
                 return
             record.in_requested = True
         try:  # the bytes come back now, on this thread (an out-of-memory error names the action)
-            dst = self.store.allocate(record.dtype, record.shape)
+            dst = [layout.empty(self.device) for layout in record.layouts]
         except BaseException:
             with self._lock:
                 record.in_requested = False
@@ -204,6 +220,11 @@ class SwapEngine(EngineWorkers):
         memory goes when the caller's last use does (as the memory model says). Called
         again while the tensor lives, returns the same tensor; after, a SwapError.
         """
+        (tensor,) = self.fetch_group(handle)
+        return tensor
+
+    def fetch_group(self, handle: SwapHandle) -> list[torch.Tensor]:
+        """`fetch` of every tensor of a group, in the order they were given."""
         self.prefetch(handle)
         record = handle._record
         start = time.perf_counter()
@@ -214,28 +235,29 @@ class SwapEngine(EngineWorkers):
                 if time.perf_counter() >= deadline:
                     raise SwapError(
                         f"timed out after {self.timeout_s:g} s waiting for swap-in of "
-                        f"{record.key} (state {record.state.value})")
+                        f"{record.describe()} (state {record.state.value})")
         waited = time.perf_counter()
         if self.trace is not None and waited - start > 1e-6:
             self.trace.append(("wait", str(record.key), start, waited))
         with self._lock:
             self._stats.wait_s += waited - start
             self._raise_for(record)
-            tensor = record.result if record.result is not None else (
-                record.result_ref() if record.result_ref is not None else None)
-            if tensor is None:
+            tensors = record.result if record.result is not None else (
+                [ref() for ref in record.result_ref] if record.result_ref is not None else None)
+            if tensors is None or any(t is None for t in tensors):
                 raise SwapError(f"swap-in of {record.key} produced no tensor, or it was fetched and has died "
                                 f"(state {record.state.value})")
             record.result = None
-            record.result_ref = weakref.ref(tensor)
+            record.result_ref = [weakref.ref(t) for t in tensors]
             if self._cuda:
                 stream = torch.cuda.current_stream(self.device)
                 for event in record.in_events:
                     stream.wait_event(event)
-                # Allocated on an in stream, used on this one: the allocator must not
-                # hand the memory back to the in stream before this stream is done.
-                tensor.record_stream(stream)
-        return tensor
+                for tensor in tensors:
+                    # allocated on the stream `prefetch` ran on; if this one differs, the
+                    # allocator must not hand the memory back before this stream is done
+                    tensor.record_stream(stream)
+        return tensors
 
     def wait_outs(self) -> None:
         """Block until every swap-out issued so far has completed, and give up its device
@@ -248,7 +270,7 @@ class SwapEngine(EngineWorkers):
                 self.check()
                 if time.perf_counter() >= deadline:
                     raise SwapError(f"timed out after {self.timeout_s:g} s waiting for the swap-out of "
-                                    f"{record.key} (state {record.state.value})")
+                                    f"{record.describe()} (state {record.state.value})")
         with self._lock:
             for record in records:  # held until now (`hold_until_release`): the storage goes here
                 record.src = None
@@ -342,7 +364,7 @@ class SwapEngine(EngineWorkers):
 
     def _fail(self, record: SwapRecord, direction: str, exc: BaseException) -> None:
         """Called by a worker without the lock."""
-        error = SwapError(f"{direction} failed: {record.key}: {exc}")
+        error = SwapError(f"{direction} failed: {record.describe()}: {exc}")
         error.__cause__ = exc
         with self._lock:
             record.busy = False

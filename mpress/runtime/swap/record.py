@@ -16,7 +16,9 @@ import torch
 
 from mpress.errors import SwapError
 from mpress.identity import TensorKey
+from mpress.runtime.swap.layout import Layout
 from mpress.runtime.swap.store import Placement
+from mpress.units import ALIGNMENT_BYTES, round_up
 
 
 class SwapState(enum.Enum):
@@ -50,16 +52,21 @@ class SwapStats:
 
 
 class SwapRecord:
-    """Engine-internal state of one swap; guarded by the engine's lock."""
+    """Engine-internal state of one swap: one tensor, or a group of tensors moved
+    together (one placement, one copy per stream and direction); guarded by the engine's
+    lock. The group's tensors lie one after another in the placement's bytes, each at
+    an offset rounded up to the pools' alignment (as the plan's pool sizes count them)."""
 
-    def __init__(self, key: TensorKey, src: torch.Tensor, placement: Placement, owned: bool) -> None:
+    def __init__(self, key: TensorKey, names: list[str], layouts: list[Layout], sources: list[torch.Tensor],
+                 placement: Placement, owned: bool) -> None:
         self.key = key
-        self.dtype = src.dtype
-        self.shape = tuple(src.shape)
-        self.nbytes = src.numel() * src.element_size()
+        self.names = names                   # each tensor's name (its key's tensor when alone)
+        self.layouts = layouts
+        self.offsets = part_offsets(layouts)
+        self.nbytes = sum(layout.nbytes for layout in layouts)
         self.owned = owned                   # the engine tracked the key, so it forgets it
         self.state = SwapState.OUT_QUEUED
-        self.src: torch.Tensor | None = src  # dropped once the out copy completed
+        self.src: list[torch.Tensor] | None = sources  # contiguous; dropped once the out copies completed
         self.placement: Placement | None = placement
         self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
         self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies
@@ -69,16 +76,56 @@ class SwapRecord:
         self.copy_started_s = 0.0            # when a worker issued its latest copy (traces)
         self.busy = False                    # a worker is using the placement right now
         self.discard_requested = False
-        self.dst: torch.Tensor | None = None  # made by `prefetch`, filled by the in worker
+        self.dst: list[torch.Tensor] | None = None  # made by `prefetch` (their layouts), filled by the in worker
         self.dst_ready: torch.cuda.Event | None = None  # compute stream, after `dst` was made
-        self.result: torch.Tensor | None = None
-        """The swapped-in tensor until `fetch` hands it over (then only `result_ref`)."""
-        self.result_ref: weakref.ref[torch.Tensor] | None = None
+        self.result: list[torch.Tensor] | None = None
+        """The swapped-in tensors until `fetch` hands them over (then only `result_ref`)."""
+        self.result_ref: list[weakref.ref[torch.Tensor]] | None = None
         self.error: SwapError | None = None
+
+    def describe(self) -> str:
+        """The key, and for a group the names of its tensors (the first few), for errors."""
+        if self.names == [self.key.tensor]:
+            return str(self.key)
+        shown = ", ".join(self.names[:4]) + (f" and {len(self.names) - 4} more" if len(self.names) > 4 else "")
+        return f"{self.key} (tensors {shown})"
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes of the placement: the tensors at their aligned offsets (the store rounds
+        the whole up to its own alignment)."""
+        return self.offsets[-1] + self.layouts[-1].nbytes if self.layouts else 0
+
+    def peer_bytes(self) -> dict[int, int]:
+        """The tensors' bytes (not the alignment gaps) per peer device holding them;
+        empty for a host placement."""
+        out: dict[int, int] = {}
+        for slot in self.placement.slots if self.placement is not None else ():
+            if slot.peer is None:
+                continue
+            first, end = slot.tensor_offset_bytes, slot.tensor_offset_bytes + slot.nbytes
+            held = sum(max(0, min(end, o + layout.nbytes) - max(first, o))
+                       for o, layout in zip(self.offsets, self.layouts))
+            out[slot.peer] = out.get(slot.peer, 0) + held
+        return out
+
+    def pieces(self, tensors: list[torch.Tensor]) -> list[tuple[int, Layout, torch.Tensor]]:
+        """(offset in the placement, layout, tensor) of each (dense) tensor of the group."""
+        return list(zip(self.offsets, self.layouts, tensors))
+
+
+def part_offsets(layouts: list[Layout]) -> list[int]:
+    """Byte offset of each tensor of a group in its placement: packed in order, each
+    rounded up to the pools' alignment."""
+    offsets, at = [], 0
+    for layout in layouts:
+        offsets.append(at)
+        at += round_up(layout.nbytes, ALIGNMENT_BYTES)
+    return offsets
 
 
 class SwapHandle:
-    """Ticket for one swapped-out tensor: pass it to `prefetch`, `fetch` or `discard`.
+    """Ticket for one swapped-out tensor or group: pass it to `prefetch`, `fetch` or `discard`.
 
     Dropping the last reference to a handle releases its host block (the tensor died).
     """
@@ -94,14 +141,22 @@ class SwapHandle:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._record.dtype
+        """The (first) tensor's dtype."""
+        return self._record.layouts[0].dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._record.shape
+        """The (first) tensor's shape."""
+        return self._record.layouts[0].shape
+
+    @property
+    def names(self) -> list[str]:
+        """Each swapped tensor's name (one for a single tensor)."""
+        return list(self._record.names)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the swapped tensors (their elements; alignment not counted)."""
         return self._record.nbytes
 
     @property

@@ -2,12 +2,13 @@
 
 The swap engine (`engine.py`) owns the life cycle of a swap: queues, worker
 threads, states, errors, residency reports. A `SwapStore` owns the destination: it
-reserves room for a tensor (`reserve`, on the training thread, so exhaustion is raised
-where the tensor is named), makes the device tensor a swap-in fills (`allocate`, on the
-training thread too), issues the copies out and back on its own CUDA streams, and
-releases the room. Two stores exist:
+reserves room for a tensor or a group of tensors (`reserve`, on the training thread, so
+exhaustion is raised where the tensor is named), issues the copies of their bytes out and
+back on its own CUDA streams, and releases the room. The engine hands it contiguous
+device bytes only (`layout.py`: made on the compute stream), so a store never gathers or
+allocates on the device. Two stores exist:
 
-- `HostStore`: one block of the pinned host pool per tensor, one out and one in stream;
+- `HostStore`: one block of the pinned host pool per swap, one out and one in stream;
 - `PeerStore` (`mpress/d2d/runtime/peer_store.py`): the tensor striped over peer GPUs' pools,
   one stream per peer link and direction.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +29,7 @@ import torch
 from mpress.runtime.memory.block_pool import Block
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import Residency
+from mpress.runtime.swap.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -59,33 +62,41 @@ class Placement:
 
 @dataclass
 class Copy:
-    """A copy issued by `issue_copy`."""
+    """The copies `issue_copies` enqueued on one stream."""
 
     done: torch.cuda.Event | None
-    """CUDA: recorded on the copy's stream right after it; None on CPU (copy finished)."""
+    """CUDA: recorded on the stream right after them (a blocking-sync event: a worker
+    waiting on it sleeps instead of spinning a core); None on CPU (copies finished)."""
     start: torch.cuda.Event | None
     wall_s: float
 
     def wait_s(self) -> float:
-        """Block the calling (worker) thread until the copy completed; its duration in s."""
+        """Block the calling (worker) thread until the copies completed; their duration in s."""
         if self.done is None:
             return self.wall_s
         self.done.synchronize()
         return self.start.elapsed_time(self.done) / 1e3
 
 
-def issue_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> Copy:
-    """Copy `src` into `dst`: on CPU at once, on CUDA enqueued on `stream` (non_blocking;
-    a non-contiguous source is gathered on that stream first, so only its elements move)."""
+def copy_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """(start, done) events around a batch of copies; `done` is waited on by a worker
+    thread, so it is made with blocking sync (`cudaEventBlockingSync`)."""
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True, blocking=True)
+
+
+def issue_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream | None) -> Copy:
+    """Copy each (dst, src) pair of contiguous tensors: on CPU at once, on CUDA enqueued
+    on `stream` (non_blocking) between one start and one done event."""
     if stream is None:
         start_s = time.perf_counter()
-        dst.copy_(src)
+        for dst, src in pairs:
+            dst.copy_(src)
         return Copy(done=None, start=None, wall_s=time.perf_counter() - start_s)
-    start = torch.cuda.Event(enable_timing=True)
-    done = torch.cuda.Event(enable_timing=True)
+    start, done = copy_events()
     start.record(stream)
     with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
     done.record(stream)
     return Copy(done=done, start=start, wall_s=0.0)
 
@@ -98,6 +109,31 @@ def wait_copies(copies: list[Copy]) -> float:
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+Pieces = Sequence[tuple[int, Layout, torch.Tensor]]
+"""(byte offset in the placement, layout, dense device tensor of that layout) of each
+tensor of a swap."""
+
+
+def segments(placement: Placement, pieces: Pieces) -> Iterator[tuple[Slot, torch.Tensor, torch.Tensor]]:
+    """Every overlap of a piece with a slot: (the slot, the block's part of it, the
+    piece's part of it). A piece within one slot (always, on the host) is one pair of
+    same-layout tensors, so its copy is one memcpy with no view of its bytes; a piece
+    spanning slots (a D2D stripe boundary) is split as bytes in memory order."""
+    for slot in placement.slots:
+        first, end = slot.tensor_offset_bytes, slot.tensor_offset_bytes + slot.nbytes
+        block = None
+        for offset, layout, tensor in pieces:
+            lo, hi = max(first, offset), min(end, offset + layout.nbytes)
+            if lo >= hi:
+                continue
+            if hi - lo == layout.nbytes:  # the whole piece
+                yield slot, slot.block.strided(layout.dtype, layout.shape, layout.stride, offset - first,
+                                               layout.nbytes), tensor
+                continue
+            block = slot.block.view(torch.uint8, (slot.nbytes,)) if block is None else block
+            yield slot, block[lo - first:hi - first], layout.flat(tensor)[lo - offset:hi - offset]
 
 
 class SwapStore(abc.ABC):
@@ -124,20 +160,15 @@ class SwapStore(abc.ABC):
         """Give the room back (once per placement)."""
 
     @abc.abstractmethod
-    def copy_out(self, placement: Placement, src: torch.Tensor,
-                 ready: torch.cuda.Event | None) -> list[Copy]:
-        """Issue the copies of `src` into `placement`, each after `ready` (CUDA)."""
-
-    def allocate(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The device tensor a swap-in fills, made on the calling (training) thread and its
-        current stream: the bytes are taken when the swap-in is issued, where the rank's
-        program puts them, not whenever a worker gets to it."""
-        return torch.empty(shape, dtype=dtype, device=self.device)
+    def copy_out(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
+        """Issue the copies of `pieces` (device bytes, made on the compute stream) into
+        `placement`, after `ready` (CUDA: recorded on the compute stream after them)."""
 
     @abc.abstractmethod
-    def copy_in(self, placement: Placement, dst: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
-        """Issue the copies filling `dst` (from `allocate`) from `placement`, each after
-        `ready` (CUDA: recorded on the allocating stream after `allocate`)."""
+    def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
+        """Issue the copies filling `pieces` (device bytes the engine allocated on the
+        compute stream when the swap-in was issued) from `placement`, after `ready` (CUDA:
+        recorded on the compute stream after the allocation)."""
 
     def completed(self, placement: Placement, direction: str) -> None:
         """The engine saw the "out" or "in" copies of `placement` complete."""
@@ -150,7 +181,7 @@ class SwapStore(abc.ABC):
 
 
 class HostStore(SwapStore):
-    """Swaps to the pinned host pool: one block per tensor, one stream per direction."""
+    """Swaps to the pinned host pool: one block per swap, one stream per direction."""
 
     residency = Residency.HOST
     kind = "host"
@@ -168,29 +199,28 @@ class HostStore(SwapStore):
         for slot in placement.slots:
             self.pool.free(slot.block)
 
-    def copy_out(self, placement: Placement, src: torch.Tensor,
-                 ready: torch.cuda.Event | None) -> list[Copy]:
-        (slot,) = placement.slots
+    def copy_out(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
         stream = self._out_stream
         if stream is not None:
             stream.wait_event(ready)
-            # Made on the compute stream, read on this one: the allocator must not reuse
-            # the storage before this stream's work is done.
-            src.record_stream(stream)
-        return [issue_copy(slot.block.view(src.dtype, src.shape), src, stream)]
+            for _offset, _layout, data in pieces:
+                # Made on the compute stream, read on this one: the allocator must not
+                # reuse the storage before this stream's work is done.
+                data.record_stream(stream)
+        return [issue_copies([(block, data) for _slot, block, data in segments(placement, pieces)], stream)]
 
-    def close(self) -> None:
-        self.pool.close()  # unpin
-
-    def copy_in(self, placement: Placement, dst: torch.Tensor, ready: torch.cuda.Event | None) -> list[Copy]:
-        (slot,) = placement.slots
+    def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
         stream = self._in_stream
         if stream is not None:
             stream.wait_event(ready)
-            # Allocated on the compute stream, written on this one: the allocator must not
-            # hand the memory back to the compute stream before this copy is done.
-            dst.record_stream(stream)
-        return [issue_copy(dst, slot.block.view(dst.dtype, dst.shape), stream)]
+            for _offset, _layout, data in pieces:
+                # Allocated on the compute stream, written on this one: the allocator must
+                # not hand the memory back to the compute stream before this copy is done.
+                data.record_stream(stream)
+        return [issue_copies([(data, block) for _slot, block, data in segments(placement, pieces)], stream)]
+
+    def close(self) -> None:
+        self.pool.close()  # unpin
 
 
 class PeerStores(Protocol):

@@ -64,7 +64,7 @@ def test_round_trips_are_bit_identical(make_d2d):
         t.zero_() if t.dtype != torch.bool else t.fill_(False)
     for handle, want in zip(reversed(handles), reversed(expected)):
         back = engine.fetch(handle)
-        assert back.is_contiguous() and same_bits(back, want)
+        assert back.stride() == want.stride() and same_bits(back, want)  # clone's layout: the view's own if dense
     engine.wait_idle()
     assert store.table.entries() == [] and manager.peer_bytes() == 0
     assert all(u["in_use_bytes"] == 0 for u in pools.pool_usage().values())

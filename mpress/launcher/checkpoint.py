@@ -1,6 +1,10 @@
-"""Per-rank checkpoints: stage and optimizer state (offloaded states brought home first)
-and the RNG streams, one file per rank per saved step; a resume loads the newest step
-every rank saved completely."""
+"""Per-rank checkpoints: stage and optimizer state and the RNG streams, one file per rank
+per saved step; a resume loads the newest step every rank saved completely.
+
+No checkpoint takes device memory the plan has not planned: the state is built on the
+host one tensor at a time (offloaded optimizer data one layer's chunk at a time), a file
+is read into host memory (`map_location="cpu"`, whatever device wrote it) and copied into
+the job's tensors in place (`mpress.runtime.job_state`)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ def _checkpoint_dir(cfg: TrainConfig) -> Path | None:
 
 
 def save_checkpoint(cfg: TrainConfig, job: PipelineJob, step: int) -> None:
-    """Stage state, optimizer state (offloaded states brought home) and RNG per rank."""
+    """Stage state, optimizer state and RNG of this rank, as host tensors, to
+    `<dir>/step<step>/rank<rank>.pt` (written whole, then renamed)."""
     root = _checkpoint_dir(cfg)
     if root is None:
         return
@@ -37,7 +42,9 @@ def resume(cfg: TrainConfig, job: PipelineJob) -> int:
         return 0
     for folder in sorted(root.glob("step*"), reverse=True):
         if all((folder / f"rank{r}.pt").is_file() for r in range(job.world)):
-            state = torch.load(folder / f"rank{job.rank}.pt", weights_only=False)
+            # to host memory: loading to the device that wrote it would put a second copy
+            # of the model and optimizer beside the job's own (and needs that device)
+            state = torch.load(folder / f"rank{job.rank}.pt", map_location="cpu", weights_only=False)
             job.load_state(state)
             torch.set_rng_state(state["rng"])
             if state.get("cuda_rng") is not None:  # dropout on the GPU draws from its own generator

@@ -132,7 +132,7 @@ class MasterWeights:
         one layer's) gives the same values as one call: Adam's update of a parameter reads
         only that parameter's gradient and states. Released masters must have been
         restored."""
-        entries = list(self._entries.values()) if names is None else [self._entry(n) for n in names]
+        entries = self._chosen(names)
         self._check_home("step", entries)
         chosen = {id(e) for e in entries}
         # the optimizer skips tensors without a gradient: hide those of the others
@@ -214,24 +214,33 @@ class MasterWeights:
 
     # ---- checkpoints -----------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """fp32 masters of the parameters that are not fp32 (their values are not in the
-        model's state dict), by parameter name; empty for an fp32 model. Copies on CPU."""
-        self._check_home("state_dict")
-        return {n: e.target.detach().to("cpu", copy=True) for n, e in self._entries.items()
+        model's state dict), by parameter name; empty for an fp32 model. Host copies, made
+        one tensor at a time. `names`: only these parameters (default: all); their
+        masters must be home."""
+        entries = self._chosen(names)
+        self._check_home("state_dict", entries)
+        return {e.name: e.target.detach().to("cpu", copy=True) for e in entries
                 if e.is_copy and e.param.dtype != MASTER_DTYPE}
 
-    def load_state_dict(self, masters: dict[str, torch.Tensor]) -> None:
-        """Set every copy: from `masters` where it has the parameter, else from the
-        parameter (upcast; call after loading the model). Unknown names are an error."""
-        self._check_home("load_state_dict")
-        unknown = sorted(set(masters) - set(self._entries))
+    def load_state_dict(self, masters: dict[str, torch.Tensor], names: Collection[str] | None = None) -> None:
+        """Set every copy, in place: from `masters` where it has the parameter, else from
+        the parameter (upcast; call after loading the model). `names`: only these
+        parameters (default: all); their masters must be home. Names in `masters` that are
+        not parameters, or (with `names`) not among `names`, are an error."""
+        entries = self._chosen(names)
+        self._check_home("load_state_dict", entries)
+        unknown = sorted(set(masters) - {e.name for e in entries})
         if unknown:
             raise UserError(f"checkpoint has master weights for unknown parameters: {', '.join(unknown[:3])}")
         with torch.no_grad():
-            for name, e in self._entries.items():
+            for e in entries:
                 if e.is_copy:
-                    e.target.copy_(masters[name] if name in masters else e.param)
+                    e.target.copy_(masters[e.name] if e.name in masters else e.param)
+
+    def _chosen(self, names: Collection[str] | None) -> list[_Entry]:
+        return list(self._entries.values()) if names is None else [self._entry(n) for n in names]
 
     def _check_home(self, action: str, entries: list[_Entry] | None = None) -> None:
         away = [e.name for e in (self._entries.values() if entries is None else entries) if e.released]

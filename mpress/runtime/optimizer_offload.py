@@ -21,6 +21,8 @@ Values are untouched by any of this, so training is bit-identical to keeping eve
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -142,16 +144,23 @@ class OptimizerOffload:
                     _key(self.runtime, name, MASTER), self.masters.release(name), category=Category.MASTER,
                     weights=weights)
 
-    def home_all(self) -> None:
-        """Everything back on the device (checkpoints read and write it there)."""
-        for layer in self.routes:
-            self.bring_in(layer)
-        for layer in self.routes:
-            self.home(layer)
-
-    def send_all_out(self) -> None:
-        for layer in self.routes:
+    @contextlib.contextmanager
+    def chunk_home(self, layer: str) -> Iterator[None]:
+        """`layer`'s chunk on the device for the block, alone: brought home (its copies
+        waited for), then sent out again and its device storage released (a release point
+        of the stage) when the block ends. Checkpoints read and write the offloaded data
+        this way, one chunk at a time, so they hold on the device what the chunk's
+        optimizer step holds. A layer the plan keeps on the device: nothing to do."""
+        if layer not in self.routes:
+            yield
+            return
+        self.bring_in(layer)
+        self.home(layer)
+        try:
+            yield
+        finally:
             self.send_out(layer)
+            self.runtime.release()
 
 
 def unit_layer(action: Action) -> str:

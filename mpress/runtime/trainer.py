@@ -9,7 +9,7 @@ steps. The launcher (`mpress.train`) and the multi-process tests drive it.
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
 from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan
+from mpress.runtime.job_state import Chunk, load_state, save_state
 from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.master_weights import MasterWeights
 from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload, layer_params, unit_layer
@@ -322,39 +323,34 @@ class PipelineJob:
         return dead
 
     def state(self) -> dict[str, dict]:
-        """Model and optimizer state of this rank (optimizer states brought home first),
-        plus `masters` (fp32 master weights by parameter name) under mixed precision.
-        Parameter names are the whole model's, so the stages' state dicts merge."""
-        for offload in self.offloads.values():
-            offload.home_all()
-        # deep copies: the optimizer's state dict shares its per-parameter dicts, which the
-        # offload empties again right below
-        model: dict = {}
-        for m in self.modules:
-            model.update(m.state_dict())
-        state = {"model": copy.deepcopy(model), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-        masters = self.masters.state_dict()
-        if masters:
-            state["masters"] = masters
-        for offload in self.offloads.values():
-            offload.send_all_out()
-        return state
+        """Model and optimizer state of this rank, plus `masters` (fp32 master weights by
+        parameter name) under mixed precision, built on the host one tensor at a time;
+        offloaded optimizer data comes to the device one layer's chunk at a time
+        (`mpress.runtime.job_state`). Parameter names are the whole model's, so the
+        stages' state dicts merge."""
+        return save_state(self.modules, self.masters, self._chunks())
 
     def load_state(self, state: dict[str, dict]) -> None:
-        for offload in self.offloads.values():
-            offload.home_all()  # take back what is out: the loaded states replace it
-        for m in self.modules:
-            m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
-        # masters from the checkpoint; without them (an fp32 run's) from the loaded parameters
-        names = set(self.masters.names())
-        self.masters.load_state_dict({k: v for k, v in state.get("masters", {}).items() if k in names})
-        self.optimizer.load_state_dict(state["optimizer"])  # states go to each master's device
+        """Copy `state` (host tensors, as `state()` makes them and `torch.load(...,
+        map_location="cpu")` reads them) into this rank's tensors in place, offloaded
+        chunks one at a time."""
+        load_state(self.modules, self.masters, self._chunks(), state)
         for host_step in self.host_steps:
             host_step.after_step()
         if self.live is not None:
             self._adopt_model_data()  # the loaded states were made outside a step
-        for offload in self.offloads.values():
-            offload.send_all_out()
+
+    def _chunks(self) -> list[Chunk]:
+        """Each layer's parameters of each stage, with what brings the layer's offloaded
+        optimizer data home."""
+        chunks = []
+        for s in self.stage_ids:
+            offload = self.offloads.get(s)
+            for layer, names in self.params[s].items():
+                home = functools.partial(offload.chunk_home, layer) if offload is not None \
+                    else contextlib.nullcontext
+                chunks.append(Chunk(names=names, home=home))
+        return chunks
 
     def close(self) -> None:
         for rt in self.runtimes:

@@ -1,0 +1,162 @@
+"""A pipeline job's state for checkpoints: built on the host, loaded in place.
+
+A checkpoint must not need device memory the plan has not planned. So:
+
+- **save** (`save_state`): every tensor is copied device -> host on its own into a new
+  host tensor. Nothing is deep-copied (a deep copy of a state dict copies each tensor on
+  its own device: on a GPU, a second model and optimizer beside the first). Optimizer
+  data the plan keeps off the device comes back one layer's chunk at a time, as for its
+  optimizer step, and goes out again, its device storage released, before the next.
+- **load** (`load_state`): from a state whose tensors are on the host (files are read
+  with `torch.load(map_location="cpu")`), each value is copied into the tensor that
+  already holds it on the device: parameters and buffers, masters, optimizer states. An
+  optimizer state that does not exist yet (a job that has not stepped: Adam makes its
+  states at its first step) is made where torch's `Optimizer.load_state_dict` would put
+  it, one tensor at a time. Offloaded chunks again one at a time.
+
+The layout is torch's own (`nn.Module.state_dict`, `Optimizer.state_dict`):
+`{"model": name -> tensor, "optimizer": {"state": index -> {key -> value},
+"param_groups": [...]}, "masters": name -> fp32 tensor}` (`masters` only under mixed
+precision), so it does not depend on where the plan keeps anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpress.errors import UserError
+from mpress.runtime.master_weights import MasterWeights
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Parameters whose optimizer data comes to the device together (one layer's)."""
+
+    names: list[str]
+    """Parameter names, in the parameters' order."""
+    home: Callable[[], contextlib.AbstractContextManager]
+    """Holds the chunk's offloaded data on the device for a `with` block (a kept layer:
+    nothing to do)."""
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A new host tensor with `t`'s values: one tensor's bytes on the host, none on the
+    device (a GPU tensor is copied device -> host into pageable memory; the copy waits
+    for the current stream)."""
+    return t.detach().to("cpu", copy=True)
+
+
+def _copied(value: Any) -> Any:
+    return host_copy(value) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def save_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Iterable[Chunk]) -> dict[str, Any]:
+    """The job's state on the host (see the module docstring). `chunks` must cover every
+    parameter of `masters` exactly once."""
+    model: dict[str, torch.Tensor] = {}
+    for m in modules:
+        for name, t in m.state_dict().items():  # views of the live tensors, no copies
+            model[name] = host_copy(t)
+    optimizer = masters.optimizer
+    index = _param_index(optimizer)
+    states: dict[int, dict[str, Any]] = {}
+    master_copies: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        with chunk.home():
+            for name in chunk.names:
+                target = masters.target(name)
+                per_param = optimizer.state.get(target)
+                if per_param:
+                    states[index[id(target)]] = {key: _copied(v) for key, v in per_param.items()}
+            master_copies.update(masters.state_dict(chunk.names))
+    groups = copy.deepcopy(optimizer.state_dict()["param_groups"])  # hyperparameters and indices
+    state: dict[str, Any] = {"model": model, "optimizer": {"state": dict(sorted(states.items())),
+                                                           "param_groups": groups}}
+    if master_copies:
+        state["masters"] = master_copies
+    return state
+
+
+def load_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Iterable[Chunk],
+               state: dict[str, Any]) -> None:
+    """Copy `state` (host tensors) into the job's tensors (see the module docstring)."""
+    saved_model = state["model"]
+    for m in modules:
+        own = m.state_dict()
+        missing = [k for k in own if k not in saved_model]
+        if missing:
+            raise UserError(f"checkpoint has no model tensor {', '.join(missing[:3])}")
+        m.load_state_dict({k: saved_model[k] for k in own})  # copy_ into each parameter and buffer
+    optimizer = masters.optimizer
+    saved = state["optimizer"]
+    # the saved hyperparameters (torch checks the groups' sizes); the states follow below
+    existing = {id(p): st for p, st in optimizer.state.items()}
+    optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
+    index = _param_index(optimizer)
+    saved_masters = {k: v for k, v in state.get("masters", {}).items() if k in set(masters.names())}
+    for chunk in chunks:
+        with chunk.home():
+            # masters first: without a saved one (an fp32 run's) a master comes from its parameter
+            masters.load_state_dict({k: saved_masters[k] for k in chunk.names if k in saved_masters},
+                                    names=chunk.names)
+            for name in chunk.names:
+                _load_optimizer_state(masters, name, index, saved, existing)
+
+
+def _load_optimizer_state(masters: MasterWeights, name: str, index: dict[int, int], saved: dict[str, Any],
+                          existing: dict[int, dict[str, Any]]) -> None:
+    """Parameter `name`'s saved optimizer state into its stepped tensor's state. (A
+    function of its own: no reference to the chunk's device tensors outlives the chunk.)"""
+    optimizer = masters.optimizer
+    target = masters.target(name)
+    before = existing.pop(id(target), {})
+    values = saved["state"].get(index[id(target)])
+    if values is None:
+        optimizer.state.pop(target, None)
+        return
+    # what is on the device now: kept states, or an offloaded chunk's just brought home
+    held = {**before, **optimizer.state.get(target, {})}
+    where = _Where(target, index[id(target)], saved["param_groups"], name)
+    optimizer.state[target] = {key: _into(held.get(key), v, key, where) for key, v in values.items()}
+
+
+@dataclass(frozen=True)
+class _Where:
+    """The tensor a loaded optimizer state belongs to, and its place in the saved groups."""
+
+    target: torch.Tensor
+    index: int
+    saved_groups: list[dict[str, Any]]
+    name: str
+
+
+def _into(held: Any, value: Any, key: str, where: _Where) -> Any:
+    """`value` in the tensor that holds it now (copied in place), or in a new one placed
+    as torch's `Optimizer.load_state_dict` places loaded states (on the stepped tensor's
+    device and dtype; Adam's step counter stays a host scalar unless capturable/fused)."""
+    if not isinstance(value, torch.Tensor):
+        return copy.deepcopy(value)
+    if isinstance(held, torch.Tensor):
+        if held.shape != value.shape:
+            raise UserError(f"checkpoint's optimizer state {key} of {where.name} is {tuple(value.shape)}, "
+                            f"the job's is {tuple(held.shape)}")
+        with torch.no_grad():
+            held.copy_(value)
+        return held
+    placed = torch.optim.Optimizer._process_value_according_to_param_policy(
+        where.target, value, where.index, where.saved_groups, key)
+    # never the caller's tensor itself (a host state stays the job's own)
+    return placed.clone() if placed is value else placed
+
+
+def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(tensor) -> its index in `optimizer.state_dict()` (groups in order, as torch packs)."""
+    tensors = (p for group in optimizer.param_groups for p in group["params"])
+    return {id(p): i for i, p in enumerate(tensors)}

@@ -19,6 +19,36 @@ from mpress.errors import ConfigError, UserError
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 HARDWARE_DIR = CONFIG_DIR / "hardware"
 
+MiB = 1 << 20
+
+
+@dataclass(kw_only=True, frozen=True)
+class ReserveSpec:
+    """What `DeviceSpec.reserve_bytes` holds back from plans, by cause; bytes. A preset
+    states each figure's source; `gpu_reserve` derives them for any GPU (see its
+    constants); `mpress.hardware_probe` measures the context and cuBLAS shares."""
+
+    unreported_bytes: int = field(default=0, metadata={"min": 0})
+    """Nominal memory CUDA does not report: `memory_bytes` less cudaMemGetInfo's total
+    (ECC, driver and firmware reservations)."""
+    context_bytes: int = field(default=0, metadata={"min": 0})
+    """The process's CUDA context, with the kernel modules loaded into it as they are
+    first used (CUDA's lazy loading)."""
+    cublas_bytes: int = field(default=0, metadata={"min": 0})
+    """cuBLAS/cuBLASLt: one workspace per handle and stream, from the caching allocator
+    (torch makes a handle per thread: the training thread's and autograd's), and what
+    the handles and their kernels take."""
+    nccl_bytes: int = field(default=0, metadata={"min": 0})
+    """NCCL's buffers: per connection (peer) and channel one set of LL, LL128 and Simple
+    buffers; NVLink SHARP buffers on NVSwitch Hopper."""
+    fragmentation_bytes: int = field(default=0, metadata={"min": 0})
+    """What the caching allocator holds but cannot hand out (blocks rounded up, split
+    segments)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.unreported_bytes + self.context_bytes + self.cublas_bytes + self.nccl_bytes
+                + self.fragmentation_bytes)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -30,9 +60,12 @@ class DeviceSpec:
     memory_bytes: int = field(metadata={"gt": 0})
     """Nominal device memory."""
     reserve_bytes: int = field(default=0, metadata={"min": 0})
-    """What a training process cannot plan with: the CUDA context, libraries' workspaces
-    (cuBLAS, NCCL) and the caching allocator's fragmentation. Plans fit
-    `memory_bytes - reserve_bytes`."""
+    """What a training process cannot plan with: memory CUDA does not report, the CUDA
+    context, libraries' buffers (cuBLAS, NCCL) and the caching allocator's
+    fragmentation. Plans fit `memory_bytes - reserve_bytes`."""
+    reserve: ReserveSpec | None = None
+    """`reserve_bytes` by cause (GPU presets give it, with sources); when given,
+    `reserve_bytes` must be its total."""
     peak_flops: dict[str, float] = field(metadata={"gt": 0})
     """Nominal dense peak FLOP/s per dtype: keys fp32, fp16, bf16 (bf16 may be absent)."""
 
@@ -44,6 +77,8 @@ class DeviceSpec:
             raise ConfigError("", "peak_flops.fp32", "missing required key (a number, FLOP/s)")
         if self.reserve_bytes >= self.memory_bytes:
             raise ConfigError("", "reserve_bytes", f"must be below memory_bytes ({self.memory_bytes})")
+        if self.reserve is not None and self.reserve.total_bytes != self.reserve_bytes:
+            raise ConfigError("", "reserve_bytes", f"must equal the sum of reserve.* ({self.reserve.total_bytes})")
 
 
 @dataclass(kw_only=True, frozen=True)

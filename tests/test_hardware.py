@@ -9,6 +9,7 @@ import yaml
 
 from mpress import cli
 from mpress.errors import ConfigError, UserError
+from mpress.gpu_reserve import gpu_reserve
 from mpress.hardware import HARDWARE_DIR, Hardware, hardware_presets, load_hardware
 from tests.support.hardware import DGX1_LINKS  # the DGX-1V matrix as typed in from nvidia-smi topo -m
 
@@ -115,6 +116,45 @@ def test_dgx1_bandwidth_by_hand() -> None:
     # a 2-link pair moves twice what a 1-link pair does; an unlinked pair nothing over NVLink
     assert hw.nvlink_gbps(0, 3) == pytest.approx(2 * hw.nvlink_gbps(0, 1))
     assert hw.nvlink_gbps(0, 5) == 0.0
+
+
+GPU_PRESETS = ["dgx1-v100", "dgx-a100", "hgx-h100"]
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_every_gpu_preset_states_its_reserve_by_cause_with_sources(preset: str) -> None:
+    """The reserve covers what CUDA does not report, the context, cuBLAS, NCCL and the
+    allocator's fragmentation, each figure with a comment saying where it comes from,
+    and they are the figures the reserve model derives for that GPU."""
+    hw = load_hardware(preset)
+    reserve = hw.device.reserve
+    assert reserve is not None, f"{preset}: device.reserve (the reserve by cause) is missing"
+    assert reserve.total_bytes == hw.device.reserve_bytes
+    assert hw.usable_memory_bytes == hw.device.memory_bytes - reserve.total_bytes
+    hopper = "H100" in hw.device.name
+    expected = gpu_reserve(memory_bytes=hw.device.memory_bytes,
+                           cuda_total_bytes=hw.device.memory_bytes - reserve.unreported_bytes, hopper=hopper,
+                           nvswitch_gpus=hw.num_devices if hw.nvswitch else 0)
+    assert reserve == expected
+    assert all(value > 0 for value in vars(reserve).values())
+    lines = (HARDWARE_DIR / f"{preset}.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "reserve:")
+    block = [line for line in lines[start + 1:start + 40] if line.startswith(" " * 4) and "_bytes:" in line]
+    assert {line.split(":")[0].strip() for line in block} == set(vars(reserve))
+    # the line, or the comment lines right above it, say where the figure comes from
+    for line in block:
+        i = lines.index(line)
+        said = " ".join([line] + [c for c in lines[max(0, i - 4):i] if c.strip().startswith("#")])
+        assert "#" in said, f"{preset}: {line.strip()} has no source"
+
+
+def test_a_reserve_that_is_not_the_sum_of_its_causes_is_refused(tmp_path: Path) -> None:
+    data = raw("dgx1-v100")
+    data["device"]["reserve"]["nccl_bytes"] += 1
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_hardware(path)
+    assert info.value.key == "device.reserve_bytes" and "sum of reserve" in info.value.problem
 
 
 def test_cpu_local_defaults_and_overrides() -> None:

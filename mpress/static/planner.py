@@ -4,7 +4,10 @@ Steps (PAPERS.md section 1; one `PipelineSetup` in, one `PlanResult` out):
 
 1. Emulate the pipeline without compaction; read each layer's live interval per
    microbatch (forward end to backward start) off the timeline.
-2. Per stage, the bytes to shed = memory-model need - device capacity. Candidates:
+2. Per stage, the bytes to shed = memory-model need - device capacity (the hardware's
+   `usable_memory_bytes`: nominal memory less its reserve, which holds what CUDA does not
+   report, the CUDA context, cuBLAS, NCCL and allocator fragmentation, `mpress.gpu_reserve`;
+   no further headroom is taken here). Candidates:
    optimizer states + master weights of the stage (needed only at the optimizer step:
    the longest live interval there is), PipeDream's stashed weight versions, and the
    saved activations of each layer (in all microbatches: every microbatch passes

@@ -100,7 +100,8 @@ def load_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Ite
     existing = {id(p): st for p, st in optimizer.state.items()}
     optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
     index = _param_index(optimizer)
-    saved_masters = {k: v for k, v in state.get("masters", {}).items() if k in set(masters.names())}
+    names = set(masters.names())  # masters of parameters this rank does not hold are left out
+    saved_masters = {k: v for k, v in state.get("masters", {}).items() if k in names}
     for chunk in chunks:
         with chunk.home():
             # masters first: without a saved one (an fp32 run's) a master comes from its parameter

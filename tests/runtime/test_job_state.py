@@ -37,14 +37,14 @@ BYTES_PER_PARAM_OFFLOADED = 12
 """fp32 master + Adam's exp_avg and exp_avg_sq, 4 bytes each."""
 
 
-def spec(device: str = "cpu") -> JobSpec:
+def spec() -> JobSpec:
     cfg = dataclasses.replace(load_model_config(MODEL), precision="bf16")
     return JobSpec(model=cfg, schedule="1f1b", ranges=RANGES[1], microbatch_size=MICROBATCH_SIZE,
                    num_microbatches=NUM_MICROBATCHES, seed=3)
 
 
 def make_job(device: str = "cpu") -> PipelineJob:
-    s = spec(device)
+    s = spec()
     rules = [TensorRule(tensor=f"optim:{layer}", technique="host") for layer in OFFLOADED]
     plan = pipeline_plan("1f1b", 1, NUM_MICROBATCHES, {0: rules}, model=s.model)
     return PipelineJob(s, plan, torch.device(device))

@@ -199,6 +199,10 @@ def main() -> None:
     console.print("round trip vs host: host round-trip time / this path's (above 1: faster than host swap)")
     if skipped:
         console.print(f"skipped stripe counts {skipped}: at most {possible} peer(s) here")
+    largest = max(r["nbytes"] for r in result["rows"])
+    rates = ", ".join(f"{r['path']} {2 * largest / (r['out_s'] + r['in_s']) / 1e9:.2f}"
+                      for r in result["rows"] if r["nbytes"] == largest)
+    console.print(f"summary: round-trip GB/s at {largest / MiB:g} MiB on {where}: {rates}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -131,9 +131,9 @@ def storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     return (t.device, t.untyped_storage().data_ptr())
 
 
-@dataclass(frozen=True)
-class SavedName:
-    """The name of one saved tensor, and the layer that was running."""
+class SavedName(NamedTuple):
+    """The name of one saved tensor, and the layer that was running (a named tuple: one
+    is made per saved tensor)."""
 
     module: str
     index: int
@@ -204,7 +204,7 @@ class SavedTensorNamer:
         module = self._stack[-1] if self._stack else self.layers[-1]
         index = self._counts.get(module, 0)
         self._counts[module] = index + 1
-        return SavedName(module=module, index=index, layer=self.layer)
+        return SavedName(module, index, self.layer)
 
     def close(self) -> None:
         for h in self._hooks:

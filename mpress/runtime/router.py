@@ -130,8 +130,8 @@ class _View:
         return self.base.unpack().as_strided(self.size, self.stride, self.offset)
 
 
-def _view_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]:
-    return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
+def _view_of(t: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], int, torch.dtype]:
+    return t.shape, t.stride(), t.storage_offset(), t.dtype
 
 
 class SavedTensorRouter:
@@ -221,13 +221,15 @@ class SavedTensorRouter:
                 self._remember(t, None)
 
     def _remember(self, tensor: torch.Tensor, decision: _Swapped | None,
-                  key: tuple[torch.device, int] | None = None) -> None:
-        """`decision` holds for `tensor`'s storage (`key`: its `storage_key`) while it lives."""
+                  key: tuple[torch.device, int] | None = None, storage: Any = None) -> None:
+        """`decision` holds for `tensor`'s storage (`key`: its `storage_key`, `storage`: the
+        storage, when the caller has them) while it lives."""
         key = storage_key(tensor) if key is None else key
         number = next(self._entries)
         # the entry holds the weak reference whose callback ends it when the storage dies
         # (a `weakref.finalize` would cost several times more per saved tensor)
-        alive = weakref.ref(tensor.untyped_storage(), functools.partial(self._forget, key, number))
+        alive = weakref.ref(tensor.untyped_storage() if storage is None else storage,
+                            functools.partial(self._forget, key, number))
         with self._saved_lock:
             self._saved[key] = (number, decision, alive)
 
@@ -262,7 +264,8 @@ class SavedTensorRouter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not self._active or self.namer is None:
             return tensor
-        skey = storage_key(tensor)
+        storage = tensor.untyped_storage()
+        skey = (tensor.device, storage.data_ptr())  # `storage_key`, with the storage kept for `_remember`
         name = self.namer.name(tensor, skey)
         if name is None:  # a parameter's storage: never moved
             return tensor
@@ -285,7 +288,7 @@ class SavedTensorRouter:
         if engine is None or skey[0] != engine.device:
             # kept, or recomputed (saved outside its checkpoint: the loss's), or not in the
             # device's memory at all (a CPU scalar a user's forward made): nothing to move
-            self._remember(tensor, None, skey)
+            self._remember(tensor, None, skey, storage)
             return tensor
         group = self._open.get(unit)  # type: ignore[arg-type]
         if group is None:
@@ -301,7 +304,7 @@ class SavedTensorRouter:
             group = self._open[unit] = _Group(engine, tkey, weights)  # type: ignore[index]
             groups.append(group)
         swapped = _Swapped(group, group.add(name.id, tensor), tensor)
-        self._remember(tensor, swapped, skey)
+        self._remember(tensor, swapped, skey, storage)
         self.tensors_swapped += 1
         return swapped
 

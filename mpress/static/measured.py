@@ -206,6 +206,7 @@ def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
     """One step with saved-tensor hooks: per layer, saved tensors and output bytes."""
     records = [_LayerRecord() for _ in paths]
     layer_of = {module.get_submodule(p): i for i, p in enumerate(paths)}
+    device = next((t.device for t in (*module.parameters(), *_tensors(args))), torch.device("cpu"))
     namer = SavedTensorNamer(module, paths)
     layer_inputs: dict[int, set[tuple[str, int]]] = {}  # layer -> storages of its input
 
@@ -227,6 +228,8 @@ def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
         else:
             what = "no autograd history (input, mask, index or statistic)"
         nbytes = _storage_bytes(t)
+        if t.device != device:  # a CPU scalar a user's forward made: not the device's memory,
+            what, nbytes = f"{what} (on {t.device}: not device memory)", 0  # and the router keeps it
         layer_key = (name.layer, *storage_key(t))
         if layer_key in seen and t.numel() > 0:
             what, nbytes = f"{what} (same storage as {seen[layer_key]})", 0

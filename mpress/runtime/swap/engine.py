@@ -1,23 +1,25 @@
 """Swaps: copy tensors off the device on side streams and back before use.
 
 The engine drives one destination, a `SwapStore` (`store.py`): the pinned host pool
-(`HostStore`) or peer GPUs' pools (`PeerStore`, D2D swap). One swap-out worker thread and
-one swap-in worker thread use the store's CUDA streams (one per direction for host, one
-per peer link and direction for D2D) and take work from FIFO queues filled by the
-training thread:
+(`HostStore`) or peer GPUs' pools (`PeerStore`, D2D swap). Per direction an issuer
+thread enqueues copies on the store's CUDA streams (one per direction for host, one per
+peer link and direction for D2D) and a completer thread waits for them (`workers.py`);
+they take work from FIFO queues filled by the training thread. A swap is one tensor or
+a group (`swap_out_group`: what one layer saves under one rule), moved with one
+placement and one copy batch per stream:
 
-    training thread          out-worker (out stream)              in-worker (in stream)
-    swap_out(key, t) ──────► wait ready event (compute stream)
-      reserve room            copy t -> block(s) (non_blocking)
-      record ready event      wait copies, drop t, manager -> HOST/PEER ─► (out done)
-      return handle
-    prefetch(handle) ──────────────────────────────────────────► copy block(s) -> device
-      allocate device tensor                                      manager -> DEVICE, signal
-    fetch(handle) ◄── current stream waits on the copies' events ── wait copies, free block(s)
+    training thread           out issuer / completer              in issuer / completer
+    swap_out_group(key, ts)
+      dense bytes of each t (layout.py; gathers here, on the compute stream)
+      reserve room, record ready event ──► copy ts -> block(s) after ready
+      return handle                        wait copies, drop ts, manager -> HOST/PEER ─► (out done)
+    prefetch(handle)
+      allocate the tensors (their layouts), record event ──────► copy block(s) -> tensors, signal
+    fetch_group(handle) ◄── current stream waits on the copies' events   wait copies, free block(s)
 
-Batching: the out worker takes every swap-out already queued (up to `MAX_BATCH`) and
-issues all their copies before waiting on any, so a burst of small tensors costs one
-host round trip per stream, not one per tensor.
+Neither issuer ever waits for a copy, so a burst of swaps is enqueued at once and no
+swap is held back by the copy of the one before it; the host work is per swap (group),
+not per tensor.
 
 Ordering is by CUDA events, never by a host-wide synchronisation: the out copy waits on an
 event recorded on the compute stream when `swap_out` was called; the consumer's stream
@@ -122,12 +124,23 @@ class SwapEngine(EngineWorkers):
         """Records whose handle died; a finalizer may run on any thread at any allocation,
         so it only enqueues here (reentrant-safe) and the engine releases them later."""
         kind = self.store.kind
-        self._out_thread = threading.Thread(target=self._out_worker, name=f"mpress-{kind}-out-r{rank}s{stage}",
-                                            daemon=True)
-        self._in_thread = threading.Thread(target=self._in_worker,
-                                           name=f"mpress-{kind}-in-r{rank}s{stage}", daemon=True)
-        self._out_thread.start()
-        self._in_thread.start()
+        out_done: queue.SimpleQueue = queue.SimpleQueue()
+        in_done: queue.SimpleQueue = queue.SimpleQueue()
+        name = f"r{rank}s{stage}"
+        self._threads = [
+            threading.Thread(target=self._issuer, args=(self._out_queue, self._issue_out, self._finish_out, out_done, "swap-out"),
+                             name=f"mpress-{kind}-out-{name}", daemon=True),
+            threading.Thread(target=self._completer, args=(out_done, self._finish_out, "swap-out"),
+                             name=f"mpress-{kind}-out-done-{name}", daemon=True),
+            threading.Thread(target=self._issuer, args=(self._in_queue, self._issue_in, self._finish_in, in_done, "swap-in"),
+                             name=f"mpress-{kind}-in-{name}", daemon=True),
+            threading.Thread(target=self._completer, args=(in_done, self._finish_in, "swap-in"),
+                             name=f"mpress-{kind}-in-done-{name}", daemon=True),
+        ]
+        self._out_thread = self._threads[1]
+        """The thread that completes swap-outs (a swap-in waits for its swap-out's)."""
+        for thread in self._threads:
+            thread.start()
 
     # ---- training-thread API ---------------------------------------------------------
 
@@ -148,17 +161,19 @@ class SwapEngine(EngineWorkers):
         what one layer saves under one rule). Host work is per group, not per tensor."""
         self.check()
         self._reap_dropped()  # frees their blocks and keys before this one needs them
-        for name, tensor in tensors:
-            what = key if name == key.tensor else f"{key} ({name})"
-            if tensor.layout is not torch.strided:
-                raise SwapError(f"cannot swap out {what}: {tensor.layout} tensors are not supported")
-            if tensor.device != self.device:
-                raise SwapError(f"cannot swap out {what}: it is on {tensor.device}, the engine "
-                                f"serves {self.device}")
+        layouts: list[Layout] = []
+        sources: list[torch.Tensor] = []
         with torch.profiler.record_function("mpress:swap_out"):
-            # contiguous bytes of each tensor, made here on the compute stream (`layout.py`)
-            layouts, sources = zip(*(Layout.source(t.detach()) for _name, t in tensors)) if tensors else ((), ())
-            layouts, sources = list(layouts), list(sources)
+            for name, tensor in tensors:
+                if tensor.layout is not torch.strided or tensor.device != self.device:
+                    what = key if name == key.tensor else f"{key} ({name})"
+                    raise SwapError(f"cannot swap out {what}: " + (
+                        f"{tensor.layout} tensors are not supported" if tensor.layout is not torch.strided else
+                        f"it is on {tensor.device}, the engine serves {self.device}"))
+                # dense bytes of the tensor, made here on the compute stream (`layout.py`)
+                layout, source = Layout.source(tensor.detach() if tensor.requires_grad else tensor)
+                layouts.append(layout)
+                sources.append(source)
             nbytes = sum(layout.nbytes for layout in layouts)
             with self._lock:
                 owned = self._claim_key(key, nbytes, category)
@@ -326,7 +341,7 @@ class SwapEngine(EngineWorkers):
         self._out_queue.put(None)
         self._in_queue.put(None)
         limit = self.timeout_s if timeout_s is None else timeout_s
-        for thread in (self._out_thread, self._in_thread):
+        for thread in self._threads:  # issuers first: each stops its completer when it stops
             thread.join(limit)
             if thread.is_alive():
                 warnings.warn(f"{thread.name} did not stop within {limit:g} s", RuntimeWarning,

@@ -24,18 +24,17 @@ the stream that freed it), and reserved memory would grow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["Layout"]
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
+class Layout(NamedTuple):
     """Dtype, shape and strides of a swapped tensor, whose elements are dense: they fill
     `nbytes` from the element at index 0 on (the strides are a permutation of a
-    contiguous tensor's, none negative)."""
+    contiguous tensor's, none negative). A named tuple: one is made per swapped tensor."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -55,7 +54,7 @@ class Layout:
             tensor = tensor.clone()  # preserve_format: dense, dimensions in the same memory order
             if not _dense(tensor):  # not expected from clone; contiguous is always dense
                 tensor = tensor.contiguous()
-        return Layout(tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.numel() * tensor.element_size()), tensor
+        return Layout(tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.nbytes), tensor
 
     def empty(self, device: torch.device) -> torch.Tensor:
         """A new tensor of this layout on `device` (calling thread's current stream)."""

@@ -70,6 +70,11 @@ class Copy:
     start: torch.cuda.Event | None
     wall_s: float
 
+    @property
+    def finished(self) -> bool:
+        """Whether the copies completed when they were issued (CPU: synchronous copies)."""
+        return self.done is None
+
     def wait_s(self) -> float:
         """Block the calling (worker) thread until the copies completed; their duration in s."""
         if self.done is None:
@@ -87,16 +92,19 @@ def copy_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
 def issue_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream | None) -> Copy:
     """Copy each (dst, src) pair of contiguous tensors: on CPU at once, on CUDA enqueued
     on `stream` (non_blocking) between one start and one done event."""
+    dsts, srcs = [d for d, _s in pairs], [s for _d, s in pairs]
     if stream is None:
         start_s = time.perf_counter()
-        for dst, src in pairs:
-            dst.copy_(src)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)  # one dispatch for the batch
         return Copy(done=None, start=None, wall_s=time.perf_counter() - start_s)
     start, done = copy_events()
     start.record(stream)
     with torch.cuda.stream(stream):
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
+        # one dispatch for the batch; tensors on different devices (pinned host and
+        # GPU) take foreach's per-tensor path, each an async copy_ on this stream
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
     done.record(stream)
     return Copy(done=done, start=start, wall_s=0.0)
 
@@ -207,7 +215,7 @@ class HostStore(SwapStore):
                 # Made on the compute stream, read on this one: the allocator must not
                 # reuse the storage before this stream's work is done.
                 data.record_stream(stream)
-        return [issue_copies([(block, data) for _slot, block, data in segments(placement, pieces)], stream)]
+        return [issue_copies(_in_block(placement, pieces), stream)]
 
     def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
         stream = self._in_stream
@@ -217,10 +225,19 @@ class HostStore(SwapStore):
                 # Allocated on the compute stream, written on this one: the allocator must
                 # not hand the memory back to the compute stream before this copy is done.
                 data.record_stream(stream)
-        return [issue_copies([(data, block) for _slot, block, data in segments(placement, pieces)], stream)]
+        return [issue_copies([(data, block) for block, data in _in_block(placement, pieces)], stream)]
 
     def close(self) -> None:
         self.pool.close()  # unpin
+
+
+def _in_block(placement: Placement, pieces: Pieces) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the block's part, the piece) for each piece of a one-block placement (`segments`
+    for the host's case, where every piece is whole)."""
+    (slot,) = placement.slots
+    block = slot.block
+    return [(block.strided(layout.dtype, layout.shape, layout.stride, offset, layout.nbytes), data)
+            for offset, layout, data in pieces]
 
 
 class PeerStores(Protocol):

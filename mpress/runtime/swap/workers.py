@@ -1,16 +1,20 @@
-"""The worker-thread half of the swap engine (`engine.py`): the swap-out worker and the
-swap-in worker (which fills the tensors `prefetch` made) each take their queued swaps in
-batches (issue every copy, then wait on them, so a burst of swaps costs one host round
-trip per stream, and a swap-in is never held back by the copy of the one before it). Each reports completed copies to the memory manager, keeps
-the engine's counters and, when the engine traces, the host times of each copy. The
-state they move records through, the lock and the error handling are the engine's.
+"""The worker-thread half of the swap engine (`engine.py`). Per direction two threads:
+an *issuer* takes the queued swaps in order and enqueues their copies (swap-in: into the
+tensors `prefetch` made), never waiting for one, so a burst of swaps is issued at once
+and a swap is never held back by the copy before it; a *completer* waits for each
+issued swap's copies in order (copies that finished when issued, as CPU copies do, are
+completed by the issuer itself: a hand-off costs a thread wake-up), then reports it to the memory manager, frees what the
+copy no longer needs (the device storage after a swap-out, the pool blocks after a
+swap-in) and keeps the engine's counters and, when the engine traces, the host times of
+each copy. The state they move records through, the lock and the error handling are the
+engine's.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -20,64 +24,63 @@ from mpress.runtime.swap.store import wait_copies
 
 POLL_S = 0.05
 """Slice of a host wait, so waits notice errors and closing without waiting them out."""
-MAX_BATCH = 32
-"""Most queued swap-outs whose copies are issued together before waiting on them."""
 
 
 class EngineWorkers:
     """The worker loops of `SwapEngine` (which defines every attribute they use)."""
 
-    def _out_worker(self) -> None:
-        """Takes the queued swap-outs in batches: issue all their copies, then wait."""
+    def _issuer(self, work: queue.SimpleQueue, issue: Callable[[SwapRecord], list | None],
+                finish: Callable[[SwapRecord, list], None], done: queue.SimpleQueue, direction: str) -> None:
+        """Issues the copies of every queued swap of one direction, in order, and hands
+        them to that direction's completer: issuing never waits for a copy, so a swap is
+        never held back by the copy of the one before it."""
         if self._cuda:
             torch.cuda.set_device(self.device)
-        with self._watch(), torch.no_grad():
-            for batch, stop in _batches(self._out_queue):
-                try:
-                    issued = [(record, self._issue_out(record)) for record in batch]
-                    for record, copies in issued:
-                        if copies is not None:
-                            self._finish_out(record, copies)
-                    del issued
-                except BaseException as exc:  # noqa: BLE001 - a bug here must not kill the worker silently
-                    for record in batch:
-                        if record.state not in TERMINAL_STATES and not record.out_done.is_set():
-                            self._fail(record, "swap-out", exc)
-                finally:
-                    with self._idle:
-                        self._num_pending -= len(batch)
-                        self._idle.notify_all()
-                    del batch  # so dropped handles' records are not kept by this frame
-                self._reap_dropped()
-                if stop:
-                    break
+        try:
+            with self._watch(), torch.no_grad():
+                while (record := work.get()) is not None:
+                    copies = None
+                    try:
+                        copies = issue(record)
+                    except BaseException as exc:  # noqa: BLE001 - a bug here must not kill the worker silently
+                        if record.state not in TERMINAL_STATES:
+                            self._fail(record, direction, exc)
+                    if copies is None:  # failed or cancelled: nothing to wait for
+                        self._settled(1)
+                    elif all(c.finished for c in copies):  # CPU: done at issue, finish here
+                        self._complete(record, copies, finish, direction)  # (a hand-off costs a thread wake)
+                    else:
+                        done.put((record, copies))
+                    del record, copies  # so dropped handles' records are not kept by this frame
+        finally:
+            done.put(None)  # the completer stops after what was handed over
 
-    def _in_worker(self) -> None:
-        """Takes the queued swap-ins in batches: issue all their copies (each record's
-        consumers may go on once its copies are enqueued), then wait on them and free
-        their blocks."""
+    def _completer(self, done: queue.SimpleQueue, finish: Callable[[SwapRecord, list], None],
+                   direction: str) -> None:
+        """Waits for each handed-over swap's copies, in issue order, and finishes it."""
         if self._cuda:
             torch.cuda.set_device(self.device)
         with self._watch(), torch.no_grad():
-            for batch, stop in _batches(self._in_queue):
-                try:
-                    issued = [(record, self._issue_in(record)) for record in batch]
-                    for record, copies in issued:
-                        if copies is not None:
-                            self._finish_in(record, copies)
-                    del issued
-                except BaseException as exc:  # noqa: BLE001 - a bug here must not kill the worker silently
-                    for record in batch:
-                        if record.state not in TERMINAL_STATES and record.busy:
-                            self._fail(record, "swap-in", exc)
-                finally:
-                    with self._idle:
-                        self._num_pending -= len(batch)
-                        self._idle.notify_all()
-                    del batch  # so dropped handles' records are not kept by this frame
+            while (item := done.get()) is not None:
+                self._complete(*item, finish, direction)
+                del item
                 self._reap_dropped()
-                if stop:
-                    break
+
+    def _complete(self, record: SwapRecord, copies: list, finish: Callable[[SwapRecord, list], None],
+                  direction: str) -> None:
+        try:
+            finish(record, copies)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not kill the worker silently
+            if record.state not in TERMINAL_STATES:
+                self._fail(record, direction, exc)
+        finally:
+            self._settled(1)
+
+    def _settled(self, count: int) -> None:
+        """`count` queued swaps are finished (or failed): `wait_idle` may return."""
+        with self._idle:
+            self._num_pending -= count
+            self._idle.notify_all()
 
     def _issue_out(self, record: SwapRecord) -> list | None:
         """Enqueue `record`'s out copies; None when it needs none (cancelled or failed)."""
@@ -181,25 +184,3 @@ class EngineWorkers:
         if self.trace is not None:
             self.trace.append((what, str(record.key), record.copy_started_s, time.perf_counter()))
 
-
-def _batches(work: queue.SimpleQueue) -> Iterator[tuple[list[SwapRecord], bool]]:
-    """(the records queued now, up to `MAX_BATCH`; whether the closing sentinel followed
-    them) until the sentinel: a worker blocks for the first record only."""
-    while True:
-        first = work.get()
-        if first is None:
-            return
-        batch, stop = [first], False
-        while len(batch) < MAX_BATCH:
-            try:
-                item = work.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                stop = True
-                break
-            batch.append(item)
-        yield batch, stop
-        del batch, first
-        if stop:
-            return

@@ -20,18 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpress.errors import TopologyError
+from mpress.gpu_reserve import gpu_reserve
 from mpress.hardware import DeviceSpec, Hardware
-
-DETECTED_RESERVE_FIXED_BYTES = 512 << 20
-DETECTED_RESERVE_FRACTION = 0.05
-"""A detected GPU's reserve (an assumption, not measured, as in the presets): the CUDA
-context and library workspaces, plus this fraction for allocator fragmentation."""
-
-
-def detected_reserve_bytes(memory_bytes: int) -> int:
-    """What a plan leaves free on a detected GPU of `memory_bytes`."""
-    return min(DETECTED_RESERVE_FIXED_BYTES + int(memory_bytes * DETECTED_RESERVE_FRACTION), memory_bytes // 2)
-
 
 DETECTED_COMPUTE_EFFICIENCY = 0.4
 """Default compute efficiency of a detected machine: an assumption (not measured), in the
@@ -171,6 +161,11 @@ class DetectedGpu:
     """Far-end PCI bus id of each active NVLink link (GPU-to-CPU links left out)."""
     nvlink_versions: list[int] = field(default_factory=list)
     """NVML NVLink version value of each active link, same order."""
+    cuda_total_bytes: int = 0
+    """What CUDA reports as the total (NVML's total less what the driver reserves,
+    `nvmlDeviceGetMemoryInfo_v2`); 0: as `memory_bytes` (older drivers)."""
+    hopper: bool = False
+    """Compute capability 9.x (larger cuBLAS workspace, NVLink SHARP buffers)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -288,12 +283,17 @@ def _detect(nvml: Any, count: int, compute_efficiency: float,
     pcie_gbps, pcie_note = _pcie_gbps(nvml, handles[0])
     if pcie_note:
         notes.append(pcie_note)
+    # what a plan leaves free: the same causes as the presets' reserves (mpress.gpu_reserve)
+    memory_bytes = min(g.memory_bytes for g in gpus)
+    reserve = gpu_reserve(memory_bytes=memory_bytes,
+                          cuda_total_bytes=min(g.cuda_total_bytes or g.memory_bytes for g in gpus),
+                          hopper=any(g.hopper for g in gpus), nvswitch_gpus=count if nvswitch else 0)
     hardware = Hardware(
         name="local",
         source="detected through NVML; peak FLOP/s from datasheets, efficiencies are defaults",
         num_devices=count,
-        device=DeviceSpec(name=gpus[0].name, memory_bytes=min(g.memory_bytes for g in gpus), peak_flops=peaks,
-                          reserve_bytes=detected_reserve_bytes(min(g.memory_bytes for g in gpus))),
+        device=DeviceSpec(name=gpus[0].name, memory_bytes=memory_bytes, peak_flops=peaks,
+                          reserve_bytes=reserve.total_bytes, reserve=reserve),
         compute_efficiency=compute_efficiency,
         host_memory_bytes=_host_memory_bytes(),
         pcie_h2d_gbps=pcie_gbps,
@@ -354,12 +354,29 @@ def _detect_gpu(nvml: Any, index: int, handle: Any) -> DetectedGpu:
             continue
         remotes.append(remote)
         versions.append(int(version))
+    total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
     return DetectedGpu(
-        index=index, name=name,
-        memory_bytes=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+        index=index, name=name, memory_bytes=total,
         pci_bus_id=_bus_id(nvml.nvmlDeviceGetPciInfo(handle)),
         nvlink_remote_bus_ids=remotes, nvlink_versions=versions,
+        cuda_total_bytes=total - _driver_reserved_bytes(nvml, handle), hopper=_compute_major(nvml, handle) == 9,
     )
+
+
+def _driver_reserved_bytes(nvml: Any, handle: Any) -> int:
+    """Device memory the driver keeps (NVML's `reserved`, memory info v2); 0 where the
+    driver or pynvml cannot say."""
+    try:
+        return int(nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2).reserved)
+    except (AttributeError, TypeError, nvml.NVMLError):
+        return 0
+
+
+def _compute_major(nvml: Any, handle: Any) -> int | None:
+    try:
+        return int(nvml.nvmlDeviceGetCudaComputeCapability(handle)[0])
+    except (AttributeError, nvml.NVMLError):
+        return None
 
 
 def _peak_from_cores(nvml: Any, handle: Any) -> dict[str, float] | None:

@@ -113,8 +113,12 @@ class FakeNVML:
 
     def __init__(self, *, name: str, memory_bytes: int, bus_ids: list[str], remotes: list[list[str]],
                  version: int, switch_pairs: set[frozenset[int]] = frozenset(), pcie: tuple[int, int] = (3, 16),
-                 init_error: str | None = None, down: set[tuple[int, int]] = frozenset()) -> None:
+                 init_error: str | None = None, down: set[tuple[int, int]] = frozenset(),
+                 reserved_bytes: int | None = None, compute: tuple[int, int] | None = None) -> None:
         self.name, self.memory_bytes, self.bus_ids, self.remotes = name, memory_bytes, bus_ids, remotes
+        self.reserved_bytes, self.compute = reserved_bytes, compute
+        if reserved_bytes is not None:
+            self.nvmlMemory_v2 = 0x02000028  # pynvml's version tag of memory info v2
         self.version, self.switch_pairs, self.pcie, self.init_error, self.down = (
             version, switch_pairs, pcie, init_error, down)
         self.shutdowns = 0
@@ -135,8 +139,18 @@ class FakeNVML:
     def nvmlDeviceGetName(self, h: int) -> str:
         return self.name
 
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
-        return SimpleNamespace(total=self.memory_bytes, free=self.memory_bytes, used=0)
+    def nvmlDeviceGetMemoryInfo(self, h: int, version: int | None = None) -> SimpleNamespace:
+        if version is None:
+            return SimpleNamespace(total=self.memory_bytes, free=self.memory_bytes, used=0)
+        if self.reserved_bytes is None:  # a driver without v2
+            raise FakeNVMLError("Function Not Found")
+        return SimpleNamespace(total=self.memory_bytes, reserved=self.reserved_bytes, used=0,
+                               free=self.memory_bytes - self.reserved_bytes)
+
+    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
+        if self.compute is None:
+            raise FakeNVMLError("Not Supported")
+        return self.compute
 
     def nvmlDeviceGetPciInfo(self, h: int) -> SimpleNamespace:
         return SimpleNamespace(busId=self.bus_ids[h].encode())  # old pynvml returns bytes
@@ -172,10 +186,12 @@ def fake_dgx1(**kw: object) -> FakeNVML:
     return FakeNVML(**args)  # type: ignore[arg-type]
 
 
-def fake_a100() -> FakeNVML:
+def fake_a100(**kw: object) -> FakeNVML:
     pairs = {frozenset(p) for p in [(0, 1), (2, 3), (4, 5), (6, 7)]}
-    return FakeNVML(name="NVIDIA A100-SXM4-40GB", memory_bytes=40 * 1024**3, bus_ids=A100_BUS_IDS,
-                    remotes=A100_REMOTES, version=4, switch_pairs=pairs, pcie=(4, 16))
+    args = dict(name="NVIDIA A100-SXM4-40GB", memory_bytes=40 * 1024**3, bus_ids=A100_BUS_IDS,
+                remotes=A100_REMOTES, version=4, switch_pairs=pairs, pcie=(4, 16))
+    args.update(kw)
+    return FakeNVML(**args)  # type: ignore[arg-type]
 
 
 # -- detection ----------------------------------------------------------------------------------
@@ -205,6 +221,23 @@ def test_detect_fake_nvswitch_matches_preset() -> None:
     assert hw.pcie_h2d_gbps == pytest.approx(16 * 16 * 128 / 130 / 8)  # gen4 x16
     assert compare_topology(load_hardware("dgx-a100"), hw) == []
     assert compare_topology(load_hardware("hgx-h100"), hw) == ["NVLink links per GPU: expected 18, found 12"]
+
+
+def test_a_detected_gpu_reserves_what_its_preset_does() -> None:
+    """`hardware: detect` holds back the same causes as the presets (mpress.gpu_reserve):
+    with what NVML says the driver keeps (memory info v2) and the compute capability, a
+    DGX A100 detected reserves exactly what the dgx-a100 preset reserves (before: 512 MiB
+    and 5%, leaving NCCL's buffers and the driver's share out)."""
+    preset = load_hardware("dgx-a100").device
+    nvml = fake_a100(reserved_bytes=preset.reserve.unreported_bytes, compute=(8, 0))
+    detected, _ = detect_local_hardware(nvml=nvml)
+    assert detected is not None
+    assert detected.hardware.device.reserve == preset.reserve
+    assert detected.hardware.usable_memory_bytes == preset.memory_bytes - preset.reserve_bytes
+    # a driver without memory info v2: nothing known as kept, the other causes stay
+    older, _ = detect_local_hardware(nvml=fake_a100())
+    assert older.hardware.device.reserve.unreported_bytes == 0
+    assert older.hardware.device.reserve.nccl_bytes == preset.reserve.nccl_bytes
 
 
 def test_detect_link_down_on_one_side_is_an_error() -> None:

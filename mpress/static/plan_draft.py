@@ -24,7 +24,7 @@ from mpress.plan import (
 )
 from mpress.static.host_memory import pinned_bytes
 from mpress.static.evaluate import Evaluation, PipelineSetup
-from mpress.units import round_up
+from mpress.units import ALIGNMENT_BYTES, round_up
 from mpress.vocabulary import Strategy, SwapInPolicy, Technique
 
 KEEP, RECOMPUTE, HOST, D2D = Technique.KEEP, Technique.RECOMPUTE, Technique.HOST, Technique.D2D
@@ -39,6 +39,14 @@ up to the pools' alignment (`ALIGNMENT_BYTES`), and spreads small tensors whole 
 def peer_quota_bytes(nbytes: float) -> int:
     """The quota (whole `ALIGNMENT_BYTES` units) an exporter gets for `nbytes` of D2D data."""
     return round_up(math.ceil(nbytes * QUOTA_SLACK + QUOTA_SLACK_BYTES))
+
+
+def quota_payload_bytes(pool_bytes: int, num_quotas: int = 1) -> int:
+    """The most D2D data whose quotas (`peer_quota_bytes`, one per exporter: `num_quotas`
+    of them) fit in `pool_bytes` together: what the mapper may place on a lender that has
+    `pool_bytes` to spare. Bytes, >= 0."""
+    slack = max(1, num_quotas) * (QUOTA_SLACK_BYTES + ALIGNMENT_BYTES)
+    return max(0, math.floor((pool_bytes - slack) / QUOTA_SLACK))
 
 
 @dataclass

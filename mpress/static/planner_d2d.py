@@ -8,13 +8,14 @@ capacity, options and `evaluate`, and records the mapper's time in `mapping_s`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from mpress.actions import UnitId, UnitKind
 from mpress.d2d.static.mapper import map_devices
-from mpress.d2d.static.mapping import MappingProblem
+from mpress.d2d.static.mapping import MappingProblem, exporter_context_bytes
 from mpress.static.evaluate import Evaluation
-from mpress.static.plan_draft import D2D, KEEP, RECOMPUTE, Draft, peer_quota_bytes
+from mpress.static.plan_draft import D2D, KEEP, RECOMPUTE, Draft, peer_quota_bytes, quota_payload_bytes
 
 
 class D2DSteps:
@@ -58,8 +59,17 @@ class D2DSteps:
         overflow = [self._d2d_bytes(d, s) for s in range(n_st)]
         if peaks is None:
             peaks = [m.total_bytes for m in self.setup.memory]
-        spare = [0 if overflow[s] else max(self.capacity - peaks[s], 0) for s in range(n_st)]
+        # A busy lender keeps room for the contexts its exporters open on it (at most one per
+        # NVLink peer; which stages end up beside it is the mapper's choice, so the most any
+        # device can get), and every lender's pool holds the quotas' slack on top of the
+        # bytes the mapper places (`peer_quota_bytes`): the mapper gets what is left.
+        exporters = sum(1 for b in overflow if b)
+        contexts = max(exporter_context_bytes(self.hw, dev, exporters) for dev in range(self.hw.num_devices))
+        spare = [0 if overflow[s] else quota_payload_bytes(max(self.capacity - peaks[s] - contexts, 0), exporters)
+                 for s in range(n_st)]
         problem = MappingProblem.from_hardware(self.hw, overflow, spare)
+        problem = dataclasses.replace(problem, idle_spare_bytes=tuple(
+            quota_payload_bytes(b, exporters) for b in problem.idle_spare_bytes))
         t0 = time.perf_counter()
         res = map_devices(problem, time_budget_s=0.5)
         self.mapping_s += time.perf_counter() - t0

@@ -119,14 +119,15 @@ def test_cheap_short_lived_tensors_get_recompute():
 
 
 def test_short_lived_expensive_tensor_gets_d2d():
-    # GPipe: stage 0 holds 4 microbatches x 0.75 GB of layer x next to 0.5 GB of parameters
-    # on a 3.5 GB device. Recomputing x costs its 1 s forward per microbatch; host swap over
+    # GPipe: stage 0 holds 4 microbatches x 0.75 GB of layer x next to 1 GB of parameters
+    # on a 3.8 GB device. Recomputing x costs its 1 s forward per microbatch; host swap over
     # a 0.1 GB/s PCIe takes 7.5 s each way, longer than x lives (6..9 s); NVLink at
-    # 100 GB/s takes 7.5 ms, and stage 1's device has 3 GB to lend: the D2D round moves x
-    # there.
-    setup = toy_setup([layer("x", saved=int(0.75 * GB), fwd=1.0, bwd=2.0, params=int(0.5 * GB))],
+    # 100 GB/s takes 7.5 ms, and stage 1's device has 3 GB to lend once the CUDA context
+    # stage 0's process opens on it (PEER_CONTEXT_BYTES) is left free: the D2D round moves
+    # x there.
+    setup = toy_setup([layer("x", saved=int(0.75 * GB), fwd=1.0, bwd=2.0, params=int(1.0 * GB))],
                       [layer("y", fwd=1.0, bwd=2.0)],
-                      toy_hardware(int(3.5 * GB), pcie_gbps=0.1), schedule="gpipe")
+                      toy_hardware(int(3.8 * GB), pcie_gbps=0.1), schedule="gpipe")
     r = plan_strategy(setup, "mpress")
     assert r.fits, r.reason
     assert [technique(r.plan, 0, "x.op#0", m) for m in range(4)] == ["d2d"] * 4

@@ -51,6 +51,21 @@ class ReserveSpec:
                 + self.fragmentation_bytes)
 
 
+DEFAULT_PEER_CONTEXT_BYTES = 512 << 20
+"""GPU memory of one CUDA context that an exporter process creates on a lender GPU.
+
+Opening a peer pool makes its GPU current (torch's `_new_shared_cuda` puts a `CUDAGuard`
+on the handle's device, torch/csrc/StorageSharing.cpp) before `cudaIpcOpenMemHandle` maps
+the pool "into the current device address space", so each process that opens a pool on
+GPU j (and the process that allocates an idle GPU's pool there) holds a primary context
+on j, in memory that no plan of j's own process counts. Size: a bound, not a measurement
+here. torch sets CUDA_MODULE_LOADING=LAZY since 1.13 (pytorch/pytorch#86509, which
+measured a process's context at 287,047,680 bytes lazily loaded against 666,632,192
+eagerly); 512 MiB covers the lazy figure with room for the copy kernels' modules and for
+drivers that take more (the 300-500 MiB usually seen on recent drivers). The default of
+`DeviceSpec.peer_context_bytes`."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class DeviceSpec:
     """One accelerator (or CPU stand-in)."""
@@ -68,6 +83,10 @@ class DeviceSpec:
     `reserve_bytes` must be its total."""
     peak_flops: dict[str, float] = field(metadata={"gt": 0})
     """Nominal dense peak FLOP/s per dtype: keys fp32, fp16, bf16 (bf16 may be absent)."""
+    peer_context_bytes: int = field(default=DEFAULT_PEER_CONTEXT_BYTES, metadata={"min": 0})
+    """Memory one exporter process's CUDA context takes on a GPU whose peer pool it
+    opens (see `DEFAULT_PEER_CONTEXT_BYTES`); 0 for stand-ins whose pools are shared
+    memory (no context)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.peak_flops) - {"fp32", "fp16", "bf16"})

@@ -281,7 +281,8 @@ class SavedTensorRouter:
             # another view of a swapped storage: rebuilt from the fetched tensor where it
             # can be; else kept (the storage stays, as the profile's alias entry says)
             return _View(swapped, tensor) if swapped.covers(tensor) else tensor
-        rule = self.rules.rule_index(name.id, self._microbatch)
+        tid = name.id
+        rule = self.rules.rule_index(tid, self._microbatch)
         unit = None if rule is None else self._unit_name(name.layer, rule)
         kind = self._units.get(unit or "")
         engine = self.engine if kind is Kind.SO else self.d2d_engine if kind is Kind.DO else None
@@ -303,7 +304,7 @@ class SavedTensorRouter:
                              tensor=unit if not groups else f"{unit}/{len(groups)}")  # type: ignore[arg-type]
             group = self._open[unit] = _Group(engine, tkey, weights)  # type: ignore[index]
             groups.append(group)
-        swapped = _Swapped(group, group.add(name.id, tensor), tensor)
+        swapped = _Swapped(group, group.add(tid, tensor), tensor)
         self._remember(tensor, swapped, skey, storage)
         self.tensors_swapped += 1
         return swapped

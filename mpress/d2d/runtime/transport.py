@@ -20,7 +20,7 @@ handle's device current (`CUDAGuard` in torch/csrc/StorageSharing.cpp) before
 `cudaIpcOpenMemHandle` maps the memory "into the current device address space", so every
 process that opens a pool of GPU j creates its primary context on GPU j (and so does the
 process that allocates an idle GPU's pool in `create`). What that costs on the lender is
-counted at plan time (`d2d/static/mapping.py`, `PEER_CONTEXT_BYTES`).
+counted at plan time (`DeviceSpec.peer_context_bytes`, `d2d/static/mapping.py`).
 """
 
 from __future__ import annotations

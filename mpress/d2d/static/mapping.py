@@ -4,7 +4,7 @@ the best striping of every overflowing stage over its NVLink peers' spare memory
 (`maxflow.py`), and its value is (unplaced bytes, slowest swap time).
 
 What a lender can give: each exporter process that opens a peer pool holds a CUDA
-context on the lender's GPU (`PEER_CONTEXT_BYTES`), so an idle GPU lends its usable
+context on the lender's GPU (`DeviceSpec.peer_context_bytes`), so an idle GPU lends its usable
 memory less those contexts (`idle_lendable_bytes`), not its whole memory.
 
 Units: bytes, seconds, GB/s with GB = 1e9 bytes.
@@ -26,26 +26,15 @@ from mpress.d2d.static.maxflow import (
     stage_levels,
 )
 from mpress.errors import PlanError
-from mpress.hardware import Hardware
+from mpress.hardware import DEFAULT_PEER_CONTEXT_BYTES, Hardware
 
 MAX_CUT_STAGES = 12
 """Above this many overflowing stages the cut tables (2^stages rows) are too big: the
 search falls back to swaps evaluated by max-flow, and reports a bound instead of a proof."""
 REL_TOL = 1e-9
 """Two slowest-swap times within this relative distance are a tie."""
-PEER_CONTEXT_BYTES = 512 << 20
-"""GPU memory of one CUDA context that an exporter process creates on a lender GPU.
-
-Opening a peer pool makes its GPU current (torch's `_new_shared_cuda` puts a `CUDAGuard`
-on the handle's device, torch/csrc/StorageSharing.cpp) before `cudaIpcOpenMemHandle` maps
-the pool "into the current device address space", so each process that opens a pool on
-GPU j (and the process that allocates an idle GPU's pool there) holds a primary context
-on j, in memory that no plan of j's own process counts. Size: a bound, not a measurement
-here. torch sets CUDA_MODULE_LOADING=LAZY since 1.13 (pytorch/pytorch#86509, which
-measured a process's context at 287,047,680 bytes lazily loaded against 666,632,192
-eagerly); 512 MiB covers the lazy figure with room for the copy kernels' modules and for
-drivers that take more (the 300-500 MiB usually seen on recent drivers). Not a field of
-the hardware presets (`hardware.py` has none for it)."""
+PEER_CONTEXT_BYTES = DEFAULT_PEER_CONTEXT_BYTES
+"""Default per-exporter context on a lender GPU (`DeviceSpec.peer_context_bytes`)."""
 _GB = 1e9
 
 
@@ -126,7 +115,7 @@ def exporter_context_bytes(hw: Hardware, device: int, num_exporters: int) -> int
     to it). An upper bound for any mapping: which stages end up next to it is the mapper's
     choice. Bytes."""
     peers = sum(1 for e in range(hw.num_devices) if hw.nvlink_gbps(device, e) > 0)
-    return min(num_exporters, peers) * PEER_CONTEXT_BYTES
+    return min(num_exporters, peers) * hw.device.peer_context_bytes
 
 
 def idle_lendable_bytes(hw: Hardware, device: int, num_exporters: int) -> int:

@@ -61,16 +61,26 @@ class _Group:
         self.weights = weights
         self.parts: list[tuple[str, torch.Tensor]] | None = []
         """(name, tensor) until issued; then the engine holds them."""
+        self.versions: list[int] | None = []
+        """Each tensor's version counter when autograd saved it."""
         self.handle: SwapHandle | None = None
         self.fetched: list[torch.Tensor | None] | None = None
 
     def add(self, name: str, tensor: torch.Tensor) -> int:
         self.parts.append((name, tensor))  # type: ignore[union-attr]
+        self.versions.append(tensor._version)
         return len(self.parts) - 1  # type: ignore[arg-type]
 
     def issue(self) -> None:
+        for (name, tensor), version in zip(self.parts, self.versions):  # type: ignore[arg-type]
+            if tensor._version != version:
+                # torch checks this at backward, but not for tensors its saved-tensor hooks
+                # took (saved_variable.cpp): without this the swap would carry the new values
+                raise SwapError(f"{self.key}: saved tensor {name} was modified by an inplace operation "
+                                f"after autograd saved it (version {version}, now {tensor._version}); "
+                                "the backward needs the saved values")
         self.handle = self.engine.swap_out_group(self.key, self.parts, weights=self.weights)  # type: ignore[arg-type]
-        self.parts = None
+        self.parts = self.versions = None
 
     def take(self, index: int) -> torch.Tensor:
         """Tensor `index` back on the device (the group is fetched on the first take); the
@@ -101,9 +111,10 @@ class _Swapped:
     def covers(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` (a view of the same storage) lies within the swapped elements,
         so it can be rebuilt from the fetched tensor."""
-        _size, _stride, offset, dtype = self.view
-        if not self.contiguous or tensor.dtype != dtype or any(st < 0 for st in tensor.stride()):
-            return False
+        _size, _stride, offset, dtype, conj, neg = self.view
+        if (not self.contiguous or tensor.dtype != dtype or any(st < 0 for st in tensor.stride())
+                or conj or neg or tensor.is_conj() or tensor.is_neg()):
+            return False  # a conjugate or negative view is not its storage's values
         last = tensor.storage_offset() + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
         numel = 1
         for n in self.view[0]:
@@ -130,8 +141,10 @@ class _View:
         return self.base.unpack().as_strided(self.size, self.stride, self.offset)
 
 
-def _view_of(t: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], int, torch.dtype]:
-    return t.shape, t.stride(), t.storage_offset(), t.dtype
+def _view_of(t: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], int, torch.dtype, bool, bool]:
+    """What makes two saves of one storage the same tensor: the view and its lazy conjugate
+    and negative bits (`x` and `x.conj()` share a storage, not their values)."""
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.is_conj(), t.is_neg()
 
 
 class SavedTensorRouter:

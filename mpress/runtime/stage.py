@@ -70,7 +70,7 @@ class StageRuntime:
         # to the host, e.g. the last stage, whose swaps would free nothing)
         size = host_pool_bytes if host_pool_bytes is not None else self.stage_plan.pinned_host_bytes
         if Technique.HOST in techniques and size:
-            self.pool = PinnedHostPool(size)
+            self.pool = PinnedHostPool(size, device=torch.device(device))
             if live is not None:
                 live.adopt(self.pool.buffer, f"stage {stage_index} pinned host pool", host=True)
             self.engine = SwapEngine(self.pool, self.manager, device, rank=rank, stage=stage_index, watch=watch,

@@ -21,14 +21,13 @@ from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.errors import PlanError
 from mpress.live_bytes import LiveBytes
 from mpress.model_config import load_model_config
-from mpress.models import build_stage, example_batch, lm_loss
-from mpress.plan import StagePlan, TensorRule
+from mpress.models import build_stage, example_batch
+from mpress.plan import TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
-from mpress.runtime.program import RankProgram
-from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
 from tests.support.plans import d2d_rule, three_stage_d2d_plan
+from tests.support.router import make_router, step
 
 CFG = load_model_config("gpt-tiny")
 NUM_MB = 3
@@ -58,52 +57,6 @@ def gpipe(num_mb: int, compact: Compact) -> list[Action]:
     return acts
 
 
-def make_router(model: nn.Module, rules: list[TensorRule], actions: list[Action], example: torch.Tensor, *,
-                engine: SwapEngine | None = None, d2d: SwapEngine | None = None,
-                end: int = END) -> tuple[SavedTensorRouter, RankProgram]:
-    """A router of stage 0 (layers [0, end)) under `rules`, on rank 0's program `actions`,
-    wired as `StageRuntime` wires it (SI / DI issue `prefetch_unit`; release points wait
-    for the engines' copy-outs)."""
-    program = RankProgram(actions, rank=0)
-    router = SavedTensorRouter(model, StagePlan(stage=0, device=0, first_layer=0, end_layer=end, rules=rules),
-                               program, rank=0, example_args=(example,), engine=engine, d2d_engine=d2d)
-    program.on(Kind.SI, 0, router.prefetch_unit)
-    program.on(Kind.DI, 0, router.prefetch_unit)
-    for e in (engine, d2d):
-        if e is not None:
-            program.on_release(e.wait_outs)
-    return router, program
-
-
-def step(model: nn.Module, router: SavedTensorRouter | None, program: RankProgram | None, batches, loss_fn=lm_loss,
-         after_forwards: Callable[[], None] = lambda: None,
-         after_backward: Callable[[int], None] = lambda m: None) -> list[float]:
-    """One GPipe step (the reference run when `router` is None); the callbacks run after
-    the last forward and after each backward."""
-    if router is None:
-        outs = [loss_fn(model(x), y) for x, y in batches]
-    else:
-        outs = []
-        for m, (x, y) in enumerate(batches):
-            program.begin(F(0, m))
-            with router.microbatch(m):
-                out = model(x)
-            program.end()
-            outs.append(router.route_loss(loss_fn)(out, y))  # as torch's schedule computes it
-    after_forwards()
-    for m, loss in enumerate(outs):
-        if program is not None:
-            program.begin(B(0, m))
-        loss.backward()
-        if router is not None:
-            router.finish(m)
-            program.end()
-        after_backward(m)
-    if program is not None:
-        program.end_step()
-    return [o.item() for o in outs]
-
-
 def host_engine(**kw) -> SwapEngine:
     return SwapEngine(PinnedHostPool(64 << 20), MemoryManager(CPU, rank=0), CPU, rank=0, stage=0, **kw)
 
@@ -121,7 +74,7 @@ def run(rules: list[TensorRule] | None, compact: Compact = lambda m: [], *, d2d:
             losses = step(model, None, None, batches)
         return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, None
     engine = host_engine()
-    router, program = make_router(model, rules, gpipe(NUM_MB, compact), batches[0][0], engine=engine, d2d=d2d)
+    router, program = make_router(model, rules, gpipe(NUM_MB, compact), batches[0][0], engine=engine, d2d=d2d, end=END)
     for _ in range(steps):
         model.zero_grad()
         losses = step(model, router, program, batches)
@@ -374,7 +327,7 @@ def test_a_unit_comes_back_when_its_swap_in_is_issued_not_before():
     model = build_stage(CFG, 0, END, seed=5)
     batches = [example_batch(CFG, 2, seed=m) for m in range(NUM_MB)]
     router, program = make_router(model, [TensorRule(tensor="layers.1.**", technique="host")], parse_actions(text),
-                                  batches[0][0], engine=engine)
+                                  batches[0][0], engine=engine, end=END)
     program.on(Kind.SI, 0, lambda a: note("SI", a.microbatch, a.tensor) or router.prefetch_unit(a))
     back: dict[str, list[int]] = {}  # compute action -> microbatches brought back when it starts
     begin = program.begin
@@ -433,7 +386,7 @@ def _live_run(rules: list[TensorRule], compact: Compact) -> tuple[int, int, Swap
     model = build_stage(CFG, 0, END, seed=5)
     batches = [example_batch(CFG, 2, seed=m) for m in range(NUM_MB)]
     engine = host_engine(watch=live.watch)
-    router, program = make_router(model, rules, gpipe(NUM_MB, compact), batches[0][0], engine=engine)
+    router, program = make_router(model, rules, gpipe(NUM_MB, compact), batches[0][0], engine=engine, end=END)
     after_forwards: list[int] = []
 
     def released() -> None:
@@ -471,7 +424,7 @@ def _cuda_run(host: bool):
     engine = SwapEngine(pool, MemoryManager(device, rank=0), device, rank=0, stage=0)
     blocks = [(Kind.SO, unit(f"layers.{i}")) for i in range(CFG.num_layers)]
     router, program = make_router(model, rules, gpipe(4, lambda m: blocks if host else []), batches[0][0],
-                                  engine=engine)
+                                  engine=engine, end=END)
     peak: list[int] = []
 
     def released() -> None:

@@ -97,6 +97,8 @@ class PeerStore(SwapStore):
                         self._streams[("in", peer)] = torch.cuda.Stream(own)
                         self._streams[("in-src", peer)] = (torch.cuda.Stream(other) if other != own
                                                             else self._streams[("in", peer)])
+                        self._streams[("out-dst", peer)] = (torch.cuda.Stream(other) if other != own
+                                                             else self._streams[("out", peer)])
                 found = self._spreaders[weights] = StripeSpreader(weights, min_stripe_bytes=self.min_stripe_bytes)
             return found
 
@@ -133,12 +135,17 @@ class PeerStore(SwapStore):
         by_peer = _by_peer(segments(placement, pieces))
         copies = []
         for peer, pairs in by_peer.items():
-            stream = self._streams.get(("out", peer))
-            if stream is not None:
-                stream.wait_event(ready)
-                for _offset, _layout, data in pieces:
-                    data.record_stream(stream)  # made on the compute stream, read on this one
-            copies.append(issue_copies(pairs, stream))
+            stream = self._streams.get(("out", peer))  # no record_stream: see `SwapStore`
+            if stream is None:
+                copies.append(issue_copies(pairs, None))
+                continue
+            stream.wait_event(ready)
+            # torch runs a cross-device copy on the source's (this GPU's) current stream and
+            # fences it with the destination device's current stream: a stream of our own
+            # there, not the peer's default stream (which would tie every swap to whatever
+            # this process runs on it)
+            with torch.cuda.stream(self._streams[("out-dst", peer)]):
+                copies.append(issue_copies(pairs, stream))
         return copies
 
     def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
@@ -153,16 +160,16 @@ class PeerStore(SwapStore):
             if stream is None:
                 copies.append(issue_copies(pairs, None))
                 continue
-            # the pieces were allocated on the compute stream: wait for that there, and
-            # tell the allocator this stream writes them
-            stream.wait_event(ready)
-            for _offset, _layout, data in pieces:
-                data.record_stream(stream)
+            stream.wait_event(ready)  # the pieces were allocated on the compute stream
             copies.append(_peer_copy_in(pairs, stream, self._streams[("in-src", peer)]))
         return copies
 
     def completed(self, placement: Placement, direction: str) -> None:
         self.table.update(placement.entry_id, StripeState.ON_PEERS if direction == "out" else StripeState.READ)
+
+    def synchronize(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.synchronize()
 
     def check(self) -> None:
         now = time.monotonic()

@@ -9,6 +9,7 @@ blocks of it through `BlockPool` (`block_pool.py`). Units: bytes.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,12 +27,14 @@ class PinnedHostPool(BlockPool):
     `cudaHostRegister` (torch's pinned allocator would round each allocation up to a power
     of two, up to twice what the plan says). `pin_memory=None` pins when CUDA is
     available; True without CUDA is a UserError. `cudart`: the CUDA runtime bindings
-    (default `torch.cuda.cudart()`; tests pass a fake). Never pins per tensor. Call
+    (default `torch.cuda.cudart()`; tests pass a fake). `device`: the GPU whose context
+    registers the memory (default: the current one). Never pins per tensor. Call
     `close()` to unpin.
     """
 
     def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
-                 alignment_bytes: int = ALIGNMENT_BYTES, cudart: Any = None) -> None:
+                 alignment_bytes: int = ALIGNMENT_BYTES, cudart: Any = None,
+                 device: torch.device | None = None) -> None:
         if capacity_bytes < 0:
             raise UserError(f"pinned host pool: capacity must be >= 0 bytes, got {capacity_bytes}")
         check_alignment("pinned host pool", alignment_bytes)
@@ -51,8 +54,13 @@ class PinnedHostPool(BlockPool):
         """What is page-locked: the capacity, to the byte."""
         if self.pinned and capacity:
             self._cudart = cudart if cudart is not None else torch.cuda.cudart()
-            _check(self._cudart, self._cudart.cudaHostRegister(buffer.data_ptr(), capacity, HOST_REGISTER_DEFAULT),
-                   f"pinning {capacity} bytes of host memory")
+            # Under the GPU that copies from it: registering makes the current device's
+            # context, and another GPU's would cost that GPU a context nobody planned for.
+            where = torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext()
+            with where:
+                _check(self._cudart, self._cudart.cudaHostRegister(buffer.data_ptr(), capacity,
+                                                                   HOST_REGISTER_PORTABLE),
+                       f"pinning {capacity} bytes of host memory")
             self.pinned_bytes = capacity
         super().__init__(buffer, alignment_bytes=alignment_bytes, name="pinned host pool")
 
@@ -65,8 +73,9 @@ class PinnedHostPool(BlockPool):
 
 PAGE_BYTES = 4096
 """Host page size page-locking works in."""
-HOST_REGISTER_DEFAULT = 0
-"""`cudaHostRegisterDefault`: the memory is page-locked for the current CUDA context."""
+HOST_REGISTER_PORTABLE = 1
+"""`cudaHostRegisterPortable`: the memory counts as pinned in every CUDA context, not only
+the current device's (a copy from another device's context is still asynchronous)."""
 
 
 def _check(cudart: Any, error: Any, what: str) -> None:

@@ -26,7 +26,10 @@ event recorded on the compute stream when `swap_out` was called; the consumer's 
 waits on the in copy's event. Only the worker threads block on the host (on their own
 copy's event), which is what lets a device tensor's storage go back to the caching
 allocator exactly when its copy completed and a pool block be reused only after the copy
-that read it finished. `record_stream` tells the allocator about the cross-stream uses.
+that read it finished. No store calls `record_stream` on what its copies read or write
+(the engine holds those tensors until it saw the copies complete); `fetch_group` records
+the consumer's stream on what it hands over, in case that is not the stream `prefetch`
+allocated on.
 On CPU there are no streams or events: the same code runs with synchronous copies and the
 consumer waits on a `threading.Event`.
 
@@ -288,6 +291,7 @@ class SwapEngine(EngineWorkers):
                                     f"{record.describe()} (state {record.state.value})")
         with self._lock:
             for record in records:  # held until now (`hold_until_release`): the storage goes here
+                self._check_versions(record)
                 record.src = None
             self._outs.difference_update(records)
         self.check()
@@ -347,6 +351,9 @@ class SwapEngine(EngineWorkers):
                 warnings.warn(f"{thread.name} did not stop within {limit:g} s", RuntimeWarning,
                               stacklevel=2)
         self._reap_dropped()
+        if self._cuda:  # a thread that did not stop may have copies in flight: end them first
+            with contextlib.suppress(Exception):
+                self.store.synchronize()
         with self._lock:
             for record in list(self._with_block):
                 if not record.busy:
@@ -373,6 +380,16 @@ class SwapEngine(EngineWorkers):
             raise SwapError(f"cannot swap out {key}: the memory manager has it on {where.value}")
         return False
 
+    @staticmethod
+    def _check_versions(record: SwapRecord) -> None:
+        """A source written in place after it was handed over may have been copied half
+        old, half new: torch's own check is off for tensors its saved-tensor hooks took."""
+        for name, src, version in zip(record.names, record.src or (), record.src_versions):
+            if src._version != version:
+                raise SwapError(f"{record.key}: saved tensor {name} was modified by an inplace operation while "
+                                f"it was being swapped out (version {version}, now {src._version}); the "
+                                "backward needs the saved values")
+
     def _raise_for(self, record: SwapRecord) -> None:
         if record.error is not None:
             raise SwapError(str(record.error)) from record.error.__cause__
@@ -381,6 +398,9 @@ class SwapEngine(EngineWorkers):
         """Called by a worker without the lock."""
         error = SwapError(f"{direction} failed: {record.describe()}: {exc}")
         error.__cause__ = exc
+        if self._cuda:  # copies of this record may be in flight: let them end before its memory goes
+            with contextlib.suppress(Exception):
+                self.store.synchronize()
         with self._lock:
             record.busy = False
             record.error = error

@@ -66,7 +66,8 @@ class SwapRecord:
         self.nbytes = sum(layout.nbytes for layout in layouts)
         self.owned = owned                   # the engine tracked the key, so it forgets it
         self.state = SwapState.OUT_QUEUED
-        self.src: list[torch.Tensor] | None = sources  # contiguous; dropped once the out copies completed
+        self.src: list[torch.Tensor] | None = sources  # dense; dropped once the out copies completed
+        self.src_versions = [t._version for t in sources]  # a write after this is a torn copy
         self.placement: Placement | None = placement
         self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
         self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies

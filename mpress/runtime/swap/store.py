@@ -147,7 +147,10 @@ def segments(placement: Placement, pieces: Pieces) -> Iterator[tuple[Slot, torch
 class SwapStore(abc.ABC):
     """Destination of one swap engine (see the module docstring). Thread safety: `reserve`
     and `release` may be called from any thread; `copy_out` only from the out worker and
-    `copy_in` only from the in worker."""
+    `copy_in` only from the in worker. The engine keeps the device tensors a copy reads
+    or writes alive until it has seen that copy complete on the host, so a store does not
+    `record_stream` them (a recorded side-stream use would hold their memory back from
+    the compute stream until every copy queued behind it had finished)."""
 
     residency: Residency
     """Where the manager is told the bytes are once the out copy completed."""
@@ -181,6 +184,10 @@ class SwapStore(abc.ABC):
     def completed(self, placement: Placement, direction: str) -> None:
         """The engine saw the "out" or "in" copies of `placement` complete."""
 
+    def synchronize(self) -> None:
+        """Block until every copy issued on this store's streams has finished (failure
+        and shutdown paths, before the memory those copies use is let go)."""
+
     def check(self) -> None:
         """Raise SwapError if the destination became unusable (a peer died). Host: never."""
 
@@ -208,24 +215,24 @@ class HostStore(SwapStore):
             self.pool.free(slot.block)
 
     def copy_out(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
+        # No record_stream on the pieces: the engine holds them until it saw this copy
+        # complete on the host (`SwapStore` contract), and a recorded use would keep their
+        # memory from the compute stream until everything queued behind it here finished.
         stream = self._out_stream
         if stream is not None:
             stream.wait_event(ready)
-            for _offset, _layout, data in pieces:
-                # Made on the compute stream, read on this one: the allocator must not
-                # reuse the storage before this stream's work is done.
-                data.record_stream(stream)
         return [issue_copies(_in_block(placement, pieces), stream)]
 
     def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
-        stream = self._in_stream
+        stream = self._in_stream  # no record_stream: see copy_out
         if stream is not None:
             stream.wait_event(ready)
-            for _offset, _layout, data in pieces:
-                # Allocated on the compute stream, written on this one: the allocator must
-                # not hand the memory back to the compute stream before this copy is done.
-                data.record_stream(stream)
         return [issue_copies([(data, block) for block, data in _in_block(placement, pieces)], stream)]
+
+    def synchronize(self) -> None:
+        for stream in (self._out_stream, self._in_stream):
+            if stream is not None:
+                stream.synchronize()
 
     def close(self) -> None:
         self.pool.close()  # unpin

@@ -14,11 +14,15 @@ import pytest
 import torch
 from torch import nn
 
+from mpress.actions import Action, Kind, UnitId, UnitKind, parse_actions
+from mpress.errors import SwapError
+from mpress.plan import TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.runtime.swap.store import Copy, HostStore
 from tests.support import keys
+from tests.support.router import make_router
 from tests.support.tensors import CPU, random_tensor, same_bits, wait_until
 
 key = partial(keys.key, rank=0, stage=0)
@@ -151,6 +155,75 @@ def test_a_lazy_conjugate_is_resolved_by_the_caller_before_the_copy():
         assert all(torch.equal(b, e) for b, e in zip(engine.fetch_group(handle), expected))
 
 
+class ConjugatesAStorage(nn.Module):
+    """Saves z (by sin) and z.conj() (by cos): one storage, two tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x * self.w
+        return (z.sin() + z.conj().cos()).real
+
+
+class WritesASavedTensor(nn.Module):
+    """Saves y (exp saves its output), then writes it in place: a program torch rejects
+    at backward, unless saved-tensor hooks took y (its check is off then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x * self.w).exp()
+        out = y * 2
+        y.add_(1)
+        return out
+
+
+def routed_step(model: nn.Module, x: torch.Tensor) -> None:
+    """Forward and backward of `model` with every saved tensor host-swapped by the router."""
+    unit = str(UnitId(0, UnitKind.ACTIVATIONS, layer="", rule=0))
+    with engine_over(PinnedHostPool(1 << 20)) as engine:
+        router, program = make_router(model, [TensorRule(tensor="**", technique="host")],
+                                      parse_actions(f"0F0 0SO0:{unit} 0SI0:{unit} 0B0"), x, engine=engine, end=1)
+        try:
+            program.begin(Action(0, Kind.F, 0))
+            with router.microbatch(0):
+                out = model(x)
+            program.end()
+            program.begin(Action(0, Kind.B, 0))
+            out.sum().backward()
+            router.finish(0)
+            program.end()
+        finally:
+            router.close()
+
+
+def test_a_conjugate_view_of_a_swapped_storage_is_not_taken_for_the_storage():
+    """Item 12, the router's half: `z` and `z.conj()` share a storage but not their values;
+    the second save must not be served the first one's swapped tensor (before: the view
+    identity left the conjugate bit out, and cos's backward got sin's input)."""
+    torch.manual_seed(0)
+    model, reference = ConjugatesAStorage(), ConjugatesAStorage()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8, dtype=torch.complex64)
+    reference(x).sum().backward()
+    routed_step(model, x)
+    assert torch.equal(model.w.grad, reference.w.grad)
+
+
+def test_a_saved_tensor_written_in_place_stops_the_step_with_its_name():
+    """Torch does not check saved tensors' versions when saved-tensor hooks took them, so
+    the router does: the swap would otherwise carry the new values into the backward."""
+    x = torch.randn(4, 8)
+    with pytest.raises(SwapError, match=r"saved tensor #\d was modified by an inplace operation"):
+        routed_step(WritesASavedTensor(), x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        WritesASavedTensor()(x).sum().backward()  # what torch says without mpress
+
+
 # ---- CUDA ------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -236,11 +309,6 @@ class ScalesByACpuScalar(nn.Module):
 def test_cuda_a_cpu_tensor_saved_under_a_host_rule_is_left_alone():
     """Item 11: a saved tensor not on the stage's device is not the device's memory: the
     router keeps it (before: the engine refused it and the step crashed)."""
-    from tests.runtime.test_router import make_router  # the router wired as StageRuntime wires it
-
-    from mpress.actions import parse_actions
-    from mpress.plan import TensorRule
-
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = ScalesByACpuScalar().to(device)
@@ -254,7 +322,6 @@ def test_cuda_a_cpu_tensor_saved_under_a_host_rule_is_left_alone():
         unit = "0:.**@r0"
         router, program = make_router(model, [TensorRule(tensor="**", technique="host")],
                                       parse_actions(f"0F0 0SO0:{unit} 0SI0:{unit} 0B0"), x, engine=engine, end=1)
-        from mpress.actions import Action, Kind
         program.begin(Action(0, Kind.F, 0))
         with router.microbatch(0):
             out = model(x)

@@ -6,6 +6,7 @@ threads, the records' contents at each point); the `cuda` tests show the rest.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from functools import partial
@@ -182,10 +183,11 @@ class WritesASavedTensor(nn.Module):
         return out
 
 
-def routed_step(model: nn.Module, x: torch.Tensor) -> None:
-    """Forward and backward of `model` with every saved tensor host-swapped by the router."""
+def routed_step(model: nn.Module, x: torch.Tensor, engine: SwapEngine | None = None) -> None:
+    """Forward and backward of `model` with every saved tensor host-swapped by the router
+    (through `engine`, or a CPU one)."""
     unit = str(UnitId(0, UnitKind.ACTIVATIONS, layer="", rule=0))
-    with engine_over(PinnedHostPool(1 << 20)) as engine:
+    with contextlib.nullcontext(engine) if engine is not None else engine_over(PinnedHostPool(1 << 20)) as engine:
         router, program = make_router(model, [TensorRule(tensor="**", technique="host")],
                                       parse_actions(f"0F0 0SO0:{unit} 0SI0:{unit} 0B0"), x, engine=engine, end=1)
         try:
@@ -319,19 +321,8 @@ def test_cuda_a_cpu_tensor_saved_under_a_host_rule_is_left_alone():
     pool = PinnedHostPool(1 << 20)
     engine = SwapEngine(pool, MemoryManager(device, rank=0), device, rank=0, stage=0)
     try:
-        unit = "0:.**@r0"
-        router, program = make_router(model, [TensorRule(tensor="**", technique="host")],
-                                      parse_actions(f"0F0 0SO0:{unit} 0SI0:{unit} 0B0"), x, engine=engine, end=1)
-        program.begin(Action(0, Kind.F, 0))
-        with router.microbatch(0):
-            out = model(x)
-        program.end()
-        program.begin(Action(0, Kind.B, 0))
-        out.sum().backward()
-        router.finish(0)
-        program.end()
+        routed_step(model, x, engine)
         assert torch.equal(model.fc.weight.grad, reference.fc.weight.grad)
-        router.close()
     finally:
         engine.close(timeout_s=5)
         pool.close()

@@ -384,10 +384,3 @@ class _PlainStage(PipelineStage):
         return self._run(Action(self.stage_index, Kind.B, bwd_chunk_id),
                          lambda: super(_PlainStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs))
 
-
-def share_loss(loss: float | None, job: PipelineJob) -> float:
-    """The last stage's loss on every rank (one broadcast)."""
-    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=job.device)  # NCCL: CUDA
-    dist.broadcast(t, src=job.last_rank)
-    return float(t.item())
-

@@ -35,6 +35,7 @@ from mpress.d2d.static.striping import DEFAULT_MIN_STRIPE_BYTES, StripeSpreader
 from mpress.errors import SwapError
 from mpress.runtime.memory.manager import Residency
 from mpress.runtime.swap.store import (
+    Batch,
     Copy,
     Pieces,
     Placement,
@@ -130,11 +131,13 @@ class PeerStore(SwapStore):
             slot.block.pool.free(slot.block)
         self.table.remove(placement.entry_id)
 
-    def copy_out(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
+    def pair(self, placement: Placement, pieces: Pieces) -> Batch:
+        return _by_peer(segments(placement, pieces))
+
+    def copy_out(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
         self.table.update(placement.entry_id, StripeState.WRITING)
-        by_peer = _by_peer(segments(placement, pieces))
         copies = []
-        for peer, pairs in by_peer.items():
+        for peer, pairs in batch.items():
             stream = self._streams.get(("out", peer))  # no record_stream: see `SwapStore`
             if stream is None:
                 copies.append(issue_copies(pairs, None))
@@ -148,13 +151,12 @@ class PeerStore(SwapStore):
                 copies.append(issue_copies(pairs, stream))
         return copies
 
-    def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
+    def copy_in(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
         for slot in placement.slots:  # a dead peer's pool must not be read (CUDA: freed IPC memory)
             self.pools.check_peer(slot.peer)
         self.table.update(placement.entry_id, StripeState.READING)
-        by_peer = _by_peer(segments(placement, pieces))
         copies = []
-        for peer, pairs in by_peer.items():
+        for peer, pairs in batch.items():
             pairs = [(data, block) for block, data in pairs]
             stream = self._streams.get(("in", peer))
             if stream is None:

@@ -65,6 +65,7 @@ from mpress.runtime.swap.record import (
     SwapRecord,
     SwapState,
     SwapStats,
+    traced,
 )
 from mpress.runtime.swap.layout import Layout
 from mpress.runtime.swap.store import HostStore, SwapStore
@@ -166,7 +167,7 @@ class SwapEngine(EngineWorkers):
         self._reap_dropped()  # frees their blocks and keys before this one needs them
         layouts: list[Layout] = []
         sources: list[torch.Tensor] = []
-        with torch.profiler.record_function("mpress:swap_out"):
+        with traced("mpress:swap_out"):
             for name, tensor in tensors:
                 if tensor.layout is not torch.strided or tensor.device != self.device:
                     what = key if name == key.tensor else f"{key} ({name})"
@@ -183,6 +184,7 @@ class SwapEngine(EngineWorkers):
                 record = SwapRecord(key, [name for name, _t in tensors], layouts, sources, None, owned)  # type: ignore[arg-type]
                 try:
                     record.placement = self.store.reserve(str(key), record.span_bytes, weights)
+                    record.out_batch = self.store.pair(record.placement, record.pieces(sources))
                 except Exception as exc:
                     if owned:
                         self._owned.pop(key, None)
@@ -217,12 +219,16 @@ class SwapEngine(EngineWorkers):
             record.in_requested = True
         try:  # the bytes come back now, on this thread (an out-of-memory error names the action)
             dst = [layout.empty(self.device) for layout in record.layouts]
+            with self._lock:
+                placement = record.placement
+            batch = self.store.pair(placement, record.pieces(dst)) if placement is not None else None
         except BaseException:
             with self._lock:
                 record.in_requested = False
             raise
         with self._lock:
             record.dst = dst
+            record.in_batch = batch
             if self._cuda:
                 record.dst_ready = torch.cuda.Event()
                 record.dst_ready.record(torch.cuda.current_stream(self.device))
@@ -247,7 +253,7 @@ class SwapEngine(EngineWorkers):
         record = handle._record
         start = time.perf_counter()
         deadline = start + self.timeout_s
-        with torch.profiler.record_function("mpress:swap_in_wait"):
+        with traced("mpress:swap_in_wait"):
             while not record.in_ready.wait(POLL_S):
                 self.check()
                 if time.perf_counter() >= deadline:
@@ -405,7 +411,7 @@ class SwapEngine(EngineWorkers):
             record.busy = False
             record.error = error
             record.state = SwapState.FAILED
-            record.src = record.result = record.dst = None
+            record.src = record.result = record.dst = record.out_batch = record.in_batch = None
             self._release_block(record)
             if self._error is None:
                 self._error = error
@@ -417,7 +423,7 @@ class SwapEngine(EngineWorkers):
         record.state = SwapState.CANCELLED
         if record.error is None:
             record.error = SwapError(f"swap of {record.key} was cancelled: {reason}")
-        record.src = record.result = record.dst = None
+        record.src = record.result = record.dst = record.out_batch = record.in_batch = None
         self._release_block(record)
         self._forget_owned(record)
         self._outs.discard(record)

@@ -7,6 +7,7 @@ states of `SwapState` under the engine's lock; the handle is the ticket the call
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import weakref
@@ -17,7 +18,7 @@ import torch
 from mpress.errors import SwapError
 from mpress.identity import TensorKey
 from mpress.runtime.swap.layout import Layout
-from mpress.runtime.swap.store import Placement
+from mpress.runtime.swap.store import Batch, Placement
 from mpress.units import ALIGNMENT_BYTES, round_up
 
 
@@ -69,6 +70,8 @@ class SwapRecord:
         self.src: list[torch.Tensor] | None = sources  # dense; dropped once the out copies completed
         self.src_versions = [t._version for t in sources]  # a write after this is a torn copy
         self.placement: Placement | None = placement
+        self.out_batch: Batch | None = None  # the out copies, paired by the training thread
+        self.in_batch: Batch | None = None   # the in copies, paired by `prefetch`
         self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
         self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies
         self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
@@ -166,3 +169,12 @@ class SwapHandle:
 
     def __repr__(self) -> str:
         return f"SwapHandle({self.key}, {self.state.value})"
+
+
+def traced(name: str) -> contextlib.AbstractContextManager:
+    """`torch.profiler.record_function(name)` while a profiler records, else nothing: the
+    swap path runs it per swap on worker threads, where each of its two op calls would
+    hand the GIL to the training thread and back for no trace at all."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()

@@ -122,6 +122,9 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 Pieces = Sequence[tuple[int, Layout, torch.Tensor]]
 """(byte offset in the placement, layout, dense device tensor of that layout) of each
 tensor of a swap."""
+Batch = dict[Any, list[tuple[torch.Tensor, torch.Tensor]]]
+"""Per copy stream (a store's own key for it): the (block part, piece part) pairs of a
+swap's copies on that stream."""
 
 
 def segments(placement: Placement, pieces: Pieces) -> Iterator[tuple[Slot, torch.Tensor, torch.Tensor]]:
@@ -171,15 +174,23 @@ class SwapStore(abc.ABC):
         """Give the room back (once per placement)."""
 
     @abc.abstractmethod
-    def copy_out(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
-        """Issue the copies of `pieces` (device bytes, made on the compute stream) into
-        `placement`, after `ready` (CUDA: recorded on the compute stream after them)."""
+    def pair(self, placement: Placement, pieces: Pieces) -> Batch:
+        """The copies between `placement` and `pieces` (device tensors), per stream: what
+        `copy_out` / `copy_in` issue. Called on the training thread, where the engine
+        already does its per-tensor work, so the workers make one call per stream and do
+        not trade the GIL with the compute thread tensor by tensor."""
 
     @abc.abstractmethod
-    def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
-        """Issue the copies filling `pieces` (device bytes the engine allocated on the
-        compute stream when the swap-in was issued) from `placement`, after `ready` (CUDA:
-        recorded on the compute stream after the allocation)."""
+    def copy_out(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
+        """Issue the copies of `batch` (from `pair`; its pieces are device bytes made on
+        the compute stream) into `placement`, after `ready` (CUDA: recorded on the compute
+        stream after them)."""
+
+    @abc.abstractmethod
+    def copy_in(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
+        """Issue the copies filling `batch`'s pieces (device tensors the engine allocated
+        on the compute stream when the swap-in was issued) from `placement`, after `ready`
+        (CUDA: recorded on the compute stream after the allocation)."""
 
     def completed(self, placement: Placement, direction: str) -> None:
         """The engine saw the "out" or "in" copies of `placement` complete."""
@@ -214,20 +225,23 @@ class HostStore(SwapStore):
         for slot in placement.slots:
             self.pool.free(slot.block)
 
-    def copy_out(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
+    def pair(self, placement: Placement, pieces: Pieces) -> Batch:
+        return {None: _in_block(placement, pieces)}
+
+    def copy_out(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
         # No record_stream on the pieces: the engine holds them until it saw this copy
         # complete on the host (`SwapStore` contract), and a recorded use would keep their
         # memory from the compute stream until everything queued behind it here finished.
         stream = self._out_stream
         if stream is not None:
             stream.wait_event(ready)
-        return [issue_copies(_in_block(placement, pieces), stream)]
+        return [issue_copies(batch[None], stream)]
 
-    def copy_in(self, placement: Placement, pieces: Pieces, ready: torch.cuda.Event | None) -> list[Copy]:
+    def copy_in(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
         stream = self._in_stream  # no record_stream: see copy_out
         if stream is not None:
             stream.wait_event(ready)
-        return [issue_copies([(data, block) for block, data in _in_block(placement, pieces)], stream)]
+        return [issue_copies([(data, block) for block, data in batch[None]], stream)]
 
     def synchronize(self) -> None:
         for stream in (self._out_stream, self._in_stream):

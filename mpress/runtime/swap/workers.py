@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from mpress.runtime.memory.manager import Residency
-from mpress.runtime.swap.record import TERMINAL_STATES, SwapRecord, SwapState
+from mpress.runtime.swap.record import TERMINAL_STATES, SwapRecord, SwapState, traced
 from mpress.runtime.swap.store import wait_copies
 
 POLL_S = 0.05
@@ -95,8 +95,8 @@ class EngineWorkers:
         try:
             if self._fault is not None:
                 self._fault(record.key, "out")
-            with torch.profiler.record_function("mpress:swap_out_copy"):
-                return self.store.copy_out(record.placement, record.pieces(record.src), record.ready_event)
+            with traced("mpress:swap_out_copy"):
+                return self.store.copy_out(record.placement, record.out_batch, record.ready_event)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self._fail(record, "swap-out", exc)
             return None
@@ -116,6 +116,7 @@ class EngineWorkers:
             self.store.completed(record.placement, "out")
             if not self._hold_until_release:
                 record.src = None  # the copy completed: the storage may go back to the allocator
+            record.out_batch = None  # (it holds the sources too)
             record.busy = False
             record.state = SwapState.OFF_DEVICE
             self._stats.bytes_out += record.nbytes
@@ -147,8 +148,8 @@ class EngineWorkers:
                 self._fault(record.key, "in")
             self.store.check()  # a dead peer's stripes cannot come back
             tensors = record.dst
-            with torch.profiler.record_function("mpress:swap_in_copy"):
-                copies = self.store.copy_in(record.placement, record.pieces(tensors), record.dst_ready)
+            with traced("mpress:swap_in_copy"):
+                copies = self.store.copy_in(record.placement, record.in_batch, record.dst_ready)
             record.dst = record.dst_ready = None
             with self._lock:
                 if not record.discard_requested:
@@ -172,6 +173,7 @@ class EngineWorkers:
             return
         with self._lock:
             record.busy = False
+            record.in_batch = None  # the copies read the blocks and wrote the tensors: done
             self.store.completed(record.placement, "in")
             self._release_block(record)
             self._stats.bytes_in += record.nbytes

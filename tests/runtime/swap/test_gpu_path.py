@@ -56,8 +56,8 @@ class HeldInStore(HostStore):
         """Set: the held copies complete."""
         self.issued = 0
 
-    def copy_in(self, placement, pieces, ready):
-        super().copy_in(placement, pieces, ready)  # the bytes move at once on CPU
+    def copy_in(self, placement, batch, ready):
+        super().copy_in(placement, batch, ready)  # the bytes move at once on CPU
         self.issued += 1
         return [HeldCopy(self.go)]
 

@@ -80,7 +80,7 @@ class SwapRecord:
         self.copy_started_s = 0.0            # when a worker issued its latest copy (traces)
         self.busy = False                    # a worker is using the placement right now
         self.discard_requested = False
-        self.dst: list[torch.Tensor] | None = None  # made by `prefetch` (their layouts), filled by the in worker
+        self.dst: list[torch.Tensor] | None = None  # made by `prefetch` (their layouts), filled by the swap-in issuer
         self.dst_ready: torch.cuda.Event | None = None  # compute stream, after `dst` was made
         self.result: list[torch.Tensor] | None = None
         """The swapped-in tensors until `fetch` hands them over (then only `result_ref`)."""

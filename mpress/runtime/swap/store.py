@@ -51,14 +51,6 @@ class Placement:
     entry_id: int = -1
     """The store's id for this placement (D2D: its metadata table entry)."""
 
-    def peer_bytes(self) -> dict[int, int]:
-        """Bytes per peer device (empty for host placements)."""
-        out: dict[int, int] = {}
-        for slot in self.slots:
-            if slot.peer is not None:
-                out[slot.peer] = out.get(slot.peer, 0) + slot.nbytes
-        return out
-
 
 @dataclass
 class Copy:
@@ -96,13 +88,13 @@ def issue_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: tor
     if stream is None:
         start_s = time.perf_counter()
         if dsts:
-            torch._foreach_copy_(dsts, srcs)  # one dispatch for the batch
+            torch._foreach_copy_(dsts, srcs)  # one Python call for the batch
         return Copy(done=None, start=None, wall_s=time.perf_counter() - start_s)
     start, done = copy_events()
     start.record(stream)
     with torch.cuda.stream(stream):
-        # one dispatch for the batch; tensors on different devices (pinned host and
-        # GPU) take foreach's per-tensor path, each an async copy_ on this stream
+        # one Python call for the batch, not one kernel: tensors on different devices
+        # (pinned host and GPU) take foreach's per-tensor path, each an async copy_ here
         if dsts:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
     done.record(stream)
@@ -112,11 +104,6 @@ def issue_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: tor
 def wait_copies(copies: list[Copy]) -> float:
     """Wait for every copy; the longest one's time (they ran in parallel), in s."""
     return max((c.wait_s() for c in copies), default=0.0)
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 Pieces = Sequence[tuple[int, Layout, torch.Tensor]]
@@ -149,8 +136,8 @@ def segments(placement: Placement, pieces: Pieces) -> Iterator[tuple[Slot, torch
 
 class SwapStore(abc.ABC):
     """Destination of one swap engine (see the module docstring). Thread safety: `reserve`
-    and `release` may be called from any thread; `copy_out` only from the out worker and
-    `copy_in` only from the in worker. The engine keeps the device tensors a copy reads
+    and `release` may be called from any thread, `pair` from the training thread;
+    `copy_out` only from the swap-out issuer and `copy_in` only from the swap-in issuer. The engine keeps the device tensors a copy reads
     or writes alive until it has seen that copy complete on the host, so a store does not
     `record_stream` them (a recorded side-stream use would hold their memory back from
     the compute stream until every copy queued behind it had finished)."""

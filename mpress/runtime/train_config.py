@@ -92,6 +92,9 @@ class CheckpointConfig:
     """Save every this many steps (and after the last step); 0 = only after the last step."""
     resume: bool = False
     """Resume from the newest checkpoint in `dir` if there is one."""
+    keep_last: int = field(default=3, metadata={"min": 1, "max": 1000})
+    """Keep only this many newest complete checkpoints in `dir` (older ones are removed
+    once a newer one is complete)."""
 
     def __post_init__(self) -> None:
         if self.resume and self.dir is None:
@@ -151,6 +154,13 @@ class TrainConfig:
     report: str | None = None
     """Also write the end-of-run per-rank figures (predicted and measured peaks, swaps,
     recomputes) as JSON to this path; null = the tables only."""
+    profiler_trace: str | None = None
+    """Also record the last step under torch.profiler and write its Chrome/Perfetto trace
+    (one file per rank, `<path>.rank<N>.json`); null = none."""
+    memory_snapshot: str | None = None
+    """On CUDA: record the caching allocator's history over the last step and write
+    `torch.cuda.memory._snapshot()` as a pickle per rank (`<path>.rank<N>.pickle`, for
+    pytorch.org/memory_viz); refused on CPU; null = none."""
     log_every: int = field(default=10, metadata={"min": 1})
     """Log the loss every this many steps (and at the first and last step)."""
 

@@ -5,7 +5,27 @@ from __future__ import annotations
 
 
 class MpressError(Exception):
-    """Base class of every error mpress raises on purpose."""
+    """Base class of every error mpress raises on purpose.
+
+    Every subclass pickles whatever its `__init__` takes: the constructor's arguments are
+    kept and replayed on unpickling (errors cross process boundaries in broadcasts and
+    gathers, and `Exception`'s own pickling calls `cls(*self.args)`, i.e. with the
+    formatted message only, which fails for a subclass such as `ConfigError`).
+    """
+
+    def __new__(cls, *args: object, **kwargs: object) -> "MpressError":
+        self = super().__new__(cls, *args)
+        self._init_args = (args, kwargs)
+        return self
+
+    def __reduce__(self) -> tuple:
+        args, kwargs = self._init_args
+        return (_rebuild, (type(self), args, kwargs), self.__dict__)
+
+
+def _rebuild(cls: type[MpressError], args: tuple, kwargs: dict) -> MpressError:
+    """Unpickling: the error built again from its constructor's arguments."""
+    return cls(*args, **kwargs)
 
 
 class UserError(MpressError):

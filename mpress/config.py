@@ -10,13 +10,25 @@ Range checks come from field metadata, e.g.::
 
 Supported annotations: bool, int, float, str, Literal[...], `str` enums (stored by
 value), Optional[X], list[X], dict[str, X], tuple[X, ...] and nested dataclasses.
+
+Every number is checked whatever the metadata says: floats must be finite (no NaN, no
+infinity), integers must fit in 64 bits (`INT_MAX`); metadata adds `min`, `gt` and `max`,
+applied to every number inside a field (list items, dict values, nested lists).
+
+`load_yaml` is the one reader of config files (train, model, hardware, plan, profile):
+it refuses duplicate keys and alias expansion beyond `ALIAS_EXPANSION_LIMIT` nodes.
+Output paths are checked before any work by `check_output_path` (config keys) and
+`output_path_arg` (argparse flags).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import json
+import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -30,20 +42,119 @@ T = TypeVar("T")
 
 _MISSING = dataclasses.MISSING
 
+INT_MAX = 2**63 - 1
+"""Largest magnitude of an integer in any config: what torch and numpy hold in int64."""
+
+ALIAS_EXPANSION_LIMIT = 10_000
+"""Most nodes that YAML aliases may add to a document when it is expanded (a config
+read with aliases is used as if every alias were written out). A "billion laughs"
+document, nine levels of nine aliases, would add 10**9."""
+
+
+class _Refused(yaml.YAMLError):
+    """A YAML document `_StrictLoader` refuses; the message is the whole reason."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML's spec forbids
+    it; PyYAML keeps the last silently) and documents whose aliases expand past
+    `ALIAS_EXPANSION_LIMIT` nodes (checked on the composed node graph, before anything is
+    constructed)."""
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _check_expansion(node)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` may be overridden by design
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # unhashable key: SafeConstructor reports it
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise _Refused(f"line {line}: duplicate key {key!r} (first given at line {first}); "
+                               "give each key once")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a node graph whose aliases would add more than ALIAS_EXPANSION_LIMIT nodes
+    when expanded, or that contains itself (a recursive alias). Iterative: no recursion
+    limit on deep documents."""
+    size: dict[int, int] = {}  # id(node) -> nodes in its expansion
+    distinct = 0
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    open_ids: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = _children(node)
+        if done:
+            open_ids.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            distinct += 1
+            if size[key] - distinct > ALIAS_EXPANSION_LIMIT:
+                raise _Refused(f"line {node.start_mark.line + 1}: aliases expand to more than "
+                               f"{ALIAS_EXPANSION_LIMIT} extra nodes; write the values out")
+            continue
+        if key in size:
+            continue
+        if key in open_ids:
+            raise _Refused(f"line {node.start_mark.line + 1}: a recursive alias (a node that contains itself)")
+        open_ids.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Refused(f"duplicate key {key!r}; give each key once")
+        out[key] = value
+    return out
+
 
 def load_yaml(path: str | Path) -> Any:
-    """Read a YAML (or JSON) file; a missing or unparsable file is a `UserError`."""
+    """Read a YAML (or, for `.json`, JSON) file with `_StrictLoader`'s checks.
+
+    A missing, unreadable or unparsable file, a duplicate key or an alias bomb is a
+    one-line `UserError` naming the file (and the line where YAML gives one).
+    """
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: no such file")
+    fmt = "JSON" if p.suffix == ".json" else "YAML"
     try:
         text = p.read_text()
         if p.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return json.loads(text, object_pairs_hook=_json_object)
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 -- a SafeLoader subclass
+    except _Refused as exc:
+        raise UserError(f"{p}: {exc}") from None
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise UserError(f"{p}: not valid {fmt}: nested too deeply") from None
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}") from None
+        raise UserError(f"{p}: not valid {fmt}: {first}") from None
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -136,30 +247,26 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
             return value
         raise bad
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            # allow 1e9-style floats that are whole numbers (YAML reads 80e9 as float)
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            if isinstance(value, str):
-                try:
-                    f = float(value)
-                except ValueError:
-                    raise bad from None
-                if f.is_integer():
-                    return int(f)
+        if isinstance(value, bool):
             raise bad
-        return value
+        if not isinstance(value, int):
+            # allow 1e9-style floats that are whole numbers (YAML reads 80e9 as float)
+            number = _as_float(value)
+            if number is None or not number.is_integer():
+                raise bad
+            value = number
+        if abs(value) > INT_MAX:
+            raise ConfigError(source, key, f"must be an integer of at most {INT_MAX:.3g} in magnitude, got {value!r}")
+        return int(value)
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e9" as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+        number = _as_float(value)
+        if number is None:
+            raise bad
+        if not math.isfinite(number):
+            raise ConfigError(source, key, f"must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -167,13 +274,41 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
     raise ConfigError(source, key, f"unsupported field type {tp!r}")
 
 
+def _as_float(value: Any) -> float | None:
+    """A number or a numeric string (YAML 1.1 reads "1e9" as a string) as a float; None
+    when it is neither. An int too large for a float is infinity."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _numbers(value: Any) -> list[int | float]:
+    """Every number inside `value` (items of lists, values of dicts, at any depth)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, (int, float)):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _numbers(v)]
+    return []
+
+
 def _check_range(meta: Any, value: Any, source: str, key: str) -> None:
-    if value is None or isinstance(value, (str, bool)):
-        return
-    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-    for v in values:
-        if isinstance(v, (list, tuple, dict)) or not isinstance(v, (int, float)):
-            continue
+    for v in _numbers(value):
         if "min" in meta and v < meta["min"]:
             raise ConfigError(source, key, f"must be >= {meta['min']}, got {v}")
         if "gt" in meta and v <= meta["gt"]:
@@ -218,3 +353,73 @@ def from_dict(cls: type[T], data: Any, source: str = "", prefix: str = "") -> T:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+OutputKind = Literal["file", "dir", "prefix"]
+
+
+def output_path_problem(path: str | Path, kind: OutputKind = "file") -> str | None:
+    """Why `path` cannot be written (None when it can), checked before any work.
+
+    kind: "file" (written as one file; may exist, must not be a directory), "dir" (a
+    directory made if missing; must not be a file), "prefix" (files named `<path>.<x>` are
+    written beside it). The writers make missing parent directories, so the nearest
+    existing ancestor must be a directory this process may write into.
+    """
+    text = str(path)
+    if not text.strip():
+        return "an empty path (give a file name)"
+    p = Path(text).expanduser()
+    if kind != "prefix" and p.exists():
+        if kind == "file" and p.is_dir():
+            return f"{p} is a directory; give a file name"
+        if kind == "dir" and not p.is_dir():
+            return f"{p} is an existing file, not a directory"
+        if not os.access(p, os.W_OK):
+            return f"{p} is not writable"
+        return None
+    ancestor = p.parent if kind == "prefix" or not p.exists() else p
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot write under {ancestor}: it is a file, not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot write under {ancestor}: permission denied"
+    return None
+
+
+def check_output_path(path: str | Path, source: str, key: str, kind: OutputKind = "file") -> None:
+    """Raise `ConfigError(source, key, ...)` when `path` cannot be written (see
+    `output_path_problem`); for config keys, called before training starts."""
+    problem = output_path_problem(path, kind)
+    if problem is not None:
+        raise ConfigError(source, key, problem)
+
+
+def output_path_arg(kind: OutputKind = "file") -> "typing.Callable[[str], str]":
+    """argparse `type=` for an output flag: the path as given, or argparse's one-line
+    error (exit status 2) when `output_path_problem` finds a reason it cannot be written."""
+    def check(text: str) -> str:
+        problem = output_path_problem(text, kind)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return text
+    check.__name__ = "output path"  # argparse names the type in some messages
+    return check
+
+
+def int_arg(low: int, high: int) -> "typing.Callable[[str], int]":
+    """argparse `type=` for an integer flag in [low, high] (a whole `1e3` is accepted)."""
+    def check(text: str) -> int:
+        number = _as_float(text.strip())
+        try:
+            value = int(text)
+        except ValueError:
+            if number is None or not math.isfinite(number) or not number.is_integer():
+                raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            value = int(number)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text}")
+        return value
+    check.__name__ = "integer"
+    return check

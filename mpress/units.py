@@ -3,6 +3,7 @@ the one alignment every pool of mpress carves its blocks to."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from mpress.errors import UserError
@@ -17,16 +18,27 @@ ALIGNMENT_BYTES = 512
 quotas inside them) and of every D2D stripe boundary: a block can then be viewed as any
 dtype and copy engines see aligned addresses. The planner sizes pools in these units."""
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+MAX_BYTES = 2**60
+"""Largest size any size setting may ask for (1 EiB): far above any device or host, and
+small enough that sums of sizes stay exact 64-bit integers."""
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e\+?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_bytes(text: str, what: str = "size") -> int:
-    """`"2GB"` -> 2_000_000_000, `"512MiB"` -> 536870912, `"1e9"` -> 10**9."""
+    """`"2GB"` -> 2_000_000_000, `"512MiB"` -> 536870912, `"1e9"` -> 10**9.
+
+    Raises a one-line `UserError` naming `what` for text that is not a size, a size
+    below one byte, or one above `MAX_BYTES`.
+    """
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise UserError(f"{what}: cannot read {text!r} as a size (e.g. 2GB, 512MiB, 1e9)")
-    value = int(float(m.group(1)) * _UNITS[unit])
+    number = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(number) or number > MAX_BYTES:
+        raise UserError(f"{what}: must be at most {MAX_BYTES} bytes (1 EiB), got {text!r}")
+    value = int(number)
     if value <= 0:
         raise UserError(f"{what}: must be > 0, got {text!r}")
     return value

@@ -220,3 +220,118 @@ def test_load_yaml_invalid_json(tmp_path: Path) -> None:
     with pytest.raises(UserError) as info:
         load_yaml(path)
     assert str(path) in str(info.value) and "not valid JSON" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "nan", ".inf", "1e400"])
+def test_floats_must_be_finite_whatever_the_metadata(value: object) -> None:
+    # NaN compares false with every bound: it passed `gt: 0` before
+    data = machine()
+    data["device"]["efficiency"] = value
+    e = error(data)
+    assert e.key == "device.efficiency"
+
+
+def test_nan_in_a_dict_of_floats_names_the_entry() -> None:
+    e = error(machine(peaks={"fp32": 1.0, "fp16": float("nan")}))
+    assert e.key == "peaks.fp16" and "finite" in e.problem
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63), 1e300, "1e300", 10**400],
+                         ids=["2**63", "-2**63", "1e300", "str-1e300", "10**400"])
+def test_integers_must_fit_in_64_bits(value: object) -> None:
+    e = error(machine(limit_bytes=value))
+    assert e.key == "limit_bytes" and "at most" in e.problem
+
+
+@dataclass(kw_only=True, frozen=True)
+class Grid:
+    cells: list[list[int]] = field(metadata={"min": 0, "max": 9})
+
+
+def test_range_applies_inside_nested_lists() -> None:
+    assert from_dict(Grid, {"cells": [[0, 9], [9, 0]]}, SRC).cells == [[0, 9], [9, 0]]
+    with pytest.raises(ConfigError) as info:
+        from_dict(Grid, {"cells": [[0, 10], [1, 0]]}, SRC)
+    assert info.value.key == "cells" and "<= 9" in info.value.problem
+
+
+def test_duplicate_yaml_key_names_file_key_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("num_devices: 2\ndevice:\n  name: g\n  name: h\n")
+    with pytest.raises(UserError) as info:
+        load_yaml(path)
+    msg = str(info.value)
+    assert msg.startswith(str(path)) and "'name'" in msg and "line 4" in msg and "\n" not in msg
+
+
+def test_duplicate_json_key_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "dup.json"
+    path.write_text('{"num_devices": 2, "num_devices": 3}')
+    with pytest.raises(UserError) as info:
+        load_yaml(path)
+    assert str(path) in str(info.value) and "'num_devices'" in str(info.value)
+
+
+def test_merge_keys_may_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {x: 1, y: 2}\nthis:\n  <<: *b\n  x: 3\n")
+    assert load_yaml(path)["this"] == {"x": 3, "y": 2}
+
+
+def _laughs(levels: int) -> str:
+    lines = ["l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_alias_bomb_is_refused_before_expansion(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_laughs(9))  # 9**9 = 387,420,489 strings when expanded
+    with pytest.raises(UserError) as info:
+        load_yaml(path)
+    assert str(path) in str(info.value) and "aliases expand" in str(info.value)
+
+
+def test_a_few_aliases_are_fine(tmp_path: Path) -> None:
+    path = tmp_path / "few.yaml"
+    path.write_text(_laughs(3))  # 729 strings
+    assert len(load_yaml(path)["l2"]) == 9
+
+
+def test_recursive_alias_and_deep_nesting_are_one_line_errors(tmp_path: Path) -> None:
+    rec = tmp_path / "rec.yaml"
+    rec.write_text("a: &a [1, *a]\n")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 50_000 + "]" * 50_000)
+    for path in (rec, deep):
+        with pytest.raises(UserError) as info:
+            load_yaml(path)
+        assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind, make, problem", [
+    ("file", lambda d: d, "is a directory"),
+    ("file", lambda d: _file(d / "f") / "out.json", "is a file"),
+    ("dir", lambda d: _file(d / "ckpt"), "existing file"),
+    ("prefix", lambda d: _file(d / "f") / "sub" / "trace", "is a file"),
+    ("file", lambda d: "", "empty"),
+])
+def test_check_output_path_refuses_what_cannot_be_written(tmp_path: Path, kind, make, problem) -> None:
+    from mpress.config import check_output_path
+    with pytest.raises(ConfigError) as info:
+        check_output_path(make(tmp_path), SRC, "trace", kind)
+    assert info.value.key == "trace" and problem in info.value.problem
+
+
+def test_check_output_path_accepts_new_and_existing_paths(tmp_path: Path) -> None:
+    from mpress.config import check_output_path
+    check_output_path(tmp_path / "new" / "deeper" / "out.json", SRC, "trace")
+    check_output_path(_file(tmp_path / "exists.json"), SRC, "trace")
+    check_output_path(tmp_path / "ckpt", SRC, "checkpoint.dir", "dir")
+    check_output_path(tmp_path, SRC, "checkpoint.dir", "dir")
+
+
+def _file(path: Path) -> Path:
+    path.write_text("x")
+    return path

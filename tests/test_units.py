@@ -22,3 +22,17 @@ def test_format():
     assert fmt_bytes(999) == "999 B"
     assert fmt_seconds(0.0123) == "12.3 ms"
     assert fmt_seconds(2.5) == "2.5 s"
+
+
+@pytest.mark.parametrize("huge", ["1e400", "2e18GiB", "1e19", "1.0e+400"])
+def test_parse_bytes_refuses_sizes_beyond_the_bound_in_one_line(huge):
+    # 1e400 used to end in OverflowError (int(inf)) with a traceback
+    with pytest.raises(UserError) as info:
+        parse_bytes(huge, "--device-memory")
+    assert "--device-memory" in str(info.value) and "at most" in str(info.value)
+
+
+def test_parse_bytes_accepts_the_bound_and_an_explicit_plus_exponent():
+    from mpress.units import MAX_BYTES
+    assert parse_bytes(str(MAX_BYTES)) == MAX_BYTES
+    assert parse_bytes("1e+9") == 10**9

@@ -1,0 +1,190 @@
+"""A user's own model as pipeline stages: any `nn.Module` a factory returns, split at its
+layer boundaries by torch.distributed.pipelining's own `pipeline()`.
+
+The factory (`package.module:factory`, see `mpress.static.measured.load_user_factory`)
+returns the module, an example input of ONE microbatch and optionally a loss (output ->
+scalar). Its layers (the units stages are made of, `mpress.identity`) are the ones the
+module names itself (`layer_names()`, `nn.Sequential`, a chain of children) or the ones
+the user lists by pattern (`layers: ["embed", "blocks.*", "head"]`).
+
+Why `pipeline()`: a forward that is not a chain (a skip connection around several
+layers, glue code between them, a CPU scalar) cannot be cut by running children in a
+loop; `pipeline()` traces the forward (torch.export) and splits its graph at the first
+call of each stage's first layer, passing whatever crosses a boundary. Its stage modules
+keep the whole model's module paths (`blocks.2.l1`), so the tensors they save are named
+exactly as in the eager model the profiler ran (`mpress.identity.SavedTensorNamer`), and
+a plan made from that profile matches them. Plain pipelining and mpress run the same
+split modules, so `torch.equal` between them is meaningful.
+
+Every rank calls the factory under the job's seed, so every rank holds the same
+parameters before it keeps only its stages'.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+
+from mpress.errors import UserError
+from mpress.identity import layer_paths, side_effect_free
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def expand_layers(module: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The module paths matching `patterns` (fnmatch, e.g. `blocks.*`), in `named_modules()`
+    order, outermost only (a path inside an already matched one is not a second layer).
+    Every pattern must match something."""
+    paths = [name for name, _ in module.named_modules() if name]
+    chosen: list[str] = []
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+            raise UserError(f"layers: {pattern!r} matches no module of {type(module).__name__} "
+                            f"(its top-level children: {', '.join(n for n, _ in module.named_children())})")
+    for path in paths:
+        inside = any(path.startswith(c + ".") for c in chosen)
+        if not inside and any(fnmatch.fnmatchcase(path, p) for p in patterns):
+            chosen.append(path)
+    return chosen
+
+
+def _as_chain(top: fx.Graph, stages: list[fx.GraphModule]) -> list[fx.GraphModule]:
+    """Rewrite the stage modules of a `pipeline()` split so that stage s takes exactly what
+    stage s-1 returns: torch's manual `PipelineStage` (which mpress's stages are) receives
+    from the previous stage only, while the split may hand a value from stage 0 straight
+    to stage 3 (a skip connection). A value that later stages need and a stage does not
+    make is passed through it: a placeholder returned as an output, so its gradient flows
+    back unchanged. `top`: the split's top-level graph (model inputs, one call per stage)."""
+    calls = [n for n in top.nodes if n.op == "call_module"]
+    made_at: dict[fx.Node, int] = {n: -1 for n in top.nodes if n.op == "placeholder"}
+    for s, call in enumerate(calls):
+        parts = [u for u in call.users if u.op == "call_function"]  # getitems of a tuple result
+        made_at.update({v: s for v in (parts or [call])})
+    used_at = {call: s for s, call in enumerate(calls)} | {n: len(calls) for n in top.nodes if n.op == "output"}
+    last_use = {v: max((used_at[u] for u in v.users), default=-1) for v in made_at}
+    into = [[v for v in made_at if made_at[v] < s <= last_use[v]] for s in range(len(calls))]
+    for s, (module, call) in enumerate(zip(stages, calls)):
+        graph = module.graph
+        old = [n for n in graph.nodes if n.op == "placeholder"]
+        with graph.inserting_before(old[0]):
+            new = {v: graph.placeholder(f"in_{i}") for i, v in enumerate(into[s])}
+        for placeholder, arg in zip(old, call.args):
+            placeholder.replace_all_uses_with(new[arg])
+            graph.erase_node(placeholder)
+        if s + 1 < len(calls):
+            output = next(n for n in graph.nodes if n.op == "output")
+            made = output.args[0]
+            parts = [u for u in call.users if u.op == "call_function"]
+            mine = {u: made[u.args[1]] for u in parts} if parts else {call: made}
+            output.args = (tuple(mine.get(v, new.get(v)) for v in into[s + 1]),)
+        graph.lint()
+        module.recompile()
+    return stages
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+@dataclass
+class UserModel:
+    """A user's model, its example microbatch, its loss and its layer list."""
+
+    spec: str
+    """Where it came from: `package.module:factory`."""
+    module: nn.Module
+    example_input: tuple[torch.Tensor, ...]
+    """One microbatch, positional."""
+    loss_fn: LossFn
+    layers: list[str]
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per microbatch: the example input's leading dimension."""
+        return int(self.example_input[0].shape[0])
+
+    def split(self, ranges: Sequence[tuple[int, int]]) -> list[nn.Module]:
+        """One module per stage: layers `[start, end)` of `ranges` (which must tile the
+        layer list), each with a `layer_names()` listing its layers."""
+        if not ranges or ranges[0][0] != 0 or ranges[-1][1] != len(self.layers) or any(
+                a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+            raise UserError(f"stage ranges {list(ranges)} do not tile the {len(self.layers)} layers of {self.spec}")
+        self.module.train()
+        if len(ranges) == 1:
+            stages = [self.module]
+        else:
+            spec = {self.layers[start]: SplitPoint.BEGINNING for start, _ in ranges[1:]}
+            try:
+                pipe = pipeline(self.module, mb_args=self.example_input, split_spec=spec)
+            except Exception as exc:  # tracing the user's forward failed: their model's problem
+                raise UserError(f"{self.spec}: torch.distributed.pipelining could not split the model at "
+                                f"{', '.join(spec)}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+            if pipe.num_stages != len(ranges):
+                raise UserError(f"{self.spec}: splitting at {', '.join(spec)} gave {pipe.num_stages} stages, not "
+                                f"{len(ranges)} (is every split layer called at the top level of the forward?)")
+            stages = _as_chain(pipe.split_gm.graph, [pipe.get_stage_module(s) for s in range(len(ranges))])
+        for module, (start, end) in zip(stages, ranges):
+            names = list(self.layers[start:end])
+            module.layer_names = lambda names=names: names  # type: ignore[method-assign]
+            module.train()
+        return stages
+
+    def stage_io(self, stages: Sequence[nn.Module]) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+        """Example (inputs, outputs) of each stage for one microbatch: the static shapes a
+        `PipelineStage` is given (gloo's shape inference can deadlock). Inputs of stages
+        after the first carry gradients where they are floating point."""
+        io = []
+        args = self.example_input
+        with torch.no_grad():
+            for s, module in enumerate(stages):
+                with side_effect_free(module):
+                    out = _as_tuple(module(*args))
+                inputs = args if s == 0 else tuple(
+                    a.detach().requires_grad_(a.is_floating_point()) for a in args)
+                io.append((inputs, tuple(o.detach() for o in out)))
+                args = out
+        return io
+
+    def loss(self, output: Any, _target: torch.Tensor) -> torch.Tensor:
+        """The user's loss in the schedule's `(output, target)` form (the target is unused)."""
+        return self.loss_fn(output)
+
+    def batch(self, *, step: int, num_microbatches: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Synthetic inputs of step `step` (num_microbatches microbatches along dim 0) shaped
+        like the example input, deterministic in (seed, step): floating tensors standard
+        normal, integer tensors uniform over the example's value range; and a dummy target
+        per sample."""
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        inputs = []
+        for ex in self.example_input:
+            shape = (ex.shape[0] * num_microbatches, *ex.shape[1:])
+            if ex.is_floating_point():
+                inputs.append(torch.randn(shape, generator=g, dtype=ex.dtype))
+            else:
+                low, high = int(ex.min()), int(ex.max())
+                inputs.append(torch.randint(low, high + 1, shape, generator=g, dtype=ex.dtype))
+        return tuple(inputs), torch.zeros(shape[0])
+
+
+def load_user_model(spec: str, *, layers: Sequence[str] | None = None, seed: int = 0) -> UserModel:
+    """Call the factory `spec` under `seed` and find its layers (`layers` patterns, else
+    the module's own: `mpress.identity.layer_paths`). One line (`UserError`) on any problem."""
+    from mpress.static.measured import default_loss, load_user_factory  # the profiler owns the factory contract
+
+    torch.manual_seed(seed)
+    user = load_user_factory(spec)
+    module = user.module
+    example = _as_tuple(user.example_input)
+    found = expand_layers(module, layers) if layers else layer_paths(module, example)
+    if found == [""]:
+        raise UserError(f"{spec}: the forward of {type(module).__name__} does not chain its children, so it is "
+                        f"one layer; name its layers (train config `layers:`, e.g. [\"embed\", \"blocks.*\", \"head\"], "
+                        f"or a layer_names() method)")
+    return UserModel(spec=spec, module=module, example_input=example, loss_fn=user.loss_fn or default_loss,
+                     layers=found)

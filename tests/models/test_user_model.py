@@ -1,0 +1,80 @@
+"""A user's model split into stages by torch's `pipeline()`: the split runs what the eager
+model runs, bit for bit, and saves the tensors under the names the profiler gives them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpress.errors import UserError
+from mpress.identity import inspect_stage
+from mpress.models.user import expand_layers, load_user_model
+
+SPEC = "tests.support.user_models:make"
+LAYERS = ["embed", "blocks.*", "head"]
+
+
+def test_patterns_name_the_outermost_matching_modules_in_order():
+    user = load_user_model(SPEC, layers=LAYERS)
+    assert user.layers == ["embed"] + [f"blocks.{i}" for i in range(6)] + ["head"]
+    with pytest.raises(UserError, match="'blockz.*' matches no module"):
+        expand_layers(user.module, ["blockz.*"])
+
+
+def test_a_forward_that_is_not_a_chain_needs_named_layers():
+    with pytest.raises(UserError, match="does not chain its children"):
+        load_user_model(SPEC)
+
+
+def _run(modules, x):
+    out = x
+    for m in modules:
+        out = m(*out) if isinstance(out, tuple) else m(out)
+    return out
+
+
+@pytest.mark.parametrize("ranges", [[(0, 8)], [(0, 3), (3, 8)], [(0, 1), (1, 4), (4, 7), (7, 8)]])
+def test_split_stages_equal_the_eager_model(ranges):
+    eager = load_user_model(SPEC, layers=LAYERS, seed=3)
+    split = load_user_model(SPEC, layers=LAYERS, seed=3)
+    x = eager.example_input[0]
+    loss_eager = eager.loss_fn(eager.module(x))
+    loss_eager.backward()
+    stages = split.split(ranges)
+    loss_split = split.loss_fn(_run(stages, x))
+    loss_split.backward()
+    assert torch.equal(loss_eager, loss_split)
+    grads = {n: p.grad for n, p in eager.module.named_parameters()}
+    names = [n for m in stages for n, _ in m.named_parameters()]
+    assert sorted(names) == sorted(grads)  # the whole model's paths, each in one stage
+    for m in stages:
+        for n, p in m.named_parameters():
+            assert torch.equal(p.grad, grads[n]), n
+
+
+def test_split_stages_save_what_the_eager_model_saves_under_the_same_names():
+    user = load_user_model(SPEC, layers=LAYERS)
+    full = inspect_stage(user.module, user.example_input, user.layers)
+    stages = user.split([(0, 3), (3, 8)])
+    io = user.stage_io(stages)
+    split = [t for m, (inputs, _) in zip(stages, io) for t in inspect_stage(m, inputs)]
+    assert [(t.name, t.saved) for t in split] == [(t.name, t.saved) for t in full]
+    assert "#0" in full[-1].saved  # the CPU scalar the root's glue saves, in the last layer
+
+
+def test_stage_io_passes_the_skip_connection_across_the_boundary():
+    user = load_user_model(SPEC, layers=LAYERS)
+    io = user.stage_io(user.split([(0, 3), (3, 8)]))
+    (in0, out0), (in1, out1) = io
+    assert len(out0) == 2 and [t.shape for t in in1] == [t.shape for t in out0]
+    assert all(t.requires_grad for t in in1) and not in0[0].requires_grad
+    assert out1[0].shape == (2, 8, 4)
+
+
+def test_synthetic_batches_are_deterministic_and_shaped_like_the_example():
+    user = load_user_model(SPEC, layers=LAYERS)
+    (a,), ta = user.batch(step=5, num_microbatches=3, seed=1)
+    (b,), _ = user.batch(step=5, num_microbatches=3, seed=1)
+    (c,), _ = user.batch(step=6, num_microbatches=3, seed=1)
+    assert a.shape == (6, 8, 16) and ta.shape == (6,)
+    assert torch.equal(a, b) and not torch.equal(a, c)

@@ -29,7 +29,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from mpress.config import write_text_atomic
 from mpress.errors import UserError
 from mpress.launcher import run_trace
-from mpress.launcher.checkpoint import resume, save_checkpoint
+from mpress.launcher.checkpoint import Checkpoints
+from mpress.launcher.checkpoint_manifest import check_checkpoint_dir
 from mpress.launcher.control import (
     COLLECTIVE_TIMEOUT_S,
     broadcast,
@@ -87,7 +88,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     dataset = build_dataset(cfg.data, model, seed=cfg.seed)
     job = start_job(spec, plan, device, control_group=control)
-    first = resume(cfg, job)
+    checkpoints = Checkpoints(cfg, job, control)
+    first = checkpoints.resume()
     console = make_console()
     if rank == 0:
         what = "no plan (plain pipelining)" if plan is None else f"plan {plan.strategy} ({cfg.plan})"
@@ -135,7 +137,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                                            f"{run_trace.write(cfg.trace, traces, step=step)}")
             every = cfg.checkpoint.every_steps
             if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
-                save_checkpoint(cfg, job, step)
+                checkpoints.save(step)
     rows: list[dict[str, object]] = [{} for _ in range(world)]
     dist.all_gather_object(rows, rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[rank],
                                              measured_bytes=peak, measured_at=peak_at), group=control)
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_train_config(args.config)
+        check_checkpoint_dir(cfg)  # before any training: a bad directory or another run's checkpoint
         nccl_error_handling()
         # a bounded timeout: with NCCL a hung peer would otherwise block the others for 10 minutes
         dist.init_process_group(resolve_backend(cfg), timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))

@@ -1,53 +1,249 @@
-"""Per-rank checkpoints: stage and optimizer state and the RNG streams, one file per rank
-per saved step; a resume loads the newest step every rank saved completely.
+"""Checkpoints on torch.distributed.checkpoint (DCP), keyed by parameter name.
+
+One step is one DCP checkpoint of the whole job: every rank saves what it holds under
+global keys
+
+    model.<name>                       parameters and buffers (the stages keep the whole
+                                       model's module paths: names are global)
+    optimizer.state.<name>.<state>     Adam's exp_avg, exp_avg_sq, step of parameter <name>
+    optimizer.param_groups             the hyperparameters (the same on every rank)
+    masters.<name>                     fp32 master weights (mixed precision only)
+    rng.rank<r>                        rank r's generator states
+
+and a resume loads, on every rank, the keys of the parameters it holds now, whatever rank
+saved them: a checkpoint of 4 ranks resumes on 2, or on another stage split or plan. The
+files, the manifest and what makes a step complete: `mpress.launcher.checkpoint_manifest`.
 
 No checkpoint takes device memory the plan has not planned: the state is built on the
-host one tensor at a time (offloaded optimizer data one layer's chunk at a time), a file
-is read into host memory (`map_location="cpu"`, whatever device wrote it) and copied into
-the job's tensors in place (`mpress.runtime.job_state`)."""
+host one tensor at a time (offloaded optimizer data one layer's chunk at a time) and DCP
+writes those host tensors; a resume reads into host tensors and copies them into the
+job's tensors in place (`mpress.runtime.job_state`). DCP runs over the gloo control group
+(NCCL cannot move the host tensors DCP's planning exchanges).
+
+RNG: dropout draws from each rank's generator, whose stream depends on which stages the
+rank runs. A resume on the same world size and stage split restores every rank's
+generators, so it continues bit for bit. On another world size or split the saved
+streams have no rank to go to: every rank is reseeded from (seed, step, rank), which is
+deterministic but not the stream an uninterrupted run on the new layout would have drawn
+(with `dropout: 0` nothing draws from it, and a resharded resume equals an uninterrupted
+run on its own layout bit for bit). The resume line says which of the two happened.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from mpress.config import to_dict
+from mpress.errors import ConfigError
+from mpress.launcher.checkpoint_manifest import (
+    MANIFEST,
+    Manifest,
+    check_resumable,
+    identity,
+    newest_complete,
+    prune,
+    publish,
+    step_folder,
+    temp_folder,
+    write_manifest,
+)
+from mpress.launcher.control import broadcast
+from mpress.plan import fingerprint
 from mpress.runtime.train_config import TrainConfig
 from mpress.runtime.trainer import PipelineJob
 
-
-def _checkpoint_dir(cfg: TrainConfig) -> Path | None:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
-
-
-def save_checkpoint(cfg: TrainConfig, job: PipelineJob, step: int) -> None:
-    """Stage state, optimizer state and RNG of this rank, as host tensors, to
-    `<dir>/step<step>/rank<rank>.pt` (written whole, then renamed)."""
-    root = _checkpoint_dir(cfg)
-    if root is None:
-        return
-    folder = root / f"step{step:06d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, **job.state(), "rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state(job.device) if job.device.type == "cuda" else None}
-    tmp = folder / f".rank{job.rank}.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(folder / f"rank{job.rank}.pt")
+_STATE = "optimizer.state."
+_GROUPS = "optimizer.param_groups"
 
 
-def resume(cfg: TrainConfig, job: PipelineJob) -> int:
-    """Load the newest complete checkpoint; returns the next step (0 if none)."""
-    root = _checkpoint_dir(cfg)
-    if root is None or not cfg.checkpoint.resume or not root.is_dir():
-        return 0
-    for folder in sorted(root.glob("step*"), reverse=True):
-        if all((folder / f"rank{r}.pt").is_file() for r in range(job.world)):
-            # to host memory: loading to the device that wrote it would put a second copy
-            # of the model and optimizer beside the job's own (and needs that device)
-            state = torch.load(folder / f"rank{job.rank}.pt", map_location="cpu", weights_only=False)
-            job.load_state(state)
-            torch.set_rng_state(state["rng"])
-            if state.get("cuda_rng") is not None:  # dropout on the GPU draws from its own generator
-                torch.cuda.set_rng_state(state["cuda_rng"], job.device)
-            return int(state["step"]) + 1
-    return 0
+class Checkpoints:
+    """Saving and resuming one job's checkpoints in `cfg.checkpoint.dir` (no directory:
+    both do nothing). Made on every rank; `save` and `resume` are collectives over
+    `control` (the gloo group)."""
+
+    def __init__(self, cfg: TrainConfig, job: PipelineJob, control: dist.ProcessGroup | None) -> None:
+        self.cfg = cfg
+        self.job = job
+        self.control = control
+        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        self.rank = dist.get_rank(control)
+        self.run_id = str(broadcast(uuid.uuid4().hex[:12], control)) if self.root is not None else ""
+        """One id for this launch, rank 0's: names its temporary folders and its manifests."""
+
+    # ---- save --------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        """Save the job's state after `step`: every rank's keys into a temporary folder, rank
+        0's manifest, then the rename that makes the step complete; older steps beyond
+        `keep_last` and stale temporary folders are removed. Rank 0 prints one line."""
+        if self.root is None:
+            return
+        job = self.job
+        tmp = temp_folder(self.root, self.run_id, step)
+        flat = flatten(job.state())
+        flat[f"rng.rank{self.rank}"] = rng_state(job.device)
+        # the keys are flat already: values that are lists (the groups) are saved whole
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.control,
+                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        del flat
+        if self.rank == 0:  # every rank's files are written: DCP's save ends in a collective
+            manifest = self._manifest(step)
+            write_manifest(tmp, manifest)
+            final = step_folder(self.root, step)
+            publish(tmp, final)
+            prune(self.root, self.cfg.checkpoint.keep_last)
+            print(f"checkpoint of step {step} saved to {final} ({manifest.total_bytes / 1e6:.2f} MB)", flush=True)
+        dist.barrier(group=self.control)  # no rank leaves before the step is complete
+
+    def _manifest(self, step: int) -> Manifest:
+        spec, plan = self.job.spec, self.job.plan
+        return Manifest(step=step, run_id=self.run_id, model=spec.model.name,
+                        **identity(spec.model, spec.seed),  # type: ignore[arg-type]
+                        plan_fingerprint=None if plan is None else fingerprint(to_dict(plan)),
+                        world_size=self.job.world, stage_split=[list(r) for r in spec.ranges],
+                        schedule=str(spec.schedule), config=to_dict(self.cfg))
+
+    # ---- resume ------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load the newest complete step when `checkpoint.resume` is set; returns the next
+        step to run (0 without one). Rank 0 prints one line saying what was loaded and
+        how (resharded or not, RNG restored or reseeded). A checkpoint of another model,
+        dtype or seed: a `ConfigError` naming its manifest and the field."""
+        if self.root is None or not self.cfg.checkpoint.resume:
+            return 0
+        # rank 0 reads the directory: every rank loads the same step
+        folder, manifest, skipped = broadcast(newest_complete(self.root) if self.rank == 0 else None,
+                                              self.control)  # type: ignore[misc]
+        if manifest is None:
+            if self.rank == 0:
+                print(f"no complete checkpoint in {self.root}: starting at step 0"
+                      + (f" (passed over {', '.join(skipped)})" if skipped else ""), flush=True)
+            return 0
+        job = self.job
+        check_resumable(manifest, folder, identity(job.spec.model, job.spec.seed))
+        split = [list(r) for r in job.spec.ranges]
+        same_layout = manifest.world_size == job.world and manifest.stage_split == split
+        reader = dcp.FileSystemReader(folder)
+        dest = destination(job, reader.read_metadata(), folder, rng_of=self.rank if same_layout else None)
+        dcp.load(dest, storage_reader=reader, process_group=self.control,
+                 planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        job.load_state(unflatten(dest))
+        if same_layout:
+            set_rng_state(dest[f"rng.rank{self.rank}"], job.device)
+        else:
+            reseed(manifest.seed, manifest.step, self.rank)
+        if self.rank == 0:
+            print(self._resume_line(folder, manifest, same_layout, skipped), flush=True)
+        return manifest.step + 1
+
+    def _resume_line(self, folder: Path, m: Manifest, same_layout: bool, skipped: list[str]) -> str:
+        job = self.job
+        line = f"resuming from {folder} (step {m.step} of run {m.run_id}, saved on {m.world_size} ranks"
+        if same_layout:
+            line += "; same ranks and stage split: RNG streams restored"
+        else:
+            split = [list(r) for r in job.spec.ranges]
+            line += (f", stages {m.stage_split}; now {job.world} ranks, stages {split}: resharded by parameter "
+                     "name, each rank's RNG reseeded from (seed, step, rank)")
+        plan = None if job.plan is None else fingerprint(to_dict(job.plan))
+        if plan != m.plan_fingerprint:
+            line += "; the plan differs"
+        if skipped:
+            line += f"; passed over incomplete {', '.join(skipped)}"
+        return line + ")"
+
+
+# ---- the flat, name-keyed layout ----------------------------------------------------------
+
+
+def flatten(state: dict[str, Any]) -> dict[str, Any]:
+    """A job state (`mpress.runtime.job_state` layout) as DCP keys (see the module docstring)."""
+    flat: dict[str, Any] = {f"model.{name}": t for name, t in state["model"].items()}
+    for name, per_param in state["optimizer"]["state"].items():
+        for key, value in per_param.items():
+            flat[f"{_STATE}{name}.{key}"] = value
+    # which parameters a group holds differs by rank; the hyperparameters do not
+    flat[_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in state["optimizer"]["param_groups"]]
+    flat.update({f"masters.{name}": t for name, t in state.get("masters", {}).items()})
+    return flat
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """The job state of DCP keys (`flatten`'s inverse; `rng.*` keys are left out)."""
+    state: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": flat[_GROUPS]}, "masters": {}}
+    for key, value in flat.items():
+        if key.startswith("model."):
+            state["model"][key[len("model."):]] = value
+        elif key.startswith("masters."):
+            state["masters"][key[len("masters."):]] = value
+        elif key.startswith(_STATE):
+            name, _, part = key[len(_STATE):].rpartition(".")
+            state["optimizer"]["state"].setdefault(name, {})[part] = value
+    return state
+
+
+def destination(job: PipelineJob, metadata: Metadata, folder: Path, *, rng_of: int | None) -> dict[str, Any]:
+    """What this rank loads from a checkpoint: host tensors, shaped as the checkpoint has
+    them, for the keys of the parameters and buffers it holds now (placeholders for
+    non-tensor values, which DCP replaces), plus rank `rng_of`'s generators (None: none)."""
+    saved = metadata.state_dict_metadata
+    states: dict[str, list[str]] = {}
+    for key in saved:
+        if key.startswith(_STATE):
+            name, _, part = key[len(_STATE):].rpartition(".")
+            states.setdefault(name, []).append(key)
+
+    def empty(key: str) -> Any:
+        md = saved[key]
+        if isinstance(md, BytesStorageMetadata):
+            return None
+        return torch.empty(md.size, dtype=md.properties.dtype)
+
+    dest: dict[str, Any] = {_GROUPS: None}
+    for m in job.modules:
+        for name in m.state_dict():
+            key = f"model.{name}"
+            if key not in saved:
+                raise ConfigError(str(folder / MANIFEST), "model_fingerprint",
+                                  f"the checkpoint has no tensor {name}, which this run's model has")
+            dest[key] = empty(key)
+    for name in job.masters.names():
+        if f"masters.{name}" in saved:
+            dest[f"masters.{name}"] = empty(f"masters.{name}")
+        for key in states.get(name, []):
+            dest[key] = empty(key)
+    if rng_of is not None:
+        dest[f"rng.rank{rng_of}"] = None
+    return dest
+
+
+# ---- RNG ----------------------------------------------------------------------------------
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+    """This process's generator states: the CPU's and, on CUDA, the device's (dropout on a
+    GPU draws from its own generator)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict[str, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed every generator of this process from (seed, step, rank): a resume on another
+    layout, where no saved stream belongs to this rank."""
+    digest = hashlib.sha256(f"mpress-rng:{seed}:{step}:{rank}".encode()).digest()
+    torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))

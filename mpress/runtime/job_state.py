@@ -7,17 +7,23 @@ A checkpoint must not need device memory the plan has not planned. So:
   its own device: on a GPU, a second model and optimizer beside the first). Optimizer
   data the plan keeps off the device comes back one layer's chunk at a time, as for its
   optimizer step, and goes out again, its device storage released, before the next.
-- **load** (`load_state`): from a state whose tensors are on the host (files are read
-  with `torch.load(map_location="cpu")`), each value is copied into the tensor that
+- **load** (`load_state`): from a state whose tensors are on the host (checkpoints are
+  read into host tensors), each value is copied into the tensor that
   already holds it on the device: parameters and buffers, masters, optimizer states. An
   optimizer state that does not exist yet (a job that has not stepped: Adam makes its
   states at its first step) is made where torch's `Optimizer.load_state_dict` would put
   it, one tensor at a time. Offloaded chunks again one at a time.
 
-The layout is torch's own (`nn.Module.state_dict`, `Optimizer.state_dict`):
-`{"model": name -> tensor, "optimizer": {"state": index -> {key -> value},
-"param_groups": [...]}, "masters": name -> fp32 tensor}` (`masters` only under mixed
-precision), so it does not depend on where the plan keeps anything.
+The layout is keyed by parameter name, as torch's `get_state_dict` lays a model and
+optimizer out (the stages keep the whole model's module paths, so names are global and
+the states of several ranks merge into one): `{"model": name -> tensor, "optimizer":
+{"state": name -> {key -> value}, "param_groups": [{hyperparameters..., "params":
+[name, ...]}]}, "masters": name -> fp32 tensor}` (`masters` only under mixed precision).
+It does not depend on where the plan keeps anything, nor on which rank holds which
+parameter, so a checkpoint resumes on another world size or stage split
+(`mpress.launcher.checkpoint`). torch's own `get_state_dict`/`set_state_dict` do not fit
+here: the optimizer steps fp32 masters and host copies (not the module's parameters), and
+the offloaded states are not in `optimizer.state` between steps.
 """
 
 from __future__ import annotations
@@ -58,27 +64,24 @@ def _copied(value: Any) -> Any:
 
 
 def save_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Iterable[Chunk]) -> dict[str, Any]:
-    """The job's state on the host (see the module docstring). `chunks` must cover every
-    parameter of `masters` exactly once."""
+    """The job's state on the host, keyed by parameter name (see the module docstring).
+    `chunks` must cover every parameter of `masters` exactly once."""
     model: dict[str, torch.Tensor] = {}
     for m in modules:
         for name, t in m.state_dict().items():  # views of the live tensors, no copies
             model[name] = host_copy(t)
     optimizer = masters.optimizer
-    index = _param_index(optimizer)
-    states: dict[int, dict[str, Any]] = {}
+    states: dict[str, dict[str, Any]] = {}
     master_copies: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         with chunk.home():
             for name in chunk.names:
-                target = masters.target(name)
-                per_param = optimizer.state.get(target)
+                per_param = optimizer.state.get(masters.target(name))
                 if per_param:
-                    states[index[id(target)]] = {key: _copied(v) for key, v in per_param.items()}
+                    states[name] = {key: _copied(v) for key, v in per_param.items()}
             master_copies.update(masters.state_dict(chunk.names))
-    groups = copy.deepcopy(optimizer.state_dict()["param_groups"])  # hyperparameters and indices
     state: dict[str, Any] = {"model": model, "optimizer": {"state": dict(sorted(states.items())),
-                                                           "param_groups": groups}}
+                                                           "param_groups": _named_groups(masters)}}
     if master_copies:
         state["masters"] = master_copies
     return state
@@ -86,7 +89,9 @@ def save_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Ite
 
 def load_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Iterable[Chunk],
                state: dict[str, Any]) -> None:
-    """Copy `state` (host tensors) into the job's tensors (see the module docstring)."""
+    """Copy `state` (host tensors, keyed by parameter name) into the job's tensors (see
+    the module docstring). `state` may hold more parameters than the job (a checkpoint of
+    the whole model): only the job's own are read."""
     saved_model = state["model"]
     for m in modules:
         own = m.state_dict()
@@ -94,12 +99,9 @@ def load_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Ite
         if missing:
             raise UserError(f"checkpoint has no model tensor {', '.join(missing[:3])}")
         m.load_state_dict({k: saved_model[k] for k in own})  # copy_ into each parameter and buffer
-    optimizer = masters.optimizer
     saved = state["optimizer"]
-    # the saved hyperparameters (torch checks the groups' sizes); the states follow below
-    existing = {id(p): st for p, st in optimizer.state.items()}
-    optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
-    index = _param_index(optimizer)
+    _load_hyperparameters(masters.optimizer, saved["param_groups"])
+    existing = {id(p): st for p, st in masters.optimizer.state.items()}
     names = set(masters.names())  # masters of parameters this rank does not hold are left out
     saved_masters = {k: v for k, v in state.get("masters", {}).items() if k in names}
     for chunk in chunks:
@@ -108,24 +110,48 @@ def load_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Ite
             masters.load_state_dict({k: saved_masters[k] for k in chunk.names if k in saved_masters},
                                     names=chunk.names)
             for name in chunk.names:
-                _load_optimizer_state(masters, name, index, saved, existing)
+                _load_optimizer_state(masters, name, saved["state"].get(name), existing)
 
 
-def _load_optimizer_state(masters: MasterWeights, name: str, index: dict[int, int], saved: dict[str, Any],
+def _named_groups(masters: MasterWeights) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: hyperparameters as they are, `params` as
+    parameter names (torch's `get_state_dict` layout)."""
+    name_of = {id(masters.target(n)): n for n in masters.names()}
+    return [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
+             "params": [name_of[id(p)] for p in g["params"]]} for g in masters.optimizer.param_groups]
+
+
+def _load_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+    """The saved hyperparameters (learning rate, betas, ...) into the optimizer's groups,
+    as `Optimizer.load_state_dict` does; the groups keep their own tensors."""
+    if len(saved) != len(optimizer.param_groups):
+        raise UserError(f"checkpoint has {len(saved)} optimizer parameter groups, the job "
+                        f"{len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update({k: copy.deepcopy(v) for k, v in values.items() if k != "params"})
+
+
+def _load_optimizer_state(masters: MasterWeights, name: str, values: dict[str, Any] | None,
                           existing: dict[int, dict[str, Any]]) -> None:
     """Parameter `name`'s saved optimizer state into its stepped tensor's state. (A
     function of its own: no reference to the chunk's device tensors outlives the chunk.)"""
     optimizer = masters.optimizer
     target = masters.target(name)
     before = existing.pop(id(target), {})
-    values = saved["state"].get(index[id(target)])
     if values is None:
         optimizer.state.pop(target, None)
         return
     # what is on the device now: kept states, or an offloaded chunk's just brought home
     held = {**before, **optimizer.state.get(target, {})}
-    where = _Where(target, index[id(target)], saved["param_groups"], name)
+    where = _Where(target, _group_flags(optimizer, target), name)
     optimizer.state[target] = {key: _into(held.get(key), v, key, where) for key, v in values.items()}
+
+
+def _group_flags(optimizer: torch.optim.Optimizer, target: torch.Tensor) -> list[dict[str, Any]]:
+    """The group of `target`, in the form torch's placement policy reads (`params` holding
+    index 0, `fused` and `capturable` flags)."""
+    group = next(g for g in optimizer.param_groups if any(p is target for p in g["params"]))
+    return [{"params": [0], "fused": group.get("fused", False), "capturable": group.get("capturable", False)}]
 
 
 @dataclass(frozen=True)
@@ -133,8 +159,8 @@ class _Where:
     """The tensor a loaded optimizer state belongs to, and its place in the saved groups."""
 
     target: torch.Tensor
-    index: int
-    saved_groups: list[dict[str, Any]]
+    groups: list[dict[str, Any]]
+    """The target's group flags, as `_group_flags` gives them."""
     name: str
 
 
@@ -151,13 +177,6 @@ def _into(held: Any, value: Any, key: str, where: _Where) -> Any:
         with torch.no_grad():
             held.copy_(value)
         return held
-    placed = torch.optim.Optimizer._process_value_according_to_param_policy(
-        where.target, value, where.index, where.saved_groups, key)
+    placed = torch.optim.Optimizer._process_value_according_to_param_policy(where.target, value, 0, where.groups, key)
     # never the caller's tensor itself (a host state stays the job's own)
     return placed.clone() if placed is value else placed
-
-
-def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """id(tensor) -> its index in `optimizer.state_dict()` (groups in order, as torch packs)."""
-    tensors = (p for group in optimizer.param_groups for p in group["params"])
-    return {id(p): i for i, p in enumerate(tensors)}

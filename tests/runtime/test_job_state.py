@@ -4,7 +4,7 @@ Saving builds the state on the host one tensor at a time; the optimizer data the
 offloads comes to the device one layer's chunk at a time (as for its optimizer step) and
 goes out again, storage released, before the next. Resuming copies into the tensors that
 already hold the values (parameters, masters, optimizer states) and loads files to the
-host (`map_location="cpu"`), never to the device a file was written from.
+host (DCP reads into host tensors), never to the device a file was written from.
 
 On a CPU rank, "device" and "host" are one torch device, so the tests watch the rank's
 live-bytes tracker: every storage made while saving or resuming counts there. What the
@@ -17,15 +17,14 @@ for bit are checked by test_optimizer_runs.py and the launcher tests."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from mpress.launcher.checkpoint import resume, save_checkpoint
+from mpress.launcher.checkpoint import Checkpoints
 from mpress.live_bytes import LiveBytes, tensors_in
 from mpress.model_config import load_model_config
 from mpress.plan import TensorRule
+from mpress.runtime.train_config import CheckpointConfig, TrainConfig
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_masters_equal, assert_states_equal
 from tests.support.plans import pipeline_plan
@@ -128,25 +127,39 @@ def test_resuming_copies_in_place_and_brings_one_offloaded_chunk_at_a_time(job):
     assert_masters_equal(saved, again)
 
 
-def test_a_checkpoint_written_by_gpu_ranks_resumes_on_the_host(job, tmp_path, monkeypatch):
-    """A file whose tensors were written from CUDA storages loads to host memory (here,
-    where no GPU exists, loading it to its own device would fail outright)."""
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(tmp_path), resume=True))
-    with monkeypatch.context() as m:
-        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
-        save_checkpoint(cfg, job, step=4)
+def test_a_dcp_checkpoint_resumes_in_place_and_leaves_nothing_on_the_device(job, tmp_path, capsys):
+    """The whole path, through torch.distributed.checkpoint's files: the resumed job holds
+    what was saved, in the tensors it had (copied in place), and once the resume is done
+    nothing it read stays on the device (DCP reads into host tensors; on a CPU rank they
+    count here while they live, so the peak is not the device's: the CUDA test checks it)."""
+    cfg = TrainConfig(model=MODEL, checkpoint=CheckpointConfig(dir=str(tmp_path), resume=True), seed=3)
+    ckpt = Checkpoints(cfg, job, None)
     saved = job.state()
+    ckpt.save(4)
+    assert f"checkpoint of step 4 saved to {tmp_path / 'step000004'}" in capsys.readouterr().out
     train(job, range(2, 3))
-    assert resume(cfg, job) == 5
+    before = device_tensors(job)
+    live: LiveBytes = job.live
+    base = live.live_bytes
+    with live.watch():
+        assert ckpt.resume() == 5
+    moved = sorted(k for k, v in device_tensors(job).items() if before.get(k) != v)
+    assert moved == [], f"resuming replaced device tensors instead of copying into them: {moved[:4]}"
+    assert live.live_bytes == base, "the resume left tensors behind on the device"
     again = job.state()
     assert_states_equal(saved, again)
     assert_masters_equal(saved, again)
 
 
 @pytest.mark.cuda
-def test_cuda_save_and_resume_add_no_copy_of_the_model_or_optimizer(group):
+@pytest.mark.parametrize("through", ["state", "dcp"])
+def test_cuda_save_and_resume_add_no_copy_of_the_model_or_optimizer(group, tmp_path, through):
+    """On a GPU the allocator counts device bytes only: saving and resuming (the job's state
+    alone, or the whole DCP checkpoint) take at most one offloaded chunk."""
     torch.manual_seed(7)
     j = make_job("cuda")
+    cfg = TrainConfig(model=MODEL, checkpoint=CheckpointConfig(dir=str(tmp_path), resume=True), seed=3)
+    ckpt = Checkpoints(cfg, j, None)
     try:
         train(j, range(2))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -155,13 +168,18 @@ def test_cuda_save_and_resume_add_no_copy_of_the_model_or_optimizer(group):
         chunk = max(chunk_bytes(j, block_bytes=512).values())
         torch.cuda.reset_peak_memory_stats(device)
         state = j.state()
+        if through == "dcp":
+            ckpt.save(1)
         assert all(t.device.type == "cpu" for t in tensors_in(state))
         saved_peak = torch.cuda.max_memory_allocated(device) - resident
         train(j, range(2, 3))
         torch.cuda.synchronize(device)
         resident = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        j.load_state(state)
+        if through == "dcp":
+            assert ckpt.resume() == 2
+        else:
+            j.load_state(state)
         loaded_peak = torch.cuda.max_memory_allocated(device) - resident
         # a copy of what stays on the device (parameters, kept masters and states) is
         # more than one offloaded chunk may take

@@ -1,0 +1,205 @@
+"""What a checkpoint directory holds, and which of its steps a job may resume from.
+
+Layout of `checkpoint.dir`:
+
+    step000005/                  a complete step: renamed here whole
+        manifest.json            rank 0's, written last: who wrote the step and what it lists
+        .metadata, __0_0.distcp  torch.distributed.checkpoint's files (one data file per rank)
+    .tmp-<run id>-step000006/    a step being written (or left by a killed run): never read
+
+A step is written into a temporary folder and renamed to `stepNNNNNN` once every rank has
+written its files and rank 0 its manifest, so a folder named `stepNNNNNN` never mixes two
+runs. It is *complete* only when its manifest parses and every file the manifest lists is
+there with the size it lists (a kill during a write, a copy cut short, a file removed by
+hand: not complete, never resumed). `prune` keeps the newest `keep_last` complete steps
+and removes temporary folders that no running save owns.
+
+What must match for a resume (`identity`): the model (its fingerprint: layer shapes,
+sizes, dropout), its dtype and the seed (the seed also draws the synthetic data). The
+world size, the stage split and the plan may differ: the state is keyed by parameter name
+and resharded on load (`mpress.launcher.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpress.config import to_dict
+from mpress.errors import ConfigError
+from mpress.model_config import ModelConfig
+from mpress.runtime.train_config import TrainConfig, model_config
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+"""Version of the manifest and of the checkpoint's key layout."""
+TEMP_PREFIX = ".tmp-"
+"""Names of folders (and files) being written; what a save leaves under it when killed."""
+_STEP = re.compile(r"step(\d{6,})")
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """Rank 0's record of one saved step (`manifest.json`)."""
+
+    format: int = FORMAT
+    step: int
+    """The step whose end state this is (the resume runs step + 1 next)."""
+    run_id: str
+    """The run that wrote it (one id per launch, shared by its ranks)."""
+    model: str
+    model_fingerprint: str
+    dtype: str
+    """The model's precision (fp32, bf16, fp16)."""
+    seed: int
+    plan_fingerprint: str | None
+    """Hash of the plan the run executed; None for plain pipelining."""
+    world_size: int
+    stage_split: list[list[int]]
+    """Layer range [start, end) of each stage."""
+    schedule: str
+    config: dict[str, Any]
+    """The run's training config, as loaded."""
+    files: dict[str, int] = field(default_factory=dict)
+    """Every file of the step but the manifest: name -> bytes."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def identity(model: ModelConfig, seed: int) -> dict[str, object]:
+    """The fields a resumed job must share with the checkpoint, in the order they are
+    checked (the first that differs is the one reported)."""
+    return {"model_fingerprint": model.fingerprint(), "dtype": model.precision, "seed": seed}
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return root / f"step{step:06d}"
+
+
+def temp_folder(root: Path, run_id: str, step: int) -> Path:
+    return root / f"{TEMP_PREFIX}{run_id}-step{step:06d}"
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """List the files in `folder` into `manifest` and write it there (through a temporary
+    file: the manifest is whole or absent)."""
+    manifest.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
+                      if p.is_file() and p.name != MANIFEST and not p.name.startswith(TEMP_PREFIX)}
+    tmp = folder / f"{TEMP_PREFIX}{MANIFEST}"
+    tmp.write_text(json.dumps(to_dict(manifest), indent=1))
+    tmp.replace(folder / MANIFEST)
+
+
+def read_complete(folder: Path) -> tuple[Manifest | None, str]:
+    """The manifest of `folder` if the step is complete, else None and why not."""
+    path = folder / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+        manifest = Manifest(**data)
+    except FileNotFoundError:
+        return None, "no manifest.json"
+    except (OSError, ValueError, TypeError) as exc:
+        return None, f"unreadable manifest.json ({exc})"
+    if manifest.format != FORMAT:
+        return None, f"manifest format {manifest.format}, this mpress reads {FORMAT}"
+    for name, size in manifest.files.items():
+        try:
+            actual = (folder / name).stat().st_size
+        except OSError:
+            return None, f"{name} listed in manifest.json is missing"
+        if actual != size:
+            return None, f"{name} is {actual} bytes, manifest.json lists {size}"
+    return manifest, ""
+
+
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """Folders named `stepNNNNNN` (complete or not), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.fullmatch(p.name))]
+    return sorted(found)
+
+
+def newest_complete(root: Path) -> tuple[Path | None, Manifest | None, list[str]]:
+    """The newest complete step: its folder and manifest (None, None if there is none),
+    and one note per newer folder passed over as incomplete."""
+    skipped: list[str] = []
+    for _step, folder in reversed(step_folders(root)):
+        manifest, why = read_complete(folder)
+        if manifest is not None:
+            return folder, manifest, skipped
+        skipped.append(f"{folder.name} ({why})")
+    return None, None, skipped
+
+
+def check_resumable(manifest: Manifest, folder: Path, expected: dict[str, object]) -> None:
+    """A `ConfigError` naming the manifest file and the first field of `expected` (see
+    `identity`) that the checkpoint does not share."""
+    saved = to_dict(manifest)
+    for key, value in expected.items():
+        if saved[key] != value:
+            raise ConfigError(str(folder / MANIFEST), key,
+                              f"the checkpoint's is {saved[key]!r}, this run's {value!r}: it is not this run's "
+                              "checkpoint (set checkpoint.resume: false or use another checkpoint.dir)")
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Remove complete steps older than the newest `keep_last` and every temporary entry
+    (left by killed saves; call when no save of this job is under way). Returns what was
+    removed. Folders named `stepNNNNNN` that are not complete are left alone (they are
+    not this format's; a user may still want them)."""
+    removed: list[Path] = []
+    complete = [folder for _step, folder in step_folders(root) if read_complete(folder)[0] is not None]
+    for folder in complete[:-keep_last]:
+        shutil.rmtree(folder)
+        removed.append(folder)
+    for p in root.iterdir():
+        if p.name.startswith(TEMP_PREFIX):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            removed.append(p)
+    return removed
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the written step `tmp` to `final`; a step of that number already there (an
+    earlier run's) is moved aside first and removed after."""
+    aside = None
+    if final.exists():
+        aside = tmp.with_name(f"{tmp.name}-replaced")
+        final.rename(aside)
+    tmp.rename(final)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def check_checkpoint_dir(cfg: TrainConfig) -> None:
+    """Start-up check of `checkpoint.dir`, before any training: it must be (or be
+    creatable as) a writable directory, and under `checkpoint.resume` its newest complete
+    step must be this run's (`identity`). Every failure is one `ConfigError`. Safe to call
+    on every rank at once."""
+    if cfg.checkpoint.dir is None:
+        return
+    root = Path(cfg.checkpoint.dir)
+    if root.exists() and not root.is_dir():
+        raise ConfigError("", "checkpoint.dir", f"{root} is a file; give a directory (it is created if missing)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f"{TEMP_PREFIX}probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("", "checkpoint.dir", f"{root} is not a writable directory "
+                                                f"({exc.strerror or type(exc).__name__})") from None
+    if not cfg.checkpoint.resume:
+        return
+    folder, manifest, _skipped = newest_complete(root)
+    if manifest is not None:
+        check_resumable(manifest, folder, identity(model_config(cfg), cfg.seed))
+

@@ -294,27 +294,28 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
-def _numbers(value: Any) -> list[int | float]:
-    """Every number inside `value` (items of lists, values of dicts, at any depth)."""
+def _numbers(value: Any, key: str) -> list[tuple[str, int | float]]:
+    """Every number inside `value` with its dotted/indexed key (items of lists, values of
+    dicts, at any depth)."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return []
     if isinstance(value, (int, float)):
-        return [value]
+        return [(key, value)]
     if isinstance(value, dict):
-        value = list(value.values())
+        return [n for k, v in value.items() for n in _numbers(v, f"{key}.{k}")]
     if isinstance(value, (list, tuple)):
-        return [n for v in value for n in _numbers(v)]
+        return [n for i, v in enumerate(value) for n in _numbers(v, f"{key}[{i}]")]
     return []
 
 
 def _check_range(meta: Any, value: Any, source: str, key: str) -> None:
-    for v in _numbers(value):
+    for where, v in _numbers(value, key):
         if "min" in meta and v < meta["min"]:
-            raise ConfigError(source, key, f"must be >= {meta['min']}, got {v}")
+            raise ConfigError(source, where, f"must be >= {meta['min']}, got {v}")
         if "gt" in meta and v <= meta["gt"]:
-            raise ConfigError(source, key, f"must be > {meta['gt']}, got {v}")
+            raise ConfigError(source, where, f"must be > {meta['gt']}, got {v}")
         if "max" in meta and v > meta["max"]:
-            raise ConfigError(source, key, f"must be <= {meta['max']}, got {v}")
+            raise ConfigError(source, where, f"must be <= {meta['max']}, got {v}")
 
 
 def from_dict(cls: type[T], data: Any, source: str = "", prefix: str = "") -> T:

@@ -15,6 +15,8 @@ from typing import Literal
 
 from mpress.config import from_dict, load_yaml
 from mpress.errors import ConfigError, UserError
+from mpress.limits import MAX_DEVICES, MAX_LATENCY_S, MAX_NVLINK_LINKS, MIN_BANDWIDTH_GBPS
+from mpress.units import MAX_BYTES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 HARDWARE_DIR = CONFIG_DIR / "hardware"
@@ -28,20 +30,20 @@ class ReserveSpec:
     states each figure's source; `gpu_reserve` derives them for any GPU (see its
     constants); `mpress.hardware_probe` measures the context and cuBLAS shares."""
 
-    unreported_bytes: int = field(default=0, metadata={"min": 0})
+    unreported_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """Nominal memory CUDA does not report: `memory_bytes` less cudaMemGetInfo's total
     (ECC, driver and firmware reservations)."""
-    context_bytes: int = field(default=0, metadata={"min": 0})
+    context_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """The process's CUDA context, with the kernel modules loaded into it as they are
     first used (CUDA's lazy loading)."""
-    cublas_bytes: int = field(default=0, metadata={"min": 0})
+    cublas_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """cuBLAS/cuBLASLt: one workspace per handle and stream, from the caching allocator
     (torch makes a handle per thread: the training thread's and autograd's), and what
     the handles and their kernels take."""
-    nccl_bytes: int = field(default=0, metadata={"min": 0})
+    nccl_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """NCCL's buffers: per connection (peer) and channel one set of LL, LL128 and Simple
     buffers; NVLink SHARP buffers on NVSwitch Hopper."""
-    fragmentation_bytes: int = field(default=0, metadata={"min": 0})
+    fragmentation_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """What the caching allocator holds but cannot hand out (blocks rounded up, split
     segments)."""
 
@@ -72,9 +74,9 @@ class DeviceSpec:
 
     name: str
     """Marketing name, e.g. "Tesla V100-SXM2-32GB"."""
-    memory_bytes: int = field(metadata={"gt": 0})
+    memory_bytes: int = field(metadata={"gt": 0, "max": MAX_BYTES})
     """Nominal device memory."""
-    reserve_bytes: int = field(default=0, metadata={"min": 0})
+    reserve_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """What a training process cannot plan with: memory CUDA does not report, the CUDA
     context, libraries' buffers (cuBLAS, NCCL) and the caching allocator's
     fragmentation. Plans fit `memory_bytes - reserve_bytes`."""
@@ -83,7 +85,7 @@ class DeviceSpec:
     `reserve_bytes` must be its total."""
     peak_flops: dict[str, float] = field(metadata={"gt": 0})
     """Nominal dense peak FLOP/s per dtype: keys fp32, fp16, bf16 (bf16 may be absent)."""
-    peer_context_bytes: int = field(default=DEFAULT_PEER_CONTEXT_BYTES, metadata={"min": 0})
+    peer_context_bytes: int = field(default=DEFAULT_PEER_CONTEXT_BYTES, metadata={"min": 0, "max": MAX_BYTES})
     """Memory one exporter process's CUDA context takes on a GPU whose peer pool it
     opens (see `DEFAULT_PEER_CONTEXT_BYTES`); 0 for stand-ins whose pools are shared
     memory (no context)."""
@@ -106,17 +108,17 @@ class Hardware:
 
     name: str
     """Preset name."""
-    num_devices: int = field(metadata={"min": 1})
+    num_devices: int = field(metadata={"min": 1, "max": MAX_DEVICES})
     """Number of devices (GPUs, or CPU stand-ins for cpu-local)."""
     device: DeviceSpec
     """The (identical) device model."""
     compute_efficiency: float = field(default=0.5, metadata={"gt": 0, "max": 1})
     """Fraction of peak FLOP/s that model layers achieve (analytic times = FLOPs / (peak x this))."""
-    host_memory_bytes: int = field(metadata={"gt": 0})
+    host_memory_bytes: int = field(metadata={"gt": 0, "max": MAX_BYTES})
     """Host memory usable for pinned swap buffers."""
-    pcie_h2d_gbps: float = field(metadata={"gt": 0})
+    pcie_h2d_gbps: float = field(metadata={"min": MIN_BANDWIDTH_GBPS})
     """Nominal host-to-device PCIe bandwidth per GPU, GB/s."""
-    pcie_d2h_gbps: float = field(metadata={"gt": 0})
+    pcie_d2h_gbps: float = field(metadata={"min": MIN_BANDWIDTH_GBPS})
     """Nominal device-to-host PCIe bandwidth per GPU, GB/s."""
     pcie_efficiency: float = field(default=0.8, metadata={"gt": 0, "max": 1})
     """Achieved fraction of nominal PCIe bandwidth with pinned memory."""
@@ -126,18 +128,18 @@ class Hardware:
     nvswitch: bool = False
     """True when GPUs meet in an NVSwitch fabric: every pair reaches the other over all of
     its links, and a GPU's links are shared among all the peers it talks to at once."""
-    nvlink_links_per_gpu: int = field(default=0, metadata={"min": 0})
+    nvlink_links_per_gpu: int = field(default=0, metadata={"min": 0, "max": MAX_NVLINK_LINKS})
     """NVSwitch only: NVLink links per GPU."""
-    nvlink_links: list[list[int]] | None = None
+    nvlink_links: list[list[int]] | None = field(default=None, metadata={"min": 0, "max": MAX_NVLINK_LINKS})
     """Mesh only: NVLink link count for each GPU pair (symmetric, zero diagonal),
     as `nvidia-smi topo -m` shows NV<n>; 0 = no NVLink (traffic goes over PCIe)."""
     nvlink_gbps_per_link: float = field(default=0.0, metadata={"min": 0})
     """Nominal bandwidth of one NVLink link per direction, GB/s."""
     nvlink_efficiency: float = field(default=0.8, metadata={"gt": 0, "max": 1})
     """Achieved fraction of nominal NVLink bandwidth."""
-    pcie_latency_s: float = field(default=10e-6, metadata={"min": 0})
+    pcie_latency_s: float = field(default=10e-6, metadata={"min": 0, "max": MAX_LATENCY_S})
     """Fixed cost of one PCIe copy."""
-    nvlink_latency_s: float = field(default=5e-6, metadata={"min": 0})
+    nvlink_latency_s: float = field(default=5e-6, metadata={"min": 0, "max": MAX_LATENCY_S})
     """Fixed cost of one NVLink copy."""
     optimizer_foreach: bool = True
     """The optimizer updates a group of parameters in fused multi-tensor calls, whose

@@ -15,6 +15,7 @@ from typing import Literal
 from mpress.config import from_dict, load_yaml, to_dict
 from mpress.errors import ConfigError
 from mpress.hardware import CONFIG_DIR, resolve_config
+from mpress.limits import MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 
 MODELS_DIR = CONFIG_DIR / "models"
 
@@ -29,17 +30,17 @@ class ModelConfig:
     """Preset name, e.g. gpt-5.3b."""
     family: Literal["gpt", "bert"]
     """gpt: causal decoder with LM head; bert: bidirectional encoder with MLM head."""
-    num_layers: int = field(metadata={"min": 1})
+    num_layers: int = field(metadata={"min": 1, "max": MAX_LAYERS})
     """Transformer blocks."""
-    hidden_size: int = field(metadata={"min": 1})
+    hidden_size: int = field(metadata={"min": 1, "max": MAX_WIDTH})
     """Model width h."""
-    num_heads: int = field(metadata={"min": 1})
+    num_heads: int = field(metadata={"min": 1, "max": MAX_WIDTH})
     """Attention heads; must divide hidden_size."""
-    ffn_hidden_size: int | None = field(default=None, metadata={"min": 1})
+    ffn_hidden_size: int | None = field(default=None, metadata={"min": 1, "max": 4 * MAX_WIDTH})
     """MLP inner width; default 4 x hidden_size."""
-    seq_len: int = field(metadata={"min": 1})
+    seq_len: int = field(metadata={"min": 1, "max": MAX_WIDTH})
     """Tokens per sequence."""
-    vocab_size: int = field(metadata={"min": 2})
+    vocab_size: int = field(metadata={"min": 2, "max": MAX_VOCAB})
     """Vocabulary size."""
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     """fp32, or fp16/bf16 mixed precision with fp32 master weights."""

@@ -120,8 +120,8 @@ def test_bool_is_not_an_int_or_a_float() -> None:
     ({"device": {"name": "g", "memory_bytes": -5}}, "device.memory_bytes", "> 0"),
     ({"device": {"name": "g", "memory_bytes": 1, "efficiency": 1.5}}, "device.efficiency", "<= 1"),
     ({"device": {"name": "g", "memory_bytes": 1, "efficiency": 0.0}}, "device.efficiency", "> 0"),
-    ({"sizes": [1, -1]}, "sizes", ">= 0"),
-    ({"peaks": {"fp32": 0.0}}, "peaks", "> 0"),
+    ({"sizes": [1, -1]}, "sizes[1]", ">= 0"),
+    ({"peaks": {"fp32": 0.0}}, "peaks.fp32", "> 0"),
 ])
 def test_out_of_range(overrides: dict, key: str, bound: str) -> None:
     e = error(machine(**overrides))
@@ -252,7 +252,7 @@ def test_range_applies_inside_nested_lists() -> None:
     assert from_dict(Grid, {"cells": [[0, 9], [9, 0]]}, SRC).cells == [[0, 9], [9, 0]]
     with pytest.raises(ConfigError) as info:
         from_dict(Grid, {"cells": [[0, 10], [1, 0]]}, SRC)
-    assert info.value.key == "cells" and "<= 9" in info.value.problem
+    assert info.value.key == "cells[0][1]" and "<= 9" in info.value.problem
 
 
 def test_duplicate_yaml_key_names_file_key_and_line(tmp_path: Path) -> None:

@@ -234,6 +234,20 @@ BAD_INPUTS = [
     ("device behind two switches", lambda d: _set(d, "pcie_switches", [[0, 1], [1, 2]]), "pcie_switches[1]",
      "two switches"),
     ("matrix with nvswitch", lambda d: _set(d, "nvswitch", True), "nvlink_links", "not allowed"),
+    # numbers: finite and bounded (NaN bandwidths passed and ended in a bogus "deadlock")
+    ("NaN link bandwidth", lambda d: _set(d, "nvlink_gbps_per_link", float("nan")), "nvlink_gbps_per_link", "finite"),
+    ("NaN PCIe bandwidth", lambda d: _set(d, "pcie_h2d_gbps", float("nan")), "pcie_h2d_gbps", "finite"),
+    ("infinite PCIe bandwidth", lambda d: _set(d, "pcie_d2h_gbps", float("inf")), "pcie_d2h_gbps", "finite"),
+    ("NaN peak", lambda d: _set(d, "device.peak_flops", {"fp32": float("nan")}), "device.peak_flops.fp32", "finite"),
+    ("NaN efficiency", lambda d: _set(d, "nvlink_efficiency", float("nan")), "nvlink_efficiency", "finite"),
+    ("NaN latency", lambda d: _set(d, "pcie_latency_s", float("nan")), "pcie_latency_s", "finite"),
+    ("huge latency", lambda d: _set(d, "nvlink_latency_s", 1e300), "nvlink_latency_s", "<= 1"),
+    ("huge memory", lambda d: _set(d, "device.memory_bytes", 2e18), "device.memory_bytes", "<="),
+    ("huge host", lambda d: _set(d, "host_memory_bytes", 2 * 10**18), "host_memory_bytes", "<="),
+    ("huge device count", lambda d: _set(d, "num_devices", 10**6), "num_devices", "<="),
+    ("huge link count", lambda d: (d["nvlink_links"][1].__setitem__(6, 10**9), d["nvlink_links"][6].__setitem__(1, 10**9)),
+     "nvlink_links[1][6]", "<="),
+    ("int beyond 64 bits", lambda d: _set(d, "device.reserve_bytes", 2**64), "device.reserve_bytes", "at most"),
 ]
 
 

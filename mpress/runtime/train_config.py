@@ -25,9 +25,17 @@ from typing import Literal
 
 import torch
 
-from mpress.config import from_dict, load_yaml
+from mpress.config import check_output_path, from_dict, load_yaml
 from mpress.errors import ConfigError, UserError
 from mpress.hardware import CONFIG_DIR, HARDWARE_DIR, resolve_config
+from mpress.limits import (
+    MAX_BRANCHING,
+    MAX_MICROBATCH_SIZE,
+    MAX_MICROBATCHES,
+    MAX_SEED,
+    MAX_STAGES,
+    MAX_STEPS,
+)
 from mpress.model_config import ModelConfig, load_model_config
 from mpress.units import parse_bytes
 from mpress.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
@@ -70,7 +78,7 @@ class DataConfig:
     """Token file for kind: file (.bin flat uint16/uint32, .npy, .txt whitespace ints)."""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """Element type of a .bin file; default from the file name (`*.uint32.bin`) or the vocabulary size."""
-    branching: int = field(default=4, metadata={"min": 1})
+    branching: int = field(default=4, metadata={"min": 1, "max": MAX_BRANCHING})
     """Synthetic only: successors per token in the chain; the GPT loss floor is ln(branching) nats."""
     mask_prob: float = field(default=0.15, metadata={"gt": 0, "max": 1})
     """BERT (masked LM) only: probability that a position is masked and predicted."""
@@ -88,7 +96,7 @@ class CheckpointConfig:
 
     dir: str | None = None
     """Directory for checkpoints; null = never checkpoint."""
-    every_steps: int = field(default=0, metadata={"min": 0})
+    every_steps: int = field(default=0, metadata={"min": 0, "max": MAX_STEPS})
     """Save every this many steps (and after the last step); 0 = only after the last step."""
     resume: bool = False
     """Resume from the newest checkpoint in `dir` if there is one."""
@@ -114,13 +122,13 @@ class TrainConfig:
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     """Pipeline schedule: gpipe, 1f1b or interleaved (torch.distributed.pipelining's GPipe,
     1F1B, interleaved 1F1B)."""
-    num_stages: int | None = field(default=None, metadata={"min": 1})
+    num_stages: int | None = field(default=None, metadata={"min": 1, "max": MAX_STAGES})
     """Pipeline stages; default = world size (one per rank); interleaved: a multiple of it."""
-    microbatch_size: int = field(default=1, metadata={"min": 1})
+    microbatch_size: int = field(default=1, metadata={"min": 1, "max": MAX_MICROBATCH_SIZE})
     """Samples per microbatch."""
-    num_microbatches: int = field(default=1, metadata={"min": 1})
+    num_microbatches: int = field(default=1, metadata={"min": 1, "max": MAX_MICROBATCHES})
     """Microbatches per step; a step trains on microbatch_size x num_microbatches samples."""
-    steps: int = field(default=100, metadata={"min": 1})
+    steps: int = field(default=100, metadata={"min": 1, "max": MAX_STEPS})
     """Optimizer steps to run."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer settings."""
@@ -139,7 +147,7 @@ class TrainConfig:
     rank's stand-in device: live bytes over it stop the run with an out-of-memory error."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto = nccl where CUDA is available, else gloo."""
-    seed: int = field(default=0, metadata={"min": 0})
+    seed: int = field(default=0, metadata={"min": 0, "max": MAX_SEED})
     """Seed of parameter init, synthetic data, masking and dropout."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training data."""
@@ -161,7 +169,7 @@ class TrainConfig:
     """On CUDA: record the caching allocator's history over the last step and write
     `torch.cuda.memory._snapshot()` as a pickle per rank (`<path>.rank<N>.pickle`, for
     pytorch.org/memory_viz); refused on CPU; null = none."""
-    log_every: int = field(default=10, metadata={"min": 1})
+    log_every: int = field(default=10, metadata={"min": 1, "max": MAX_STEPS})
     """Log the loss every this many steps (and at the first and last step)."""
 
     def __post_init__(self) -> None:
@@ -235,6 +243,7 @@ def load_train_config(name_or_path: str | Path) -> TrainConfig:
     if ckpt.dir is not None:
         ckpt = dataclasses.replace(ckpt, dir=_absolute(ckpt.dir, base))
     cfg = dataclasses.replace(cfg, model=model, hardware=hardware, plan=plan, data=data, checkpoint=ckpt)
+    check_outputs(cfg, source)
 
     try:
         model_cfg = load_model_config(cfg.model)
@@ -254,6 +263,19 @@ def load_train_config(name_or_path: str | Path) -> TrainConfig:
         raise ConfigError(source, "num_stages", f"{cfg.model} has {num_layers} layers (embed, "
                                                 f"{model_cfg.num_layers} blocks, head); cannot make {cfg.num_stages} stages")
     return cfg
+
+
+def check_outputs(cfg: TrainConfig, source: str) -> None:
+    """Refuse, before any rank trains, output paths that cannot be written: `trace`,
+    `report` (files), `profiler_trace`, `memory_snapshot` (prefixes of per-rank files)
+    and `checkpoint.dir` (a directory; an existing file there used to be found only when
+    the first checkpoint was saved, after training). Raises `ConfigError` naming the key."""
+    outputs = [("trace", cfg.trace, "file"), ("report", cfg.report, "file"),
+               ("profiler_trace", cfg.profiler_trace, "prefix"), ("memory_snapshot", cfg.memory_snapshot, "prefix"),
+               ("checkpoint.dir", cfg.checkpoint.dir, "dir")]
+    for key, path, kind in outputs:
+        if path is not None:
+            check_output_path(path, source, key, kind)  # type: ignore[arg-type]
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:

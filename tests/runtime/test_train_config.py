@@ -100,6 +100,63 @@ def test_bad_config_names_file_and_key(tmp_path, text, key):
     refused(write(tmp_path, text), key)
 
 
+@pytest.mark.parametrize("text, key", [
+    ("model: gpt-tiny\noptimizer: {lr: .nan}\n", "optimizer.lr"),
+    ("model: gpt-tiny\noptimizer: {lr: .inf}\n", "optimizer.lr"),
+    ("model: gpt-tiny\noptimizer: {eps: .nan}\n", "optimizer.eps"),
+    ("model: gpt-tiny\noptimizer: {weight_decay: .nan}\n", "optimizer.weight_decay"),
+    ("model: gpt-tiny\noptimizer: {betas: [.nan, 0.9]}\n", "optimizer.betas[0]"),
+    ("model: gpt-tiny\ndata: {mask_prob: .nan}\n", "data.mask_prob"),
+    ("model: gpt-tiny\ndropout: .nan\n", "dropout"),
+    ("model: gpt-tiny\nnum_microbatches: 1e9\n", "num_microbatches"),
+    ("model: gpt-tiny\nmicrobatch_size: 1e9\n", "microbatch_size"),
+    ("model: gpt-tiny\nnum_stages: 1e6\n", "num_stages"),
+    ("model: gpt-tiny\nsteps: 1e30\n", "steps"),
+    ("model: gpt-tiny\nseed: 1e30\n", "seed"),
+    ("model: gpt-tiny\nseed: 4294967296\n", "seed"),
+    ("model: gpt-tiny\ndata: {branching: 1e9}\n", "data.branching"),
+    ("model: gpt-tiny\ncheckpoint: {dir: ck, every_steps: 1e30}\n", "checkpoint.every_steps"),
+    ("model: gpt-tiny\ndevice_memory: 1e400\n", "device_memory"),
+    ("model: gpt-tiny\ndevice_memory: 1e400GB\n", "device_memory"),
+])
+def test_numbers_are_finite_and_bounded(tmp_path, text, key):
+    # NaN passed `gt: 0`; 1e9 microbatches ran 45 s into a SystemError; 1e400 bytes was an OverflowError
+    refused(write(tmp_path, text), key)
+
+
+@pytest.mark.parametrize("key, text", [
+    ("checkpoint.dir", "checkpoint: {dir: afile}"),
+    ("checkpoint.dir", "checkpoint: {dir: afile/sub}"),
+    ("trace", "trace: afile/trace.json"),
+    ("trace", "trace: adir"),
+    ("report", "report: adir"),
+    ("report", "report: afile/report.json"),
+    ("profiler_trace", "profiler_trace: afile/prof"),
+    ("memory_snapshot", "memory_snapshot: afile/snap"),
+])
+def test_output_paths_are_checked_at_load(tmp_path, monkeypatch, key, text):
+    # a checkpoint.dir that is a file was found only after the whole run had trained
+    monkeypatch.chdir(tmp_path)  # trace and report are relative to the working directory
+    (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "adir").mkdir()
+    e = refused(write(tmp_path, f"model: gpt-tiny\n{text}\n"), key)
+    assert "afile" in e.problem or "adir" in e.problem
+
+
+def test_writable_output_paths_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_train_config(write(tmp_path, "model: gpt-tiny\ntrace: out/t.json\nreport: r.json\n"
+                                            "checkpoint: {dir: ckpt/run1}\nprofiler_trace: out/prof\n"))
+    assert cfg.trace == "out/t.json" and Path(cfg.checkpoint.dir) == tmp_path / "ckpt" / "run1"
+
+
+def test_duplicate_key_in_a_train_config(tmp_path):
+    path = write(tmp_path, "model: gpt-tiny\nsteps: 5\nsteps: 6\n")
+    with pytest.raises(UserError) as info:
+        load_train_config(path)
+    assert str(path) in str(info.value) and "duplicate key 'steps'" in str(info.value)
+
+
 @pytest.mark.parametrize("plan", ["none", "auto"])
 def test_device_memory_goes_with_any_plan(tmp_path, plan):
     """With `plan: none` it is the capacity of each CPU rank's stand-in device."""

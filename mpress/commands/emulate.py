@@ -18,6 +18,8 @@ from mpress.plan import Plan
 from mpress.static.evaluate import Evaluation, PipelineSetup, evaluate, setup_pipeline
 from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
 from mpress.static.profile import Profile
+from mpress import limits
+from mpress.config import int_arg, output_path_arg
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds, parse_bytes
 from mpress.vocabulary import ScheduleName, SwapInPolicy
@@ -35,16 +37,16 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", help=f"hardware preset or YAML (default: {DEFAULTS['hardware']})")
     p.add_argument("--schedule", choices=ScheduleName.words(),
                    help=f"pipeline schedule (default: {DEFAULTS['schedule']})")
-    p.add_argument("--stages", type=int, help=f"pipeline stages (default: {DEFAULTS['stages']})")
-    p.add_argument("--ranks", type=int, default=None,
+    p.add_argument("--stages", type=int_arg(1, limits.MAX_STAGES), help=f"pipeline stages (default: {DEFAULTS['stages']})")
+    p.add_argument("--ranks", type=int_arg(1, limits.MAX_STAGES), default=None,
                    help="pipeline ranks; only for interleaved (default: stages / 2)")
-    p.add_argument("--microbatch-size", type=int,
+    p.add_argument("--microbatch-size", type=int_arg(1, limits.MAX_MICROBATCH_SIZE),
                    help=f"samples per microbatch (default: {DEFAULTS['microbatch_size']})")
-    p.add_argument("--microbatches", type=int, help=f"microbatches per iteration (default: {DEFAULTS['microbatches']})")
+    p.add_argument("--microbatches", type=int_arg(1, limits.MAX_MICROBATCHES), help=f"microbatches per iteration (default: {DEFAULTS['microbatches']})")
     p.add_argument("--profile", default=None, help="profile YAML/JSON from `mpress profile` (default: analytic)")
     p.add_argument("--balance", default="compute", choices=["compute", "memory"],
                    help="partition layers to balance compute (PipeDream/DAPPLE default) or memory")
-    p.add_argument("--devices", type=int, default=None, help="override the device count (cpu-local)")
+    p.add_argument("--devices", type=int_arg(1, limits.MAX_DEVICES), default=None, help="override the device count (cpu-local)")
     p.add_argument("--device-memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
 
 
@@ -56,8 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_pipeline_args(p)
     p.add_argument("--policy", default=None, choices=SwapInPolicy.words(),
                    help="swap-in policy the plan's swap-ins are placed with (default: the plan's)")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON of the emulated streams")
-    p.add_argument("--plot", default=None, help="write a PNG of memory per device over time")
+    p.add_argument("--trace", type=output_path_arg(), default=None, help="write a Chrome/Perfetto trace JSON of the emulated streams")
+    p.add_argument("--plot", type=output_path_arg(), default=None, help="write a PNG of memory per device over time")
     p.set_defaults(func=run)
 
 
@@ -162,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     print_summary(console, ev, planned=bool(args.plan))
     if args.trace:
         from mpress.static.trace import write_trace
-        write_trace(ev.result, args.trace)
+        names = setup.profile.layer_names()
+        write_trace(ev.result, args.trace, layer_names=[names[a:b] for a, b in setup.ranges])
         console.print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
     if args.plot:
         from mpress.static.plots import plot_memory

@@ -15,6 +15,8 @@ from mpress.errors import UserError
 from mpress.hardware import load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
 from mpress.vocabulary import ScheduleName, Strategy
+from mpress import limits
+from mpress.config import int_arg
 from mpress.ui import make_console
 from mpress.units import fmt_seconds, parse_bytes
 
@@ -25,13 +27,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="dgx1-v100", help="hardware preset or YAML (default: %(default)s)")
     p.add_argument("--schedule", default=ScheduleName.ONE_F_ONE_B.value, choices=ScheduleName.words(),
                    help="pipeline schedule (default: %(default)s)")
-    p.add_argument("--stages", type=int, default=8, help="pipeline stages (default: %(default)s)")
-    p.add_argument("--ranks", type=int, default=None, help="pipeline ranks; only for interleaved")
-    p.add_argument("--microbatch-size", type=int, default=2, help="samples per microbatch (default: %(default)s)")
-    p.add_argument("--microbatches", type=int, default=16, help="microbatches per iteration (default: %(default)s)")
+    p.add_argument("--stages", type=int_arg(1, limits.MAX_STAGES), default=8, help="pipeline stages (default: %(default)s)")
+    p.add_argument("--ranks", type=int_arg(1, limits.MAX_STAGES), default=None, help="pipeline ranks; only for interleaved")
+    p.add_argument("--microbatch-size", type=int_arg(1, limits.MAX_MICROBATCH_SIZE), default=2, help="samples per microbatch (default: %(default)s)")
+    p.add_argument("--microbatches", type=int_arg(1, limits.MAX_MICROBATCHES), default=16, help="microbatches per iteration (default: %(default)s)")
     p.add_argument("--strategies", default=",".join(Strategy.words()),
                    help="comma-separated strategies to search (default: all)")
-    p.add_argument("--devices", type=int, default=None, help="override the device count (cpu-local)")
+    p.add_argument("--devices", type=int_arg(1, limits.MAX_DEVICES), default=None, help="override the device count (cpu-local)")
     p.add_argument("--device-memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
     p.set_defaults(func=run)
 

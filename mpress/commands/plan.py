@@ -16,6 +16,7 @@ from mpress.commands.emulate import add_pipeline_args, setup_from_args
 from mpress.errors import UserError
 from mpress.static.evaluate import PipelineSetup
 from mpress.static.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
+from mpress.config import output_path_arg
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds
 from mpress.vocabulary import Strategy, SwapInPolicy, Technique
@@ -29,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="strategy whose plan is written (default: %(default)s); all are compared")
     p.add_argument("--policy", default=SwapInPolicy.CAPACITY.value, choices=SwapInPolicy.words(),
                    help="swap-in policy the plan is emulated with (default: %(default)s)")
-    p.add_argument("--out", default=None, help="write the plan (YAML, or JSON for .json)")
+    p.add_argument("--out", type=output_path_arg(), default=None, help="write the plan (YAML, or JSON for .json)")
     p.set_defaults(func=run)
 
 

@@ -21,6 +21,8 @@ from mpress.errors import UserError
 from mpress.hardware import hardware_presets, load_hardware
 from mpress.model_config import load_model_config, model_presets
 from mpress.static.profile import Profile
+from mpress import limits
+from mpress.config import int_arg, output_path_arg
 from mpress.ui import make_console
 from mpress.units import fmt_bytes
 
@@ -47,16 +49,16 @@ def register(subparsers: Any) -> None:
                         help=f"model preset ({', '.join(model_presets())}) or a model YAML path")
     source.add_argument("--module", metavar="PKG.MOD:FACTORY",
                         help="a user factory returning (module, example_input[, loss_fn])")
-    parser.add_argument("--microbatch-size", type=int, metavar="B",
+    parser.add_argument("--microbatch-size", type=int_arg(1, limits.MAX_MICROBATCH_SIZE), metavar="B",
                         help="samples per microbatch (default 1 for --model; the example input's for --module)")
     parser.add_argument("--analytic", action="store_true",
                         help="closed-form profile of a GPT/BERT preset (needs --hardware); runs nothing")
     parser.add_argument("--hardware", metavar="PRESET_OR_YAML",
                         help=f"hardware for --analytic times ({', '.join(hardware_presets())}) or a YAML path")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to measure (default cpu)")
-    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first (default 2)")
-    parser.add_argument("--iters", type=int, default=3, metavar="N", help="timed steps averaged (default 3)")
-    parser.add_argument("--out", metavar="FILE", help="write the profile to FILE (.yaml, .yml or .json)")
+    parser.add_argument("--warmup", type=int_arg(0, limits.MAX_ITERS), default=2, metavar="N", help="untimed steps first (default 2)")
+    parser.add_argument("--iters", type=int_arg(1, limits.MAX_ITERS), default=3, metavar="N", help="timed steps averaged (default 3)")
+    parser.add_argument("--out", type=output_path_arg(), metavar="FILE", help="write the profile to FILE (.yaml, .yml or .json)")
     parser.set_defaults(func=run)
 
 

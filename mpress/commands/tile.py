@@ -22,6 +22,8 @@ from mpress.errors import TilingError, UserError
 from mpress.tiling.graph import from_sequential
 from mpress.tiling.networks import NETWORKS
 from mpress.tiling.planner import TilingPlan, plan_fixed, plan_for_budget, step_cost
+from mpress import limits
+from mpress.config import int_arg
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, parse_bytes
 
@@ -33,12 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tile", help="plan fused-tiled (SFT) execution of a conv network for a giant image",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--network", default="vgg16", choices=sorted(NETWORKS), help="reference network (default: %(default)s)")
-    p.add_argument("--image-size", type=int, default=4096, help="square image side in pixels (default: %(default)s)")
+    p.add_argument("--image-size", type=int_arg(1, limits.MAX_IMAGE_SIZE), default=4096, help="square image side in pixels (default: %(default)s)")
     p.add_argument("--budget", default="2GiB", help="memory budget, e.g. 2GiB, 512MB (default: %(default)s)")
-    p.add_argument("--tiles", type=int, default=None,
+    p.add_argument("--tiles", type=int_arg(1, limits.MAX_IMAGE_SIZE), default=None,
                    help="tile every maximal tileable run this many ways per side instead of planning")
-    p.add_argument("--batch", type=int, default=1, help="images per batch (default: %(default)s)")
-    p.add_argument("--width-div", type=int, default=1, help="divide every channel count by this (default: %(default)s)")
+    p.add_argument("--batch", type=int_arg(1, limits.MAX_MICROBATCH_SIZE), default=1, help="images per batch (default: %(default)s)")
+    p.add_argument("--width-div", type=int_arg(1, limits.MAX_WIDTH), default=1, help="divide every channel count by this (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="(default: %(default)s)")
     p.add_argument("--detail", action="store_true", help="print every operator's tile sizes")
     p.set_defaults(func=run)

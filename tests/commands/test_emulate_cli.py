@@ -4,11 +4,14 @@ import json
 
 import pytest
 
+from mpress.actions import Action, Kind
 from mpress.cli import main
 from mpress.hardware import HARDWARE_DIR, load_hardware
 from mpress.model_config import load_model_config
+from mpress.plan import Plan
 from mpress.static.evaluate import evaluate, setup_pipeline
 from mpress.static.profile import Profile
+from tests.support.traces import events_without_args, format_errors, overlaps
 
 
 def _setup(schedule, model="gpt-5.3b", hardware="dgx1-v100", stages=8, mbs=16):
@@ -95,6 +98,37 @@ def test_trace_and_plot(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(scope="module")
+def gpt20_plan(tmp_path_factory):
+    """The GPT-20.4B plan on a DGX-1 (mpress strategy: recompute, host and D2D swaps,
+    optimizer offload), as `mpress plan` writes it."""
+    path = tmp_path_factory.mktemp("plan") / "p.yaml"
+    assert main(["plan", "--model", "gpt-20.4b", "--hardware", "dgx1-v100", "--strategy", "mpress",
+                 "--out", str(path)]) == 0
+    return path
+
+
+def test_plan_trace_has_no_overlapping_slices_and_args_everywhere(gpt20_plan, tmp_path):
+    trace = tmp_path / "t.json"
+    assert main(["emulate", str(gpt20_plan), "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert overlaps(events) == []
+    assert events_without_args(events) == [] and format_errors(events) == []
+    copies = [e for e in events if e["ph"] == "X" and e["cat"] == "copy"]
+    planned = [Action.parse(a) for actions in Plan.load(gpt20_plan).actions for a in actions.split()]
+    copy_kinds = {a.kind.value for a in planned if not a.is_compute and a.kind is not Kind.DR}
+    assert copy_kinds and {e["args"]["kind"] for e in copies} == copy_kinds
+    assert all(e["args"]["bytes"] > 0 and "tensor" in e["args"] for e in copies)
+    assert {e["args"]["action"] for e in copies} == {str(a) for a in planned if a.kind.value in copy_kinds}
+    recomputes = [e for e in events if e["ph"] == "X" and e["args"].get("kind") == "RC"]
+    assert recomputes and all(e["name"] == f"recompute {e['args']['layer']} mb{e['args']['microbatch']}"
+                              for e in recomputes)
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert any(" #2" in lane for lane in lanes)  # concurrent copies on one channel: lanes of their own
+    # every pipeline send is an arrow: 8 stages, 16 microbatches, activations and gradients
+    assert sum(1 for e in events if e["ph"] == "s") == 2 * 7 * 16
+
+
 def test_measured_profile_is_accepted(tmp_path):
     path = tmp_path / "p.yaml"
     assert main(["profile", "--model", "gpt-tiny", "--microbatch-size", "2", "--warmup", "0", "--iters", "1",
@@ -106,7 +140,7 @@ def test_measured_profile_is_accepted(tmp_path):
 @pytest.mark.parametrize("argv, words", [
     (["--stages", "9"], "9 pipeline ranks need 9 devices"),
     (["--model", "gpt-tiny", "--hardware", "cpu-local", "--devices", "8", "--stages", "7"], "cannot split 6 layers"),
-    (["--microbatches", "0"], "num_microbatches"),
+    (["--microbatches", "0"], "--microbatches"),
     (["--microbatch-size", "0"], "--microbatch-size"),
     (["--model", "gpt-999b"], "unknown model"),
     (["--hardware", "dgx-9000"], "unknown hardware"),

@@ -403,9 +403,9 @@ def test_trace_is_json_with_an_event_per_task(tmp_path):
         two_stage_program().ranks[1])))
     doc = json.loads(write_trace(r, tmp_path / "t.json").read_text())
     events = doc["traceEvents"]
-    names = {e["name"] for e in events if e["ph"] in ("X", "i")}
+    names = {e["args"].get("task") or e["args"].get("send") for e in events if e["ph"] in ("X", "i") and e["cat"] != "action"}
     assert names == {s.action for spans in r.spans for s in spans}
-    striped = [e for e in events if e["name"] == "0SO0:x"]
+    striped = [e for e in events if e["args"].get("task") == "0SO0:x"]
     assert len(striped) == 2 and len({e["tid"] for e in striped}) == 2
     assert any(e["ph"] == "C" for e in events)
     assert doc["otherData"]["iteration_s"] == pytest.approx(r.iteration_s)

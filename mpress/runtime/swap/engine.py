@@ -102,8 +102,8 @@ class SwapEngine(EngineWorkers):
         self.store = HostStore(store, device) if isinstance(store, PinnedHostPool) else store
         self._manager = manager
         self._fault = fault
-        self.trace: list[tuple[str, str, float, float]] | None = None
-        """When a list: (what, tensor key, start, end) of every copy ("out", "in", host
+        self.trace: list[tuple[str, TensorKey, int, float, float]] | None = None
+        """When a list: (what, tensor key, bytes, start, end) of every copy ("out", "in", host
         times: issued until waited for) and every wait of `fetch` ("wait"), for a trace."""
         self._hold_until_release = hold_until_release
         """Keep a swapped-out tensor's device storage until `wait_outs` (the program's
@@ -262,7 +262,7 @@ class SwapEngine(EngineWorkers):
                         f"{record.describe()} (state {record.state.value})")
         waited = time.perf_counter()
         if self.trace is not None and waited - start > 1e-6:
-            self.trace.append(("wait", str(record.key), start, waited))
+            self.trace.append(("wait", record.key, record.nbytes, start, waited))
         with self._lock:
             self._stats.wait_s += waited - start
             self._raise_for(record)

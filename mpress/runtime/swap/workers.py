@@ -184,5 +184,5 @@ class EngineWorkers:
 
     def _trace(self, what: str, record: SwapRecord) -> None:
         if self.trace is not None:
-            self.trace.append((what, str(record.key), record.copy_started_s, time.perf_counter()))
+            self.trace.append((what, record.key, record.nbytes, record.copy_started_s, time.perf_counter()))
 

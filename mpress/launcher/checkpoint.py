@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +135,7 @@ class Checkpoints:
         same_layout = manifest.world_size == job.world and manifest.stage_split == split
         reader = dcp.FileSystemReader(folder)
         dest = destination(job, reader.read_metadata(), folder, rng_of=self.rank if same_layout else None)
-        dcp.load(dest, storage_reader=reader, process_group=self.control,
-                 planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        dcp.load(dest, storage_reader=reader, process_group=self.control, planner=_planner())
         job.load_state(unflatten(dest))
         if same_layout:
             set_rng_state(dest[f"rng.rank{self.rank}"], job.device)
@@ -202,12 +202,6 @@ def destination(job: PipelineJob, metadata: Metadata, folder: Path, *, rng_of: i
             name, _, part = key[len(_STATE):].rpartition(".")
             states.setdefault(name, []).append(key)
 
-    def empty(key: str) -> Any:
-        md = saved[key]
-        if isinstance(md, BytesStorageMetadata):
-            return None
-        return torch.empty(md.size, dtype=md.properties.dtype)
-
     dest: dict[str, Any] = {_GROUPS: None}
     for m in job.modules:
         for name in m.state_dict():
@@ -215,15 +209,39 @@ def destination(job: PipelineJob, metadata: Metadata, folder: Path, *, rng_of: i
             if key not in saved:
                 raise ConfigError(str(folder / MANIFEST), "model_fingerprint",
                                   f"the checkpoint has no tensor {name}, which this run's model has")
-            dest[key] = empty(key)
+            dest[key] = _empty(saved[key])
     for name in job.masters.names():
         if f"masters.{name}" in saved:
-            dest[f"masters.{name}"] = empty(f"masters.{name}")
+            dest[f"masters.{name}"] = _empty(saved[f"masters.{name}"])
         for key in states.get(name, []):
-            dest[key] = empty(key)
+            dest[key] = _empty(saved[key])
     if rng_of is not None:
         dest[f"rng.rank{rng_of}"] = None
     return dest
+
+
+def read_step(folder: Path) -> dict[str, Any]:
+    """The whole model's state saved in step folder `folder` (every rank's parameters),
+    in the job-state layout, on the host: for inspection and tests, in one process."""
+    reader = dcp.FileSystemReader(folder)
+    saved = reader.read_metadata().state_dict_metadata
+    flat = {key: _empty(md) for key, md in saved.items() if not key.startswith("rng.")}
+    with warnings.catch_warnings():  # DCP warns that it runs in one process: it is asked to
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, storage_reader=reader, planner=_planner(), no_dist=True)
+    return unflatten(flat)
+
+
+def _empty(md: Any) -> Any:
+    """A host tensor to read a saved tensor into, or a placeholder DCP replaces by a saved object."""
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    return torch.empty(md.size, dtype=md.properties.dtype)
+
+
+def _planner() -> dcp.DefaultLoadPlanner:
+    """The keys are flat already: DCP reads each as it is named, objects whole."""
+    return dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
 # ---- RNG ----------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ there with the size it lists (a kill during a write, a copy cut short, a file re
 hand: not complete, never resumed). `prune` keeps the newest `keep_last` complete steps
 and removes temporary folders that no running save owns.
 
-What must match for a resume (`identity`): the model (its fingerprint: layer shapes,
-sizes, dropout), its dtype and the seed (the seed also draws the synthetic data). The
+What must match for a resume (`identity`): the model's dtype, the model (its
+fingerprint: layer shapes, sizes, dropout, dtype) and the seed (the seed also draws the synthetic data). The
 world size, the stage split and the plan may differ: the state is keyed by parameter name
 and resharded on load (`mpress.launcher.checkpoint`).
 """
@@ -76,7 +76,7 @@ class Manifest:
 def identity(model: ModelConfig, seed: int) -> dict[str, object]:
     """The fields a resumed job must share with the checkpoint, in the order they are
     checked (the first that differs is the one reported)."""
-    return {"model_fingerprint": model.fingerprint(), "dtype": model.precision, "seed": seed}
+    return {"dtype": model.precision, "model_fingerprint": model.fingerprint(), "seed": seed}
 
 
 def step_folder(root: Path, step: int) -> Path:

@@ -2,6 +2,8 @@
 
 Each subcommand lives in `mpress/commands/<name>.py` and exposes
 `register(subparsers) -> None` (adds its parser, sets `func`) and a `run(args) -> int`.
+A subcommand that sets `takes_overrides=True` gets the flags it does not declare in
+`args.extra` (`mpress train`'s `--<dotted.key> VALUE` overrides); elsewhere they are errors.
 User mistakes (`UserError`) end in one line on stderr and exit status 2.
 """
 
@@ -14,7 +16,7 @@ import sys
 from mpress import __version__
 from mpress.errors import UserError
 
-SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "tile"]
+SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "tile", "train"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,9 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "takes_overrides", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # bad flags (already reported in one line) or --help
         return int(exc.code or 0)
+    args.extra = extra
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

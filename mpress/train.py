@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mpress.config import write_text_atomic
+from mpress.d2d.runtime.liveness import die_with_parent
 from mpress.errors import UserError
 from mpress.launcher import run_trace
 from mpress.launcher.checkpoint import Checkpoints
@@ -35,6 +36,7 @@ from mpress.launcher.control import (
     COLLECTIVE_TIMEOUT_S,
     broadcast,
     control_group,
+    is_own_failure,
     nccl_error_handling,
     root_cause,
     root_kind,
@@ -42,9 +44,10 @@ from mpress.launcher.control import (
 )
 from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for
 from mpress.launcher.job import start_job
-from mpress.launcher.rank_watch import STOP_WAIT_S, RankWatch, start_rank_watch
+from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
+from mpress.overrides import parse_override_args
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec
@@ -113,8 +116,10 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             tracing = cfg.trace is not None and step == cfg.steps - 1
             if tracing:
                 run_trace.start(job)
+            recorders = run_trace.start_recorders(cfg, rank, device) if step == cfg.steps - 1 else None
             t0 = time.perf_counter()
             result = job.step(x, y)
+            run_trace.stop_recorders(recorders, say=progress.console.print if rank == 0 else None)
             # the last stage's loss and every rank's peak in one object collective on the
             # gloo group: on the default (NCCL) group it would copy through, and sync, the GPU
             stats: list[tuple[float | None, int]] = [(None, 0)] * world
@@ -156,14 +161,18 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0])
+    """One rank: `--config CFG [--<dotted.key> VALUE ...]` (the overrides `mpress train`
+    checked before it launched this rank; mpress/overrides.py)."""
+    die_with_parent()  # no rank outlives its launcher (mpress train, torchrun's agent)
+    parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="training config: configs/train/<name>.yaml or a name")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     single_process_env()
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = load_train_config(args.config)
+        cfg = load_train_config(args.config, parse_override_args(rest, args.config))
         check_checkpoint_dir(cfg)  # before any training: a bad directory or another run's checkpoint
+        run_trace.check_options(cfg, args.config)  # a memory snapshot needs CUDA
         nccl_error_handling()
         # a bounded timeout: with NCCL a hung peer would otherwise block the others for 10 minutes
         dist.init_process_group(resolve_backend(cfg), timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -183,18 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a failure on any rank: one line naming the rank, never a hang
         if os.environ.get("MPRESS_DEBUG"):
             raise
-        return _stop(watch, f"mpress.train: rank {rank}: {root_cause(exc)}", root_kind(exc), 1)
+        # not mpress's own error (a broken recv, a collective's): first look for a peer's failure that caused it
+        others_first_s = 0.0 if is_own_failure(exc) else CONSEQUENCE_WAIT_S
+        return _stop(watch, f"mpress.train: rank {rank}: {root_cause(exc)}", root_kind(exc), 1,
+                     others_first_s=others_first_s)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _stop(watch: RankWatch | None, line: str, kind: str, code: int) -> int:
-    """This rank failed: its one line, the others told and waited for, then leave."""
+def _stop(watch: RankWatch | None, line: str, kind: str, code: int, *, others_first_s: float = 0.0) -> int:
+    """This rank failed: its one line (or, when another rank's failure caused it, a line
+    naming that rank: `RankWatch.fail`), the others told and waited for, then leave."""
     if watch is None:  # failed before the watch started
         print(line, file=sys.stderr)
         return code
-    if not watch.fail(line, kind):
+    if not watch.fail(line, kind, others_first_s=others_first_s):
         time.sleep(STOP_WAIT_S)  # the watch is stopping this rank for another's failure: it prints and exits
     # Leave without tearing the process groups down: under NCCL shutting a communicator
     # down waits for work that the stopped ranks will never finish.

@@ -69,6 +69,12 @@ def root_kind(exc: BaseException) -> str:
     return type(_innermost(exc)).__name__
 
 
+def is_own_failure(exc: BaseException) -> bool:
+    """True when `root_cause`'s error is mpress's own (a swap, an out-of-memory, bad
+    input): a failure of this rank, not the echo of a peer's (a broken recv)."""
+    return isinstance(_innermost(exc), MpressError)
+
+
 def _innermost(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None and not isinstance(exc, MpressError):
         exc = exc.__cause__

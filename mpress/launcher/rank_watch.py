@@ -15,7 +15,14 @@ before they could say why. So:
   crashed), it prints one line naming that rank, waits likewise for the others, and ends
   this process (the training thread may be blocked in a collective with the dead rank);
 - a rank that finishes says so in the store before it leaves, so that leaving is never
-  taken for dying.
+  taken for dying;
+- every watch beats (a counter in the store) at each poll, and a rank whose beat has not
+  moved for `HEARTBEAT_TIMEOUT_S` counts as stalled (SIGSTOPped, or a machine that
+  froze): the others stop naming it, without waiting for it, as they wait for no dead
+  rank; this also covers ranks on other machines, whose pids cannot be checked;
+- a rank whose parent (the launcher: `mpress train` or torchrun's agent) is gone stops
+  too (its launcher also asks the kernel to kill it then, `lifeline.py`; this is the
+  watch's own check).
 
 Nothing here depends on D2D: every job, with or without peer pools, is watched.
 """
@@ -43,6 +50,14 @@ STOP_WAIT_S = 10.0
 """Longest a failed rank waits for the others to stop before it leaves itself."""
 STORE_TIMEOUT_S = 60.0
 """Timeout of the watch's own connection to the job's store."""
+CONSEQUENCE_WAIT_S = 2.0
+"""How long a rank whose failure is not mpress's own (a broken recv, a collective's
+error) first looks for another rank's failure that caused it (`RankWatch.fail`)."""
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A rank whose watch has not beaten for this long counts as stalled. Its watch beats
+every `POLL_INTERVAL_S` from a thread of its own that waits on nothing but the store (the
+training thread releases the GIL in torch's kernels and collectives), so 20 missed beats
+mean a process that does not run, not a slow step."""
 
 
 def this_machine() -> str:
@@ -69,13 +84,14 @@ class RankWatch:
     """The watch over a job's ranks, from one rank (see the module docstring).
 
     store: the job's key-value store, under a prefix of this job's own (every rank the
-    same). ranks: every rank's process, by rank. exit: ends the process with a status
-    (tests pass a recorder); err: where the lines go.
+    same). ranks: every rank's process, by rank. heartbeat_timeout_s: silence after which
+    a rank counts as stalled. exit: ends the process with a status (tests pass a
+    recorder); err: where the lines go.
     """
 
     def __init__(self, store: dist.Store, ranks: list[RankProcess], *, rank: int,
                  interval_s: float = POLL_INTERVAL_S, stop_wait_s: float = STOP_WAIT_S,
-                 exit: Callable[[int], None] = os._exit, err: TextIO | None = None) -> None:
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, exit: Callable[[int], None] = os._exit, err: TextIO | None = None) -> None:
         self._store = store
         self._ranks = ranks
         self._rank = rank
@@ -89,15 +105,24 @@ class RankWatch:
         self._counted = False  # this rank is counted in the store's "stopped"
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpress-rank-watch", daemon=True)
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._parent = os.getppid()
+        now = time.monotonic()
+        self._beats: dict[int, tuple[int, float]] = {p.rank: (-1, now) for p in ranks if p.rank != rank}
+        """Other rank -> (its beat count last seen, when this watch saw it change)."""
+        self._gone: set[int] = set()
+        """Ranks found dead or stalled: they will never count themselves as stopped."""
 
     def start(self) -> RankWatch:
+        self._beat()
         self._thread.start()
         return self
 
     # -- what the others are doing ---------------------------------------------------------------
     def reasons(self) -> list[str]:
-        """Why this rank must stop, one phrase per other rank: a failure one posted, or
-        its process gone (same machine only) without having finished; [] while all is well."""
+        """Why this rank must stop, one phrase per other rank: a failure one posted, its
+        process gone (same machine only) or its heartbeat silent for `heartbeat_timeout_s`
+        without having finished, or this rank's launcher gone; [] while all is well."""
         out: list[str] = []
         failed: set[int] = set()
         if int(self._store.add("failures", 0)) > 0:
@@ -105,22 +130,39 @@ class RankWatch:
                 if r != self._rank and self._store.check([f"failed/{r}"]):
                     failed.add(r)
                     out.append(f"rank {r} failed ({self._store.get(f'failed/{r}').decode()})")
+        now = time.monotonic()
         for p in self._ranks:
-            if (p.rank == self._rank or p.rank in failed or p.machine != self._machine
-                    or p.process.alive() or self._store.check([f"finished/{p.rank}"])):
+            if p.rank == self._rank or p.rank in failed or self._store.check([f"finished/{p.rank}"]):
                 continue
-            out.append(f"rank {p.rank} (pid {p.process.pid}) has died")
+            if p.machine == self._machine and not p.process.alive():
+                self._gone.add(p.rank)
+                out.append(f"rank {p.rank} (pid {p.process.pid}) has died")
+                continue
+            beat = int(self._store.add(f"beat/{p.rank}", 0))
+            seen, since = self._beats[p.rank]
+            if beat != seen:
+                self._beats[p.rank] = (beat, now)
+            elif now - since > self._heartbeat_timeout_s:
+                self._gone.add(p.rank)
+                out.append(f"rank {p.rank} (pid {p.process.pid}) has stalled (no heartbeat for "
+                           f"{now - since:.0f} s)")
+        if os.getppid() != self._parent:
+            out.append(f"this rank's launcher (pid {self._parent}) has gone")
         return out
+
+    def _beat(self) -> None:
+        self._store.add(f"beat/{self._rank}", 1)
 
     def _run(self) -> None:
         while not self._done.wait(self._interval_s):
             try:
+                self._beat()
                 reasons = self.reasons()
             except Exception as exc:  # noqa: BLE001 - the store's host (torchrun's agent, or rank 0) is gone
                 text = str(exc).strip().splitlines()
                 reasons = [f"the job's store stopped answering ({type(exc).__name__}: {text[0] if text else ''})"]
             if reasons and not self._done.is_set() and self._claim():
-                self._say(f"mpress.train: rank {self._rank}: stopping: {'; '.join(reasons)}")
+                self._say(self._stop_line(reasons))
                 try:
                     self._count_stopped()
                     self._wait_for_the_others()
@@ -129,25 +171,43 @@ class RankWatch:
                 return
 
     # -- this rank -----------------------------------------------------------------------------------
-    def fail(self, line: str, kind: str) -> bool:
+    def fail(self, line: str, kind: str, *, others_first_s: float = 0.0) -> bool:
         """This rank failed: print `line` (its one line), post the failure (`kind`, e.g.
         "SwapError", names it in the others' lines) and wait until every other rank has
         stopped (at most `stop_wait_s`), so that a launcher that ends the job when one
         rank exits does not end the others before they have said why. The caller then
         leaves. False, printing nothing, when the watch is already stopping this rank
-        because another one failed first (its thread prints and ends the process)."""
+        because another one failed first (its thread prints and ends the process).
+
+        others_first_s: first look this long for another rank's failure, death or stall
+        (a failure that may be the consequence of one: a recv from a peer killed with -9
+        breaks before its process is seen gone); if there is one, this rank stops naming
+        it, as the watch's thread would, instead of posting a failure of its own."""
+        deadline = time.monotonic() + others_first_s
+        while True:
+            try:
+                reasons = self.reasons()
+            except Exception:  # noqa: BLE001 - no store: this rank's own failure is all there is to say
+                reasons = []
+            if reasons or time.monotonic() >= deadline:
+                break
+            time.sleep(self._interval_s / 5)
         if not self._claim():
             return False
         self._done.set()
-        self._say(line)
+        self._say(self._stop_line(reasons) if reasons else line)
         try:
-            self._store.set(f"failed/{self._rank}", kind)
-            self._store.add("failures", 1)
+            if not reasons:
+                self._store.set(f"failed/{self._rank}", kind)
+                self._store.add("failures", 1)
             self._count_stopped()
             self._wait_for_the_others()
         except Exception:  # noqa: BLE001 - no store: nobody left to tell
             pass
         return True
+
+    def _stop_line(self, reasons: list[str]) -> str:
+        return f"mpress.train: rank {self._rank}: stopping: {'; '.join(reasons)}"
 
     def stop(self) -> None:
         """This rank finished: stop watching, and count as finished (its process leaving
@@ -162,10 +222,18 @@ class RankWatch:
             pass
 
     def _wait_for_the_others(self) -> None:
-        """Until every rank has stopped or finished, at most `stop_wait_s`: a rank that
-        leaves first would have torchrun end the others before they have said why."""
+        """Until every rank has stopped or finished (a dead or stalled one excepted), at
+        most `stop_wait_s`: a rank that leaves first would have torchrun end the others
+        before they have said why."""
         deadline = time.monotonic() + self._stop_wait_s
-        while int(self._store.add("stopped", 0)) < len(self._ranks) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            try:
+                self.reasons()  # finds ranks that died or stalled meanwhile: they never count
+            except Exception:  # noqa: BLE001 - no store: nobody left to wait for
+                return
+            if int(self._store.add("stopped", 0)) + len(self._gone) >= len(self._ranks):
+                return
+            self._beat()  # still here: a rank that waits is not stalled
             time.sleep(self._interval_s / 5)
 
     def _claim(self) -> bool:

@@ -19,6 +19,7 @@ stages per rank for interleaved 1F1B) are checked at launch by `check_world_size
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,6 +38,7 @@ from mpress.limits import (
     MAX_STEPS,
 )
 from mpress.model_config import ModelConfig, load_model_config
+from mpress.overrides import apply_overrides
 from mpress.units import parse_bytes
 from mpress.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
 
@@ -220,8 +222,11 @@ def _absolute(value: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
-def load_train_config(name_or_path: str | Path) -> TrainConfig:
+def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, str]] = ()) -> TrainConfig:
     """Load a training config: a preset name (configs/train/<name>.yaml) or a YAML path.
+
+    overrides: (dotted key, raw value) pairs set in the file's mapping before it is typed
+    (`mpress.overrides`: `--steps 10 --optimizer.lr 1e-3`); checked as the file's own values.
 
     Returns the config with relative paths made absolute (relative to the file's
     directory). Raises `ConfigError` (naming the file and key) for unknown keys, wrong
@@ -230,7 +235,12 @@ def load_train_config(name_or_path: str | Path) -> TrainConfig:
     """
     path = resolve_config(name_or_path, TRAIN_DIR, "training config")
     source = str(path)
-    cfg = from_dict(TrainConfig, load_yaml(path), source)
+    try:
+        cfg = from_dict(TrainConfig, apply_overrides(load_yaml(path), list(overrides), TrainConfig, source), source)
+    except ConfigError as exc:  # a bad value given on the command line: name its flag
+        if exc.key not in {key for key, _ in overrides}:
+            raise
+        raise ConfigError(source, f"--{exc.key}", exc.problem) from None
     base = path.resolve().parent
 
     model = _absolute(cfg.model, base) if _is_path(cfg.model) else cfg.model

@@ -1,9 +1,18 @@
-"""Liveness of the job's processes, robust to pid reuse (Linux procfs)."""
+"""Liveness of the job's processes, robust to pid reuse (Linux procfs), and a rank's
+lifeline to its launcher (`die_with_parent`)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
+
+LAUNCHER_PID_ENV = "MPRESS_LAUNCHER_PID"
+"""The pid of the `mpress train` process that started this rank (set by the launcher)."""
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -42,3 +51,26 @@ def _start_ticks(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process (SIGKILL) when its parent dies, so that no rank
+    outlives a launcher killed with -9 (`mpress train`, or torchrun's agent).
+
+    Race-free under `mpress train`: the parent's pid is in $MPRESS_LAUNCHER_PID, and if the
+    parent died before the request took effect (this process was already re-parented),
+    the process ends now with status 1. Under another launcher the parent at this call is
+    the one watched. No-op where prctl does not exist (not Linux).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if expected and expected.isdigit() and os.getppid() != int(expected):
+        print(f"mpress.train: the launcher (pid {expected}) is gone; not starting", file=sys.stderr, flush=True)
+        os._exit(1)

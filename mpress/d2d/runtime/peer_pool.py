@@ -14,7 +14,7 @@ stage runs on) is held by one of its exporters (`pool_layout.pool_holders`), and
 process cannot open a CUDA IPC handle it made (`transport.py`), so that exporter's
 quota is a view of the buffer it allocated, and it writes its ledger slot directly.
 
-A small shared-memory ledger per pool holds each exporter's bytes in use, high-water mark
+A small shared-memory ledger per pool (named as the run's segments, `transport.py`) holds each exporter's bytes in use, high-water mark
 and tensor bytes held, written by the exporter on every allocation and free, so the
 importer (and its report) can see how much of its pool is used without taking part.
 Liveness: every rank publishes its pid and process start time; `dead_ranks` tells which
@@ -36,7 +36,13 @@ import torch.distributed as dist
 from mpress.d2d.runtime.liveness import ProcessId
 from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.d2d.runtime.pool_layout import Quota, exporter_peers, plan_quotas, pool_holders
-from mpress.d2d.runtime.transport import PoolTransport, attach_shared_memory, make_transport, release_segments
+from mpress.d2d.runtime.transport import (
+    PoolTransport,
+    attach_shared_memory,
+    create_segment,
+    make_transport,
+    release_segments,
+)
 from mpress.errors import PlanError, SwapError, TopologyError
 from mpress.plan import Plan
 from mpress.runtime.memory.block_pool import Block, BlockPool
@@ -238,7 +244,7 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
             nbytes = sum(q.nbytes for q in quotas[d])
             buffer, payload = transport.create(nbytes, _peer_device(device, d))
             local[d] = buffer
-            ledger = shared_memory.SharedMemory(create=True, size=max(8, 8 * _LEDGER_FIELDS * len(quotas[d])))
+            ledger = create_segment(max(8, 8 * _LEDGER_FIELDS * len(quotas[d])))
             ledgers.append(ledger)
             torch.frombuffer(ledger.buf, dtype=torch.int64).zero_()
             exports.append(_Export(device=d, nbytes=nbytes, payload=payload, ledger=ledger.name,

@@ -21,6 +21,11 @@ handle's device current (`CUDAGuard` in torch/csrc/StorageSharing.cpp) before
 process that opens a pool of GPU j creates its primary context on GPU j (and so does the
 process that allocates an idle GPU's pool in `create`). What that costs on the lender is
 counted at plan time (`DeviceSpec.peer_context_bytes`, `d2d/static/mapping.py`).
+
+Names: every shared-memory segment of a run (pools and ledgers) is named
+`mpress-<run id>-<random>` (`segment_name`), the run id being `$MPRESS_RUN_ID` (set by
+`mpress train`) or torchrun's `$TORCHELASTIC_RUN_ID`, so that the launcher can remove
+whatever a killed rank left in /dev/shm once every rank is gone (`sweep_segments`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ import _posixshmem  # POSIX shared memory, as multiprocessing.shared_memory uses
 import abc
 import mmap
 import os
+import re
+import secrets
 from collections.abc import Sequence
+from pathlib import Path
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -74,7 +82,7 @@ class SharedMemoryTransport(PoolTransport):
         try:
             # exactly the pool (a segment is mapped at a page boundary, so it is aligned): a
             # CPU rank counts what it lends as a GPU would
-            shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+            shm = create_segment(max(nbytes, 1))
         except OSError as exc:
             raise SwapError(f"cannot allocate a {nbytes}-byte shared-memory peer pool: {exc}") from exc
         self._created.append(shm)
@@ -168,6 +176,50 @@ def attach_shared_memory(name: str) -> mmap.mmap:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+RUN_ID_ENV = "MPRESS_RUN_ID"
+"""The run id `mpress train` gives its ranks; segment names start with it."""
+SHM_DIR = Path("/dev/shm")
+"""Where Linux keeps POSIX shared-memory segments (one file per name)."""
+
+
+def run_prefix(run_id: str | None = None) -> str:
+    """`mpress-<run id>-`: the start of every segment name of the run (`run_id`, default
+    from the environment: $MPRESS_RUN_ID, else torchrun's $TORCHELASTIC_RUN_ID, else this
+    process's parent pid, which the ranks of one launcher share)."""
+    if run_id is None:
+        run_id = os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or f"ppid{os.getppid()}"
+    return f"mpress-{re.sub(r'[^A-Za-z0-9_.]', '_', run_id)[:40]}-"
+
+
+def segment_name() -> str:
+    """A fresh segment name of this run (`run_prefix` + 16 random hex digits)."""
+    return run_prefix() + secrets.token_hex(8)
+
+
+def create_segment(nbytes: int) -> shared_memory.SharedMemory:
+    """A new shared-memory segment of `nbytes`, named as this run's (`segment_name`)."""
+    while True:
+        try:
+            return shared_memory.SharedMemory(name=segment_name(), create=True, size=nbytes)
+        except FileExistsError:  # 64 random bits met another segment: draw again
+            continue
+
+
+def sweep_segments(run_id: str) -> list[str]:
+    """Remove every segment of run `run_id` left in /dev/shm (ranks killed before they
+    could unlink theirs); return the names removed. Call only once every rank of the run
+    is gone: a live rank's segments would be removed under it."""
+    removed = []
+    prefix = run_prefix(run_id)
+    for path in SHM_DIR.glob(prefix + "*") if SHM_DIR.is_dir() else ():
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:  # its process's resource tracker was first
+            pass
+    return removed
 
 
 def release_segments(segments: Sequence[shared_memory.SharedMemory | mmap.mmap],

@@ -1,0 +1,219 @@
+"""`mpress train`'s launcher: start the ranks of one job on this machine, watch them, and
+turn how they ended into one line and an exit status.
+
+What it does:
+
+- hosts the job's store (a `TCPStore`; the ranks join it as torchrun's workers join the
+  agent's, `TORCHELASTIC_USE_AGENT_STORE`), so the store outlives any rank and every
+  surviving rank's watch can name the one that died (`rank_watch.py`);
+- starts one `python -m mpress.train --config CFG <overrides>` per rank, in a process
+  group of the job's own (a Ctrl-C reaches the launcher only, which stops the ranks);
+  each rank asks the kernel to kill it when the launcher dies (`liveness.die_with_parent`);
+- rank 0's stdout (progress lines, report tables) is the launcher's stdout, unchanged and
+  written by rank 0 alone, so no line is ever split; everything else every rank prints
+  goes to its own file `<run dir>/rank<N>.log` (whole lines, one writer per file);
+- once a rank has ended badly it gives the others `STOP_WAIT_S` (+ a margin) to stop by
+  themselves, each with its line; a rank the kernel holds stopped (SIGSTOP) is killed as
+  soon as every other rank has left, any other rank still there after the grace period too;
+- when every rank is gone it ends what is left of their process group (shared-memory
+  resource trackers), removes every shared-memory segment of the run (`sweep_segments`),
+  and reduces the ranks' lines to ONE line naming the cause (`diagnose`).
+
+Why not torch's elastic launcher (`torch.distributed.launcher.api.elastic_launch`):
+its agent ends every other worker (SIGTERM) as soon as the first one exits, before they
+can say which rank failed; its workers are not killed when the agent is killed with -9
+(start_processes offers no hook to ask for a parent-death signal before a worker runs);
+it reports a failure as a `ChildFailedError` with per-rank tracebacks and error files,
+not as the rank's own line; and its console output carries per-line rank prefixes. The
+pieces it would contribute here (Popen per rank, a TCPStore, an env per rank) are a
+few lines, so the launcher manages the rank processes itself; the ranks see the same
+environment as under torchrun (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), and
+the torchrun form keeps working.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV
+from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
+from mpress.launcher.rank_watch import STOP_WAIT_S
+from mpress.launcher.verdict import RankEnd, diagnose
+from mpress.overrides import Override, override_argv
+
+POLL_S = 0.1
+"""How often the launcher looks at its ranks."""
+GRACE_S = STOP_WAIT_S + 5.0
+"""After the first bad end, how long the other ranks get to stop by themselves (their
+watches name the failed rank within a second and wait at most `STOP_WAIT_S` for each
+other) before the launcher kills what is left."""
+TERM_WAIT_S = 5.0
+"""After the launcher was interrupted: from SIGTERM to the ranks until SIGKILL."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One `mpress train` run."""
+
+    config: str
+    """The config as given (preset name or path); the ranks load it again, with `overrides`."""
+    overrides: list[Override]
+    """Dotted overrides, as the launcher validated them."""
+    nproc: int
+    """Ranks to start (one process each)."""
+    run_dir: Path
+    """Where the ranks' logs and `run.json` go (created)."""
+    run_id: str
+    """Names the run's shared-memory segments (`mpress-<run id>-*`)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every rank."""
+
+
+def rank_env(spec: LaunchSpec, rank: int, port: int) -> dict[str, str]:
+    """Rank `rank`'s environment: as torchrun's workers get it, plus the run id and this
+    launcher's pid."""
+    env = {**os.environ, **spec.env}
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks share the machine's cores
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.nproc), LOCAL_WORLD_SIZE=str(spec.nproc),
+               GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(spec.nproc), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1")
+    env[RUN_ID_ENV] = spec.run_id
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    return env
+
+
+class _Interrupted:
+    """Records the signal that asked the launcher to stop (SIGINT, SIGTERM, SIGHUP)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _Interrupted:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)  # type: ignore[arg-type]
+
+
+def launch(spec: LaunchSpec, *, err=None) -> int:
+    """Run the job; return the exit status (0 all ranks finished, 1 runtime failure, 2 bad
+    input a rank found, 128+N the launcher got signal N). On failure print the one line
+    (`diagnose`) to `err` (default stderr)."""
+    err = err or sys.stderr
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    killed: set[int] = set()  # ranks the launcher itself killed
+    with _Interrupted() as interrupted:
+        try:
+            for rank in range(spec.nproc):
+                log = spec.run_dir / f"rank{rank}.log"
+                logs.append(log)
+                with open(log, "wb") as f:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "mpress.train", "--config", spec.config, *override_argv(spec.overrides)],
+                        stdin=subprocess.DEVNULL, stdout=None if rank == 0 else f, stderr=f,
+                        env=rank_env(spec, rank, store.port), process_group=0 if rank == 0 else procs[0].pid))
+            _write_run_file(spec, procs)
+            _watch(procs, killed, interrupted)
+        finally:
+            for rank, p in enumerate(procs):  # the launcher itself failed: leave nothing behind
+                if p.poll() is None:
+                    killed.add(rank)
+                    p.kill()
+                    p.wait()
+    _end_group(procs)
+    sweep_segments(spec.run_id)
+    del store
+    ends = [RankEnd(rank=r, pid=p.pid, returncode=p.returncode, killed_by_launcher=r in killed, log=logs[r])
+            for r, p in enumerate(procs)]
+    if interrupted.signum is not None:
+        name = signal.Signals(interrupted.signum).name
+        print(f"mpress train: interrupted ({name}): stopped {spec.nproc} ranks; logs in {spec.run_dir}",
+              file=err, flush=True)
+        return 128 + interrupted.signum
+    verdict = diagnose(ends, spec.run_dir)
+    if verdict is not None:
+        line, code = verdict
+        print(line, file=err, flush=True)
+        return code
+    return 0
+
+
+def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interrupted) -> None:
+    """Until every rank has ended: after a bad end, the grace period and the killing of
+    stopped or left-over ranks; on a signal to the launcher, SIGTERM then SIGKILL."""
+    first_bad: float | None = None
+    terminated_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        alive = [r for r, c in enumerate(codes) if c is None]
+        if not alive:
+            return
+        now = time.monotonic()
+        if interrupted.signum is not None:
+            if terminated_at is None:
+                terminated_at = now
+                for r in alive:
+                    killed.add(r)
+                    procs[r].terminate()
+            elif now - terminated_at > TERM_WAIT_S:
+                _kill(procs, alive, killed)
+        elif first_bad is None and any(c not in (None, 0) for c in codes):
+            first_bad = now
+        elif first_bad is not None:
+            stopped = [r for r in alive if _stopped(procs[r].pid)]
+            if len(stopped) == len(alive) or now - first_bad > GRACE_S:
+                _kill(procs, alive, killed)
+        time.sleep(POLL_S)
+
+
+def _kill(procs: list[subprocess.Popen], ranks: list[int], killed: set[int]) -> None:
+    for r in ranks:
+        killed.add(r)
+        procs[r].kill()  # SIGKILL ends a stopped process too
+
+
+def _stopped(pid: int) -> bool:
+    """True when the kernel holds process `pid` stopped (SIGSTOP, or traced)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _end_group(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL what is left of the ranks' process group (their shared-memory resource
+    trackers), right after the ranks were reaped."""
+    if not procs:
+        return
+    try:
+        os.killpg(procs[0].pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _write_run_file(spec: LaunchSpec, procs: list[subprocess.Popen]) -> None:
+    """`<run dir>/run.json`: what ran (config, overrides, run id, the launcher's and every
+    rank's pid), for whoever reads the logs, and for tests."""
+    info = {"config": spec.config, "overrides": [list(o) for o in spec.overrides], "run_id": spec.run_id,
+            "launcher_pid": os.getpid(), "ranks": [p.pid for p in procs]}
+    (spec.run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")

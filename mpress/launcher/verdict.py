@@ -1,0 +1,116 @@
+"""How a job ended, in one line: what `mpress train` prints when its ranks did not all
+finish, read from how each rank's process ended and the lines it left in its log.
+
+The ranks' lines (mpress/train.py, launcher/rank_watch.py) are, one per rank at most:
+
+- `mpress.train: rank R: <Kind>: <message>` -- rank R's own failure (a runtime error,
+  naming stage, microbatch and tensor where there is one), exit status 1;
+- `mpress.train: rank R: error: <message>` -- bad input rank R found, exit status 2;
+- `mpress.train: error: <message>` -- bad input, said once by rank 0, exit status 2;
+- `mpress.train: rank R: stopping: <reasons>` -- rank R stopped because another rank
+  failed, died, stalled, or its launcher left, exit status 1.
+
+The verdict names the cause once: a rank's own failure line first (the rank the others'
+stop lines name most, the lowest on a tie), else a rank ended by a signal that the
+launcher did not send, else a stalled rank the others named (the launcher then killed it),
+else a rank that exited badly without a line (its log's last line). It adds how many of
+the other ranks stopped naming that rank and where the logs are.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+_OWN = re.compile(r"^mpress\.train: rank (\d+): (?!stopping: )(.*)$")
+_ERROR = re.compile(r"^mpress\.train: error: (.*)$")
+_STOP = re.compile(r"^mpress\.train: rank (\d+): stopping: (.*)$")
+_NAMED = re.compile(r"\brank (\d+)\b")
+_STALLED = re.compile(r"\brank (\d+) \(pid \d+\) has stalled[^;]*")
+_MAX_LOG_BYTES = 1 << 20
+"""Only the end of a rank's log is read (its lines come last)."""
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank's process ended."""
+
+    rank: int
+    pid: int
+    returncode: int
+    """The process's exit status; -N when signal N ended it."""
+    killed_by_launcher: bool
+    """The launcher sent the signal that ended it (a stalled or left-over rank)."""
+    log: Path
+    """The rank's stderr (and, but for rank 0, stdout)."""
+
+
+def rank_lines(path: Path) -> list[str]:
+    """The `mpress.train:` lines of a rank's log (its end only)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - _MAX_LOG_BYTES))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.startswith("mpress.train:")]
+
+
+def diagnose(ends: list[RankEnd], run_dir: Path) -> tuple[str, int] | None:
+    """The one line and the exit status (2 bad input, 1 runtime failure) for a job some
+    rank of which ended badly; None when every rank finished (status 0)."""
+    if all(e.returncode == 0 for e in ends):
+        return None
+    lines = {e.rank: rank_lines(e.log) for e in ends}
+    stops = {r: m.group(2) for r, ls in lines.items() for m in map(_STOP.match, ls) if m}
+    named = Counter(int(n) for text in stops.values() for n in set(_NAMED.findall(text)))
+    by_rank = {e.rank: e for e in ends}
+    where = f"logs in {run_dir}"
+
+    def tail(rank: int) -> str:
+        others = [r for r, text in stops.items() if r != rank and rank in {int(n) for n in _NAMED.findall(text)}]
+        said = f"{len(others)} of the other {len(ends) - 1} ranks stopped naming it; " if len(ends) > 1 else ""
+        return f" [{said}{where}]"
+
+    own = [(r, m.group(2)) for r, ls in lines.items() for m in map(_OWN.match, ls) if m]
+    if own:
+        rank, text = min(own, key=lambda o: (-named[o[0]], o[0]))
+        code = 2 if by_rank[rank].returncode == 2 or text.startswith("error: ") else 1
+        return f"mpress train: rank {rank}: {text}{tail(rank)}", code
+    errors = [m.group(1) for ls in lines.values() for m in map(_ERROR.match, ls) if m]
+    if errors:
+        return f"mpress train: error: {errors[0]}", 2
+    signalled = [e for e in ends if e.returncode < 0 and not e.killed_by_launcher]
+    if signalled:
+        e = min(signalled, key=lambda x: (-named[x.rank], x.rank))
+        return f"mpress train: rank {e.rank} (pid {e.pid}) was killed by {_signal_name(-e.returncode)}{tail(e.rank)}", 1
+    stalled = [m.group(0) for text in stops.values() for m in _STALLED.finditer(text)]
+    if stalled:
+        rank = int(_NAMED.search(stalled[0]).group(1))  # type: ignore[union-attr]
+        return f"mpress train: {stalled[0]}; the launcher killed it{tail(rank)}", 1
+    bad = [e for e in ends if e.returncode != 0 and not e.killed_by_launcher] or [e for e in ends if e.returncode]
+    e = bad[0]
+    last = _last_line(e.log)
+    return (f"mpress train: rank {e.rank} (pid {e.pid}) exited with status {e.returncode}"
+            f"{f': {last}' if last else ''}{tail(e.rank)}", 1)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    rest = [line.strip() for line in text.splitlines() if line.strip()]
+    return rest[-1][:300] if rest else ""

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,8 +152,9 @@ def start_recorders(cfg: TrainConfig, rank: int, device: torch.device) -> Record
                      snapshot_path=snapshot)
 
 
-def stop_recorders(rec: Recorders | None) -> list[Path]:
-    """Stop what `start_recorders` started and write its files; returns their paths."""
+def stop_recorders(rec: Recorders | None, say: Callable[[str], object] | None = None) -> list[Path]:
+    """Stop what `start_recorders` started and write its files; returns their paths.
+    say: told one line naming what was written (rank 0 passes its console's print)."""
     if rec is None:
         return []
     written = []
@@ -166,4 +168,6 @@ def stop_recorders(rec: Recorders | None) -> list[Path]:
         rec.profiler_path.parent.mkdir(parents=True, exist_ok=True)
         rec.profiler.export_chrome_trace(str(rec.profiler_path))
         written.append(rec.profiler_path)
+    if say is not None and written:
+        say("written per rank: " + ", ".join(str(p).replace(f".rank{rec.rank}", ".rank<N>") for p in written))
     return written

@@ -23,14 +23,13 @@ and resharded on load (`mpress.launcher.checkpoint`).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpress.config import to_dict
+from mpress.config import check_output_path, to_dict
 from mpress.errors import ConfigError
 from mpress.model_config import ModelConfig
 from mpress.runtime.train_config import TrainConfig, model_config
@@ -180,26 +179,17 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def check_checkpoint_dir(cfg: TrainConfig) -> None:
-    """Start-up check of `checkpoint.dir`, before any training: it must be (or be
-    creatable as) a writable directory, and under `checkpoint.resume` its newest complete
-    step must be this run's (`identity`). Every failure is one `ConfigError`. Safe to call
-    on every rank at once."""
+    """Start-up check of `checkpoint.dir`, before any training: a directory that can be
+    made and written (the rule every output path of a config follows,
+    `mpress.config.output_path_problem`), and under `checkpoint.resume` its newest
+    complete step must be this run's (`identity`). Every failure is one `ConfigError`.
+    Reads only: safe to call on every rank at once."""
     if cfg.checkpoint.dir is None:
         return
     root = Path(cfg.checkpoint.dir)
-    if root.exists() and not root.is_dir():
-        raise ConfigError("", "checkpoint.dir", f"{root} is a file; give a directory (it is created if missing)")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f"{TEMP_PREFIX}probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError("", "checkpoint.dir", f"{root} is not a writable directory "
-                                                f"({exc.strerror or type(exc).__name__})") from None
+    check_output_path(root, "", "checkpoint.dir", "dir")
     if not cfg.checkpoint.resume:
         return
     folder, manifest, _skipped = newest_complete(root)
     if manifest is not None:
         check_resumable(manifest, folder, identity(model_config(cfg), cfg.seed))
-

@@ -30,8 +30,9 @@ exponent range) is the supported mixed precision; use fp16 only where its gradie
 known to stay in range.
 
 The optimizer is built by the caller's factory over `tensors()` (one tensor per parameter,
-in the parameters' order), so its state dict indexes parameters exactly as an optimizer
-over the parameters would: checkpoints do not depend on where the step runs. Between
+in the parameters' order), so each stepped tensor stands for one named parameter:
+checkpoints key its states and master by that name (`mpress.runtime.job_state`) and do
+not depend on where the step runs. Between
 steps the masters may leave the device (`release`/`restore`, used by the optimizer
 offload); they must be back before `step`, `state_dict` or `load_state_dict`.
 """

@@ -323,16 +323,17 @@ class PipelineJob:
         return dead
 
     def state(self) -> dict[str, dict]:
-        """Model and optimizer state of this rank, plus `masters` (fp32 master weights by
-        parameter name) under mixed precision, built on the host one tensor at a time;
-        offloaded optimizer data comes to the device one layer's chunk at a time
+        """Model and optimizer state of this rank keyed by parameter name, plus `masters`
+        (fp32 master weights) under mixed precision, built on the host one tensor at a
+        time; offloaded optimizer data comes to the device one layer's chunk at a time
         (`mpress.runtime.job_state`). Parameter names are the whole model's, so the
-        stages' state dicts merge."""
+        ranks' states merge into the whole model's (a checkpoint resumes on another
+        world size or stage split: `mpress.launcher.checkpoint`)."""
         return save_state(self.modules, self.masters, self._chunks())
 
     def load_state(self, state: dict[str, dict]) -> None:
-        """Copy `state` (host tensors, as `state()` makes them and `torch.load(...,
-        map_location="cpu")` reads them) into this rank's tensors in place, offloaded
+        """Copy `state` (host tensors in `state()`'s layout; it may hold parameters of
+        other ranks, which are not read) into this rank's tensors in place, offloaded
         chunks one at a time."""
         load_state(self.modules, self.masters, self._chunks(), state)
         for host_step in self.host_steps:

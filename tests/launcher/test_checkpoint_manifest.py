@@ -125,7 +125,7 @@ def test_start_up_refuses_a_checkpoint_dir_that_is_a_file(tmp_path):
     path.write_text("x")
     with pytest.raises(ConfigError) as err:
         check_checkpoint_dir(train_config(path))
-    assert one_line(err.value) == f"checkpoint.dir: {path} is a file; give a directory (it is created if missing)"
+    assert one_line(err.value) == f"checkpoint.dir: {path} is an existing file, not a directory"
 
 
 def test_start_up_refuses_a_checkpoint_dir_that_cannot_be_made(tmp_path):
@@ -133,13 +133,12 @@ def test_start_up_refuses_a_checkpoint_dir_that_cannot_be_made(tmp_path):
     path = tmp_path / "file" / "ckpt"
     with pytest.raises(ConfigError) as err:
         check_checkpoint_dir(train_config(path))
-    assert one_line(err.value).startswith(f"checkpoint.dir: {path} is not a writable directory (")
+    assert one_line(err.value) == f"checkpoint.dir: cannot write under {path.parent}: it is a file, not a directory"
 
 
-def test_start_up_makes_the_dir_leaves_no_file_and_checks_the_step_to_resume(tmp_path):
+def test_start_up_checks_the_step_to_resume(tmp_path):
     path = tmp_path / "a" / "ckpt"
-    check_checkpoint_dir(train_config(path))
-    assert path.is_dir() and list(path.iterdir()) == []
+    check_checkpoint_dir(train_config(path, resume=True))  # nothing to resume yet: fine
     save_step(path, 4, seed=1)
     check_checkpoint_dir(train_config(path))  # not resuming: another run's steps are no concern
     with pytest.raises(ConfigError, match="manifest.json: seed: "):

@@ -155,4 +155,4 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
     path.write_text("x")
     res = launch(config(tmp_path, "fp32", 2, STEPS, {"dir": str(path)}), tmp_path, nproc=2)
     line = one_line_before_training(res, "checkpoint.dir")
-    assert f"{path} is a file" in line
+    assert f"{path} is an existing file, not a directory" in line

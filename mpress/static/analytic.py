@@ -12,7 +12,8 @@ What the formulas model (see `mpress/models/transformer.py` for the model itself
   FLOPs. Backward = 2 x forward (one product for the input gradient, one for the weight
   gradient; the attention products need two input gradients, which is also 2 x).
   These are exactly the products `torch.utils.flop_counter.FlopCounterMode` counts.
-* **Times** = FLOPs / (hardware.peak_flops(precision) x hardware.compute_efficiency).
+* **Times** = FLOPs / (hardware.peak_flops(precision) x hardware.compute_efficiency)
+  (`flops_time_s`, the one time model of every profile that does not time a real run).
 * **Saved tensors** reproduce, in order, what autograd saves in torch 2.x for the
   reference model in training mode, named by the innermost running module (paths of
   `named_modules()` of the whole model) and the order of saving within it; parameters
@@ -188,11 +189,16 @@ def layer_output_bytes(cfg: ModelConfig, index: int, microbatch_size: int) -> in
     return microbatch_size * cfg.seq_len * cfg.hidden_size * cfg.dtype_bytes
 
 
+def flops_time_s(flops: float, hardware: Hardware, precision: str) -> float:
+    """Seconds `flops` matrix-product FLOPs take on one of `hardware`'s devices in
+    `precision` (fp32, fp16, bf16): peak FLOP/s x the hardware's compute efficiency."""
+    return flops / (hardware.peak_flops(precision) * hardware.compute_efficiency)
+
+
 def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int) -> Profile:
     """Closed-form `Profile` of the reference model for `cfg` on `hardware` (one microbatch)."""
     if microbatch_size < 1:
         raise UserError(f"microbatch size must be >= 1, got {microbatch_size}")
-    flops_per_s = hardware.peak_flops(cfg.precision) * hardware.compute_efficiency
     layers = []
     for index in range(cfg.num_layers + 2):
         fwd = layer_forward_flops(cfg, index, microbatch_size)
@@ -202,8 +208,8 @@ def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int)
             name=layer_name(cfg, index),
             forward_flops=fwd,
             backward_flops=bwd,
-            forward_time_s=fwd / flops_per_s,
-            backward_time_s=bwd / flops_per_s,
+            forward_time_s=flops_time_s(fwd, hardware, cfg.precision),
+            backward_time_s=flops_time_s(bwd, hardware, cfg.precision),
             saved=layer_saved_tensors(cfg, index, microbatch_size),
             param_bytes=n * cfg.dtype_bytes,
             grad_bytes=n * cfg.dtype_bytes,

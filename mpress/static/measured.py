@@ -1,16 +1,19 @@
-"""Measured profiler: run a real module (training mode) and record what one microbatch costs.
+"""Measured profiler: run a module (training mode) and record what one microbatch costs.
 
 Per layer it records forward/backward times, matrix-product FLOPs (from
 `torch.utils.flop_counter.FlopCounterMode`), every tensor autograd saves for backward,
-model-state bytes and the bytes handed to the next layer; on CUDA also the peak
-allocated memory of one step.
+model-state bytes and the bytes handed to the next layer, and what each layer holds
+(`memory_probe.py`). `instrument` is the part that needs no clock: the fake-tensor
+profiler (`fake_profile.py`) runs exactly it on fake tensors, so both agree byte for byte.
 
 Layers and saved-tensor names are those of `mpress.identity` (`layer_paths`,
-`SavedTensorNamer`), the same the runtime uses. Bytes are storage bytes; a tensor whose
+`SavedTensorNamer`), the same the runtime uses, or the layers a user names
+(`mpress.static.user_module.select_layers`). Bytes are storage bytes; a tensor whose
 storage an earlier saved tensor of the same layer already holds is recorded with 0 bytes,
-so sums count memory once. Sharing across layers is counted in each layer: at a stage
-boundary the next stage holds a copy of its own. Tensors saved by the loss (outside every
-module) belong to the last layer, under its path.
+so sums count memory once. Storages are told apart by their storage object (`_cdata`),
+never by `data_ptr()`, which is 0 for every fake or meta tensor. Sharing across layers is
+counted in each layer: at a stage boundary the next stage holds a copy of its own.
+Tensors saved by the loss (outside every module) belong to the last layer, under its path.
 
 Timing: layer boundaries are marked in forward by the layers' pre-hooks (and the end of
 the loss), in backward by gradient hooks on each layer's output (the gradient of layer
@@ -18,25 +21,26 @@ i's output is ready when layer i's backward starts). Layer i's forward time is t
 from its mark to the next; the loss forward and backward count toward the last layer.
 A layer whose output needs no gradient gets no backward mark, and its backward time goes
 to the layer after it. CPU: `time.perf_counter`; CUDA: CUDA events on the current stream.
-Times are means over `iters` steps after `warmup` untimed steps.
+After `warmup` untimed steps, `iters` steps are timed; a layer's time is the median of its
+spans and its spread their interquartile range (`torch.utils.benchmark.Measurement`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.benchmark import Measurement
+from torch.utils.benchmark.utils.common import TaskSpec
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpress.errors import UserError
-from mpress.identity import SavedTensorNamer, layer_paths, storage_key
+from mpress.identity import SavedTensorNamer, layer_paths
 from mpress.live_bytes import LiveBytes
 from mpress.model_config import ModelConfig
 from mpress.models.transformer import (
@@ -46,22 +50,12 @@ from mpress.models.transformer import (
     num_parameters,
 )
 from mpress.static.memory_probe import probe_layers
-from mpress.static.profile import LayerProfile, Profile, SavedTensor
+from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
+from mpress.static.user_module import as_args, default_loss, select_layers, tensors
 
 LossFn = Callable[[Any], torch.Tensor]
 
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-@dataclass(kw_only=True)
-class UserModule:
-    """What a user factory returns: a module, its example input and an optional loss."""
-
-    module: nn.Module
-    example_input: Any
-    """A tensor or a tuple of tensors passed positionally to `module`."""
-    loss_fn: LossFn | None = None
-    """output -> scalar tensor; None: the sum of the floating outputs."""
 
 
 @dataclass(kw_only=True)
@@ -72,20 +66,15 @@ class _LayerRecord:
     output_bytes: int = 0
 
 
-def _as_args(example_input: Any) -> tuple[Any, ...]:
-    return tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+@dataclass(kw_only=True)
+class Instrumented:
+    """What `instrument` learned, per layer: saved tensors and output bytes, FLOPs of
+    forward and backward, and memory (plain, recomputed)."""
 
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Tensors inside a (nested) tuple/list/dict output."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+    paths: list[str]
+    records: list[_LayerRecord]
+    flops: list[tuple[float, float]]
+    memory: list[tuple[LayerMemory, LayerMemory]]
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -96,12 +85,10 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def default_loss(output: Any) -> torch.Tensor:
-    """Sum of every floating tensor in `output` (in fp32): a stand-in loss so backward runs."""
-    parts = [t.float().sum() for t in _tensors(output) if t.is_floating_point()]
-    if not parts:
-        raise UserError("module output has no floating-point tensor to back-propagate from")
-    return torch.stack(parts).sum()
+def storage_id(t: torch.Tensor) -> int:
+    """What tells storages apart on any tensor (real, meta or fake): the storage object's
+    address, valid while the storage lives (callers keep what they compare alive)."""
+    return t.untyped_storage()._cdata
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -111,12 +98,22 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
 
-def module_fingerprint(module: nn.Module) -> str:
-    """Stable short hash of a module's structure: class names and parameter/buffer shapes."""
-    parts = [f"{name}:{type(m).__name__}" for name, m in module.named_modules()]
-    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
-    parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers()]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+class _Namer(SavedTensorNamer):
+    """`SavedTensorNamer` that tells parameters by storage object, not by address."""
+
+    _NOT_A_PARAMETER = (torch.device("meta"), -1)
+
+    def __init__(self, module: nn.Module, layers: Sequence[str]) -> None:
+        super().__init__(module, layers)
+        self._param_storages = {storage_id(p) for p in module.parameters()}
+
+    def is_parameter(self, t: torch.Tensor) -> bool:
+        return storage_id(t) in self._param_storages
+
+    def name(self, t: torch.Tensor, storage: Any = None):  # type: ignore[override]
+        if self.is_parameter(t):
+            return None
+        return super().name(t, storage=self._NOT_A_PARAMETER)
 
 
 class _Marks:
@@ -165,7 +162,7 @@ class _Marks:
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
-    return next((t for t in _tensors(value) if t.requires_grad), None)
+    return next((t for t in tensors(value) if t.requires_grad), None)
 
 
 def _step(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
@@ -203,21 +200,27 @@ def _step(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
 
 def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
                   paths: list[str]) -> list[_LayerRecord]:
-    """One step with saved-tensor hooks: per layer, saved tensors and output bytes."""
+    """One step with saved-tensor hooks: per layer, saved tensors and output bytes.
+    Raises `UserError` when a layer does not run, or the layers run in another order."""
     records = [_LayerRecord() for _ in paths]
     layer_of = {module.get_submodule(p): i for i, p in enumerate(paths)}
-    device = next((t.device for t in (*module.parameters(), *_tensors(args))), torch.device("cpu"))
-    namer = SavedTensorNamer(module, paths)
-    layer_inputs: dict[int, set[tuple[str, int]]] = {}  # layer -> storages of its input
+    device = next((t.device for t in (*module.parameters(), *tensors(args))), torch.device("cpu"))
+    namer = _Namer(module, paths)
+    order: list[int] = []  # layers in the order their forwards start
+    layer_inputs: dict[int, set[int]] = {}  # layer -> storages of its input
+    alive: list[torch.UntypedStorage] = []  # what the storage ids above name, kept for the step
 
     def enter(m: nn.Module, args_in: Any) -> None:
         if namer.active and m in layer_of:
-            layer_inputs[layer_of[m]] = {storage_key(t) for t in _tensors(args_in)}
-    seen: dict[tuple[int, str, int], str] = {}  # (layer, device, data_ptr) -> first id
+            order.append(layer_of[m])
+            inputs = [t.untyped_storage() for t in tensors(args_in)]
+            alive.extend(inputs)
+            layer_inputs[layer_of[m]] = {s._cdata for s in inputs}
+    seen: dict[tuple[int, int], str] = {}  # (layer, storage) -> first id
 
     def output(m: nn.Module, _a: Any, out: Any) -> None:
         if namer.active and m in layer_of:
-            records[layer_of[m]].output_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
+            records[layer_of[m]].output_bytes = sum(t.numel() * t.element_size() for t in tensors(out))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         name = namer.name(t)
@@ -230,12 +233,13 @@ def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
         nbytes = _storage_bytes(t)
         if t.device != device:  # a CPU scalar a user's forward made: not the device's memory,
             what, nbytes = f"{what} (on {t.device}: not device memory)", 0  # and the router keeps it
-        layer_key = (name.layer, *storage_key(t))
+        storage = storage_id(t)
+        layer_key = (name.layer, storage)
         if layer_key in seen and t.numel() > 0:
             what, nbytes = f"{what} (same storage as {seen[layer_key]})", 0
         else:
             seen[layer_key] = name.id
-        is_input = storage_key(t) in layer_inputs.get(name.layer, ())
+        is_input = storage in layer_inputs.get(name.layer, ())
         records[name.layer].saved.append(SavedTensor(
             module=name.module, index=name.index, bytes=nbytes, shape=list(t.shape),
             dtype=str(t.dtype).removeprefix("torch."), what=what, input=is_input,
@@ -260,7 +264,19 @@ def _record_saved(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn,
         for h in handles:
             h.remove()
     module.zero_grad(set_to_none=True)
+    _check_order(paths, order)
     return records
+
+
+def _check_order(paths: list[str], order: list[int]) -> None:
+    """Layers are pipeline stages' units: each runs, once, in the listed order."""
+    first = list(dict.fromkeys(order))
+    missing = [paths[i] for i in range(len(paths)) if i not in first]
+    if missing:
+        raise UserError(f"layer {missing[0]!r} does not run in the module's forward; name layers it calls")
+    if first != sorted(first) or len(order) != len(first):
+        ran = ", ".join(paths[i] for i in order)
+        raise UserError(f"layers must run once each in the order they are defined; the forward runs {ran}")
 
 
 def _precision(module: nn.Module) -> str:
@@ -280,14 +296,80 @@ def _model_state(layer: nn.Module) -> dict[str, int]:
             "largest_param_bytes": 4 * max((p.numel() for p in params), default=0), "param_tensors": len(params)}
 
 
+def layer_list(module: nn.Module, args: tuple[Any, ...], layers: Sequence[str] | None) -> list[str]:
+    """The layers to profile: those `layers` names (patterns), else `layer_paths`."""
+    return select_layers(module, layers) if layers else layer_paths(module, args)
+
+
+def instrument(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn | None,
+               layers: Sequence[str] | None = None) -> Instrumented:
+    """Everything of a profile but times: saved tensors, FLOPs and memory per layer, from
+    steps of `module` (training mode) on `args`; real, meta or fake tensors alike."""
+    loss = loss_fn or default_loss
+    paths = layer_list(module, args, layers)
+    records = _record_saved(module, args, loss, paths)
+    mods = [module.get_submodule(p) for p in paths]
+    with FlopCounterMode(display=False) as counter:
+        flop_marks = _Marks(False, counter)
+        _step(module, args, loss, mods, flop_marks)
+    flops = [(f, b) for _fs, _bs, f, b in flop_marks.spans(len(paths))]
+    memory = [(plain, recomputed) for plain, recomputed, _ in probe_layers(module, args, paths, loss_fn=loss)]
+    return Instrumented(paths=paths, records=records, flops=flops, memory=memory)
+
+
+def layer_profiles(module: nn.Module, found: Instrumented,
+                   times: Sequence[tuple[float, float, float, float]]) -> list[LayerProfile]:
+    """`LayerProfile`s from `instrument`'s findings and per layer (forward_s, backward_s,
+    forward_iqr_s, backward_iqr_s)."""
+    out = []
+    for i, path in enumerate(found.paths):
+        fs, bs, fiqr, biqr = times[i]
+        out.append(LayerProfile(
+            name=path, forward_flops=found.flops[i][0], backward_flops=found.flops[i][1],
+            forward_time_s=fs, backward_time_s=bs, forward_time_iqr_s=fiqr, backward_time_iqr_s=biqr,
+            saved=found.records[i].saved, output_bytes=found.records[i].output_bytes,
+            memory=found.memory[i][0], recompute_memory=found.memory[i][1],
+            **_model_state(module.get_submodule(path)),
+        ))
+    return out
+
+
+def _median_iqr(samples: list[float], what: str) -> tuple[float, float]:
+    m = Measurement(number_per_run=1, raw_times=[max(x, 0.0) for x in samples],
+                    task_spec=TaskSpec(stmt=what, setup=""))
+    return m.median, m.iqr
+
+
+def _time_layers(module: nn.Module, args: tuple[Any, ...], loss: LossFn, paths: list[str], cuda: bool, *,
+                 warmup: int, iters: int) -> list[tuple[float, float, float, float]]:
+    """Per layer (median forward s, median backward s, their IQRs) over `iters` timed steps."""
+    layers = [module.get_submodule(p) for p in paths]
+    for _ in range(warmup):
+        _step(module, args, loss, layers, None)
+    samples: list[tuple[list[float], list[float]]] = [([], []) for _ in paths]
+    for _ in range(iters):
+        marks = _Marks(cuda, None)
+        _step(module, args, loss, layers, marks)
+        for i, (fs, bs, _ff, _bf) in enumerate(marks.spans(len(paths))):
+            samples[i][0].append(fs)
+            samples[i][1].append(bs)
+    out = []
+    for path, (fwd, bwd) in zip(paths, samples):
+        (f, fiqr), (b, biqr) = _median_iqr(fwd, f"{path} forward"), _median_iqr(bwd, f"{path} backward")
+        out.append((f, b, fiqr, biqr))
+    return out
+
+
 def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, fingerprint: str,
                     microbatch_size: int, loss_fn: LossFn | None = None, warmup: int = 2,
-                    iters: int = 3, device: str | torch.device = "cpu", target_bytes: int = 0) -> Profile:
+                    iters: int = 10, device: str | torch.device = "cpu", target_bytes: int = 0,
+                    layers: Sequence[str] | None = None) -> Profile:
     """Run `module` in training mode on `device` and return its measured `Profile`.
 
     `example_input` is one microbatch (a tensor or a tuple of positional tensors);
     `loss_fn(output) -> scalar` defaults to `default_loss`; `target_bytes`: one
-    microbatch of what the loss compares with (the pipeline's last stage holds them).
+    microbatch of what the loss compares with (the pipeline's last stage holds them);
+    `layers`: module names or patterns of the split points (default `layer_paths`).
     The module is moved to `device` and left in training mode with no gradients.
     """
     if warmup < 0 or iters < 1:
@@ -296,48 +378,21 @@ def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, f
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda requested but CUDA is not available here (use --device cpu)")
     module = module.to(dev).train()
-    args = _as_args(_to_device(example_input, dev))
+    args = as_args(_to_device(example_input, dev))
     loss = loss_fn or default_loss
-    paths = layer_paths(module, args)
-    layers = [module.get_submodule(p) for p in paths]
     cuda = dev.type == "cuda"
-
-    for _ in range(warmup):
-        _step(module, args, loss, layers, None)
-    records = _record_saved(module, args, loss, paths)
-    with FlopCounterMode(display=False) as counter:
-        flop_marks = _Marks(cuda, counter)
-        _step(module, args, loss, layers, flop_marks)
-    flops = flop_marks.spans(len(paths))
-    totals = [[0.0, 0.0] for _ in paths]
-    for _ in range(iters):
-        marks = _Marks(cuda, None)
-        _step(module, args, loss, layers, marks)
-        for i, (fs, bs, _ff, _bf) in enumerate(marks.spans(len(paths))):
-            totals[i][0] += fs
-            totals[i][1] += bs
-    memory = probe_layers(module, args, paths, loss_fn=loss)
-    profiles = []
-    for i, path in enumerate(paths):
-        profiles.append(LayerProfile(
-            name=path,
-            forward_flops=flops[i][2],
-            backward_flops=flops[i][3],
-            forward_time_s=max(totals[i][0] / iters, 0.0),
-            backward_time_s=max(totals[i][1] / iters, 0.0),
-            saved=records[i].saved,
-            output_bytes=records[i].output_bytes,
-            memory=memory[i][0],
-            recompute_memory=memory[i][1],
-            **_model_state(layers[i]),
-        ))
+    for _ in range(warmup):  # before the instrumented steps too: lazy init, caches
+        _step(module, args, loss, [], None)
+    found = instrument(module, args, loss, layers)
+    times = _time_layers(module, args, loss, found.paths, cuda, warmup=0, iters=iters)
     device_name = torch.cuda.get_device_name(dev) if cuda else dev.type
     return Profile(model=model_name, model_fingerprint=fingerprint, source="measured", device=device_name,
-                   dtype=_precision(module), microbatch_size=microbatch_size, layers=profiles,
-                   input_bytes=sum(t.numel() * t.element_size() for t in _tensors(args)), target_bytes=target_bytes)
+                   dtype=_precision(module), microbatch_size=microbatch_size,
+                   layers=layer_profiles(module, found, times), time_samples=iters,
+                   input_bytes=sum(t.numel() * t.element_size() for t in tensors(args)), target_bytes=target_bytes)
 
 
-def _available_bytes(dev: torch.device) -> int:
+def available_bytes(dev: torch.device) -> int:
     """Memory free for a new model on `dev` (CUDA: free device memory; CPU: MemAvailable)."""
     if dev.type == "cuda":
         return torch.cuda.mem_get_info(dev)[0]
@@ -351,60 +406,30 @@ def _available_bytes(dev: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _check_fits(cfg: ModelConfig, microbatch_size: int, dev: torch.device) -> None:
-    """Refuse (UserError) a model whose parameters, gradients and saved activations
-    (the analytic estimate) exceed the memory free on the device."""
+def model_need_bytes(cfg: ModelConfig, microbatch_size: int) -> int:
+    """What measuring the reference model holds: parameters, gradients and the saved
+    activations of one microbatch (the analytic estimate)."""
     from mpress.static.analytic import layer_saved_tensors
 
     saved = sum(t.bytes for i in range(cfg.num_layers + 2) for t in layer_saved_tensors(cfg, i, microbatch_size))
-    need = 2 * num_parameters(cfg) * cfg.dtype_bytes + saved
-    have = _available_bytes(dev)
-    if need > have:
-        raise UserError(f"model {cfg.name}: parameters, gradients and activations need about {need / 1e9:.1f} GB "
-                        f"but {dev.type} has {have / 1e9:.1f} GB free; use --analytic --hardware PRESET")
+    return 2 * num_parameters(cfg) * cfg.dtype_bytes + saved
 
 
 def measure_model_profile(cfg: ModelConfig, microbatch_size: int, device: str | torch.device = "cpu", *,
-                          warmup: int = 2, iters: int = 3, seed: int = 0) -> Profile:
-    """Measured profile of the whole reference model for `cfg` (cross-entropy loss)."""
+                          warmup: int = 2, iters: int = 10, seed: int = 0) -> Profile:
+    """Measured profile of the whole reference model for `cfg` (cross-entropy loss);
+    a model that does not fit the device is refused (`UserError`)."""
     if microbatch_size < 1:
         raise UserError(f"microbatch size must be >= 1, got {microbatch_size}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda requested but CUDA is not available here (use --device cpu)")
-    _check_fits(cfg, microbatch_size, dev)
+    need, have = model_need_bytes(cfg, microbatch_size), available_bytes(dev)
+    if need > have:
+        raise UserError(f"model {cfg.name}: parameters, gradients and activations need about {need / 1e9:.1f} GB "
+                        f"but {dev.type} has {have / 1e9:.1f} GB free; profile it with --fake")
     model = build_model(cfg, seed=seed, device=dev)
     ids, targets = example_batch(cfg, microbatch_size, seed=seed, device=dev)
     return measure_profile(model, ids, model_name=cfg.name, fingerprint=cfg.fingerprint(),
                            microbatch_size=microbatch_size, loss_fn=lambda out: lm_loss(out, targets),
                            warmup=warmup, iters=iters, device=dev, target_bytes=targets.numel() * targets.element_size())
-
-
-def load_user_factory(spec: str) -> UserModule:
-    """Import `package.module:factory` and call it.
-
-    The factory takes no arguments and returns `(module, example_input)` or
-    `(module, example_input, loss_fn)`. Any problem is a one-line `UserError`.
-    """
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise UserError(f"--module {spec!r}: expected 'package.module:factory'")
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as exc:  # any import-time failure is the user's module's problem
-        raise UserError(f"--module {spec!r}: cannot import {mod_name}: {type(exc).__name__}: {exc}") from None
-    factory = getattr(mod, attr, None)
-    if not callable(factory):
-        raise UserError(f"--module {spec!r}: {mod_name} has no callable {attr!r}")
-    try:
-        result = factory()
-    except Exception as exc:  # report the user's factory failing in one line
-        raise UserError(f"--module {spec!r}: factory raised {type(exc).__name__}: {exc}") from None
-    if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
-        raise UserError(f"--module {spec!r}: factory must return (nn.Module, example_input[, loss_fn])")
-    loss_fn = result[2] if len(result) == 3 else None
-    if loss_fn is not None and not callable(loss_fn):
-        raise UserError(f"--module {spec!r}: the third returned item (loss_fn) is not callable")
-    if not any(isinstance(t, torch.Tensor) for t in _as_args(result[1])):
-        raise UserError(f"--module {spec!r}: example_input must be a tensor or a tuple of tensors")
-    return UserModule(module=result[0], example_input=result[1], loss_fn=loss_fn)

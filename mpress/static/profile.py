@@ -1,8 +1,15 @@
 """The `Profile` type: what one microbatch costs, layer by layer.
 
-Two sources fill it: the analytic profiler (`analytic.py`, FLOP counting, any size, no
-GPU) and the measured profiler (`measured.py`, a real module on the local device). Both
-produce the same type; the partitioner groups layers into stages.
+Three sources fill it: the analytic profiler (`analytic.py`, closed forms for the GPT/BERT
+presets), the measured profiler (`measured.py`, a real module on the local device, times
+as medians of timed steps) and the fake-tensor profiler (`fake_profile.py`, any module
+built on meta and run on fake tensors: exact saved tensors and FLOPs at any size, times
+from the hardware model). All produce the same type; the partitioner groups layers into
+stages.
+
+A profile identifies its model by a fingerprint of the model's structure (a preset's
+`ModelConfig.fingerprint()`, or `module_fingerprint` of a user module), so a plan can be
+made from a profile alone (`ModelIdentity`, `model_for_profile`).
 
 Identity of a saved tensor: `f"{module}#{index}"`, where `module` is the path of the
 innermost module running when autograd saved it (as in `named_modules()` of the whole
@@ -21,7 +28,7 @@ import yaml
 
 from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
 from mpress.errors import ProfileError
-from mpress.model_config import ModelConfig
+from mpress.model_config import ModelConfig, load_model_config
 
 PROFILE_VERSION = 2
 
@@ -88,7 +95,11 @@ class LayerProfile:
     forward_flops: float = field(metadata={"min": 0})
     backward_flops: float = field(metadata={"min": 0})
     forward_time_s: float = field(metadata={"min": 0})
+    """Measured: the median over the timed steps; otherwise FLOPs over the hardware's rate."""
     backward_time_s: float = field(metadata={"min": 0})
+    forward_time_iqr_s: float = field(default=0.0, metadata={"min": 0})
+    """Spread of the measured forward times (interquartile range); 0 when not measured."""
+    backward_time_iqr_s: float = field(default=0.0, metadata={"min": 0})
     saved: list[SavedTensor] = field(default_factory=list)
     """Tensors saved for backward, in saving order."""
     param_bytes: int = field(default=0, metadata={"min": 0})
@@ -130,9 +141,10 @@ class Profile:
     """Model preset name (or `package.module:factory` for user modules)."""
     model_fingerprint: str
     """`ModelConfig.fingerprint()`, or a hash of the module structure for user modules."""
-    source: Literal["analytic", "measured"]
+    source: Literal["analytic", "measured", "fake"]
+    """analytic: closed forms; measured: a real run; fake: a run on fake tensors."""
     device: str
-    """Where times come from: a hardware preset name (analytic) or the measured device."""
+    """Where times come from: a hardware preset name (analytic, fake) or the measured device."""
     dtype: str
     """Activation precision: fp32, fp16 or bf16."""
     microbatch_size: int = field(metadata={"min": 1})
@@ -141,6 +153,9 @@ class Profile:
     """One microbatch of the model's input (the first stage holds the iteration's batch)."""
     target_bytes: int = field(default=0, metadata={"min": 0})
     """One microbatch of the loss's targets (the last stage holds the iteration's)."""
+    time_samples: int = field(default=0, metadata={"min": 0})
+    """Timed steps the measured times are the medians of (after untimed warm-up steps);
+    0: times come from the hardware model."""
 
     def __post_init__(self) -> None:
         if self.version != PROFILE_VERSION:
@@ -155,7 +170,11 @@ class Profile:
     def layer_names(self) -> list[str]:
         return [layer.name for layer in self.layers]
 
-    def check_model(self, model: ModelConfig, path: str = "profile") -> None:
+    def model_identity(self) -> "ModelIdentity":
+        """The model this profile was made for, as planning needs it (name, fingerprint)."""
+        return ModelIdentity(name=self.model, structure=self.model_fingerprint)
+
+    def check_model(self, model: "ModelConfig | ModelIdentity", path: str = "profile") -> None:
         """Raise `ProfileError` unless this profile was made for `model`."""
         if self.model_fingerprint != model.fingerprint():
             raise ProfileError(
@@ -174,3 +193,26 @@ class Profile:
     def load(path: str | Path) -> "Profile":
         """Read a profile written by `save` (YAML or JSON)."""
         return from_dict(Profile, load_yaml(path), str(path))
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelIdentity:
+    """A model known only by its profile (a user module): what the planner and a plan need
+    of a model, `name` and `fingerprint()`, as `ModelConfig` has them."""
+
+    name: str
+    """`package.module:factory` for user modules, or a preset's name."""
+    structure: str
+    """The profile's `model_fingerprint`."""
+
+    def fingerprint(self) -> str:
+        return self.structure
+
+
+def model_for_profile(name: str | None, profile: Profile | None, default: str) -> "ModelConfig | ModelIdentity":
+    """The model a command plans for: the profile's own when `--model` is not given (or
+    names the profile's model), else the preset or YAML `name` (default `default`), which
+    `Profile.check_model` then holds the profile to."""
+    if profile is not None and name in (None, profile.model):
+        return profile.model_identity()
+    return load_model_config(name or default)

@@ -12,12 +12,12 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
+from mpress.errors import UserError
 from mpress.hardware import load_hardware
-from mpress.model_config import load_model_config
 from mpress.plan import Plan
 from mpress.static.evaluate import Evaluation, PipelineSetup, evaluate, setup_pipeline
 from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
-from mpress.static.profile import Profile
+from mpress.static.profile import Profile, model_for_profile
 from mpress import limits
 from mpress.config import int_arg, output_path_arg
 from mpress.ui import make_console
@@ -59,11 +59,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=None, choices=SwapInPolicy.words(),
                    help="swap-in policy the plan's swap-ins are placed with (default: the plan's)")
     p.add_argument("--trace", type=output_path_arg(), default=None, help="write a Chrome/Perfetto trace JSON of the emulated streams")
-    p.add_argument("--plot", type=output_path_arg(), default=None, help="write a PNG of memory per device over time")
+    p.add_argument("--plot", type=output_path_arg(), default=None,
+                   help="write a PNG of memory per device over time and of each device's peak by category")
+    p.add_argument("--map", type=output_path_arg(), default=None,
+                   help="with a plan: write a PNG of its stage x layer technique map")
     p.set_defaults(func=run)
 
 
-def setup_from_args(args: argparse.Namespace, plan: Plan | None = None) -> PipelineSetup:
+def setup_from_args(args: argparse.Namespace, plan: Plan | None = None, profile: Profile | None = None) -> PipelineSetup:
     """Build the `PipelineSetup` the shared pipeline flags describe; flags left unset take
     the plan's values (when a plan is given) or the built-in defaults."""
     def pick(flag: str, from_plan: object) -> object:
@@ -78,8 +81,8 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None) -> Pipel
         devices = devices if devices is not None else plan.num_devices
         memory = memory if memory is not None else plan.device_memory_bytes
     hardware = load_hardware(str(pick("hardware", plan and plan.hardware)), num_devices=devices, memory_bytes=memory)
-    model = load_model_config(str(pick("model", plan and plan.model)))
-    profile = Profile.load(args.profile) if args.profile else None
+    profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
+    model = model_for_profile(args.model or (plan.model if plan is not None else None), profile, DEFAULTS["model"])
     ranks = args.ranks if args.ranks is not None else (plan.num_ranks if plan and plan.schedule is ScheduleName.INTERLEAVED else None)
     return setup_pipeline(
         model, hardware, schedule=pick("schedule", plan and plan.schedule),  # type: ignore[arg-type]
@@ -167,8 +170,19 @@ def run(args: argparse.Namespace) -> int:
         names = setup.profile.layer_names()
         write_trace(ev.result, args.trace, layer_names=[names[a:b] for a, b in setup.ranges])
         console.print(f"trace written to {args.trace} (open in https://ui.perfetto.dev)")
+    strategy = plan.strategy if args.plan else "no compaction"
+    what = f"{setup.model.name} on {setup.hardware.name}, {setup.schedule.name}, {strategy}"
     if args.plot:
+        from mpress.static.memory_breakdown import peak_breakdown
         from mpress.static.plots import plot_memory
-        plot_memory(ev.result, args.plot, title=f"{setup.model.name} on {setup.hardware.name}, {setup.schedule.name}")
+        breakdown = peak_breakdown(ev.result, setup.costs, weight_stashing=setup.schedule.weight_stashing)
+        plot_memory(ev.result, args.plot, title=f"memory of {what}, iteration {fmt_seconds(ev.result.iteration_s)}",
+                    breakdown=breakdown)
         console.print(f"memory plot written to {args.plot}")
+    if args.map:
+        if not args.plan:
+            raise UserError("--map: needs a plan (mpress emulate PLAN --map map.png); without one every layer is kept")
+        from mpress.static.technique_map import plot_technique_map, technique_map
+        plot_technique_map(technique_map(plan, setup), args.map, title=f"techniques of {what}")
+        console.print(f"technique map written to {args.map}")
     return 0

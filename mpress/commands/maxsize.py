@@ -16,7 +16,7 @@ from mpress.hardware import load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
 from mpress.vocabulary import ScheduleName, Strategy
 from mpress import limits
-from mpress.config import int_arg
+from mpress.config import int_arg, output_path_arg
 from mpress.ui import make_console
 from mpress.units import fmt_seconds, parse_bytes
 
@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated strategies to search (default: all)")
     p.add_argument("--devices", type=int_arg(1, limits.MAX_DEVICES), default=None, help="override the device count (cpu-local)")
     p.add_argument("--device-memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
+    p.add_argument("--plot", type=output_path_arg(), default=None,
+                   help="write a PNG bar chart of the largest model per strategy")
     p.set_defaults(func=run)
 
 
@@ -74,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
                 num_ranks=args.ranks, microbatch_size=args.microbatch_size, num_microbatches=args.microbatches,
                 progress=lambda msg: progress.update(task, description=msg)))
             progress.advance(task)
-    console.print(table(rows, f"largest {args.family.upper()} on {hardware.name}: {args.schedule}, {args.stages} stages, "
-                              f"{args.microbatches} x {args.microbatch_size}"))
+    title = (f"largest {args.family.upper()} on {hardware.name}: {args.schedule}, {args.stages} stages, "
+             f"{args.microbatches} x {args.microbatch_size}")
+    console.print(table(rows, title))
+    if args.plot:
+        from mpress.static.plots import plot_maxsize
+        plot_maxsize(rows, args.plot, title)
+        console.print(f"bar chart written to {args.plot}")
     return 0

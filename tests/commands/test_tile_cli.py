@@ -33,8 +33,8 @@ def test_tile_fixed_tile_count(capsys):
 
 @pytest.mark.parametrize("argv,expect", [
     (["--network", "resnet50"], "invalid choice"),
-    (["--image-size", "0"], "--image-size must be > 0"),
-    (["--image-size", "-5"], "--image-size must be > 0"),
+    (["--image-size", "0"], "--image-size: must be in [1, "),
+    (["--image-size", "-5"], "--image-size: must be in [1, "),
     (["--budget", "lots"], "cannot read 'lots' as a size"),
     (["--image-size", "4096", "--budget", "20MB"], "does not fit: budget 20 MB, plain training needs"),
 ])

@@ -68,11 +68,13 @@ class Draft:
     """Per stage: (peer device, bytes) of each peer pool it may fill."""
     unplaced_bytes: int = 0
     """D2D bytes no peer could take (the plan then does not fit)."""
+    unplaced_why: str = ""
+    """Why they could not go to peers, when it is not a lack of spare peer memory."""
 
     def copy(self) -> "Draft":
         return Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
                       list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
-                      self.unplaced_bytes)
+                      self.unplaced_bytes, self.unplaced_why)
 
 
 class PlanWriter:

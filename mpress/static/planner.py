@@ -266,8 +266,8 @@ class _Planner(D2DSteps):
                         shed_any |= self._shed_d2d(d, s, need, live[s]) > 0
                     else:
                         shed_any |= self.shed(d, s, need, live[s]) > 0
-            if self.strategy is Strategy.D2D and shed_any:
-                self._map_d2d(d)
+            if self.strategy is Strategy.D2D and shed_any and not self._map_d2d(d) and d.unplaced_why:
+                shed_any = False  # this pipeline cannot be mapped: shedding more would change nothing
             ev = self.evaluate(d)
             self.progress(f"{self.strategy}: fit round {rnd + 1} ({'+'.join(self.layer_allowed)}), iteration "
                           f"{ev.result.iteration_s:.3f} s, {sum(ev.result.oom)} devices over")
@@ -327,7 +327,8 @@ class _Planner(D2DSteps):
             fits, reason = False, (f"host memory too small for the host-swap volume: needs {fmt_bytes(host)}, "
                                    f"{self.hw.name} has {fmt_bytes(self.hw.host_memory_bytes)}")
         elif d.unplaced_bytes:
-            fits, reason = False, f"{fmt_bytes(d.unplaced_bytes)} of D2D data find no spare peer memory over NVLink"
+            fits, reason = False, (f"{fmt_bytes(d.unplaced_bytes)} of D2D data "
+                                   f"{d.unplaced_why or 'find no spare peer memory over NVLink'}")
         elif not fits:
             reason = self._why_not(ev)
         plan = replace(plan, fits=fits)

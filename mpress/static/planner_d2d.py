@@ -52,11 +52,19 @@ class D2DSteps:
 
     def _map_d2d(self, d: Draft, peaks: list[int] | None = None) -> bool:
         """Run the device mapper for the draft's D2D volumes; set mapping, stripes, pools.
-        Returns False (and leaves D2D unplaced) when spare peer memory is short."""
+        Returns False when spare peer memory is short, or when the pipeline cannot be
+        mapped (interleaved): then what found no peer stays on its device (keep), and
+        `d.unplaced_bytes` / `d.unplaced_why` say how much and why."""
         n_st = self.sched.num_stages
-        if self.sched.num_ranks != n_st:
-            return False  # interleaved: several stages per device, the mapper maps one each
         overflow = [self._d2d_bytes(d, s) for s in range(n_st)]
+        if self.sched.num_ranks != n_st:  # interleaved: several stages per device, the mapper maps one each
+            for s in range(n_st):
+                self._keep_on_device(d, s)
+            d.stripes, d.pool_bytes, d.quotas = [()] * n_st, {}, [()] * n_st
+            d.unplaced_bytes = sum(overflow)
+            d.unplaced_why = (f"cannot go to peers: the device mapper places one stage per device, and "
+                              f"{self.sched.name} runs {n_st // self.sched.num_ranks} on each")
+            return False
         if peaks is None:
             peaks = [m.total_bytes for m in self.setup.memory]
         # A busy lender keeps room for the contexts its exporters open on it (at most one per
@@ -87,11 +95,18 @@ class D2DSteps:
                 if b > 0:
                     d.pool_bytes[dev] = d.pool_bytes.get(dev, 0) + peer_quota_bytes(b)
             if overflow[s] and not total:  # no peer can take any of it: it stays on the device
-                d.layer_tech[s] = [[KEEP if t == D2D else t for t in mbs] for mbs in d.layer_tech[s]]
-                d.optim[s] = KEEP if d.optim[s] == D2D else d.optim[s]
-                d.stash[s] = KEEP if d.stash[s] == D2D else d.stash[s]
+                self._keep_on_device(d, s)
         d.unplaced_bytes = a.unplaced_bytes
+        d.unplaced_why = ""
         return a.unplaced_bytes == 0
+
+    @staticmethod
+    def _keep_on_device(d: Draft, s: int) -> None:
+        """Stage s's D2D decisions become keep: what the mapper gave no stripes stays on
+        the device (a D2D rule without stripes is no plan)."""
+        d.layer_tech[s] = [[KEEP if t == D2D else t for t in mbs] for mbs in d.layer_tech[s]]
+        d.optim[s] = KEEP if d.optim[s] == D2D else d.optim[s]
+        d.stash[s] = KEEP if d.stash[s] == D2D else d.stash[s]
 
     def _overhead_by_layer(self, ev: Evaluation, d: Draft) -> list[tuple[float, int, int]]:
         """(overhead seconds, stage, layer) of compacted layers: stall blamed on their

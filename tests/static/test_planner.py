@@ -253,3 +253,22 @@ def test_recompute_only_stops_fitting_before_mpress():
     setup = _preset("gpt-20.4b", "dgx1-v100", "1f1b", 2)
     assert not plan_strategy(setup, "recompute").fits
     assert plan_strategy(setup, "mpress").fits
+
+
+def test_d2d_on_interleaved_leaves_nothing_on_peers_without_stripes():
+    # interleaved puts two stages on each device, which the device mapper (one stage per
+    # device) cannot map: the D2D strategy used to keep the D2D decisions it had made
+    # before asking the mapper, and wrote an `optim:*` d2d rule with no stripe
+    hw = load_hardware("cpu-local", num_devices=2, memory_bytes=3 * MB)
+    setup = setup_pipeline(TINY, hw, schedule="interleaved", num_stages=4, num_ranks=2,
+                           microbatch_size=2, num_microbatches=4)
+    result = plan_strategy(setup, Strategy.D2D)
+    assert all(r.technique != "d2d" for sp in result.plan.stages for r in sp.rules)
+    assert not result.fits and "interleaved" in result.reason
+    check_plan_for_setup(result.plan, setup)
+    evaluate_plan(setup, result.plan)
+    # mpress (D2D rounds included) plans it, and its plan checks and emulates
+    best = plan_strategy(setup, Strategy.MPRESS)
+    assert best.fits
+    check_plan_for_setup(best.plan, setup)
+    evaluate_plan(setup, best.plan)

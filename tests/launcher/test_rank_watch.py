@@ -4,6 +4,7 @@ recorder in place of os._exit (one test ends a real process)."""
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import threading
@@ -118,3 +119,47 @@ def test_the_watch_ends_a_real_process_blocked_elsewhere() -> None:
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert res.returncode == 1
     assert res.stderr == "mpress.train: rank 3: stopping: rank 0 failed (DeviceOutOfMemory)\n"
+
+
+def test_a_rank_whose_heartbeat_stops_is_named_as_stalled() -> None:
+    """Rank 1's process is alive (it is this one) but its watch never beats, as a SIGSTOPped rank's."""
+    store = dist.HashStore()
+    watch, exits, err = _watch(store, _ranks(2), 0, heartbeat_timeout_s=0.3)
+    watch.start()
+    assert exits.called.wait(HANG_S)
+    assert re.fullmatch(r"mpress\.train: rank 0: stopping: rank 1 \(pid \d+\) has stalled \(no heartbeat for \d+ s\)\n",
+                        err.getvalue()), err.getvalue()
+
+
+def test_ranks_that_beat_are_not_stalled() -> None:
+    store = dist.HashStore()
+    ranks = _ranks(2)
+    other, other_exits, _ = _watch(store, ranks, 1, heartbeat_timeout_s=0.3)
+    watch, exits, err = _watch(store, ranks, 0, heartbeat_timeout_s=0.3)
+    other.start()
+    watch.start()
+    assert not exits.called.wait(1.5)  # five heartbeat timeouts, every one of them beaten
+    other.stop()
+    watch.stop()
+    assert err.getvalue() == "" and not other_exits.codes
+
+
+def test_a_failed_rank_does_not_wait_for_a_dead_one() -> None:
+    store = dist.HashStore()
+    failing, _, _ = _watch(store, _ranks(2, dead={1: exited_process()}), 0, stop_wait_s=HANG_S)
+    returned = threading.Event()
+    threading.Thread(target=lambda: (failing.fail("mpress.train: rank 0: boom", "RuntimeError"), returned.set()),
+                     daemon=True).start()
+    assert returned.wait(HANG_S / 4)  # it would wait HANG_S for a rank that can never count itself stopped
+
+
+def test_a_failure_that_echoes_a_dead_peer_names_the_peer_instead() -> None:
+    """The training thread's recv broke because rank 1 was killed: the rank's line names
+    rank 1, and it posts no failure of its own for the others to name."""
+    dead = exited_process()
+    store = dist.HashStore()
+    watch, _, err = _watch(store, _ranks(3, dead={1: dead}), 0)
+    assert watch.fail("mpress.train: rank 0: RuntimeError: Connection closed by peer", "RuntimeError",
+                      others_first_s=HANG_S)
+    assert err.getvalue() == f"mpress.train: rank 0: stopping: rank 1 (pid {dead.pid}) has died\n"
+    assert not store.check(["failed/0"])

@@ -2,6 +2,14 @@
 
     mpress plan --model gpt-20.4b --hardware dgx1-v100 --schedule 1f1b --stages 8 \\
         --microbatch-size 2 --microbatches 16 --strategy mpress --out plan.yaml
+    mpress plan --profile my.yaml --hardware hgx-h100 --out plan.yaml
+    mpress plan --module mymodel:make --layers "embed,blocks.*,head" --out plan.yaml
+
+A profile names its model (by a fingerprint of its structure), so `--profile` alone is
+enough; `--model`, if given, must be the profile's. `--module pkg.mod:factory` profiles
+the user's module first (on fake tensors when it does not fit this machine, or with
+`--fake`; times then come from `--hardware`). The microbatch size defaults to the
+profile's.
 """
 
 from __future__ import annotations
@@ -12,10 +20,12 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mpress.commands.emulate import add_pipeline_args, setup_from_args
+from mpress.commands.emulate import DEFAULTS, add_pipeline_args, setup_from_args
 from mpress.errors import UserError
+from mpress.hardware import load_hardware
 from mpress.static.evaluate import PipelineSetup
 from mpress.static.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
+from mpress.static.profile import Profile
 from mpress.config import output_path_arg
 from mpress.ui import make_console
 from mpress.units import fmt_bytes, fmt_seconds
@@ -31,7 +41,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=SwapInPolicy.CAPACITY.value, choices=SwapInPolicy.words(),
                    help="swap-in policy the plan is emulated with (default: %(default)s)")
     p.add_argument("--out", type=output_path_arg(), default=None, help="write the plan (YAML, or JSON for .json)")
+    p.add_argument("--module", metavar="PKG.MOD:FACTORY", default=None,
+                   help="plan a user module: profile it first (see `mpress profile --module`)")
+    p.add_argument("--layers", metavar="NAMES", default=None,
+                   help="split points of --module: comma-separated module paths or patterns, e.g. 'embed,blocks.*,head'")
+    p.add_argument("--fake", action="store_true",
+                   help="profile --module on fake tensors even if it fits here (the default for one that does not)")
     p.set_defaults(func=run)
+
+
+def profile_for_args(args: argparse.Namespace) -> Profile | None:
+    """The profile to plan from: `--module` profiled now, `--profile` read, or None
+    (the analytic profile of `--model`); the microbatch size defaults to its."""
+    if args.layers is not None and not args.module:
+        raise UserError("--layers names split points of a --module")
+    if args.fake and not args.module:
+        raise UserError("--fake profiles a --module; for a preset use mpress profile --fake and --profile")
+    if args.module and args.profile:
+        raise UserError("give --module (profiled now) or --profile (made before), not both")
+    profile = None
+    if args.module:
+        from mpress.static.fake_profile import profile_user_module
+        from mpress.static.user_module import parse_layers
+
+        hardware = load_hardware(args.hardware or DEFAULTS["hardware"])
+        profile = profile_user_module(args.module, hardware=hardware, fake=True if args.fake else None,
+                                      layers=parse_layers(args.layers))
+    elif args.profile:
+        profile = Profile.load(args.profile)
+    if profile is not None and args.microbatch_size is None:
+        args.microbatch_size = profile.microbatch_size
+    return profile
 
 
 def plan_all(setup: PipelineSetup, policy: str, console: Console) -> dict[str, PlanResult]:
@@ -90,7 +130,7 @@ def comparison_table(results: dict[str, PlanResult]) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup = setup_from_args(args)
+    setup = setup_from_args(args, profile=profile_for_args(args))
     check_fits_at_all(setup)
     console = make_console()
     results = plan_all(setup, args.policy, console)

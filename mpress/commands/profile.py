@@ -1,9 +1,12 @@
 """`mpress profile`: per-layer costs of one microbatch, measured or analytic.
 
 Measured (default): runs the reference model of a preset (`--model`) or a user module
-(`--module package.module:factory`) on the local device in training mode and records
-times, FLOPs and every tensor saved for backward. Analytic (`--analytic --hardware H`):
-closed-form costs of a GPT/BERT preset of any size on hardware preset H, nothing run.
+(`--module package.module:factory`, imported with the current directory importable) on
+the local device in training mode and records times (medians and spread of `--iters`
+steps), FLOPs and every tensor saved for backward. A model that does not fit this machine,
+or any model with `--fake`, is profiled on fake tensors (`mpress.static.fake_profile`):
+the same saved tensors and FLOPs, nothing allocated, times from hardware preset
+`--hardware`. Analytic (`--analytic --hardware H`): closed-form costs of a GPT/BERT preset.
 Prints one row per layer and totals; `--out` writes the profile (YAML, or JSON for .json).
 """
 
@@ -17,6 +20,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from mpress.commands.emulate import DEFAULTS
 from mpress.errors import UserError
 from mpress.hardware import hardware_presets, load_hardware
 from mpress.model_config import load_model_config, model_presets
@@ -31,9 +35,13 @@ Examples:
   mpress profile --model gpt-tiny --microbatch-size 4 --out gpt-tiny.yaml
   mpress profile --model gpt-25.5b --microbatch-size 2 --analytic --hardware dgx1-v100
   mpress profile --module mypkg.models:make_model --device cuda --out my.json
+  mpress profile --module mymodel:make --layers "embed,blocks.*,head" --fake --hardware hgx-h100 --out my.yaml
+  mpress plan --profile my.yaml --hardware hgx-h100
 A --module factory takes no arguments and returns (module, example_input) or
 (module, example_input, loss_fn); the microbatch size is the example input's first
-dimension. Exit status: 0 on success, 2 for bad input (one line on stderr)."""
+dimension. --layers names the split points as module paths (* = one name segment); a
+forward that is not a plain chain of its children needs them. Exit status: 0 on success,
+2 for bad input (one line on stderr)."""
 
 OUT_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -51,13 +59,22 @@ def register(subparsers: Any) -> None:
                         help="a user factory returning (module, example_input[, loss_fn])")
     parser.add_argument("--microbatch-size", type=int_arg(1, limits.MAX_MICROBATCH_SIZE), metavar="B",
                         help="samples per microbatch (default 1 for --model; the example input's for --module)")
-    parser.add_argument("--analytic", action="store_true",
-                        help="closed-form profile of a GPT/BERT preset (needs --hardware); runs nothing")
+    parser.add_argument("--layers", metavar="NAMES",
+                        help="split points of a --module: comma-separated module paths or patterns, "
+                             "e.g. 'embed,blocks.*,head' (default: the module's chain of children)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--analytic", action="store_true",
+                      help="closed-form profile of a GPT/BERT preset (needs --hardware); runs nothing")
+    mode.add_argument("--fake", action="store_true",
+                      help="profile on fake tensors, even if the model fits here (the default for one that "
+                           "does not): exact saved tensors and FLOPs, times from --hardware")
     parser.add_argument("--hardware", metavar="PRESET_OR_YAML",
-                        help=f"hardware for --analytic times ({', '.join(hardware_presets())}) or a YAML path")
+                        help="hardware whose model gives the times of --analytic and fake-tensor profiles "
+                             f"({', '.join(hardware_presets())}) or a YAML path (default: {DEFAULTS['hardware']})")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to measure (default cpu)")
     parser.add_argument("--warmup", type=int_arg(0, limits.MAX_ITERS), default=2, metavar="N", help="untimed steps first (default 2)")
-    parser.add_argument("--iters", type=int_arg(1, limits.MAX_ITERS), default=3, metavar="N", help="timed steps averaged (default 3)")
+    parser.add_argument("--iters", type=int_arg(1, limits.MAX_ITERS), default=10, metavar="N",
+                        help="timed steps; times are their medians, with the interquartile range (default 10)")
     parser.add_argument("--out", type=output_path_arg(), metavar="FILE", help="write the profile to FILE (.yaml, .yml or .json)")
     parser.set_defaults(func=run)
 
@@ -73,48 +90,49 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--out {args.out}: unknown format (use a name ending in {', '.join(OUT_SUFFIXES)})")
     if args.analytic:
         if args.module:
-            raise UserError("--analytic works for GPT/BERT presets (--model) only; measure a --module instead")
+            raise UserError("--analytic works for GPT/BERT presets (--model) only; use --fake for a --module")
         if not args.hardware:
             raise UserError(f"--analytic needs --hardware (presets: {', '.join(hardware_presets())})")
-    elif args.hardware:
-        raise UserError("--hardware is only used with --analytic (measured profiles time the local device)")
+    if args.layers is not None and not args.module:
+        raise UserError("--layers names split points of a --module (presets have theirs)")
 
 
 def make_profile(args: argparse.Namespace) -> Profile:
     """Build the profile the arguments ask for (see the module docstring)."""
     _check_args(args)
+    hardware = load_hardware(args.hardware or DEFAULTS["hardware"])
+    fake = True if args.fake else None
     if args.model:
         cfg = load_model_config(args.model)
         batch = args.microbatch_size or 1
         if args.analytic:
             from mpress.static.analytic import analytic_profile
 
-            return analytic_profile(cfg, load_hardware(args.hardware), batch)
-        from mpress.static.measured import measure_model_profile
+            return analytic_profile(cfg, hardware, batch)
+        from mpress.static.fake_profile import profile_model
 
-        return measure_model_profile(cfg, batch, args.device, warmup=args.warmup, iters=args.iters)
+        return profile_model(cfg, batch, hardware=hardware, fake=fake, device=args.device,
+                             warmup=args.warmup, iters=args.iters)
 
-    from mpress.static.measured import (
-        load_user_factory,
-        measure_profile,
-        module_fingerprint,
-    )
+    from mpress.static.fake_profile import profile_user_module
+    from mpress.static.user_module import parse_layers
 
-    user = load_user_factory(args.module)
-    first = user.example_input[0] if isinstance(user.example_input, (tuple, list)) else user.example_input
-    batch = int(first.shape[0]) if getattr(first, "ndim", 0) > 0 else 1
-    if args.microbatch_size is not None and args.microbatch_size != batch:
+    profile = profile_user_module(args.module, hardware=hardware, fake=fake, layers=parse_layers(args.layers),
+                                  device=args.device, warmup=args.warmup, iters=args.iters)
+    if args.microbatch_size is not None and args.microbatch_size != profile.microbatch_size:
         raise UserError(f"--microbatch-size {args.microbatch_size} does not match the example input "
-                        f"of {args.module} (first dimension {batch}); leave it out for --module")
-    return measure_profile(user.module, user.example_input, model_name=args.module,
-                           fingerprint=module_fingerprint(user.module), microbatch_size=batch,
-                           loss_fn=user.loss_fn, warmup=args.warmup, iters=args.iters, device=args.device)
+                        f"of {args.module} (first dimension {profile.microbatch_size}); leave it out for --module")
+    return profile
 
 
 def run(args: argparse.Namespace) -> int:
     """Profile, print the table, write `--out`; 0 on success."""
     profile = make_profile(args)
-    render_profile(profile, _console())
+    console = _console()
+    render_profile(profile, console)
+    if profile.source == "fake" and not args.fake:
+        console.print(f"{profile.model} does not fit this machine's {args.device} memory: profiled on fake tensors, "
+                      f"times from {profile.device}")
     if args.out:
         profile.save(args.out)
         print(f"wrote {args.out}")
@@ -129,6 +147,11 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
+def _time(seconds: float, iqr_s: float, profile: Profile) -> str:
+    """A median time in ms, with its interquartile range when measured."""
+    return f"{_ms(seconds)} ±{_ms(iqr_s)}" if profile.time_samples > 1 else _ms(seconds)
+
+
 def _mb(num_bytes: float) -> str:
     return f"{num_bytes / 1e6:.2f}"
 
@@ -139,8 +162,10 @@ def _gflop(flops: float) -> str:
 
 def render_profile(profile: Profile, console: Console) -> None:
     """Print one row per layer and a totals row (times in ms, FLOPs in GFLOP, MB = 1e6 B)."""
+    timing = (f"medians of {profile.time_samples} timed steps" if profile.time_samples
+              else "times from the hardware model")
     title = (f"{profile.model}: {profile.source} profile on {profile.device}, "
-             f"{profile.dtype}, microbatch {profile.microbatch_size}")
+             f"{profile.dtype}, microbatch {profile.microbatch_size}, {timing}")
     table = Table(title=title, box=box.SIMPLE_HEAD, show_footer=True)
     layers = profile.layers
     totals = {
@@ -150,7 +175,7 @@ def render_profile(profile: Profile, console: Console) -> None:
         "params": sum(x.param_bytes for x in layers), "state": sum(x.model_state_bytes for x in layers),
     }
     columns = [
-        ("layer", "total", "left"), ("fwd ms", _ms(totals["fwd"]), "right"),
+        ("layer", "total", "left"), ("fwd ms (IQR)" if profile.time_samples > 1 else "fwd ms", _ms(totals["fwd"]), "right"),
         ("bwd ms", _ms(totals["bwd"]), "right"), ("fwd GFLOP", _gflop(totals["ff"]), "right"),
         ("bwd GFLOP", _gflop(totals["bf"]), "right"), ("saved", str(totals["num"]), "right"),
         ("saved MB", _mb(totals["saved"]), "right"), ("params MB", _mb(totals["params"]), "right"),
@@ -160,7 +185,8 @@ def render_profile(profile: Profile, console: Console) -> None:
     for header, footer, justify in columns:
         table.add_column(header, footer=footer, justify=justify)  # type: ignore[arg-type]
     for x in layers:
-        table.add_row(x.name or "(whole module)", _ms(x.forward_time_s), _ms(x.backward_time_s),
+        table.add_row(x.name or "(whole module)", _time(x.forward_time_s, x.forward_time_iqr_s, profile),
+                      _time(x.backward_time_s, x.backward_time_iqr_s, profile),
                       _gflop(x.forward_flops), _gflop(x.backward_flops), str(len(x.saved)),
                       _mb(x.saved_bytes), _mb(x.param_bytes), _mb(x.model_state_bytes), _mb(x.output_bytes),
                       _mb(x.memory.kept_bytes), _mb(x.memory.forward_peak_bytes), _mb(x.memory.backward_peak_bytes))

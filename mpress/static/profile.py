@@ -27,7 +27,7 @@ from typing import Literal
 import yaml
 
 from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
-from mpress.errors import ProfileError
+from mpress.errors import ProfileError, UserError
 from mpress.model_config import ModelConfig, load_model_config
 
 PROFILE_VERSION = 2
@@ -215,4 +215,7 @@ def model_for_profile(name: str | None, profile: Profile | None, default: str) -
     `Profile.check_model` then holds the profile to."""
     if profile is not None and name in (None, profile.model):
         return profile.model_identity()
+    if name is not None and ":" in name and not Path(name).exists():
+        raise UserError(f"--model {name!r} names a user factory: give it as --module {name}, "
+                        "or plan from its profile (--profile FILE from mpress profile --module)")
     return load_model_config(name or default)

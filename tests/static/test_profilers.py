@@ -23,11 +23,8 @@ from mpress.models.transformer import (
     num_parameters,
 )
 from mpress.static.analytic import analytic_profile, layer_saved_tensors
-from mpress.static.measured import (
-    load_user_factory,
-    measure_model_profile,
-    measure_profile,
-)
+from mpress.static.measured import measure_model_profile, measure_profile
+from mpress.static.user_module import load_user_factory
 from mpress.static.profile import Profile
 
 
@@ -324,13 +321,13 @@ def test_cli_user_module(user_pkg, capsys):
 @pytest.mark.parametrize("argv", [
     ["--model", "no-such-model"],
     ["--model", "gpt-tiny", "--analytic"],
-    ["--model", "gpt-tiny", "--hardware", "cpu-local"],
+    ["--model", "gpt-tiny", "--analytic", "--fake", "--hardware", "cpu-local"],
+    ["--model", "gpt-tiny", "--layers", "layers.*"],
     ["--module", "mp_user_models:good", "--analytic", "--hardware", "cpu-local"],
     ["--module", "nocolon"],
     ["--model", "gpt-tiny", "--out", "p.txt"],
     ["--model", "gpt-tiny", "--microbatch-size", "0"],
     ["--model", "gpt-tiny", "--iters", "0"],
-    ["--model", "gpt-25.5b"],  # too large to measure here
     ["--module", "mp_user_models:good", "--microbatch-size", "3"],
     [],
 ])

@@ -110,3 +110,18 @@ def test_maxsize_table(capsys):
     assert "largest GPT on dgx-a100" in out and "recompute" in out and "mpress" in out
     assert main(["maxsize", "--strategies", "magic"]) == 2
     one_line_error(capsys, "unknown strategy 'magic'")
+
+
+def test_plan_from_a_preset_profile_alone(tmp_path, capsys):
+    profile = tmp_path / "p.yaml"
+    assert main(["profile", "--model", "gpt-10.3b", "--microbatch-size", "2", "--analytic",
+                 "--hardware", "dgx1-v100", "--out", str(profile)]) == 0
+    assert main(["plan", "--profile", str(profile), "--out", str(tmp_path / "plan.yaml")]) == 0
+    assert Plan.load(tmp_path / "plan.yaml").model == "gpt-10.3b"
+    assert main(["plan", "--profile", str(profile), "--model", "gpt-15.4b"]) == 2
+    one_line_error(capsys, "made for model 'gpt-10.3b'")
+
+
+def test_a_factory_given_as_model_gets_a_hint(capsys):
+    assert main(["plan", "--model", "mymodel:make"]) == 2
+    one_line_error(capsys, "--module mymodel:make")

@@ -1,7 +1,12 @@
-"""The torchrun entry: train a reference model with pipeline parallelism under a plan.
+"""One rank of a training job: train a model with pipeline parallelism under a plan.
+
+`mpress train` starts the ranks (mpress/commands/train.py, launcher/launch.py); under
+torchrun they are started as
 
     python3 -m torch.distributed.run --nproc-per-node 4 -m mpress.train \\
-        --config configs/train/gpt-tiny-mixed.yaml
+        --config configs/train/gpt-tiny-mixed.yaml [--steps 10 --optimizer.lr 1e-3 ...]
+
+(`--<dotted.key> VALUE`: overrides of the config's keys, mpress/overrides.py).
 
 One stage per rank (GPipe, 1F1B), or several (interleaved 1F1B), with torch.distributed.pipelining's schedules. The config names
 the plan: a file from `mpress plan`, `auto` (rank 0 plans at start-up for the config's

@@ -155,6 +155,12 @@ def fake_profile(factory: Factory, *, model_name: str, hardware: Hardware, layer
     except _NEEDS_VALUES as exc:
         raise UserError(f"{model_name}: its forward needs tensor values ({type(exc).__name__}: {exc}), "
                         "which fake tensors do not have; measure it for real") from None
+    except UserError:
+        raise
+    except Exception as exc:  # e.g. a device mix only fake tensors see: one line, as any user-module failure
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(f"{model_name}: cannot run on fake tensors ({type(exc).__name__}: {first}); "
+                        "measure it for real") from None
     del twins
     precision = _precision(module)
     times = [(flops_time_s(f, hardware, precision), flops_time_s(b, hardware, precision), 0.0, 0.0)

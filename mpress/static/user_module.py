@@ -19,7 +19,6 @@ parameter and buffer shapes and dtypes), the same on meta, fake and real tensors
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import hashlib
 import importlib
@@ -91,18 +90,12 @@ def module_fingerprint(module: nn.Module) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def _cwd_importable() -> Iterator[None]:
-    """The current directory first on sys.path while importing (as `python -m` has it)."""
+def _make_cwd_importable() -> None:
+    """Put the current directory first on sys.path, as `python -m` does for its whole run
+    (it stays: a factory may import more of its package when it is called)."""
     cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
+    if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
 
 
 def import_factory(spec: str) -> Factory:
@@ -111,8 +104,8 @@ def import_factory(spec: str) -> Factory:
     if not sep or not mod_name or not attr:
         raise UserError(f"--module {spec!r}: expected 'package.module:factory'")
     try:
-        with _cwd_importable():
-            mod = importlib.import_module(mod_name)
+        _make_cwd_importable()
+        mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and mod_name.startswith(exc.name):
             raise UserError(f"--module {spec!r}: no module {exc.name!r} in the current directory ({os.getcwd()}) "

@@ -184,7 +184,8 @@ class RankWatch:
         breaks before its process is seen gone); if there is one, this rank stops naming
         it, as the watch's thread would, instead of posting a failure of its own."""
         deadline = time.monotonic() + others_first_s
-        while True:
+        reasons: list[str] = []
+        while others_first_s > 0:
             try:
                 reasons = self.reasons()
             except Exception:  # noqa: BLE001 - no store: this rank's own failure is all there is to say

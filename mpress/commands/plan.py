@@ -62,7 +62,7 @@ def profile_for_args(args: argparse.Namespace) -> Profile | None:
     profile = None
     if args.module:
         from mpress.static.fake_profile import profile_user_module
-        from mpress.static.user_module import parse_layers
+        from mpress.models.user_module import parse_layers
 
         hardware = load_hardware(args.hardware or DEFAULTS["hardware"])
         profile = profile_user_module(args.module, hardware=hardware, fake=True if args.fake else None,

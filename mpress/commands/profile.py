@@ -115,7 +115,7 @@ def make_profile(args: argparse.Namespace) -> Profile:
                              warmup=args.warmup, iters=args.iters)
 
     from mpress.static.fake_profile import profile_user_module
-    from mpress.static.user_module import parse_layers
+    from mpress.models.user_module import parse_layers
 
     profile = profile_user_module(args.module, hardware=hardware, fake=fake, layers=parse_layers(args.layers),
                                   device=args.device, warmup=args.warmup, iters=args.iters)

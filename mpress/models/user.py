@@ -1,11 +1,12 @@
 """A user's own model as pipeline stages: any `nn.Module` a factory returns, split at its
 layer boundaries by torch.distributed.pipelining's own `pipeline()`.
 
-The factory (`package.module:factory`, see `mpress.static.measured.load_user_factory`)
-returns the module, an example input of ONE microbatch and optionally a loss (output ->
-scalar). Its layers (the units stages are made of, `mpress.identity`) are the ones the
-module names itself (`layer_names()`, `nn.Sequential`, a chain of children) or the ones
-the user lists by pattern (`layers: ["embed", "blocks.*", "head"]`).
+The factory (`package.module:factory`, the contract of `mpress.models.user_module`, the
+same the profiler calls) returns the module, an example input of ONE microbatch and
+optionally a loss (output -> scalar). Its layers (the units stages are made of,
+`mpress.identity`) are the ones the module names itself (`layer_names()`,
+`nn.Sequential`, a chain of children) or the ones the user names by pattern (`layers:
+["embed", "blocks.*", "head"]`, `mpress.models.user_module.select_layers`).
 
 Why `pipeline()`: a forward that is not a chain (a skip connection around several
 layers, glue code between them, a CPU scalar) cannot be cut by running children in a
@@ -22,7 +23,6 @@ parameters before it keeps only its stages'.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,25 +33,9 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 from mpress.errors import UserError
 from mpress.identity import layer_paths, side_effect_free
+from mpress.models.user_module import as_args, default_loss, load_user_factory, module_fingerprint, select_layers
 
 LossFn = Callable[[Any], torch.Tensor]
-
-
-def expand_layers(module: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """The module paths matching `patterns` (fnmatch, e.g. `blocks.*`), in `named_modules()`
-    order, outermost only (a path inside an already matched one is not a second layer).
-    Every pattern must match something."""
-    paths = [name for name, _ in module.named_modules() if name]
-    chosen: list[str] = []
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(p, pattern) for p in paths):
-            raise UserError(f"layers: {pattern!r} matches no module of {type(module).__name__} "
-                            f"(its top-level children: {', '.join(n for n, _ in module.named_children())})")
-    for path in paths:
-        inside = any(path.startswith(c + ".") for c in chosen)
-        if not inside and any(fnmatch.fnmatchcase(path, p) for p in patterns):
-            chosen.append(path)
-    return chosen
 
 
 def _as_chain(top: fx.Graph, stages: list[fx.GraphModule]) -> list[fx.GraphModule]:
@@ -88,10 +72,6 @@ def _as_chain(top: fx.Graph, stages: list[fx.GraphModule]) -> list[fx.GraphModul
     return stages
 
 
-def _as_tuple(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
-
-
 @dataclass
 class UserModel:
     """A user's model, its example microbatch, its loss and its layer list."""
@@ -103,6 +83,21 @@ class UserModel:
     """One microbatch, positional."""
     loss_fn: LossFn
     layers: list[str]
+
+    @property
+    def name(self) -> str:
+        return self.spec
+
+    @property
+    def precision(self) -> str:
+        """The parameters' dtype as a precision word (fp32, bf16, fp16): a checkpoint's identity."""
+        dtypes = {p.dtype for p in self.module.parameters()}
+        words = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        return "+".join(sorted(words.get(d, str(d)) for d in dtypes))
+
+    def fingerprint(self) -> str:
+        """The module's structure (`module_fingerprint`): what a profile and a plan name the model by."""
+        return module_fingerprint(self.module)
 
     @property
     def microbatch_size(self) -> int:
@@ -144,7 +139,7 @@ class UserModel:
         with torch.no_grad():
             for s, module in enumerate(stages):
                 with side_effect_free(module):
-                    out = _as_tuple(module(*args))
+                    out = as_args(module(*args))
                 inputs = args if s == 0 else tuple(
                     a.detach().requires_grad_(a.is_floating_point()) for a in args)
                 io.append((inputs, tuple(o.detach() for o in out)))
@@ -175,13 +170,11 @@ class UserModel:
 def load_user_model(spec: str, *, layers: Sequence[str] | None = None, seed: int = 0) -> UserModel:
     """Call the factory `spec` under `seed` and find its layers (`layers` patterns, else
     the module's own: `mpress.identity.layer_paths`). One line (`UserError`) on any problem."""
-    from mpress.static.measured import default_loss, load_user_factory  # the profiler owns the factory contract
-
     torch.manual_seed(seed)
     user = load_user_factory(spec)
     module = user.module
-    example = _as_tuple(user.example_input)
-    found = expand_layers(module, layers) if layers else layer_paths(module, example)
+    example = as_args(user.example_input)
+    found = select_layers(module, layers) if layers else layer_paths(module, example)
     if found == [""]:
         raise UserError(f"{spec}: the forward of {type(module).__name__} does not chain its children, so it is "
                         f"one layer; name its layers (train config `layers:`, e.g. [\"embed\", \"blocks.*\", \"head\"], "

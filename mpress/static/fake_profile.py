@@ -59,7 +59,7 @@ from mpress.static.measured import (
     model_need_bytes,
 )
 from mpress.static.profile import Profile
-from mpress.static.user_module import (
+from mpress.models.user_module import (
     Factory,
     UserModule,
     call_factory,
@@ -137,7 +137,7 @@ def _fake_input(value: Any, mode: FakeTensorMode) -> Any:
 
 def fake_profile(factory: Factory, *, model_name: str, hardware: Hardware, layers: Sequence[str] | None = None,
                  target_bytes: int = 0, fingerprint: str | None = None) -> Profile:
-    """The profile of what `factory` (see `mpress.static.user_module`) returns, made on
+    """The profile of what `factory` (see `mpress.models.user_module`) returns, made on
     fake tensors (see the module docstring); times for `hardware`. `fingerprint`
     defaults to `module_fingerprint` of the module."""
     user, made = _build_on_meta(factory, model_name)

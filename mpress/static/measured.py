@@ -8,7 +8,7 @@ profiler (`fake_profile.py`) runs exactly it on fake tensors, so both agree byte
 
 Layers and saved-tensor names are those of `mpress.identity` (`layer_paths`,
 `SavedTensorNamer`), the same the runtime uses, or the layers a user names
-(`mpress.static.user_module.select_layers`). Bytes are storage bytes; a tensor whose
+(`mpress.models.user_module.select_layers`). Bytes are storage bytes; a tensor whose
 storage an earlier saved tensor of the same layer already holds is recorded with 0 bytes,
 so sums count memory once. Storages are told apart by their storage object (`_cdata`),
 never by `data_ptr()`, which is 0 for every fake or meta tensor. Sharing across layers is
@@ -51,7 +51,7 @@ from mpress.models.transformer import (
 )
 from mpress.static.memory_probe import probe_layers
 from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
-from mpress.static.user_module import as_args, default_loss, select_layers, tensors
+from mpress.models.user_module import as_args, default_loss, select_layers, tensors
 
 LossFn = Callable[[Any], torch.Tensor]
 

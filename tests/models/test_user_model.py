@@ -8,17 +8,18 @@ import torch
 
 from mpress.errors import UserError
 from mpress.identity import inspect_stage
-from mpress.models.user import expand_layers, load_user_model
+from mpress.models.user import load_user_model
+from mpress.models.user_module import select_layers
 
-SPEC = "tests.support.user_models:make"
+SPEC = "tests.support.user_model:make_skipnet"
 LAYERS = ["embed", "blocks.*", "head"]
 
 
 def test_patterns_name_the_outermost_matching_modules_in_order():
     user = load_user_model(SPEC, layers=LAYERS)
     assert user.layers == ["embed"] + [f"blocks.{i}" for i in range(6)] + ["head"]
-    with pytest.raises(UserError, match="'blockz.*' matches no module"):
-        expand_layers(user.module, ["blockz.*"])
+    with pytest.raises(UserError, match="'blockz.*' names no module"):
+        select_layers(user.module, ["blockz.*"])
 
 
 def test_a_forward_that_is_not_a_chain_needs_named_layers():

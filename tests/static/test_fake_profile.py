@@ -15,7 +15,7 @@ from mpress.model_config import load_model_config
 from mpress.static.analytic import analytic_profile, flops_time_s
 from mpress.static.fake_profile import fake_model_profile, fake_profile
 from mpress.static.measured import measure_profile
-from mpress.static.user_module import module_fingerprint, select_layers
+from mpress.models.user_module import module_fingerprint, select_layers
 from tests.support import user_model
 
 CPU = load_hardware("cpu-local")

@@ -24,7 +24,7 @@ from mpress.models.transformer import (
 )
 from mpress.static.analytic import analytic_profile, layer_saved_tensors
 from mpress.static.measured import measure_model_profile, measure_profile
-from mpress.static.user_module import load_user_factory
+from mpress.models.user_module import load_user_factory
 from mpress.static.profile import Profile
 
 

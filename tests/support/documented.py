@@ -47,18 +47,23 @@ def run_documented(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
     env: variables set on top of this process's environment (a value of None unsets it).
     """
     module, args = _command(argv)
-    if in_process:
-        return _in_process(module, args, env or {}, cwd)
+    if in_process:  # ranks that `mpress train` starts import mpress too
+        return _in_process(module, args, {"PYTHONPATH": _pythonpath(), **(env or {})}, cwd)
     full_env = {k: v for k, v in os.environ.items()}
     for key, value in (env or {}).items():
         if value is None:
             full_env.pop(key, None)
         else:
             full_env[key] = value
-    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    full_env["PYTHONPATH"] = _pythonpath()
     done = subprocess.run([sys.executable, "-m", module, *args], env=full_env, cwd=cwd, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     return done.returncode, done.stdout, done.stderr
+
+
+def _pythonpath() -> str:
+    """This checkout first, so the command runs the code under test installed or not."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @contextlib.contextmanager

@@ -10,11 +10,11 @@ The ranks' lines (mpress/train.py, launcher/rank_watch.py) are, one per rank at 
 - `mpress.train: rank R: stopping: <reasons>` -- rank R stopped because another rank
   failed, died, stalled, or its launcher left, exit status 1.
 
-The verdict names the cause once: a rank's own failure line first (the rank the others'
-stop lines name most, the lowest on a tie), else a rank ended by a signal that the
-launcher did not send, else a stalled rank the others named (the launcher then killed it),
+The verdict names the cause once: a rank ended by a signal that the launcher did not
+send first (the others' errors then echo its death), else a rank's own failure line (the
+rank the others' stop lines name most, the lowest on a tie), else a stalled rank the others named (the launcher then killed it),
 else a rank that exited badly without a line (its log's last line). It adds how many of
-the other ranks stopped naming that rank and where the logs are.
+the other ranks named that rank in their lines and where the logs are.
 """
 
 from __future__ import annotations
@@ -71,10 +71,14 @@ def diagnose(ends: list[RankEnd], run_dir: Path) -> tuple[str, int] | None:
     where = f"logs in {run_dir}"
 
     def tail(rank: int) -> str:
-        others = [r for r, text in stops.items() if r != rank and rank in {int(n) for n in _NAMED.findall(text)}]
-        said = f"{len(others)} of the other {len(ends) - 1} ranks stopped naming it; " if len(ends) > 1 else ""
+        others = [r for r, ls in lines.items() if r != rank and any(rank in _named_in(x) for x in ls)]
+        said = f"{len(others)} of the other {len(ends) - 1} ranks named it; " if len(ends) > 1 else ""
         return f" [{said}{where}]"
 
+    signalled = [e for e in ends if e.returncode < 0 and not e.killed_by_launcher]
+    if signalled:
+        e = min(signalled, key=lambda x: (-named[x.rank], x.rank))
+        return f"mpress train: rank {e.rank} (pid {e.pid}) was killed by {_signal_name(-e.returncode)}{tail(e.rank)}", 1
     own = [(r, m.group(2)) for r, ls in lines.items() for m in map(_OWN.match, ls) if m]
     if own:
         rank, text = min(own, key=lambda o: (-named[o[0]], o[0]))
@@ -83,10 +87,6 @@ def diagnose(ends: list[RankEnd], run_dir: Path) -> tuple[str, int] | None:
     errors = [m.group(1) for ls in lines.values() for m in map(_ERROR.match, ls) if m]
     if errors:
         return f"mpress train: error: {errors[0]}", 2
-    signalled = [e for e in ends if e.returncode < 0 and not e.killed_by_launcher]
-    if signalled:
-        e = min(signalled, key=lambda x: (-named[x.rank], x.rank))
-        return f"mpress train: rank {e.rank} (pid {e.pid}) was killed by {_signal_name(-e.returncode)}{tail(e.rank)}", 1
     stalled = [m.group(0) for text in stops.values() for m in _STALLED.finditer(text)]
     if stalled:
         rank = int(_NAMED.search(stalled[0]).group(1))  # type: ignore[union-attr]
@@ -96,6 +96,12 @@ def diagnose(ends: list[RankEnd], run_dir: Path) -> tuple[str, int] | None:
     last = _last_line(e.log)
     return (f"mpress train: rank {e.rank} (pid {e.pid}) exited with status {e.returncode}"
             f"{f': {last}' if last else ''}{tail(e.rank)}", 1)
+
+
+def _named_in(line: str) -> set[int]:
+    """The ranks a rank's line names (after its own `mpress.train: rank R:` prefix)."""
+    body = line.split(": ", 2)[-1] if line.startswith("mpress.train: rank ") else line
+    return {int(n) for n in _NAMED.findall(body)}
 
 
 def _signal_name(signum: int) -> str:

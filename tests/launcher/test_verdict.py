@@ -29,7 +29,7 @@ def test_a_ranks_own_failure_is_the_line_with_how_many_others_named_it(tmp_path)
                                for r in (1, 2, 3)}})
     assert diagnose(ends, tmp_path) == (
         "mpress train: rank 0: SwapError: swap-out failed: rank 0 stage 0 microbatch 1 tensor x: exhausted "
-        f"[3 of the other 3 ranks stopped naming it; logs in {tmp_path}]", 1)
+        f"[3 of the other 3 ranks named it; logs in {tmp_path}]", 1)
 
 
 def test_the_rank_the_others_name_is_the_cause_when_two_failed(tmp_path):
@@ -53,7 +53,7 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
                             1: (-9, "", False),
                             2: (-9, "", True)})  # the launcher's own kill is no cause
     assert diagnose(ends, tmp_path) == (
-        f"mpress train: rank 1 (pid 101) was killed by SIGKILL [1 of the other 2 ranks stopped naming it; logs in "
+        f"mpress train: rank 1 (pid 101) was killed by SIGKILL [1 of the other 2 ranks named it; logs in "
         f"{tmp_path}]", 1)
 
 
@@ -62,10 +62,19 @@ def test_a_stalled_rank_the_launcher_killed_is_named_as_stalled(tmp_path):
     ends = _ends(tmp_path, {0: (1, stop.format(r=0), False), 1: (-9, "", True), 2: (1, stop.format(r=2), False)})
     assert diagnose(ends, tmp_path) == (
         "mpress train: rank 1 (pid 101) has stalled (no heartbeat for 10 s); the launcher killed it "
-        f"[2 of the other 2 ranks stopped naming it; logs in {tmp_path}]", 1)
+        f"[2 of the other 2 ranks named it; logs in {tmp_path}]", 1)
 
 
 def test_a_rank_that_crashed_without_a_line_is_named_with_its_last_line(tmp_path):
     ends = _ends(tmp_path, {0: (0, "", False), 1: (1, "Traceback (most recent call last):\nImportError: no x\n", False)})
     line, code = diagnose(ends, tmp_path)
     assert line.startswith("mpress train: rank 1 (pid 101) exited with status 1: ImportError: no x [") and code == 1
+
+
+def test_a_killed_rank_is_the_cause_even_where_a_peer_reports_its_death_as_its_own_error(tmp_path):
+    ends = _ends(tmp_path, {0: (1, "mpress.train: rank 0: SwapError: rank 0 stage 0: rank 1 (pid 101, holds the "
+                                   "D2D peer pool of device(s) 1) has died\n", False),
+                            1: (-15, "", False),
+                            2: (1, "mpress.train: rank 2: stopping: rank 1 (pid 101) has died\n", False)})
+    assert diagnose(ends, tmp_path) == (
+        f"mpress train: rank 1 (pid 101) was killed by SIGTERM [2 of the other 2 ranks named it; logs in {tmp_path}]", 1)

@@ -122,13 +122,13 @@ def _named_groups(masters: MasterWeights) -> list[dict[str, Any]]:
 
 
 def _load_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
-    """The saved hyperparameters (learning rate, betas, ...) into the optimizer's groups,
-    as `Optimizer.load_state_dict` does; the groups keep their own tensors."""
+    """Check the saved parameter groups against the job's. The hyperparameters (learning
+    rate, betas, ...) stay the job's: the config is what runs, so a resume with
+    `--optimizer.lr 1e-4` trains at 1e-4 (torch's `Optimizer.load_state_dict` would
+    silently put the checkpoint's back); the checkpoint keeps its own for the record."""
     if len(saved) != len(optimizer.param_groups):
         raise UserError(f"checkpoint has {len(saved)} optimizer parameter groups, the job "
                         f"{len(optimizer.param_groups)}")
-    for group, values in zip(optimizer.param_groups, saved):
-        group.update({k: copy.deepcopy(v) for k, v in values.items() if k != "params"})
 
 
 def _load_optimizer_state(masters: MasterWeights, name: str, values: dict[str, Any] | None,

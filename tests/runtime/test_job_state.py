@@ -36,14 +36,14 @@ BYTES_PER_PARAM_OFFLOADED = 12
 """fp32 master + Adam's exp_avg and exp_avg_sq, 4 bytes each."""
 
 
-def spec() -> JobSpec:
+def spec(lr: float = 1e-3) -> JobSpec:
     cfg = dataclasses.replace(load_model_config(MODEL), precision="bf16")
     return JobSpec(model=cfg, schedule="1f1b", ranges=RANGES[1], microbatch_size=MICROBATCH_SIZE,
-                   num_microbatches=NUM_MICROBATCHES, seed=3)
+                   num_microbatches=NUM_MICROBATCHES, seed=3, lr=lr)
 
 
-def make_job(device: str = "cpu") -> PipelineJob:
-    s = spec()
+def make_job(device: str = "cpu", lr: float = 1e-3) -> PipelineJob:
+    s = spec(lr)
     rules = [TensorRule(tensor=f"optim:{layer}", technique="host") for layer in OFFLOADED]
     plan = pipeline_plan("1f1b", 1, NUM_MICROBATCHES, {0: rules}, model=s.model)
     return PipelineJob(s, plan, torch.device(device))
@@ -125,6 +125,19 @@ def test_resuming_copies_in_place_and_brings_one_offloaded_chunk_at_a_time(job):
     again = job.state()
     assert_states_equal(saved, again)
     assert_masters_equal(saved, again)
+
+
+def test_a_resume_trains_with_the_jobs_hyperparameters_not_the_checkpoints(job):
+    """The config is what runs: a resume with another learning rate (`--optimizer.lr`)
+    steps with it; torch's load_state_dict would put the checkpoint's back silently."""
+    saved = job.state()
+    assert saved["optimizer"]["param_groups"][0]["lr"] == job.spec.lr
+    other = make_job(lr=job.spec.lr / 4)
+    try:
+        other.load_state(saved)
+        assert [g["lr"] for g in other.optimizer.param_groups] == [job.spec.lr / 4]
+    finally:
+        other.close()
 
 
 def test_a_dcp_checkpoint_resumes_in_place_and_leaves_nothing_on_the_device(job, tmp_path, capsys):

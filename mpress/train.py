@@ -53,6 +53,7 @@ from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatc
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
 from mpress.overrides import parse_override_args
+from mpress.models.user import UserModel
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec
@@ -94,7 +95,9 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                    peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"),
                    device_capacity_bytes=cfg.device_memory_bytes if device.type == "cpu" else None)
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
-    dataset = build_dataset(cfg.data, model, seed=cfg.seed)
+    # a preset trains on tokens (synthetic or a file); a user's module on synthetic inputs
+    # shaped like its example microbatch (`UserModel.batch`)
+    dataset = None if isinstance(model, UserModel) else build_dataset(cfg.data, model, seed=cfg.seed)
     job = start_job(spec, plan, device, control_group=control)
     checkpoints = Checkpoints(cfg, job, control)
     first = checkpoints.resume()
@@ -116,8 +119,11 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     with progress:
         task = progress.add_task("train", total=cfg.steps, completed=first, info="")
         for step in range(first, cfg.steps):
-            x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
-                           step=step)
+            if dataset is None:
+                x, y = model.batch(step=step, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
+            else:
+                x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
+                               step=step)
             tracing = cfg.trace is not None and step == cfg.steps - 1
             if tracing:
                 run_trace.start(job)

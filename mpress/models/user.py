@@ -31,9 +31,16 @@ import torch
 from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from mpress.errors import UserError
+from mpress.errors import ConfigError, UserError
 from mpress.identity import layer_paths, side_effect_free
-from mpress.models.user_module import as_args, default_loss, load_user_factory, module_fingerprint, select_layers
+from mpress.models.user_module import (
+    UserModule,
+    as_args,
+    default_loss,
+    load_user_factory,
+    module_fingerprint,
+    select_layers,
+)
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -181,3 +188,20 @@ def load_user_model(spec: str, *, layers: Sequence[str] | None = None, seed: int
                         f"or a layer_names() method)")
     return UserModel(spec=spec, module=module, example_input=example, loss_fn=user.loss_fn or default_loss,
                      layers=found)
+
+
+def check_user_module(spec: str, layers: Sequence[str] | None, source: str) -> tuple[int, int]:
+    """(number of layers, microbatch size) of the factory `spec`, built on the meta device
+    (nothing allocated, no forward of real data: a launcher checks this before any rank
+    starts). A problem is a one-line `ConfigError` naming `source` and the key."""
+    try:
+        with torch.device("meta"):
+            user = load_user_factory(spec)
+            args = as_args(user.example_input)
+            found = select_layers(user.module, layers) if layers else layer_paths(user.module, args)
+    except UserError as exc:
+        raise ConfigError(source, "layers" if layers and "--layers" in str(exc) else "module", str(exc)) from None
+    if found == [""]:
+        raise ConfigError(source, "layers", f"the forward of {type(user.module).__name__} does not chain its "
+                                            "children, so it is one layer: name its layers (e.g. [embed, \"blocks.*\", head])")
+    return len(found), UserModule(module=user.module, example_input=user.example_input).microbatch_size

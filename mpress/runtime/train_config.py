@@ -38,6 +38,7 @@ from mpress.limits import (
     MAX_STEPS,
 )
 from mpress.model_config import ModelConfig, load_model_config
+from mpress.models.user import UserModel, check_user_module, load_user_model
 from mpress.overrides import apply_overrides
 from mpress.units import parse_bytes
 from mpress.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
@@ -119,8 +120,17 @@ HARDWARE_DETECT = "detect"
 class TrainConfig:
     """One pipeline-parallel training run under torchrun."""
 
-    model: str
-    """Model preset name (configs/models/) or a model YAML path."""
+    model: str | None = None
+    """Model preset name (configs/models/) or a model YAML path; or `module` instead."""
+    module: str | None = None
+    """A user's own model instead of a preset: `package.module:factory` (the current
+    directory importable), a factory returning `(nn.Module, example_input[, loss_fn])` with
+    one microbatch as the example (`mpress/models/user_module.py`); the same factory
+    `mpress profile --module` and `mpress plan --module` take."""
+    layers: list[str] | None = None
+    """With `module`: the layers stages are made of, as module paths (`*` one name segment,
+    e.g. [embed, "blocks.*", head]); default: the module's own (`layer_names()`, an
+    `nn.Sequential`, children its forward chains)."""
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     """Pipeline schedule: gpipe, 1f1b or interleaved (torch.distributed.pipelining's GPipe,
     1F1B, interleaved 1F1B)."""
@@ -175,6 +185,13 @@ class TrainConfig:
     """Log the loss every this many steps (and at the first and last step)."""
 
     def __post_init__(self) -> None:
+        if (self.model is None) == (self.module is None):
+            raise ConfigError("", "model", "give a model preset (model:) or your own module (module: pkg.mod:factory), "
+                                           "exactly one")
+        if self.layers is not None and self.module is None:
+            raise ConfigError("", "layers", "only with module: (a preset's layers are fixed)")
+        if self.dropout is not None and self.module is not None:
+            raise ConfigError("", "dropout", "only with a model preset (your module sets its own dropout)")
         as_word(self, "schedule", ScheduleName)
         as_word(self, "strategy", Strategy)
         if self.schedule not in RUNNABLE_SCHEDULES:
@@ -241,24 +258,44 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
         if exc.key not in {key for key, _ in overrides}:
             raise
         raise ConfigError(source, f"--{exc.key}", exc.problem) from None
-    base = path.resolve().parent
+    overridden = {key.replace("-", "_") for key, _ in overrides}
 
-    model = _absolute(cfg.model, base) if _is_path(cfg.model) else cfg.model
-    hardware = _absolute(cfg.hardware, base) if _is_path(cfg.hardware) else cfg.hardware
-    plan = cfg.plan if cfg.plan in (PLAN_AUTO, PLAN_NONE) else _absolute(cfg.plan, base)
+    def absolute(key: str, value: str) -> str:
+        # a path in the file is relative to the file; one given on the command line, to
+        # the directory the command runs in
+        return _absolute(value, Path.cwd() if key in overridden else path.resolve().parent)
+
+    model = absolute("model", cfg.model) if cfg.model is not None and _is_path(cfg.model) else cfg.model
+    hardware = absolute("hardware", cfg.hardware) if _is_path(cfg.hardware) else cfg.hardware
+    plan = cfg.plan if cfg.plan in (PLAN_AUTO, PLAN_NONE) else absolute("plan", cfg.plan)
     data = cfg.data
     if data.path is not None:
-        data = dataclasses.replace(data, path=_absolute(data.path, base))
+        data = dataclasses.replace(data, path=absolute("data.path", data.path))
     ckpt = cfg.checkpoint
     if ckpt.dir is not None:
-        ckpt = dataclasses.replace(ckpt, dir=_absolute(ckpt.dir, base))
-    cfg = dataclasses.replace(cfg, model=model, hardware=hardware, plan=plan, data=data, checkpoint=ckpt)
+        ckpt = dataclasses.replace(ckpt, dir=absolute("checkpoint.dir", ckpt.dir))
+    outputs = {k: absolute(k, v) if k in overridden and v is not None else v
+               for k, v in (("trace", cfg.trace), ("report", cfg.report), ("profiler_trace", cfg.profiler_trace),
+                            ("memory_snapshot", cfg.memory_snapshot))}
+    cfg = dataclasses.replace(cfg, model=model, hardware=hardware, plan=plan, data=data, checkpoint=ckpt, **outputs)
     check_outputs(cfg, source)
 
-    try:
-        model_cfg = load_model_config(cfg.model)
-    except UserError as exc:
-        raise ConfigError(source, "model", str(exc)) from None
+    if cfg.module is not None and cfg.data.kind != "synthetic":
+        raise ConfigError(source, "data.kind", "a token file feeds a model preset; a module trains on synthetic "
+                                               "inputs shaped like its example microbatch (kind: synthetic)")
+    if cfg.module is not None:
+        num_layers, microbatch_size = check_user_module(cfg.module, cfg.layers, source)
+        if cfg.microbatch_size != microbatch_size:
+            raise ConfigError(source, "microbatch_size", f"{cfg.module}'s example input is one microbatch of "
+                                                         f"{microbatch_size}; set microbatch_size: {microbatch_size}")
+        what = f"{cfg.module} has {num_layers} layers"
+    else:
+        try:
+            model_cfg = load_model_config(cfg.model)
+        except UserError as exc:
+            raise ConfigError(source, "model", str(exc)) from None
+        num_layers = model_cfg.num_layers + 2  # embed + blocks + head
+        what = f"{cfg.model} has {num_layers} layers (embed, {model_cfg.num_layers} blocks, head)"
     if cfg.plan not in (PLAN_AUTO, PLAN_NONE) and not Path(cfg.plan).is_file():
         raise ConfigError(source, "plan", f"no such plan file {cfg.plan} (or use auto / none)")
     if cfg.plan == PLAN_AUTO and cfg.hardware != HARDWARE_DETECT:
@@ -268,10 +305,8 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
             raise ConfigError(source, "hardware", str(exc)) from None
     if data.path is not None and not Path(data.path).is_file():
         raise ConfigError(source, "data.path", f"no such token file {data.path}")
-    num_layers = model_cfg.num_layers + 2  # embed + blocks + head
     if cfg.num_stages is not None and cfg.num_stages > num_layers:
-        raise ConfigError(source, "num_stages", f"{cfg.model} has {num_layers} layers (embed, "
-                                                f"{model_cfg.num_layers} blocks, head); cannot make {cfg.num_stages} stages")
+        raise ConfigError(source, "num_stages", f"{what}; cannot make {cfg.num_stages} stages")
     return cfg
 
 
@@ -288,8 +323,11 @@ def check_outputs(cfg: TrainConfig, source: str) -> None:
             check_output_path(path, source, key, kind)  # type: ignore[arg-type]
 
 
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model preset `cfg.model` with `cfg.dropout` applied when it is set."""
+def model_config(cfg: TrainConfig) -> ModelConfig | UserModel:
+    """What `cfg` trains: the model preset `cfg.model` with `cfg.dropout` applied when it is
+    set, or the user's module `cfg.module` (its factory called under `cfg.seed`)."""
+    if cfg.module is not None:
+        return load_user_model(cfg.module, layers=cfg.layers, seed=cfg.seed)
     model = load_model_config(cfg.model)
     return model if cfg.dropout is None else dataclasses.replace(model, dropout=cfg.dropout)
 

@@ -31,6 +31,7 @@ from mpress.live_bytes import LiveBytes
 from mpress.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
+from mpress.models.user import UserModel
 from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan
 from mpress.runtime.job_state import Chunk, load_state, save_state
@@ -50,7 +51,8 @@ SCHEDULES = {ScheduleName.GPIPE: ScheduleGPipe, ScheduleName.ONE_F_ONE_B: Schedu
 class JobSpec:
     """What one pipeline job trains and how (identical on every rank)."""
 
-    model: ModelConfig
+    model: ModelConfig | UserModel
+    """A reference model (GPT/BERT preset) or a user's own module (`mpress.models.user`)."""
     schedule: ScheduleName
     ranges: list[tuple[int, int]]
     """Layer range [start, end) of each stage (stage s runs on rank s % world size)."""
@@ -129,13 +131,20 @@ class PipelineJob:
         self.stages: list[PipelineStage] = []
         self.params: dict[int, dict[str, list[str]]] = {}
         """Per stage: its parameter names per layer (the optimizer steps one layer at a time)."""
+        self._user_stages: list[tuple[nn.Module, tuple, tuple]] = []
+        """A user's model: every stage's module and example (inputs, outputs), from one split."""
+        if isinstance(spec.model, UserModel):
+            split = spec.model.split(spec.ranges)
+            self._user_stages = [(m, i, o) for m, (i, o) in zip(split, spec.model.stage_io(split))]
         for s in self.stage_ids:
             module, stage, layers = self._build_stage(s, group)
             self.modules.append(module)
             self.stages.append(stage)
             self.params[s] = layer_params(module, layers)
+        self._user_stages.clear()  # the other stages' modules are not this rank's to keep
         last = self.stages[-1]
-        loss_fn = last.route_loss(lm_loss) if isinstance(last, MpressStage) else lm_loss
+        loss = spec.model.loss if isinstance(spec.model, UserModel) else lm_loss
+        loss_fn = last.route_loss(loss) if isinstance(last, MpressStage) else loss
         if interleaved:
             self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=loss_fn)
         else:
@@ -189,6 +198,26 @@ class PipelineJob:
 
     def _build_stage(self, s: int, group: dist.ProcessGroup | None) -> tuple[nn.Module, PipelineStage, list[str]]:
         spec, cfg, device = self.spec, self.spec.model, self.device
+        if isinstance(cfg, UserModel):
+            module, inputs, outputs = self._user_stages[s]
+            module = module.to(device)
+            x = tuple(t.to(device).requires_grad_(t.requires_grad) for t in inputs)
+            y = tuple(t.to(device).requires_grad_(t.is_floating_point()) for t in outputs)
+            y = y[0] if len(y) == 1 else y
+        else:
+            module, x, y = self._reference_stage(s)
+        if self.plan is not None:
+            stage = wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
+                               model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
+                               peers=self.peers, program=self.program, live=self.live)
+            return module, stage, list(stage.runtime.router.layers)
+        stage = _PlainStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group,
+                            live=self.live, spans=self.spans)
+        return module, stage, layer_paths(module, (x,))
+
+    def _reference_stage(self, s: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+        """Stage `s` of the GPT/BERT reference model and one microbatch's example input and output."""
+        spec, cfg, device = self.spec, self.spec.model, self.device
         start, end = spec.ranges[s]
         module = build_stage(cfg, start, end, seed=spec.seed, device=device)
         module.train()
@@ -201,14 +230,7 @@ class PipelineJob:
              else torch.zeros(b, t, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True))
         y = torch.zeros(b, t, cfg.vocab_size if last else cfg.hidden_size, dtype=dtype, device=device,
                         requires_grad=True)
-        if self.plan is not None:
-            stage = wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
-                               model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
-                               peers=self.peers, program=self.program, live=self.live)
-            return module, stage, list(stage.runtime.router.layers)
-        stage = _PlainStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group,
-                            live=self.live, spans=self.spans)
-        return module, stage, layer_paths(module, (x,))
+        return module, x, y
 
     @property
     def stage(self) -> PipelineStage:
@@ -241,7 +263,7 @@ class PipelineJob:
         """The rank holding the last stage (it computes the loss)."""
         return (self.num_stages - 1) % self.world
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+    def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> StepResult:
         """One training step on the global batch (every rank passes the same batch): the
         schedule's forwards and backwards, then the optimizer steps of the rank's
         program (one layer at a time without a plan)."""
@@ -285,21 +307,26 @@ class PipelineJob:
                     offload.home(layer)
                 self.masters.step(self.params[action.stage][layer])
 
-    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
-        """The pipeline's forwards and backwards; the last stage's losses. A failure while
-        a rank of the job is dead is reported as that rank's death (the pipeline's own
-        error is then only a broken connection)."""
+    def _run_schedule(self, inputs: torch.Tensor | tuple[torch.Tensor, ...],
+                      targets: torch.Tensor) -> list[torch.Tensor]:
+        """The pipeline's forwards and backwards; the last stage's losses. `inputs`: the
+        first stage's positional inputs (one tensor or several). A failure while a rank of
+        the job is dead is reported as that rank's death (the pipeline's own error is then
+        only a broken connection)."""
         losses: list[torch.Tensor] = []
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
         if self.live is not None:  # on CPU `.to` keeps the caller's storage: count it here
-            for t, needed in ((inputs, self.is_first), (targets, self.is_last)):
-                if needed:
-                    self.live.adopt(t, "input batch" if t is inputs else "targets")
+            if self.is_first:
+                for t in args:
+                    self.live.adopt(t, "input batch")
+            if self.is_last:
+                self.live.adopt(targets, "targets")
+        args = tuple(t.to(self.device) for t in args)
         try:
             if self.is_first and self.is_last:
-                self.schedule.step(inputs.to(self.device), target=targets.to(self.device), losses=losses,
-                                   return_outputs=False)
+                self.schedule.step(*args, target=targets.to(self.device), losses=losses, return_outputs=False)
             elif self.is_first:
-                self.schedule.step(inputs.to(self.device), return_outputs=False)
+                self.schedule.step(*args, return_outputs=False)
             elif self.is_last:
                 self.schedule.step(target=targets.to(self.device), losses=losses, return_outputs=False)
             else:

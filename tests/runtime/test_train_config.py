@@ -260,3 +260,48 @@ def test_the_d2d_example_needs_peer_memory_and_finds_it():
     rules = [r for sp in start.plan.stages for r in sp.rules]
     assert rules and all(r.technique == "d2d" for r in rules)
     assert any(sp.peer_pool_bytes for sp in start.plan.stages)
+
+
+# ---- a user's own module ---------------------------------------------------------------------
+
+MODULE = "tests.support.user_model:make_skipnet"
+
+
+def test_a_module_config_names_its_factory_and_layers(tmp_path):
+    cfg = load_train_config(write(tmp_path, f"module: {MODULE}\nlayers: [embed, 'blocks.*', head]\n"
+                                            "microbatch_size: 2\nnum_stages: 4\nnum_microbatches: 4\n"))
+    assert cfg.module == MODULE and cfg.model is None and cfg.layers == ["embed", "blocks.*", "head"]
+
+
+@pytest.mark.parametrize("text,key,says", [
+    ("steps: 3\n", "model", "exactly one"),
+    (f"model: gpt-tiny\nmodule: {MODULE}\n", "model", "exactly one"),
+    ("model: gpt-tiny\nlayers: [embed]\n", "layers", "only with module"),
+    (f"module: {MODULE}\nmicrobatch_size: 2\n", "layers", "does not chain"),
+    (f"module: {MODULE}\nlayers: ['blockz.*']\nmicrobatch_size: 2\n", "layers", "names no module"),
+    (f"module: {MODULE}\nlayers: [embed, 'blocks.*', head]\n", "microbatch_size", "set microbatch_size: 2"),
+    (f"module: {MODULE}\nlayers: [embed, 'blocks.*', head]\nmicrobatch_size: 2\nnum_stages: 9\n"
+     "num_microbatches: 9\n", "num_stages", "has 8 layers"),
+    (f"module: {MODULE}\nlayers: [embed, 'blocks.*', head]\nmicrobatch_size: 2\ndropout: 0.1\n", "dropout", "preset"),
+    (f"module: {MODULE}\nlayers: [embed, 'blocks.*', head]\nmicrobatch_size: 2\n"
+     "data: {kind: file, path: t.txt}\n", "data.kind", "synthetic"),
+    ("module: nosuchpkg.mod:make\n", "module", "no module 'nosuchpkg'"),
+])
+def test_a_bad_module_config_is_one_line_naming_the_key(tmp_path, text, key, says):
+    (tmp_path / "t.txt").write_text("1 2 3\n")
+    e = refused(write(tmp_path, text), key)
+    assert says in str(e) and "\n" not in str(e)
+
+
+def test_a_path_given_on_the_command_line_is_relative_to_where_the_command_runs(tmp_path, monkeypatch):
+    """In the file a path is relative to the file; as an override (`--checkpoint.dir c`),
+    to the working directory, as any command-line path."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    path = write(conf, "model: gpt-tiny\ncheckpoint: {dir: in-file}\n")
+    assert Path(load_train_config(path).checkpoint.dir) == conf / "in-file"
+    cfg = load_train_config(path, overrides=[("checkpoint.dir", "on-cli")])
+    assert Path(cfg.checkpoint.dir) == work / "on-cli"

@@ -36,9 +36,17 @@ from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
 from mpress.actions import Action, parse_actions
 from mpress.errors import ConfigError, PlanError, ScheduleError
 from mpress.hardware import Hardware
+from mpress.limits import MAX_DEVICES, MAX_MICROBATCH_SIZE, MAX_MICROBATCHES, MAX_STAGES
+from mpress.units import MAX_BYTES
 from mpress.vocabulary import OptimizerStep, ScheduleName, SwapInPolicy, Technique, as_word
 
 PLAN_VERSION = 1
+
+MAX_PREFETCH_LEAD = 2 * MAX_MICROBATCHES * MAX_STAGES
+"""Most compute actions a swap-in may lead its backward by: a rank's whole action list at
+the largest pipeline (a forward and a backward per microbatch and stage)."""
+MAX_LAYER_INDEX = 1 << 20
+"""Bound on a stage's layer indices (the profile's layer count decides the real end)."""
 
 
 def parse_microbatches(selector: str, num_microbatches: int | None = None) -> frozenset[int] | None:
@@ -99,7 +107,7 @@ def pattern_matches(pattern: str, tensor: str) -> bool:
 class Stripe:
     """One stripe of a D2D-swapped tensor."""
 
-    device: int = field(metadata={"min": 0})
+    device: int = field(metadata={"min": 0, "max": MAX_DEVICES - 1})
     """Peer device that holds the stripe (it must have NVLink to the exporter)."""
     fraction: float = field(metadata={"gt": 0, "max": 1})
     """Share of the tensor's bytes (stripes of a rule sum to 1)."""
@@ -109,9 +117,9 @@ class Stripe:
 class PeerQuota:
     """How much of one peer device's pool an exporter stage may fill at once."""
 
-    device: int = field(metadata={"min": 0})
+    device: int = field(metadata={"min": 0, "max": MAX_DEVICES - 1})
     """The importer device (it reserves the pool)."""
-    quota_bytes: int = field(metadata={"gt": 0})
+    quota_bytes: int = field(metadata={"gt": 0, "max": MAX_BYTES})
     """Bytes of that pool set aside for this stage's stripes."""
 
 
@@ -128,7 +136,7 @@ class TensorRule:
     # (a rule decides; the identity module's `StageRules` reads rules for both halves)
     stripes: list[Stripe] = field(default_factory=list)
     """d2d only: where the stripes go."""
-    prefetch_lead: int = field(default=1, metadata={"min": 1})
+    prefetch_lead: int = field(default=1, metadata={"min": 1, "max": MAX_PREFETCH_LEAD})
     """Swap-in is issued before the compute action this many compute actions ahead of the
     backward that needs the tensor (1 = overlap with the one compute action just before)."""
 
@@ -170,24 +178,24 @@ class TensorRule:
 class StagePlan:
     """What one pipeline stage does with its memory."""
 
-    stage: int = field(metadata={"min": 0})
-    device: int = field(metadata={"min": 0})
+    stage: int = field(metadata={"min": 0, "max": MAX_STAGES - 1})
+    device: int = field(metadata={"min": 0, "max": MAX_DEVICES - 1})
     """Device the stage runs on."""
-    first_layer: int = field(metadata={"min": 0})
-    end_layer: int = field(metadata={"min": 1})
+    first_layer: int = field(metadata={"min": 0, "max": MAX_LAYER_INDEX})
+    end_layer: int = field(metadata={"min": 1, "max": MAX_LAYER_INDEX})
     """Layer range [first_layer, end_layer) of the profile's layer list."""
     rules: list[TensorRule] = field(default_factory=list)
     """First match wins; unmatched tensors are kept."""
-    pinned_host_bytes: int = field(default=0, metadata={"min": 0})
+    pinned_host_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """Pinned host pool this stage's process allocates at start-up."""
-    peer_pool_bytes: int = field(default=0, metadata={"min": 0})
+    peer_pool_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """Bytes this stage's device reserves and exports for its D2D exporters."""
     peer_quotas: list[PeerQuota] = field(default_factory=list)
     """Exporter side: this stage's share of each peer pool it stripes to. A peer without
     an entry gets an equal share of what its pool has left."""
-    need_bytes: int = field(default=0, metadata={"min": 0})
+    need_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """Peak need without compaction (memory model)."""
-    predicted_peak_bytes: int = field(default=0, metadata={"min": 0})
+    predicted_peak_bytes: int = field(default=0, metadata={"min": 0, "max": MAX_BYTES})
     """Emulated peak with this plan, peer pool included."""
     optimizer_step: OptimizerStep = OptimizerStep.DEVICE
     """Where the stage's optimizer step runs. `device`: Adam states and fp32 master
@@ -223,21 +231,24 @@ class Plan:
     hardware: str
     """Hardware preset name (or the `name` inside a hardware YAML)."""
     hardware_fingerprint: str
-    num_devices: int = field(metadata={"min": 1})
+    num_devices: int = field(metadata={"min": 1, "max": MAX_DEVICES})
     """Devices of the hardware the plan was made for (cpu-local varies it)."""
-    device_memory_bytes: int = field(metadata={"gt": 0})
+    device_memory_bytes: int = field(metadata={"gt": 0, "max": MAX_BYTES})
     """Memory per device of that hardware (cpu-local varies it)."""
     schedule: ScheduleName
-    num_stages: int = field(metadata={"min": 1})
-    num_ranks: int = field(metadata={"min": 1})
-    num_microbatches: int = field(metadata={"min": 1})
-    microbatch_size: int = field(metadata={"min": 1})
+    num_stages: int = field(metadata={"min": 1, "max": MAX_STAGES})
+    num_ranks: int = field(metadata={"min": 1, "max": MAX_STAGES})
+    """Pipeline ranks: num_stages, or for interleaved a divisor of it (stage s runs on rank
+    s % num_ranks)."""
+    num_microbatches: int = field(metadata={"min": 1, "max": MAX_MICROBATCHES})
+    microbatch_size: int = field(metadata={"min": 1, "max": MAX_MICROBATCH_SIZE})
     swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY
-    stage_to_device: list[int]
+    stage_to_device: list[int] = field(metadata={"min": 0, "max": MAX_DEVICES - 1})
     stages: list[StagePlan]
     fits: bool
     """Every device within its memory in emulation."""
     predicted_iteration_s: float = field(default=0.0, metadata={"min": 0})
+    """Emulated iteration time when planned, seconds (finite: the loader refuses inf and nan)."""
     actions: list[str] = field(default_factory=list)
     """The program: per rank, its action list (`mpress/actions.py` string form) as the
     rewriter made it from the rules and the emulator simulated it. The runtime executes
@@ -251,6 +262,12 @@ class Plan:
             raise ConfigError("", "version", f"plan version {self.version} is not supported (expected {PLAN_VERSION})")
         if len(self.stages) != self.num_stages or len(self.stage_to_device) != self.num_stages:
             raise ConfigError("", "stages", f"need one entry per stage ({self.num_stages})")
+        if self.schedule is ScheduleName.INTERLEAVED and self.num_stages % self.num_ranks:
+            raise ConfigError("", "num_ranks", f"interleaved runs num_stages / num_ranks stages per rank: must divide "
+                                               f"num_stages ({self.num_stages}), got {self.num_ranks}")
+        if self.schedule is not ScheduleName.INTERLEAVED and self.num_ranks != self.num_stages:
+            raise ConfigError("", "num_ranks", f"{self.schedule} runs one stage per rank: must equal num_stages "
+                                               f"({self.num_stages}), got {self.num_ranks}")
         for i, sp in enumerate(self.stages):
             if sp.stage != i:
                 raise ConfigError("", f"stages[{i}].stage", f"must be {i} (stages are listed in order)")

@@ -345,3 +345,37 @@ def test_load_missing_or_unparsable_file(tmp_path: Path) -> None:
     top.write_text("- 1\n- 2\n")
     e = load_error(top)
     assert "expected a mapping" in e.problem
+
+
+# -- numbers in plan files: finite, whole where they count, bounded ---------------------------------
+
+@pytest.mark.parametrize("edit, key, words", [
+    (lambda d: d.update(num_microbatches=10**9), "num_microbatches", ["<= 4096"]),
+    (lambda d: d.update(num_microbatches=2.5), "num_microbatches", ["expected an integer", "2.5"]),
+    (lambda d: d.update(microbatch_size=10**9), "microbatch_size", ["<= 65536"]),
+    (lambda d: d.update(num_devices=10**6), "num_devices", ["<= 1024"]),
+    (lambda d: d.update(device_memory_bytes=2e18), "device_memory_bytes", ["<= 1152921504606846976"]),
+    (lambda d: d.update(predicted_iteration_s=float("nan")), "predicted_iteration_s", ["finite"]),
+    (lambda d: d.update(predicted_iteration_s=float("inf")), "predicted_iteration_s", ["finite"]),
+    (lambda d: d.update(stage_to_device=[0, 10**6]), "stage_to_device[1]", ["<= 1023"]),
+    (lambda d: d["stages"][1].update(peer_pool_bytes=2e18), "stages[1].peer_pool_bytes", ["<= 1152921504606846976"]),
+    (lambda d: d["stages"][1].update(pinned_host_bytes="1e400"), "stages[1].pinned_host_bytes", ["1e400"]),
+    (lambda d: d["stages"][0].update(need_bytes=-1), "stages[0].need_bytes", [">= 0"]),
+    (lambda d: d["stages"][0]["rules"][0].update(prefetch_lead=10**12), "stages[0].rules[0].prefetch_lead",
+     ["<= 8388608"]),
+    (lambda d: d["stages"][0].update(peer_quotas=[{"device": 1, "quota_bytes": 2e18}]),
+     "stages[0].peer_quotas[0].quota_bytes", ["<= 1152921504606846976"]),
+    (lambda d: d["stages"][0]["rules"][0].update(technique="d2d", stripes=[{"device": 1, "fraction": float("nan")}]),
+     "stages[0].rules[0].stripes[0].fraction", ["finite"]),
+    (lambda d: d["stages"][0]["rules"][0].update(technique="d2d", stripes=[{"device": 5000, "fraction": 1.0}]),
+     "stages[0].rules[0].stripes[0].device", ["<= 1023"]),
+    # ranks: one stage each, or (interleaved) a whole number of stages each
+    (lambda d: d.update(num_ranks=1), "num_ranks", ["1f1b runs one stage per rank", "must equal num_stages (2)"]),
+    (lambda d: d.update(schedule="interleaved", num_ranks=3), "num_ranks", ["must divide num_stages (2)"]),
+])
+def test_load_range_checks_numbers(tmp_path: Path, edit, key: str, words: list[str]) -> None:
+    data = plan_dict()
+    edit(data)
+    e = load_error(write_plan(tmp_path, data))
+    assert e.key == key, str(e)
+    assert all(w in e.problem for w in words), str(e)

@@ -19,9 +19,12 @@ from mpress.hardware import Hardware, load_hardware
 from mpress.launcher.devices import cuda_bus_ids, cuda_index_of
 from mpress.model_config import ModelConfig
 from mpress.plan import Plan
+from mpress.plan_check import Shape, check_plan, refusal
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
+from mpress.static.analytic import analytic_profile
 from mpress.static.evaluate import PipelineSetup, evaluate, setup_pipeline
-from mpress.static.plan_eval import complete_plan
+from mpress.static.plan_eval import check_plan_for_setup, complete_plan
+from mpress.static.profile import Profile
 from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
 from mpress.vocabulary import ScheduleName
 
@@ -53,13 +56,11 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) 
 
 def _plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int, cuda: bool) -> StartPlan:
     if cfg.plan not in ("auto", "none"):
-        plan = Plan.load(cfg.plan)
-        hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
-        if cuda:
-            check_topology(hardware)
-        setup = _setup(cfg, model, hardware, plan.num_stages, world,
-                       ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
-        plan, ev = complete_plan(setup, plan)  # written by hand: the program and pools its rules make
+        plan, setup = load_checked_plan(cfg, model, num_stages, world, cuda=cuda)
+        try:
+            plan, ev = complete_plan(setup, plan)  # written by hand: the program and pools its rules make
+        except PlanError as exc:
+            raise PlanError(f"{cfg.plan}: {exc}") from None
         return StartPlan(plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages],
                          _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world))
     hardware = hardware_for(cfg, world, cuda)
@@ -72,16 +73,55 @@ def _plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int,
     if not result.fits:
         raise UserError(f"plan: auto: {model.name} does not fit {hardware.name}: {result.reason}")
     plan = result.plan
+    _check_for_job(plan, setup, cfg, num_stages, world, source=f"plan: auto ({cfg.strategy})")
     peaks = [0] * hardware.num_devices
     for sp in plan.stages:
         peaks[sp.device] = sp.predicted_peak_bytes  # the device's peak, as emulated when planning
     return StartPlan(plan, setup.ranges, _rank_peaks(peaks, plan.stage_to_device, world))
 
 
+def load_checked_plan(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int, *,
+                      cuda: bool = False) -> tuple[Plan, PipelineSetup]:
+    """The plan file `cfg.plan`, checked before any rank trains under it, and the pipeline
+    it lays out (its layer ranges on the hardware it names). Rank 0 only.
+
+    Raises a one-line `UserError` (a `PlanError` naming the file and the plan's key where
+    the plan is at fault) when it does not belong to the job -- another model, schedule,
+    stage, rank or microbatch count, a rank's stages on two devices -- or to the model,
+    the hardware or the profile: every device named must exist, every rule must name a
+    layer or saved tensor of its stage, pools must fit the host and the devices
+    (`mpress.plan_check.check_plan`, the check `mpress emulate` makes too).
+    """
+    source = cfg.plan
+    plan = Plan.load(source)
+    check_plan(plan, source=source, model=model, world_size=world, runtime=True,
+               shape=Shape(cfg.schedule, num_stages, cfg.num_microbatches, cfg.microbatch_size))
+    try:
+        hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
+    except UserError as exc:
+        raise refusal(source, "hardware", str(exc)) from None
+    if cuda:
+        check_topology(hardware)
+    profile = analytic_profile(model, hardware, cfg.microbatch_size)
+    check_plan(plan, source=source, num_layers=profile.num_layers)
+    setup = _setup(cfg, model, hardware, num_stages, world, profile=profile,
+                   ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
+    _check_for_job(plan, setup, cfg, num_stages, world, source=source)
+    return plan, setup
+
+
+def _check_for_job(plan: Plan, setup: PipelineSetup, cfg: TrainConfig, num_stages: int, world: int, *,
+                   source: str) -> None:
+    """The one plan check, with all the job and its pipeline know."""
+    check_plan(plan, source=source, world_size=world, runtime=True,
+               shape=Shape(cfg.schedule, num_stages, cfg.num_microbatches, cfg.microbatch_size))
+    check_plan_for_setup(plan, setup, source=source)
+
+
 def _setup(cfg: TrainConfig, model: ModelConfig, hardware: Hardware, num_stages: int, world: int,
-           ranges: list[tuple[int, int]] | None = None) -> PipelineSetup:
+           ranges: list[tuple[int, int]] | None = None, profile: Profile | None = None) -> PipelineSetup:
     return setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
-                          num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None,
+                          num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None, profile=profile,
                           microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches, ranges=ranges)
 
 

@@ -83,10 +83,10 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
     if model is not None:
         model_fingerprint = model.fingerprint()
     if model_fingerprint is not None and plan.model_fingerprint != model_fingerprint:
-        name = f"{model.name!r} ({model_fingerprint})" if model is not None else \
-            f"this one (fingerprint {model_fingerprint})"
-        raise refusal(source, "model_fingerprint", f"made for model {plan.model!r} ({plan.model_fingerprint}), "
-                                                   f"not {name} (fingerprints differ): plan again for this model")
+        name = f"{model.name!r}" if model is not None else "this one"
+        raise refusal(source, "model_fingerprint", f"made for model {plan.model!r}, not {name} (fingerprints differ: "
+                                                   f"the plan's {plan.model_fingerprint}, this model's "
+                                                   f"{model_fingerprint}); plan again for this model")
     if shape is not None:
         _check_shape(plan, source, shape, runtime)
     if world_size is not None:

@@ -102,7 +102,7 @@ DEFECTS = [
      ["must be a finite number"]),
     ("1e400-byte pool", set_stage(pinned_host_bytes="1e400"), "stages[0].pinned_host_bytes", ["1e400"]),
     ("model fingerprint of another model", lambda d: d.update(model_fingerprint="0123456789abcdef"),
-     "model_fingerprint", ["made for model 'gpt-tiny' (0123456789abcdef)", "fingerprints differ"]),
+     "model_fingerprint", ["made for model 'gpt-tiny', not 'gpt-tiny'", "fingerprints differ: the plan's 0123456789abcdef"]),
 ]
 
 

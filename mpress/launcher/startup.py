@@ -73,7 +73,9 @@ def _plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int,
     if not result.fits:
         raise UserError(f"plan: auto: {model.name} does not fit {hardware.name}: {result.reason}")
     plan = result.plan
-    _check_for_job(plan, setup, cfg, num_stages, world, source=f"plan: auto ({cfg.strategy})")
+    source = f"plan: auto ({cfg.strategy})"
+    _check_job(plan, cfg, model, num_stages, world, source=source)
+    check_plan_for_setup(plan, setup, source=source)
     peaks = [0] * hardware.num_devices
     for sp in plan.stages:
         peaks[sp.device] = sp.predicted_peak_bytes  # the device's peak, as emulated when planning
@@ -94,8 +96,7 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig, num_stages: int, wor
     """
     source = cfg.plan
     plan = Plan.load(source)
-    check_plan(plan, source=source, model=model, world_size=world, runtime=True,
-               shape=Shape(cfg.schedule, num_stages, cfg.num_microbatches, cfg.microbatch_size))
+    _check_job(plan, cfg, model, num_stages, world, source=source)
     try:
         hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     except UserError as exc:
@@ -106,16 +107,16 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig, num_stages: int, wor
     check_plan(plan, source=source, num_layers=profile.num_layers)
     setup = _setup(cfg, model, hardware, num_stages, world, profile=profile,
                    ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
-    _check_for_job(plan, setup, cfg, num_stages, world, source=source)
+    check_plan_for_setup(plan, setup, source=source)
     return plan, setup
 
 
-def _check_for_job(plan: Plan, setup: PipelineSetup, cfg: TrainConfig, num_stages: int, world: int, *,
-                   source: str) -> None:
-    """The one plan check, with all the job and its pipeline know."""
-    check_plan(plan, source=source, world_size=world, runtime=True,
+def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int, *,
+               source: str) -> None:
+    """The plan check with what the job knows: its model, schedule, stages, microbatches
+    and ranks (the rest with the pipeline, `check_plan_for_setup`)."""
+    check_plan(plan, source=source, model=model, world_size=world, runtime=True,
                shape=Shape(cfg.schedule, num_stages, cfg.num_microbatches, cfg.microbatch_size))
-    check_plan_for_setup(plan, setup, source=source)
 
 
 def _setup(cfg: TrainConfig, model: ModelConfig, hardware: Hardware, num_stages: int, world: int,

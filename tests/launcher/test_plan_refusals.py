@@ -127,7 +127,8 @@ def test_a_defective_plan_is_refused_at_training_start_up(plan_file, tmp_path, n
     assert msg.startswith(f"{bad}: {key}: ") and all(w in msg for w in words), msg
 
 
-# The job's own mismatches: only training has a job (emulate takes its shape from the plan).
+# The job's own mismatches: only training has a job (emulate takes its shape from the plan,
+# and its model and hardware from the plan unless flags name others).
 JOB_DEFECTS = [
     ("plan for gpipe, job runs 1f1b", lambda d: d.update(schedule="gpipe"), {}, "schedule",
      ["made for gpipe, 1 stages, 4 x 4 microbatches; this pipeline is 1f1b, 1 stages, 4 x 4"]),
@@ -139,6 +140,8 @@ JOB_DEFECTS = [
      ["made for model 'gpt-tiny'", "not 'gpt-small'"]),
     ("last stage ends before the model's last layer", set_stage(end_layer=5), {}, "stages[0].end_layer",
      ["must be 6: the last stage ends at the model's last layer"]),
+    ("hardware no preset or file describes", lambda d: d.update(hardware="dgx9"), {}, "hardware",
+     ["unknown hardware 'dgx9' (presets: cpu-local,"]),
 ]
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 from mpress.hardware import load_hardware
 from mpress.model_config import ModelConfig, load_model_config
-from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
+from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
 from mpress.static.evaluate import setup_pipeline
 from mpress.static.plan_eval import complete_plan
 from tests.support.tiny_pipeline import (
@@ -86,7 +86,8 @@ def with_program(plan: Plan, model: ModelConfig) -> Plan:
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                            num_ranks=plan.num_ranks if plan.num_ranks != plan.num_stages else None, ranges=ranges)
-    return complete_plan(setup, dataclasses.replace(plan, actions=[]))[0]
+    plan = dataclasses.replace(plan, actions=[], hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
+    return complete_plan(setup, plan)[0]
 
 
 def d2d_plan(devices: list[int], *, stripes: dict[int, dict[int, float]] | None = None,

@@ -35,12 +35,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", default="dgx1-v100,dgx-a100")
     ap.add_argument("--models", default=",".join(billion_presets()))
-    ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--num-microbatches", "--microbatches", type=int, default=16,
+                    help="microbatches per iteration (default: %(default)s)")
     args = ap.parse_args()
     console = Console(width=170)
     for hw_name in args.hardware.split(","):
         hw = load_hardware(hw_name)
-        summary = Table(title=f"planner on {hw.name}: 8 stages, {args.microbatches} microbatches "
+        summary = Table(title=f"planner on {hw.name}: 8 stages, {args.num_microbatches} microbatches "
                               "(GPT 1f1b x2, BERT pipedream x12)")
         for col in ["model", "plan s", "mapping s", *Strategy.words(), "mpress / best fitting baseline",
                     "mpress / ideal"]:
@@ -49,7 +50,7 @@ def main() -> None:
             model = load_model_config(name)
             schedule, mbsize = ("1f1b", 2) if model.family == "gpt" else ("pipedream", 12)
             setup = setup_pipeline(model, hw, schedule=schedule, num_stages=8, microbatch_size=mbsize,
-                                   num_microbatches=args.microbatches)
+                                   num_microbatches=args.num_microbatches)
             results = {}
             for strategy in Strategy.words():
                 t0 = time.perf_counter()

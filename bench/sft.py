@@ -26,7 +26,7 @@ VGG-16 (random init, a global-pooling head), batch 1, MSE loss, one training ste
 Sides in `--sft-sizes` run SFT alone (plain training there would only repeat the
 over-budget story, slowly): they show its time per pixel past plain training's reach.
 
-Usage: python bench/sft.py [--sizes 192,384,576] [--sft-sizes 1024] [--budget 160MiB]
+Usage: python bench/sft.py [--sizes 192,384,576] [--sft-sizes 1024] [--device-memory 160MiB]
                            [--rounds 2] [--device cpu|cuda] [--threads N]
 """
 
@@ -139,7 +139,8 @@ def main() -> None:
                                                   "cpu; 2048,4096,8192,12288,16384 on cuda)")
     ap.add_argument("--sft-sizes", default=None, help="more sides where only SFT runs, to show its time per pixel "
                                                       "beyond plain's reach (default: 1024 on cpu, none on cuda)")
-    ap.add_argument("--budget", default=None, help="memory budget (default: 160MiB on cpu, 16GiB on cuda)")
+    ap.add_argument("--device-memory", "--budget", default=None,
+                    help="memory budget, e.g. 160MB (default: 160MiB on cpu, 16GiB on cuda)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (one step per contender each)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on cpu (default: torch's)")
@@ -153,7 +154,7 @@ def main() -> None:
     sizes = [int(s) for s in (args.sizes or ("2048,4096,8192,12288,16384" if cuda else "192,384,576")).split(",")]
     sft_sizes = [int(s) for s in (args.sft_sizes if args.sft_sizes is not None else ("" if cuda else "1024"))
                  .split(",") if s]
-    budget = parse_bytes(args.budget or ("16GiB" if cuda else "160MiB"), "--budget")
+    budget = parse_bytes(args.device_memory or ("16GiB" if cuda else "160MiB"), "--device-memory")
     torch.manual_seed(0)
     net = vgg16().to(device)
     meta_net = copy.deepcopy(net).to("meta")

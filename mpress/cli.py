@@ -2,7 +2,8 @@
 
 Each subcommand lives in `mpress/commands/<name>.py` and exposes
 `register(subparsers) -> None` (adds its parser, sets `func`) and a `run(args) -> int`.
-A subcommand that sets `takes_overrides=True` gets the flags it does not declare in
+Flags are named as the train config's keys (`mpress/commands/flags.py`); `mpress --help`
+lists the commands, the presets and the exit status. A subcommand that sets `takes_overrides=True` gets the flags it does not declare in
 `args.extra` (`mpress train`'s `--<dotted.key> VALUE` overrides); elsewhere they are errors.
 User mistakes (`UserError`) end in one line on stderr and exit status 2.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 
 from mpress import __version__
 from mpress.errors import UserError
@@ -26,10 +28,44 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+DESCRIPTION = """\
+mpress: train models larger than GPU memory with pipeline parallelism, compacting memory
+per tensor (recompute, host swap, D2D swap over NVLink) as a plan says.
+
+    mpress topo --hardware dgx1-v100
+    mpress profile --model gpt-tiny --out gpt-tiny.yaml
+    mpress plan --model gpt-20.4b --hardware dgx1-v100 --out plan.yaml
+    mpress emulate plan.yaml --plot memory.png
+    mpress train --config gpt-tiny-mixed --steps 10
+
+`mpress COMMAND --help` shows a command's flags and examples. Flags are named as the
+train config's keys (--num-stages, --num-microbatches, --microbatch-size,
+--device-memory, ...); sizes in GB (1e9 bytes), times in seconds."""
+
+
+def _epilog() -> str:
+    """Presets and exit status, listed from the config directories."""
+    from mpress.commands.flags import EXIT_STATUS
+    from mpress.hardware import hardware_presets
+    from mpress.model_config import model_presets
+    from mpress.runtime.train_config import train_presets
+
+    width = 88
+    lines = ["presets (a name, or a YAML path instead):"]
+    for what, names in (("model (--model)", model_presets()), ("hardware (--hardware)", hardware_presets()),
+                        ("train configs (mpress train --config)", train_presets())):
+        lines += textwrap.wrap(", ".join(names), width, initial_indent=f"  {what}: ", subsequent_indent="    ",
+                               break_on_hyphens=False)
+    return "\n".join(lines) + "\n\n" + EXIT_STATUS
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mpress", description=__doc__.splitlines()[0] if __doc__ else None)
+    from mpress.commands.flags import HelpFormatter
+
+    parser = _Parser(prog="mpress", description=DESCRIPTION, epilog=_epilog(), formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"mpress {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
+                                       title="commands")
     for name in SUBCOMMANDS:
         importlib.import_module(f"mpress.commands.{name}").register(subparsers)
     return parser

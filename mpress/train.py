@@ -29,7 +29,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mpress.config import write_text_atomic
 from mpress.d2d.runtime.liveness import die_with_parent
@@ -57,7 +56,7 @@ from mpress.models.user import UserModel
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec
-from mpress.ui import make_console
+from mpress.ui import TaskProgress, make_console
 from mpress.units import fmt_bytes
 
 
@@ -107,9 +106,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         console.print(f"mpress.train: {model.name}, {cfg.schedule}, {num_stages} stages x {cfg.num_microbatches} "
                       f"microbatches of {cfg.microbatch_size}, {what}, backend {dist.get_backend()}"
                       + (f", resuming at step {first}" if first else ""))
-    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-                        disable=rank != 0)
+    # rank 0's bar on a terminal; off one (a pipe, a log) the logged steps' lines carry its figures
+    progress = TaskProgress(console, cfg.steps, "train", bar=True, keep=True, completed=first, enabled=rank == 0)
     peak, peak_at = 0, ""
     # What start-up made lives for the whole job: out of the cyclic collector's way, so a
     # full collection scans only what training makes (each step makes thousands of short-
@@ -117,7 +115,6 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     # torch's start-up objects cost milliseconds per step; bench/swap_overhead.py)
     gc.freeze()
     with progress:
-        task = progress.add_task("train", total=cfg.steps, completed=first, info="")
         for step in range(first, cfg.steps):
             if dataset is None:
                 x, y = model.batch(step=step, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
@@ -142,9 +139,11 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             peaks = [p for _, p in stats]
             info = (f"loss {loss:.4f}  {cfg.global_batch_size / elapsed:.1f} samples/s  peak/rank "
                     + " ".join(fmt_bytes(p) for p in peaks))
-            progress.update(task, advance=1, info=info)
+            progress.advance(info=info)
             if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-                progress.console.print(f"step {step}: loss {loss:.4f}")
+                progress.console.print(f"step {step}: loss {loss:.4f}" if progress.terminal else
+                                       f"step {step}: {info}  ({step + 1}/{cfg.steps}, {progress.elapsed()})",
+                                       soft_wrap=True)
             if tracing:
                 traces: list[dict] = [{} for _ in range(world)]
                 dist.all_gather_object(traces, run_trace.collect(job), group=control)

@@ -1,42 +1,52 @@
 """`mpress maxsize`: the largest model of a family each strategy fits on a server.
 
-    mpress maxsize --family gpt --hardware dgx1-v100 --schedule 1f1b --stages 8 \\
-        --microbatch-size 2 --microbatches 16
+    mpress maxsize --model gpt --hardware dgx1-v100 --schedule 1f1b --num-stages 8 \\
+        --microbatch-size 2 --num-microbatches 16
+    mpress maxsize --model bert --hardware dgx-a100 --strategy recompute,mpress --json
+
+Flags left unset derive from the hardware: one stage per device (interleaved: one rank
+per device, two stages each), 2 microbatches per rank, microbatch size 1; the line
+`settings: ...` says what was used. --json prints the table's figures as JSON instead of
+the table.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mpress.errors import UserError
-from mpress.hardware import load_hardware
+from mpress.commands.flags import add_command, add_flag, strategies_arg
+from mpress.commands.pipeline_args import DEFAULT_HARDWARE, DEFAULT_SCHEDULE, PipelineShape, resolve_shape
+from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
-from mpress.vocabulary import ScheduleName, Strategy
-from mpress import limits
-from mpress.config import int_arg, output_path_arg
-from mpress.ui import make_console
-from mpress.units import fmt_seconds, parse_bytes
+from mpress.vocabulary import Strategy
+from mpress.config import output_path_arg
+from mpress.ui import TaskProgress, make_console, print_json
+from mpress.units import fmt_bytes, fmt_seconds
+
+FAMILIES = ("gpt", "bert")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("maxsize", help="largest model of a family each strategy fits", description=__doc__)
-    p.add_argument("--family", default="gpt", choices=["gpt", "bert"], help="model family (default: %(default)s)")
-    p.add_argument("--hardware", default="dgx1-v100", help="hardware preset or YAML (default: %(default)s)")
-    p.add_argument("--schedule", default=ScheduleName.ONE_F_ONE_B.value, choices=ScheduleName.words(),
-                   help="pipeline schedule (default: %(default)s)")
-    p.add_argument("--stages", type=int_arg(1, limits.MAX_STAGES), default=8, help="pipeline stages (default: %(default)s)")
-    p.add_argument("--ranks", type=int_arg(1, limits.MAX_STAGES), default=None, help="pipeline ranks; only for interleaved")
-    p.add_argument("--microbatch-size", type=int_arg(1, limits.MAX_MICROBATCH_SIZE), default=2, help="samples per microbatch (default: %(default)s)")
-    p.add_argument("--microbatches", type=int_arg(1, limits.MAX_MICROBATCHES), default=16, help="microbatches per iteration (default: %(default)s)")
-    p.add_argument("--strategies", default=",".join(Strategy.words()),
-                   help="comma-separated strategies to search (default: all)")
-    p.add_argument("--devices", type=int_arg(1, limits.MAX_DEVICES), default=None, help="override the device count (cpu-local)")
-    p.add_argument("--device-memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
+    p = add_command(subparsers, "maxsize", help="largest model of a family each strategy fits", description=__doc__)
+    add_flag(p, "model", aliases=("--family",), default="gpt", choices=FAMILIES, metavar="FAMILY",
+             help=f"model family whose billion-scale presets are scaled ({', '.join(FAMILIES)}; default: %(default)s)")
+    add_flag(p, "hardware", default=DEFAULT_HARDWARE,
+             help=f"hardware preset ({', '.join(hardware_presets())}) or YAML (default: %(default)s)")
+    add_flag(p, "schedule", help=f"pipeline schedule (default: {DEFAULT_SCHEDULE.value})")
+    add_flag(p, "num_stages", help="pipeline stages (default: one per device; interleaved: 2 per rank)")
+    add_flag(p, "num_ranks", help="pipeline ranks; interleaved only (default: one per device)")
+    add_flag(p, "microbatch_size", help="samples per microbatch (default: 1)")
+    add_flag(p, "num_microbatches", help="microbatches per iteration (default: 2 per pipeline rank)")
+    add_flag(p, "strategy", aliases=("--strategies",), type=strategies_arg, choices=None, metavar="NAMES",
+             default=list(Strategy.words()),
+             help=f"comma-separated strategies to search ({', '.join(Strategy.words())}; default: all)")
+    add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
+    add_flag(p, "device_memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
     p.add_argument("--plot", type=output_path_arg(), default=None,
                    help="write a PNG bar chart of the largest model per strategy")
+    add_flag(p, "json")
     p.set_defaults(func=run)
 
 
@@ -57,28 +67,48 @@ def table(rows: list[MaxSize], title: str) -> Table:
     return t
 
 
+def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: PipelineShape) -> dict[str, object]:
+    """The table's figures (times in seconds)."""
+    ref = next((r for r in rows if r.strategy == Strategy.MPRESS and r.model), None)
+    out = []
+    for r in rows:
+        res = r.result.evaluation.result if r.result is not None else None
+        out.append({"strategy": r.strategy, "largest_model": r.model.name if r.model else None,
+                    "num_parameters": r.num_parameters if r.model else None,
+                    "num_layers": r.model.num_layers if r.model else None,
+                    "hidden_size": r.model.hidden_size if r.model else None,
+                    "iteration_s": res.iteration_s if res else None, "samples_per_s": res.samples_per_s if res else None,
+                    "size_over_mpress": r.num_parameters / ref.num_parameters if ref and r.model else None,
+                    "plans": r.evaluations})
+    return {"settings": {"model": family, "hardware": hardware.name, "num_devices": hardware.num_devices,
+                         "device_memory_bytes": hardware.device.memory_bytes, **shape.settings(),
+                         "defaults": dict(shape.sources)},
+            "strategies": out}
+
+
 def run(args: argparse.Namespace) -> int:
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in Strategy.words()]
-    if unknown or not strategies:
-        raise UserError(f"--strategies: unknown strategy {unknown[0] if unknown else '(none)'!r} "
-                        f"(allowed: {', '.join(Strategy.words())})")
-    memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
-    hardware = load_hardware(args.hardware, num_devices=args.devices, memory_bytes=memory)
-    console = make_console()
+    hardware = load_hardware(args.hardware, num_devices=args.num_devices, memory_bytes=args.device_memory)
+    shape = resolve_shape(args, hardware, num_layers=None)
+    console = make_console(stderr=args.json)
+    console.print(f"settings: model family {args.model}, hardware {hardware.name} ({hardware.num_devices} x "
+                  f"{fmt_bytes(hardware.device.memory_bytes)}), {shape.describe()}", markup=False, soft_wrap=True)
     rows = []
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("searching", total=len(strategies))
-        for strategy in strategies:
-            rows.append(find_max_size(
-                args.family, hardware, strategy, schedule=args.schedule, num_stages=args.stages,
-                num_ranks=args.ranks, microbatch_size=args.microbatch_size, num_microbatches=args.microbatches,
-                progress=lambda msg: progress.update(task, description=msg)))
-            progress.advance(task)
-    title = (f"largest {args.family.upper()} on {hardware.name}: {args.schedule}, {args.stages} stages, "
-             f"{args.microbatches} x {args.microbatch_size}")
-    console.print(table(rows, title))
+    with TaskProgress(console, len(args.strategy), "searching") as progress:
+        for strategy in args.strategy:
+            progress.update(f"searching {strategy}")
+            row = find_max_size(
+                args.model, hardware, strategy, schedule=shape.schedule, num_stages=shape.num_stages,
+                num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
+                num_microbatches=shape.num_microbatches, progress=progress.update)
+            rows.append(row)
+            progress.advance(f"{strategy}: largest {row.model.name if row.model else 'none'} "
+                             f"({row.evaluations} plans)")
+    title = (f"largest {args.model.upper()} on {hardware.name}: {shape.schedule}, {shape.num_stages} stages, "
+             f"{shape.num_microbatches} x {shape.microbatch_size}")
+    if args.json:
+        print_json({**maxsize_json(rows, hardware, args.model, shape), "plot": args.plot})
+    else:
+        console.print(table(rows, title))
     if args.plot:
         from mpress.static.plots import plot_maxsize
         plot_maxsize(rows, args.plot, title)

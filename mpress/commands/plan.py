@@ -1,91 +1,98 @@
 """`mpress plan`: plan memory compaction for a model on a server, compare strategies.
 
-    mpress plan --model gpt-20.4b --hardware dgx1-v100 --schedule 1f1b --stages 8 \\
-        --microbatch-size 2 --microbatches 16 --strategy mpress --out plan.yaml
+    mpress plan --model gpt-20.4b --hardware dgx1-v100 --schedule 1f1b --num-stages 8 \\
+        --microbatch-size 2 --num-microbatches 16 --strategy mpress --out plan.yaml
     mpress plan --profile my.yaml --hardware hgx-h100 --out plan.yaml
     mpress plan --module mymodel:make --layers "embed,blocks.*,head" --out plan.yaml
+    mpress plan --model gpt-tiny --hardware cpu-local --device-memory 3MB --json > plan-figures.json
 
 A profile names its model (by a fingerprint of its structure), so `--profile` alone is
 enough; `--model`, if given, must be the profile's. `--module pkg.mod:factory` profiles
 the user's module first (on fake tensors when it does not fit this machine, or with
-`--fake`; times then come from `--hardware`). The microbatch size defaults to the
-profile's.
+`--fake`; times then come from `--hardware`). Flags left unset derive from the inputs:
+one stage per device, 2 microbatches per rank, microbatch size 1 (the profile's with
+--profile or --module); the line `settings: ...` says what was used. Every strategy is
+planned and compared; `--out` writes the plan of `--strategy` (without it nothing is
+written). --json prints the tables' figures as JSON (bytes as integers, times in
+seconds) instead of the tables.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mpress.commands.emulate import DEFAULTS, add_pipeline_args, setup_from_args
+from mpress.commands.flags import add_command, add_flag
+from mpress.commands.pipeline_args import (
+    DEFAULT_HARDWARE,
+    PipelineShape,
+    add_pipeline_args,
+    settings_json,
+    settings_line,
+    setup_from_args,
+)
 from mpress.errors import UserError
 from mpress.hardware import load_hardware
 from mpress.static.evaluate import PipelineSetup
 from mpress.static.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
 from mpress.static.profile import Profile
 from mpress.config import output_path_arg
-from mpress.ui import make_console
+from mpress.ui import TaskProgress, make_console, print_json
 from mpress.units import fmt_bytes, fmt_seconds
 from mpress.vocabulary import Strategy, SwapInPolicy, Technique
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="plan recompute / host swap / D2D swap per tensor and compare strategies",
-                              description=__doc__)
+    p = add_command(subparsers, "plan", help="plan recompute / host swap / D2D swap per tensor and compare strategies",
+                    description=__doc__)
     add_pipeline_args(p)
-    p.add_argument("--strategy", default=Strategy.MPRESS.value, choices=Strategy.words(),
-                   help="strategy whose plan is written (default: %(default)s); all are compared")
-    p.add_argument("--policy", default=SwapInPolicy.CAPACITY.value, choices=SwapInPolicy.words(),
-                   help="swap-in policy the plan is emulated with (default: %(default)s)")
-    p.add_argument("--out", type=output_path_arg(), default=None, help="write the plan (YAML, or JSON for .json)")
-    p.add_argument("--module", metavar="PKG.MOD:FACTORY", default=None,
-                   help="plan a user module: profile it first (see `mpress profile --module`)")
-    p.add_argument("--layers", metavar="NAMES", default=None,
-                   help="split points of --module: comma-separated module paths or patterns, e.g. 'embed,blocks.*,head'")
+    add_flag(p, "strategy", default=Strategy.MPRESS.value,
+             help="strategy whose plan is written (default: %(default)s); all are compared")
+    add_flag(p, "swap_in_policy", default=SwapInPolicy.CAPACITY.value,
+             help="swap-in policy the plan is emulated with (default: %(default)s)")
+    p.add_argument("--out", type=output_path_arg(), default=None, metavar="FILE",
+                   help="write the plan (YAML, or JSON for .json); without it no plan file is written")
+    add_flag(p, "module", default=None, help="plan a user module: profile it first (see `mpress profile --module`)")
+    add_flag(p, "layers", default=None)
     p.add_argument("--fake", action="store_true",
                    help="profile --module on fake tensors even if it fits here (the default for one that does not)")
+    add_flag(p, "json")
     p.set_defaults(func=run)
 
 
 def profile_for_args(args: argparse.Namespace) -> Profile | None:
-    """The profile to plan from: `--module` profiled now, `--profile` read, or None
-    (the analytic profile of `--model`); the microbatch size defaults to its."""
+    """The profile to plan from: `--module` profiled now, `--profile` read, or None (the
+    analytic profile of `--model`); the microbatch size then defaults to its
+    (`pipeline_args.resolve_shape`)."""
     if args.layers is not None and not args.module:
         raise UserError("--layers names split points of a --module")
     if args.fake and not args.module:
         raise UserError("--fake profiles a --module; for a preset use mpress profile --fake and --profile")
     if args.module and args.profile:
         raise UserError("give --module (profiled now) or --profile (made before), not both")
-    profile = None
     if args.module:
         from mpress.static.fake_profile import profile_user_module
         from mpress.models.user_module import parse_layers
 
-        hardware = load_hardware(args.hardware or DEFAULTS["hardware"])
-        profile = profile_user_module(args.module, hardware=hardware, fake=True if args.fake else None,
-                                      layers=parse_layers(args.layers))
-    elif args.profile:
-        profile = Profile.load(args.profile)
-    if profile is not None and args.microbatch_size is None:
-        args.microbatch_size = profile.microbatch_size
-    return profile
+        hardware = load_hardware(args.hardware or DEFAULT_HARDWARE)
+        return profile_user_module(args.module, hardware=hardware, fake=True if args.fake else None,
+                                   layers=parse_layers(args.layers))
+    if args.profile:
+        return Profile.load(args.profile)
+    return None
 
 
-def plan_all(setup: PipelineSetup, policy: str, console: Console) -> dict[str, PlanResult]:
-    """Plan every strategy with a progress display; results by strategy name."""
+def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[str, PlanResult]:
+    """Plan every strategy, reporting to `progress`; results by strategy name."""
     options = PlannerOptions(swap_in_policy=SwapInPolicy(policy))
     results: dict[str, PlanResult] = {}
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task("planning", total=len(Strategy))
-        for name in Strategy.words():
-            progress.update(task, description=f"planning {name}")
-            results[name] = plan_strategy(setup, name, options,
-                                          progress=lambda msg: progress.update(task, description=msg))
-            progress.advance(task)
+    for name in Strategy.words():
+        progress.update(f"planning {name}")
+        r = plan_strategy(setup, name, options, progress=progress.update)
+        results[name] = r
+        progress.advance(f"planned {name}: " + (f"fits, iteration {fmt_seconds(r.evaluation.result.iteration_s)}"
+                                                if r.fits else "does not fit") + f" (planning {fmt_seconds(r.plan_s)})")
     return results
 
 
@@ -129,21 +136,54 @@ def comparison_table(results: dict[str, PlanResult]) -> Table:
     return t
 
 
+def plan_json(results: dict[str, PlanResult], chosen: str, shape: PipelineShape) -> dict[str, object]:
+    """The figures of `stage_table` (the chosen strategy) and `comparison_table` (bytes
+    as integers, times in seconds)."""
+    r = results[chosen]
+    setup, res = r.evaluation.setup, r.evaluation.result
+    stages = [{"stage": sp.stage, "device": sp.device, "need_bytes": sp.need_bytes,
+               "capacity_bytes": setup.hardware.device.memory_bytes, "planned_peak_bytes": res.peak_bytes[sp.device],
+               "saved_bytes": {str(t): b for t, b in saved.items()}, "pinned_host_bytes": sp.pinned_host_bytes,
+               "peers": list(peers)}
+              for sp, saved, peers in zip(r.plan.stages, r.saved_bytes, r.peers)]
+    ref = results.get(Strategy.MPRESS)
+    strategies = []
+    for name, x in results.items():
+        xres = x.evaluation.result
+        strategies.append({"strategy": name, "fits": x.fits, "iteration_s": xres.iteration_s,
+                           "samples_per_s": xres.samples_per_s, "model_tflops": xres.model_tflops,
+                           "time_over_mpress": xres.iteration_s / ref.evaluation.result.iteration_s if ref else None,
+                           "pinned_host_bytes": x.host_bytes, "plan_s": x.plan_s, "why_not": x.reason})
+    return {"settings": {**settings_json(setup, shape), "strategy": chosen,
+                         "swap_in_policy": str(r.plan.swap_in_policy)},
+            "stages": stages, "strategies": strategies}
+
+
 def run(args: argparse.Namespace) -> int:
-    setup = setup_from_args(args, profile=profile_for_args(args))
+    setup, shape = setup_from_args(args, profile=profile_for_args(args))
     check_fits_at_all(setup)
-    console = make_console()
-    results = plan_all(setup, args.policy, console)
+    console = make_console(stderr=args.json)
+    console.print(settings_line(setup, shape), markup=False, soft_wrap=True)
+    with TaskProgress(console, len(Strategy), "planning") as progress:
+        results = plan_all(setup, args.swap_in_policy, progress)
     chosen = results[args.strategy]
-    console.print(stage_table(chosen))
-    console.print(comparison_table(results))
+    written = args.out if chosen.fits and args.out else None
+    if written:
+        chosen.plan.save(written)
+    if args.json:
+        print_json({**plan_json(results, args.strategy, shape), "plan_file": written})
+    else:
+        console.print(stage_table(chosen))
+        console.print(comparison_table(results))
     if not any(r.fits for r in results.values()):
         raise UserError(f"no strategy fits {setup.model.name} on {setup.hardware.name}: {results['mpress'].reason}")
     if not chosen.fits:
         console.print(f"[bold red]{args.strategy} does not fit[/]: {chosen.reason}; no plan written")
         return 1
-    if args.out:
-        chosen.plan.save(args.out)
-        console.print(f"plan written to {args.out} (planning {fmt_seconds(chosen.plan_s)}, "
+    if written:
+        console.print(f"plan written to {written} (planning {fmt_seconds(chosen.plan_s)}, "
                       f"device mapping {fmt_seconds(chosen.mapping_s)})")
+    else:
+        console.print(f"no plan file written: add --out plan.yaml to write the {args.strategy} plan "
+                      "(mpress emulate plan.yaml re-evaluates it, a train config's plan: key runs it)")
     return 0

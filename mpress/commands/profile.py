@@ -20,14 +20,15 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from mpress.commands.emulate import DEFAULTS
+from mpress.commands.flags import EXIT_STATUS, add_command, add_flag
+from mpress.commands.pipeline_args import DEFAULT_HARDWARE
 from mpress.errors import UserError
 from mpress.hardware import hardware_presets, load_hardware
 from mpress.model_config import load_model_config, model_presets
 from mpress.static.profile import Profile
 from mpress import limits
 from mpress.config import int_arg, output_path_arg
-from mpress.ui import make_console
+from mpress.ui import TaskProgress, make_console
 from mpress.units import fmt_bytes
 
 EPILOG = """\
@@ -40,37 +41,34 @@ Examples:
 A --module factory takes no arguments and returns (module, example_input) or
 (module, example_input, loss_fn); the microbatch size is the example input's first
 dimension. --layers names the split points as module paths (* = one name segment); a
-forward that is not a plain chain of its children needs them. Exit status: 0 on success,
-2 for bad input (one line on stderr)."""
+forward that is not a plain chain of its children needs them.
+
+""" + EXIT_STATUS
 
 OUT_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def register(subparsers: Any) -> None:
     """Add the `profile` subcommand to the `mpress` parser."""
-    parser = subparsers.add_parser(
-        "profile", help="profile a model per layer (measured on this machine, or analytic)",
+    parser = add_command(
+        subparsers, "profile", help="profile a model per layer (measured on this machine, or analytic)",
         description="Per-layer forward/backward time, FLOPs, saved tensors and model state of one microbatch.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="PRESET_OR_YAML",
-                        help=f"model preset ({', '.join(model_presets())}) or a model YAML path")
-    source.add_argument("--module", metavar="PKG.MOD:FACTORY",
-                        help="a user factory returning (module, example_input[, loss_fn])")
-    parser.add_argument("--microbatch-size", type=int_arg(1, limits.MAX_MICROBATCH_SIZE), metavar="B",
-                        help="samples per microbatch (default 1 for --model; the example input's for --module)")
-    parser.add_argument("--layers", metavar="NAMES",
-                        help="split points of a --module: comma-separated module paths or patterns, "
-                             "e.g. 'embed,blocks.*,head' (default: the module's chain of children)")
+    add_flag(source, "model", help=f"model preset ({', '.join(model_presets())}) or a model YAML path")
+    add_flag(source, "module")
+    add_flag(parser, "microbatch_size",
+             help="samples per microbatch (default 1 for --model; the example input's for --module)")
+    add_flag(parser, "layers", help="split points of a --module: comma-separated module paths or patterns, "
+                                    "e.g. 'embed,blocks.*,head' (default: the module's chain of children)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--analytic", action="store_true",
                       help="closed-form profile of a GPT/BERT preset (needs --hardware); runs nothing")
     mode.add_argument("--fake", action="store_true",
                       help="profile on fake tensors, even if the model fits here (the default for one that "
                            "does not): exact saved tensors and FLOPs, times from --hardware")
-    parser.add_argument("--hardware", metavar="PRESET_OR_YAML",
-                        help="hardware whose model gives the times of --analytic and fake-tensor profiles "
-                             f"({', '.join(hardware_presets())}) or a YAML path (default: {DEFAULTS['hardware']})")
+    add_flag(parser, "hardware", help="hardware whose model gives the times of --analytic and fake-tensor profiles "
+                                      f"({', '.join(hardware_presets())}) or a YAML path (default: {DEFAULT_HARDWARE})")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to measure (default cpu)")
     parser.add_argument("--warmup", type=int_arg(0, limits.MAX_ITERS), default=2, metavar="N", help="untimed steps first (default 2)")
     parser.add_argument("--iters", type=int_arg(1, limits.MAX_ITERS), default=10, metavar="N",
@@ -100,7 +98,7 @@ def _check_args(args: argparse.Namespace) -> None:
 def make_profile(args: argparse.Namespace) -> Profile:
     """Build the profile the arguments ask for (see the module docstring)."""
     _check_args(args)
-    hardware = load_hardware(args.hardware or DEFAULTS["hardware"])
+    hardware = load_hardware(args.hardware or DEFAULT_HARDWARE)
     fake = True if args.fake else None
     if args.model:
         cfg = load_model_config(args.model)
@@ -125,10 +123,25 @@ def make_profile(args: argparse.Namespace) -> Profile:
     return profile
 
 
+def _what(args: argparse.Namespace) -> str:
+    """What `make_profile` is about to do, for the progress line."""
+    name = args.model or args.module
+    if args.analytic:
+        return f"profiling {name}: analytic, times from {args.hardware}"
+    if args.fake:
+        return f"profiling {name}: on fake tensors, times from {args.hardware or DEFAULT_HARDWARE}"
+    return (f"profiling {name}: measured on {args.device} ({args.warmup} untimed + {args.iters} timed steps; "
+            "on fake tensors if it does not fit)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Profile, print the table, write `--out`; 0 on success."""
-    profile = make_profile(args)
     console = _console()
+    _check_args(args)
+    with TaskProgress(console, 1, "profiling") as progress:
+        progress.update(_what(args))
+        profile = make_profile(args)
+        progress.advance(f"profiled {profile.model}: {len(profile.layers)} layers, {profile.source} profile")
     render_profile(profile, console)
     if profile.source == "fake" and not args.fake:
         console.print(f"{profile.model} does not fit this machine's {args.device} memory: profiled on fake tensors, "

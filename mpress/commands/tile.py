@@ -1,14 +1,15 @@
 """`mpress tile`: plan fused-tiled execution of a reference conv network for one image size.
 
-    mpress tile --network vgg16 --image-size 8192 --budget 2GiB
+    mpress tile --model vgg16 --image-size 8192 --device-memory 2GB
+    mpress tile --model darknet19 --image-size 1024 --device-memory 8GB --tiles 4 --detail
 
 Prints plain training's predicted peak, then per segment its layers, the must-tile
 operators it was grown from, the dimensions it tiles, the tile count, the segment
 output tile and the input tile with its halo, the halo overhead and the segment's peak;
 `--detail` adds every operator's tile sizes (forward iteration tile, padded input tile,
 the output gradient its input gradient reads, the backward halo). Nothing is run: the
-network lives on the meta device. Exit status 2 for bad input and for the
-out-of-memory verdict (one line with the numbers).
+network lives on the meta device. Sizes in GB (1e9 bytes). Exit status 2 for bad input
+and for the out-of-memory verdict (one line with the numbers).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import torch
 from rich.table import Table
 
+from mpress.commands.flags import EXIT_STATUS, add_command, add_flag
 from mpress.errors import TilingError, UserError
 from mpress.tiling.graph import from_sequential
 from mpress.tiling.networks import NETWORKS
@@ -25,21 +27,23 @@ from mpress.tiling.planner import TilingPlan, plan_fixed, plan_for_budget, step_
 from mpress import limits
 from mpress.config import int_arg
 from mpress.ui import make_console
-from mpress.units import fmt_bytes, parse_bytes
+from mpress.units import fmt_bytes
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `tile` subcommand to the `mpress` parser."""
-    p = subparsers.add_parser("tile", help="plan fused-tiled (SFT) execution of a conv network for a giant image",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--network", default="vgg16", choices=sorted(NETWORKS), help="reference network (default: %(default)s)")
+    p = add_command(subparsers, "tile", help="plan fused-tiled (SFT) execution of a conv network for a giant image",
+                    description=__doc__, epilog=EXIT_STATUS)
+    add_flag(p, "model", aliases=("--network",), default="vgg16", choices=sorted(NETWORKS), metavar="NETWORK",
+             help=f"reference conv network ({', '.join(sorted(NETWORKS))}; default: %(default)s)")
     p.add_argument("--image-size", type=int_arg(1, limits.MAX_IMAGE_SIZE), default=4096, help="square image side in pixels (default: %(default)s)")
-    p.add_argument("--budget", default="2GiB", help="memory budget, e.g. 2GiB, 512MB (default: %(default)s)")
+    add_flag(p, "device_memory", aliases=("--budget",), default="2GB",
+             help="memory budget, e.g. 2GB, 512MB (GB = 1e9 bytes; default: %(default)s)")
     p.add_argument("--tiles", type=int_arg(1, limits.MAX_IMAGE_SIZE), default=None,
                    help="tile every maximal tileable run this many ways per side instead of planning")
-    p.add_argument("--batch", type=int_arg(1, limits.MAX_MICROBATCH_SIZE), default=1, help="images per batch (default: %(default)s)")
+    add_flag(p, "microbatch_size", aliases=("--batch",), default=1, help="images per batch (default: %(default)s)")
     p.add_argument("--width-div", type=int_arg(1, limits.MAX_WIDTH), default=1, help="divide every channel count by this (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="(default: %(default)s)")
     p.add_argument("--detail", action="store_true", help="print every operator's tile sizes")
@@ -89,18 +93,18 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print; see the module docstring."""
     if args.image_size <= 0:
         raise UserError(f"--image-size must be > 0, got {args.image_size}")
-    if args.batch <= 0 or args.width_div <= 0:
-        raise UserError("--batch and --width-div must be > 0")
+    if args.microbatch_size <= 0 or args.width_div <= 0:
+        raise UserError("--microbatch-size and --width-div must be > 0")
     if args.tiles is not None and args.tiles <= 0:
         raise UserError(f"--tiles must be > 0, got {args.tiles}")
-    budget = parse_bytes(args.budget, "--budget")
-    net = NETWORKS[args.network](width_div=args.width_div)
-    shape = (args.batch, 3, args.image_size, args.image_size)
+    budget = args.device_memory
+    net = NETWORKS[args.model](width_div=args.width_div)
+    shape = (args.microbatch_size, 3, args.image_size, args.image_size)
     graph = from_sequential(net, shape, DTYPES[args.dtype])
     plan = plan_fixed(graph, (args.tiles, args.tiles)) if args.tiles else plan_for_budget(graph, budget)
     console = make_console()
     px = args.image_size
-    console.print(f"{args.network} on {args.batch} x 3 x {px} x {px} {args.dtype}, budget {fmt_bytes(budget)}: "
+    console.print(f"{args.model} on {args.microbatch_size} x 3 x {px} x {px} {args.dtype}, budget {fmt_bytes(budget)}: "
                   f"plain training needs {fmt_bytes(plan.plain_peak_bytes)}")
     if not plan.segments:
         console.print("fits without tiling: no segments")

@@ -3,7 +3,10 @@
 Prints a device summary (count x model, memory, peak FLOP/s per dtype), the NVLink link
 count of every GPU pair (`NV2`, `NV1`, `PCIe` for none, `X` on the diagonal), the
 effective one-direction GB/s of every pair (NVLink, or the PCIe path where there is no
-NVLink), the PCIe switch groups, host memory and PCIe bandwidth.
+NVLink), the PCIe switch groups, host memory and PCIe bandwidth (GB = 1e9 bytes).
+--json prints the same as JSON: the hardware's own keys (as in its YAML; bytes as
+integers, times in seconds, bandwidths in GB/s), the link matrix, and per pair the
+effective one-direction GB/s and whether it goes over NVLink.
 """
 
 from __future__ import annotations
@@ -17,15 +20,22 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from mpress.commands.flags import EXIT_STATUS, HelpFormatter, add_flag
+from mpress.config import to_dict
 from mpress.hardware import Hardware, hardware_presets, load_hardware
-from mpress.ui import make_console
-
-_GIB = 1024**3
+from mpress.ui import make_console, print_json
+from mpress.units import fmt_bytes
 
 EPILOG = """\
-Without --hardware, the local machine is detected through NVML. Exit status: 0 when a
-topology was shown; 1 when --local finds no NVIDIA GPU (one line on stderr says why,
-nothing else is shown); 2 for bad input (unknown preset, invalid YAML)."""
+examples:
+    mpress topo --hardware dgx1-v100
+    mpress topo --local
+    mpress topo --hardware hgx-h100 --json
+
+Without --hardware, the local machine is detected through NVML; when it finds no NVIDIA
+GPU, one line on stderr says why, nothing else is shown, and the exit status is 1.
+
+""" + EXIT_STATUS
 
 
 def register(subparsers: Any) -> None:
@@ -34,12 +44,12 @@ def register(subparsers: Any) -> None:
         "topo", help="show the GPU/NVLink/PCIe topology of a preset or of this machine",
         description="Show the GPU, NVLink and PCIe topology of a hardware preset, a YAML file or this machine.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--hardware", metavar="PRESET_OR_YAML",
-                        help=f"hardware preset ({', '.join(hardware_presets())}) or a YAML path")
+    add_flag(source, "hardware", help=f"hardware preset ({', '.join(hardware_presets())}) or a YAML path")
     source.add_argument("--local", action="store_true",
                         help="detect this machine through NVML (the default without --hardware)")
+    add_flag(parser, "json")
     parser.set_defaults(func=run)
 
 
@@ -48,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
     console = _console()
     if args.hardware:
         hw = load_hardware(args.hardware)
-        render_hardware(hw, console, title=f"{hw.name}")
+        if args.json:
+            print_json(topology_json(hw))
+        else:
+            render_hardware(hw, console, title=f"{hw.name}")
         return 0
     # Imported here: the detection module is only needed for --local.
     from mpress.d2d.static.topology import detect_local_hardware
@@ -58,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
         presets = ", ".join(hardware_presets())
         print(f"mpress topo: {reason}; use --hardware PRESET to show a preset ({presets})", file=sys.stderr)
         return 1
-    render_hardware(topology.hardware, console, title="local machine (detected through NVML)",
-                    notes=topology.notes)
+    if args.json:
+        print_json(topology_json(topology.hardware, notes=topology.notes))
+    else:
+        render_hardware(topology.hardware, console, title="local machine (detected through NVML)",
+                        notes=topology.notes)
     return 0
 
 
@@ -93,14 +109,23 @@ def _flops(value: float) -> str:
     return f"{value / 1e9:g} GFLOP/s"
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / _GIB:.1f} GiB"
+def topology_json(hw: Hardware, notes: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """What `render_hardware` shows, as plain data: the hardware's keys, the NVLink link
+    count per pair, the effective GB/s per pair (None on the diagonal) and whether it
+    is over NVLink, the effective PCIe GB/s per direction, and notes."""
+    n = range(hw.num_devices)
+    return {"hardware": to_dict(hw),
+            "nvlink_links": [[0 if i == j else hw.links(i, j) for j in n] for i in n],
+            "pair_gbps": [[None if i == j else pair_gbps(hw, i, j)[0] for j in n] for i in n],
+            "pair_over_nvlink": [[None if i == j else pair_gbps(hw, i, j)[1] for j in n] for i in n],
+            "pcie_effective_gbps": {"h2d": hw.pcie_gbps("h2d"), "d2h": hw.pcie_gbps("d2h")},
+            "notes": list(notes)}
 
 
 def device_summary(hw: Hardware) -> str:
     """One line: count x model, memory, peak FLOP/s per dtype, compute efficiency."""
     peaks = ", ".join(f"{dtype} {_flops(v)}" for dtype, v in hw.device.peak_flops.items())
-    return (f"{hw.num_devices} x {hw.device.name}, {_gib(hw.device.memory_bytes)} each; "
+    return (f"{hw.num_devices} x {hw.device.name}, {fmt_bytes(hw.device.memory_bytes)} each; "
             f"peak {peaks}; compute efficiency {hw.compute_efficiency:g}")
 
 
@@ -142,7 +167,7 @@ def render_hardware(hw: Hardware, console: Console, *, title: str, notes: list[s
         console.print(f"PCIe switches (GPUs in one group share an uplink): {escape(groups)}")
     else:
         console.print("PCIe switches: none shared (each GPU has its own uplink)")
-    console.print(f"host memory {_gib(hw.host_memory_bytes)}; PCIe per uplink: "
+    console.print(f"host memory {fmt_bytes(hw.host_memory_bytes)}; PCIe per uplink: "
                   f"h2d {hw.pcie_h2d_gbps:g} / d2h {hw.pcie_d2h_gbps:g} GB/s nominal, "
                   f"{hw.pcie_gbps('h2d'):.1f} / {hw.pcie_gbps('d2h'):.1f} GB/s effective "
                   f"(efficiency {hw.pcie_efficiency:g})")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mpress.commands.flags import HelpFormatter, add_flag
 from mpress.errors import UserError
 from mpress.launcher.launch import LaunchSpec, launch
 from mpress.launcher.startup import pool_override
@@ -40,6 +42,7 @@ examples:
   mpress train --config configs/train/gpt-tiny-mixed.yaml
   mpress train --config configs/train/gpt-tiny-mixed.yaml --nproc-per-node 4 --steps 10 --optimizer.lr 1e-3
   mpress train --config gpt-tiny-interleaved --nproc-per-node 2 --checkpoint.dir ckpt --checkpoint.every-steps 10
+  mpress train --config gpt-tiny-plain --steps 5 --json > report.json
 
 overrides:
   --KEY VALUE sets any key of the YAML config before it is checked: its name as in the
@@ -50,7 +53,11 @@ ranks:
   --nproc-per-node defaults to the config's num_stages (interleaved: num_stages / 2, two
   stages per rank), else on CUDA the number of visible GPUs, else {cpu}. Rank 0's output
   (progress lines, report tables) is this command's output; every rank's other output
-  goes to RUN_DIR/rank<N>.log. The torchrun form works too:
+  goes to RUN_DIR/rank<N>.log. Off a terminal the progress bar becomes a line per logged
+  step (log_every) with loss, samples/s and each rank's peak. With --json, rank 0's
+  output goes to stderr and stdout gets only the end-of-run report: one JSON object per
+  rank (bytes as integers, times in seconds), as the config's report key writes it. The
+  torchrun form works too:
     python3 -m torch.distributed.run --standalone --nproc-per-node 4 -m mpress.train \\
         --config configs/train/gpt-tiny-mixed.yaml --steps 10
 
@@ -72,7 +79,7 @@ def register(subparsers: Any) -> None:
         "train", help="train with pipeline parallelism, launching the ranks (one per stage)",
         description="Train a model with pipeline parallelism on this machine, launching the ranks itself.",
         epilog=EXAMPLES.replace("{presets}", ", ".join(train_presets())),
-        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+        formatter_class=HelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", required=True, metavar="CFG",
                         help="training config: a YAML path or a preset name (configs/train/)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
@@ -80,6 +87,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help="where the ranks' logs go (default: a new mpress-train-<id> directory under "
                              f"{tempfile.gettempdir()})")
+    add_flag(parser, "json", help="print the end-of-run report (per rank) as JSON on stdout; rank 0's output "
+                                  "goes to stderr")
     parser.set_defaults(func=run, takes_overrides=True)
 
 
@@ -126,6 +135,12 @@ def run(args: argparse.Namespace) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--run-dir: cannot create {run_dir}: {exc.strerror}") from None
+    report: Path | None = None
+    if args.json:  # rank 0 writes the report where the config says, or into the run directory
+        report = Path(cfg.report) if cfg.report is not None else run_dir / "report.json"
+        if cfg.report is None:
+            overrides = [*overrides, ("report", str(report))]
     print(f"mpress train: {nproc} ranks ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
-          flush=True)
-    return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir, run_id=run_id))
+          file=sys.stderr if args.json else sys.stdout, flush=True)
+    return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir, run_id=run_id,
+                             json_report=report))

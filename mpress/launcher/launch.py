@@ -76,6 +76,10 @@ class LaunchSpec:
     """Names the run's shared-memory segments (`mpress-<run id>-*`)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every rank."""
+    json_report: Path | None = None
+    """`mpress train --json`: where rank 0 writes the end-of-run report (the config's
+    `report`); rank 0's stdout then goes to the launcher's stderr, and the launcher prints
+    the report, alone, on its stdout once every rank has finished."""
 
 
 def rank_env(spec: LaunchSpec, rank: int, port: int) -> dict[str, str]:
@@ -121,6 +125,7 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     killed: set[int] = set()  # ranks the launcher itself killed
+    rank0_out = 2 if spec.json_report is not None else None  # fd 2: stdout is the report's alone
     with _Interrupted() as interrupted:
         try:
             for rank in range(spec.nproc):
@@ -129,7 +134,7 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
                 with open(log, "wb") as f:
                     procs.append(subprocess.Popen(
                         [sys.executable, "-m", "mpress.train", "--config", spec.config, *override_argv(spec.overrides)],
-                        stdin=subprocess.DEVNULL, stdout=None if rank == 0 else f, stderr=f,
+                        stdin=subprocess.DEVNULL, stdout=rank0_out if rank == 0 else f, stderr=f,
                         env=rank_env(spec, rank, store.port), process_group=0 if rank == 0 else procs[0].pid))
             _write_run_file(spec, procs)
             _watch(procs, killed, interrupted)
@@ -154,6 +159,20 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
         line, code = verdict
         print(line, file=err, flush=True)
         return code
+    if spec.json_report is not None:
+        return _print_report(spec.json_report, err)
+    return 0
+
+
+def _print_report(path: Path, err) -> int:
+    """`--json`: the report rank 0 wrote, as JSON on stdout; 1 when it is not there."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"mpress train: every rank finished but the report {path} cannot be read: {exc}", file=err, flush=True)
+        return 1
+    sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+    sys.stdout.flush()
     return 0
 
 

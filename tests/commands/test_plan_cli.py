@@ -49,7 +49,7 @@ def test_plan_for_another_model_or_hardware_is_refused(plan_file, capsys):
     assert main(["emulate", str(plan_file), "--hardware", "dgx-a100"]) == 2
     one_line_error(capsys, "made for hardware 'dgx1-v100'")
     assert main(["emulate", str(plan_file), "--microbatches", "8"]) == 2
-    one_line_error(capsys, "16 x 2 microbatches")
+    one_line_error(capsys, f"16 x {Plan.load(plan_file).microbatch_size} microbatches")
 
 
 def test_stripes_to_a_non_neighbour_are_refused(plan_file, tmp_path, capsys):

@@ -3,6 +3,7 @@ and refuses bad input in one line with exit status 2 before any rank starts."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -30,6 +31,20 @@ def test_trains_on_four_ranks_with_the_overrides_it_was_given(tmp_path):
     assert run.info()["overrides"] == [["steps", "3"], ["optimizer.lr", "1e-2"], ["log_every", "1"]]
     for r in range(1, WORLD):  # the other ranks' output is in their logs, not in the user's
         assert "mpress.train:" not in run.log(r)
+
+
+def test_json_prints_the_report_alone_and_progress_lines_go_to_stderr(tmp_path):
+    config = tiny_config(tmp_path, num_stages=2, steps=2)
+    res = _mpress_train("--config", str(config), "--run-dir", str(tmp_path / "run"), "--json")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)  # stdout is the report and nothing else
+    assert rows == json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [r["rank"] for r in rows] == [0, 1] and all(isinstance(r["measured"], int) and r["measured"] > 0
+                                                       for r in rows)
+    # piped, rank 0 has no bar to show: each logged step is a line with the bar's figures
+    steps = re.findall(r"^step (\d+): loss \S+  \S+ samples/s  peak/rank \S+ \w?B \S+ \w?B  \(\d+/2, \d+:\d\d:\d\d\)$",
+                       res.stderr, re.M)
+    assert steps == ["0", "1"], res.stderr
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -10,7 +10,7 @@ import pytest
 from tests.support.documented import run_documented
 
 PLAN_ARGS = ["--model", "gpt-tiny", "--hardware", "cpu-local", "--stages", "2", "--microbatches", "4",
-             "--device-memory", "3MB"]
+             "--microbatch-size", "2", "--device-memory", "3MB"]
 
 
 @pytest.fixture(scope="session")

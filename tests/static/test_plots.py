@@ -87,7 +87,7 @@ def test_maxsize_bars_are_the_rows():
 def test_emulate_writes_the_memory_plot_and_the_map(tmp_path, capsys):
     path = tmp_path / "plan.yaml"
     assert main(["plan", "--model", "gpt-tiny", "--hardware", "cpu-local", "--stages", "2", "--microbatches", "4",
-                 "--device-memory", "3MB", "--strategy", "mpress", "--out", str(path)]) == 0
+                 "--microbatch-size", "2", "--device-memory", "3MB", "--strategy", "mpress", "--out", str(path)]) == 0
     assert any(r.technique is not Technique.KEEP for sp in Plan.load(path).stages for r in sp.rules)
     mem, tmap = tmp_path / "mem.png", tmp_path / "map.png"
     assert main(["emulate", str(path), "--plot", str(mem), "--map", str(tmap)]) == 0

@@ -307,10 +307,10 @@ def test_topo_dgx1_link_matrix(capsys: pytest.CaptureFixture[str]) -> None:
                 for i, row in enumerate(DGX1_LINKS)]
     assert rows == expected
     assert rows[0][3] == "NV2" and rows[0][5] == "PCIe" and rows[0][1] == "NV1"
-    assert "8 x Tesla V100-SXM2-32GB" in out and "32.0 GiB" in out
+    assert "8 x Tesla V100-SXM2-32GB" in out and "34.4 GB each" in out  # 32 GiB, in GB as every table
     assert "fp16 125 TFLOP/s" in out and "fp32 15.7 TFLOP/s" in out
     assert "[GPU0 GPU1] [GPU2 GPU3] [GPU4 GPU5] [GPU6 GPU7]" in out
-    assert "host memory 512.0 GiB" in out
+    assert "host memory 550 GB" in out  # 512 GiB
 
 
 def test_topo_dgx1_bandwidth_matrix(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,195 @@
+"""The pipeline a command lays a model out on: its flags, and the values flags leave unset.
+
+`mpress emulate`, `mpress plan` and `mpress maxsize` take the same pipeline flags
+(`add_pipeline_args`) and resolve what is left unset the same way (`resolve_shape`):
+
+- a plan given to `emulate` sets everything it records;
+- the schedule defaults to 1f1b;
+- stages: one per device of the hardware (`--num-devices` included), at most one per
+  layer of the model; interleaved: ranks = devices (at most half the layers), two stages
+  per rank;
+- microbatch size: the profile's (`--profile`, `--module`), else 1, the train config's
+  default, which is also `mpress profile`'s;
+- microbatches: `MICROBATCHES_PER_RANK` per pipeline rank (1F1B needs at least one per
+  stage; 16 on an 8-GPU server).
+
+`PipelineShape.describe()` says the resolved values and where each came from; the
+commands print it, and `--json` carries it as `settings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from mpress.commands.flags import add_flag
+from mpress.hardware import Hardware, hardware_presets, load_hardware
+from mpress.model_config import model_presets
+from mpress.plan import Plan
+from mpress.static.evaluate import PipelineSetup, setup_pipeline
+from mpress.static.profile import Profile, model_for_profile
+from mpress.units import fmt_bytes
+from mpress.vocabulary import ScheduleName
+
+DEFAULT_MODEL = "gpt-20.4b"
+DEFAULT_HARDWARE = "dgx1-v100"
+DEFAULT_SCHEDULE = ScheduleName.ONE_F_ONE_B
+DEFAULT_MICROBATCH_SIZE = 1
+"""As the train config's `microbatch_size` default and `mpress profile --model`'s."""
+MICROBATCHES_PER_RANK = 2
+"""Default microbatches per iteration = this x pipeline ranks."""
+STAGES_PER_RANK = 2
+"""Interleaved: default stages per rank (as `mpress train` runs interleaved configs)."""
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the commands that lay a model out on a pipeline (unset: a plan's
+    values, else derived from the inputs; see the module docstring)."""
+    add_flag(p, "model", help=f"model preset ({', '.join(model_presets())}) or YAML (default: {DEFAULT_MODEL}, "
+                              "or the profile's model)")
+    add_flag(p, "hardware", help=f"hardware preset ({', '.join(hardware_presets())}) or YAML "
+                                 f"(default: {DEFAULT_HARDWARE})")
+    add_flag(p, "schedule", help=f"pipeline schedule (default: {DEFAULT_SCHEDULE.value})")
+    add_flag(p, "num_stages", help="pipeline stages (default: one per device, at most one per layer; "
+                                   f"interleaved: {STAGES_PER_RANK} per rank)")
+    add_flag(p, "num_ranks", help="pipeline ranks; interleaved only (default: one per device, "
+                                  "or num_stages / 2 when --num-stages is given)")
+    add_flag(p, "microbatch_size", help=f"samples per microbatch (default: the profile's, else "
+                                        f"{DEFAULT_MICROBATCH_SIZE})")
+    add_flag(p, "num_microbatches", help=f"microbatches per iteration (default: {MICROBATCHES_PER_RANK} per "
+                                         "pipeline rank)")
+    add_flag(p, "profile", default=None, help="profile YAML/JSON from `mpress profile` (default: analytic)")
+    p.add_argument("--balance", default="compute", choices=["compute", "memory"],
+                   help="partition layers to balance compute (PipeDream/DAPPLE default) or memory")
+    add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
+    add_flag(p, "device_memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """A pipeline's resolved shape, and for each value not given as a flag where it came from."""
+
+    schedule: ScheduleName
+    num_stages: int
+    num_ranks: int | None
+    """Interleaved only (None otherwise: one rank per stage)."""
+    microbatch_size: int
+    num_microbatches: int
+    sources: dict[str, str] = field(default_factory=dict)
+    """Key -> origin of a value no flag gave ("the plan", "2 per rank", ...)."""
+
+    @property
+    def pipeline_ranks(self) -> int:
+        return self.num_ranks if self.num_ranks is not None else self.num_stages
+
+    def settings(self) -> dict[str, object]:
+        """The values as the train config's keys (for `--json`)."""
+        return {"schedule": self.schedule.value, "num_stages": self.num_stages, "num_ranks": self.pipeline_ranks,
+                "microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches}
+
+    def describe(self) -> str:
+        """One line: every value, with the origin of those no flag gave."""
+        def v(key: str, text: str) -> str:
+            return f"{text} ({self.sources[key]})" if key in self.sources else text
+
+        parts = [v("schedule", f"schedule {self.schedule.value}"), v("num_stages", f"num_stages {self.num_stages}")]
+        if self.num_ranks is not None:
+            parts.append(v("num_ranks", f"num_ranks {self.num_ranks}"))
+        parts += [v("num_microbatches", f"num_microbatches {self.num_microbatches}"),
+                  v("microbatch_size", f"microbatch_size {self.microbatch_size}")]
+        return ", ".join(parts)
+
+
+def resolve_shape(args: argparse.Namespace, hardware: Hardware, *, num_layers: int | None,
+                  plan: Plan | None = None, profile: Profile | None = None) -> PipelineShape:
+    """The pipeline's shape: flags, else the plan's, else derived (the module docstring).
+    num_layers: the model's layer count (caps the default stage count), None = no cap."""
+    sources: dict[str, str] = {}
+
+    def pick(key: str, from_plan: object, derived: object, origin: str) -> object:
+        value = getattr(args, key)
+        if value is not None:
+            return value
+        if plan is not None:
+            sources[key] = "the plan's"
+            return from_plan
+        sources[key] = origin
+        return derived
+
+    schedule = ScheduleName(pick("schedule", plan and plan.schedule, DEFAULT_SCHEDULE, "default"))
+    layers = num_layers if num_layers is not None else hardware.num_devices * STAGES_PER_RANK
+    devices = hardware.num_devices
+    ranks: int | None = None
+    if schedule is ScheduleName.INTERLEAVED:
+        if args.num_stages is not None:
+            ranks_default, why = max(1, min(devices, args.num_stages // STAGES_PER_RANK)), "num_stages / 2"
+        else:
+            ranks_default = max(1, min(devices, layers // STAGES_PER_RANK))
+            why = "one per device" if ranks_default == devices else f"the model's {layers} layers / 2"
+        ranks = int(pick("num_ranks", plan and plan.num_ranks, ranks_default, why))  # type: ignore[arg-type]
+        stages = int(pick("num_stages", plan and plan.num_stages, STAGES_PER_RANK * ranks,  # type: ignore[arg-type]
+                          f"{STAGES_PER_RANK} per rank"))
+    else:
+        if args.num_ranks is not None:
+            ranks = args.num_ranks  # build_schedule holds it to num_stages
+        stages_default = min(devices, layers)
+        why = (f"one per device of {hardware.name}" if stages_default == devices
+               else f"one per layer of the model's {layers}")
+        stages = int(pick("num_stages", plan and plan.num_stages, stages_default, why))  # type: ignore[arg-type]
+    pipeline_ranks = ranks if ranks is not None else stages
+    if profile is not None and args.microbatch_size is None and plan is None:
+        size, size_origin = profile.microbatch_size, "the profile's"
+    else:
+        size, size_origin = DEFAULT_MICROBATCH_SIZE, "default"
+    microbatch_size = int(pick("microbatch_size", plan and plan.microbatch_size, size, size_origin))  # type: ignore[arg-type]
+    num_microbatches = int(pick("num_microbatches", plan and plan.num_microbatches,  # type: ignore[arg-type]
+                                MICROBATCHES_PER_RANK * pipeline_ranks, f"{MICROBATCHES_PER_RANK} per rank"))
+    return PipelineShape(schedule=schedule, num_stages=stages, num_ranks=ranks, microbatch_size=microbatch_size,
+                         num_microbatches=num_microbatches, sources=sources)
+
+
+def hardware_from_args(args: argparse.Namespace, plan: Plan | None = None) -> Hardware:
+    """`--hardware` with `--num-devices`/`--device-memory` applied; without `--hardware`, a
+    plan's hardware (device count and memory included), else `DEFAULT_HARDWARE`."""
+    memory, devices = args.device_memory, args.num_devices
+    if plan is not None and args.hardware is None:
+        devices = devices if devices is not None else plan.num_devices
+        memory = memory if memory is not None else plan.device_memory_bytes
+    name = args.hardware or (plan.hardware if plan is not None else DEFAULT_HARDWARE)
+    return load_hardware(name, num_devices=devices, memory_bytes=memory)
+
+
+def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
+                    profile: Profile | None = None) -> tuple[PipelineSetup, PipelineShape]:
+    """The `PipelineSetup` the pipeline flags describe and its resolved shape; flags left
+    unset take the plan's values (when a plan is given) or the derived defaults."""
+    hardware = hardware_from_args(args, plan)
+    profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
+    model = model_for_profile(args.model or (plan.model if plan is not None else None), profile, DEFAULT_MODEL)
+    num_layers = len(profile.layers) if profile is not None else None
+    shape_profile = profile
+    if profile is None and plan is None and args.num_stages is None:
+        from mpress.static.analytic import analytic_profile
+
+        # its layer count caps the default stage count; setup_pipeline would make the same
+        profile = analytic_profile(model, hardware, args.microbatch_size or DEFAULT_MICROBATCH_SIZE)  # type: ignore[arg-type]
+        num_layers = len(profile.layers)
+    shape = resolve_shape(args, hardware, num_layers=num_layers, plan=plan, profile=shape_profile)
+    setup = setup_pipeline(model, hardware, schedule=shape.schedule, num_stages=shape.num_stages,  # type: ignore[arg-type]
+                           num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
+                           num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance)
+    return setup, shape
+
+
+def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:
+    """One line of what the command runs with: model, hardware, and the resolved shape."""
+    hw = setup.hardware
+    return (f"settings: model {setup.model.name}, hardware {hw.name} ({hw.num_devices} x "
+            f"{fmt_bytes(hw.device.memory_bytes)}), {shape.describe()}")
+
+
+def settings_json(setup: PipelineSetup, shape: PipelineShape) -> dict[str, object]:
+    """The resolved settings for `--json`, keyed as the train config's keys."""
+    hw = setup.hardware
+    return {"model": setup.model.name, "hardware": hw.name, "num_devices": hw.num_devices,
+            "device_memory_bytes": hw.device.memory_bytes, **shape.settings(), "defaults": dict(shape.sources)}

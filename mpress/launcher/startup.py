@@ -18,11 +18,14 @@ from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware import Hardware, load_hardware
 from mpress.launcher.devices import cuda_bus_ids, cuda_index_of
 from mpress.model_config import ModelConfig
+from mpress.models.user import UserModel
+from mpress.models.user_module import import_factory
 from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan, refusal
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.analytic import analytic_profile
 from mpress.static.evaluate import PipelineSetup, evaluate, setup_pipeline
+from mpress.static.fake_profile import fake_profile
 from mpress.static.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile import Profile
 from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
@@ -45,7 +48,7 @@ class StartPlan:
     order (the plan's device d is its cuda:d); None on CPU runs."""
 
 
-def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) -> StartPlan:
+def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int) -> StartPlan:
     """The plan, the stage layer ranges and the predicted peaks; rank 0 only. A plan file
     without a program gets the one its rules make (the rewriter's, as the planner would),
     and its pinned pools the size that program needs where the file gives none."""
@@ -54,7 +57,7 @@ def plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int) 
     return dataclasses.replace(_plan_for(cfg, model, num_stages, world, cuda), device_bus_ids=bus_ids)
 
 
-def _plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int, cuda: bool) -> StartPlan:
+def _plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, cuda: bool) -> StartPlan:
     if cfg.plan not in ("auto", "none"):
         plan, setup = load_checked_plan(cfg, model, num_stages, world, cuda=cuda)
         try:
@@ -64,7 +67,7 @@ def _plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int,
         return StartPlan(plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages],
                          _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world))
     hardware = hardware_for(cfg, world, cuda)
-    setup = _setup(cfg, model, hardware, num_stages, world)
+    setup = _setup(cfg, model, hardware, num_stages, world, profile=profile_for(cfg, model, hardware))
     if cfg.plan == "none":
         return StartPlan(None, setup.ranges,
                          _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world))
@@ -82,7 +85,7 @@ def _plan_for(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int,
     return StartPlan(plan, setup.ranges, _rank_peaks(peaks, plan.stage_to_device, world))
 
 
-def load_checked_plan(cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int, *,
+def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, *,
                       cuda: bool = False) -> tuple[Plan, PipelineSetup]:
     """The plan file `cfg.plan`, checked before any rank trains under it, and the pipeline
     it lays out (its layer ranges on the hardware it names). Rank 0 only.
@@ -103,7 +106,7 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig, num_stages: int, wor
         raise refusal(source, "hardware", str(exc)) from None
     if cuda:
         check_topology(hardware)
-    profile = analytic_profile(model, hardware, cfg.microbatch_size)
+    profile = profile_for(cfg, model, hardware)
     check_plan(plan, source=source, num_layers=profile.num_layers)
     setup = _setup(cfg, model, hardware, num_stages, world, profile=profile,
                    ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
@@ -111,7 +114,17 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig, num_stages: int, wor
     return plan, setup
 
 
-def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig, num_stages: int, world: int, *,
+def profile_for(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware) -> Profile:
+    """What the job's model costs per microbatch on `hardware`: a preset's analytic profile,
+    or a user module's profile on fake tensors (exact saved tensors and FLOPs, times from
+    the hardware model; deterministic, so `plan: none` splits the layers as a plan made
+    from `mpress profile --module ... --fake` does)."""
+    if isinstance(model, UserModel):
+        return fake_profile(import_factory(model.spec), model_name=model.spec, hardware=hardware, layers=model.layers)
+    return analytic_profile(model, hardware, cfg.microbatch_size)
+
+
+def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, *,
                source: str) -> None:
     """The plan check with what the job knows: its model, schedule, stages, microbatches
     and ranks (the rest with the pipeline, `check_plan_for_setup`)."""
@@ -119,7 +132,7 @@ def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig, num_stages: int
                shape=Shape(cfg.schedule, num_stages, cfg.num_microbatches, cfg.microbatch_size))
 
 
-def _setup(cfg: TrainConfig, model: ModelConfig, hardware: Hardware, num_stages: int, world: int,
+def _setup(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware, num_stages: int, world: int,
            ranges: list[tuple[int, int]] | None = None, profile: Profile | None = None) -> PipelineSetup:
     return setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
                           num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None, profile=profile,

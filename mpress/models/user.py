@@ -45,6 +45,18 @@ from mpress.models.user_module import (
 LossFn = Callable[[Any], torch.Tensor]
 
 
+def _constants_not_state(module: nn.Module, own: set[str]) -> None:
+    """Tensors the trace lifted out of the forward (a `torch.tensor(0.5)` the user wrote
+    there becomes a buffer `lifted_tensor_0`) are constants of the code, not state of the
+    model: left out of the stage's state dict, so checkpoints hold the model's own
+    parameters and buffers only, under the names the user's module gives them (and the
+    constants of two stages, each `lifted_tensor_0`, never meet under one key)."""
+    for name, buffer in list(module.named_buffers()):
+        if name not in own:
+            path, _, attr = name.rpartition(".")
+            module.get_submodule(path).register_buffer(attr, buffer, persistent=False)
+
+
 def _as_chain(top: fx.Graph, stages: list[fx.GraphModule]) -> list[fx.GraphModule]:
     """Rewrite the stage modules of a `pipeline()` split so that stage s takes exactly what
     stage s-1 returns: torch's manual `PipelineStage` (which mpress's stages are) receives
@@ -131,7 +143,9 @@ class UserModel:
                 raise UserError(f"{self.spec}: splitting at {', '.join(spec)} gave {pipe.num_stages} stages, not "
                                 f"{len(ranges)} (is every split layer called at the top level of the forward?)")
             stages = _as_chain(pipe.split_gm.graph, [pipe.get_stage_module(s) for s in range(len(ranges))])
+        own = set(self.module.state_dict())
         for module, (start, end) in zip(stages, ranges):
+            _constants_not_state(module, own)
             names = list(self.layers[start:end])
             module.layer_names = lambda names=names: names  # type: ignore[method-assign]
             module.train()

@@ -79,3 +79,14 @@ def test_synthetic_batches_are_deterministic_and_shaped_like_the_example():
     (c,), _ = user.batch(step=6, num_microbatches=3, seed=1)
     assert a.shape == (6, 8, 16) and ta.shape == (6,)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_stage_state_dicts_hold_the_models_own_names_only():
+    """The CPU scalar the forward makes is lifted into the stage as a constant; it is not
+    model state, so checkpoints never see it (two stages' constants would share a name)."""
+    user = load_user_model(SPEC, layers=LAYERS)
+    own = set(user.module.state_dict())
+    stages = user.split([(0, 3), (3, 8)])
+    keys = [k for m in stages for k in m.state_dict()]
+    assert sorted(keys) == sorted(own)
+    assert any("lifted" in n for m in stages for n, _ in m.named_buffers())  # still there to compute with

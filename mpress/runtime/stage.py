@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.actions import Action, Kind
-from mpress.errors import SwapError
-from mpress.identity import layer_paths
+from mpress.errors import PlanError, SwapError
+from mpress.identity import MODEL_DATA_KINDS, layer_paths
 from mpress.live_bytes import LiveBytes
 from mpress.plan import Plan
 from mpress.plan_check import check_plan
@@ -34,7 +34,7 @@ from mpress.runtime.program import RankProgram
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.runtime.swap.store import PeerStores
-from mpress.vocabulary import Technique
+from mpress.vocabulary import OptimizerStep, Technique
 
 @dataclass
 class StageStats:
@@ -155,7 +155,7 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
                input_args: Any, output_args: Any = None, group: dist.ProcessGroup | None = None,
                model_fingerprint: str | None = None, host_pool_bytes: int | None = None,
                peers: PeerStores | None = None, program: RankProgram | None = None,
-               live: LiveBytes | None = None) -> MpressStage:
+               live: LiveBytes | None = None, optimizer_by_job: bool = False) -> MpressStage:
     """The user's stage module under `plan`, as a `PipelineStage` for torch's schedules.
 
     input_args/output_args: example tensors of one microbatch (static shapes; on gloo
@@ -166,8 +166,15 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
     program: the rank's program, shared by the stages of a rank that runs several
         (default: this rank's list in the plan, for one stage per rank).
     live: the rank's live-bytes tracker, when the caller counts the device's bytes.
+    optimizer_by_job: the caller carries out the plan's model-data decisions (`optim:` and
+        `stash:` rules, `optimizer_step: host`) around its optimizer -- `PipelineJob` does.
+        A stage wrapped on its own cannot: a plan with such decisions is refused rather
+        than half executed (use `mpress.runtime.trainer.PipelineJob`, which takes any
+        `nn.Module` through `mpress.models.user`, or `mpress train`).
     Pass `stage.route_loss(loss_fn)` to the schedule of the last stage.
     """
+    if not optimizer_by_job:
+        _refuse_model_data(plan, stage_index)
     world = dist.get_world_size(group) if dist.is_initialized() else None
     example_args = input_args if isinstance(input_args, tuple) else (input_args,)
     plan.stage(stage_index)  # in range
@@ -181,3 +188,16 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
                            layers=layers, host_pool_bytes=host_pool_bytes, peers=peers, live=live)
     return MpressStage(module, stage_index, plan.num_stages, device, runtime=runtime,
                        input_args=input_args, output_args=output_args, group=group)
+
+
+def _refuse_model_data(plan: Plan, stage_index: int) -> None:
+    """A plan's model-data decisions for stage `stage_index` need the job's optimizer (see
+    `wrap_stage`): refuse them in one line naming the first."""
+    stage_plan = plan.stage(stage_index)
+    if stage_plan.optimizer_step is OptimizerStep.HOST:
+        raise PlanError(f"stage {stage_index}: the plan steps the optimizer on the host (optimizer_step: host), which a "
+                        "stage wrapped on its own cannot do: train with PipelineJob or mpress train")
+    for i, rule in enumerate(stage_plan.rules):
+        if rule.tensor.startswith(tuple(f"{kind}:" for kind in MODEL_DATA_KINDS)):
+            raise PlanError(f"stage {stage_index}: rule {i} ({rule.tensor} -> {rule.technique}) moves model data, "
+                            "which a stage wrapped on its own cannot do: train with PipelineJob or mpress train")

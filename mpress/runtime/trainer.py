@@ -209,7 +209,7 @@ class PipelineJob:
         if self.plan is not None:
             stage = wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
                                model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
-                               peers=self.peers, program=self.program, live=self.live)
+                               peers=self.peers, program=self.program, live=self.live, optimizer_by_job=True)
             return module, stage, list(stage.runtime.router.layers)
         stage = _PlainStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group,
                             live=self.live, spans=self.spans)

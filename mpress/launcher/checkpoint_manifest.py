@@ -103,7 +103,9 @@ def read_complete(folder: Path) -> tuple[Manifest | None, str]:
         data = json.loads(path.read_text())
         manifest = Manifest(**data)
     except FileNotFoundError:
-        return None, "no manifest.json"
+        held = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        return None, f"no manifest.json; it holds {shown or 'nothing'}"
     except (OSError, ValueError, TypeError) as exc:
         return None, f"unreadable manifest.json ({exc})"
     if manifest.format != FORMAT:
@@ -190,6 +192,11 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     check_output_path(root, "", "checkpoint.dir", "dir")
     if not cfg.checkpoint.resume:
         return
-    folder, manifest, _skipped = newest_complete(root)
+    folder, manifest, skipped = newest_complete(root)
     if manifest is not None:
         check_resumable(manifest, folder, identity(model_config(cfg), cfg.seed))
+    elif skipped:  # step folders, none of them a checkpoint: never restart from step 0 unasked
+        raise ConfigError(str(root), "checkpoint.resume", f"no complete checkpoint to resume from: "
+                                                         f"{'; '.join(skipped)} (not written by this mpress, or "
+                                                         "its save never finished); move them away or set "
+                                                         "resume: false to start at step 0")

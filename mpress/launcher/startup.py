@@ -29,6 +29,7 @@ from mpress.static.fake_profile import fake_profile
 from mpress.static.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile import Profile
 from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
+from mpress.units import MAX_BYTES
 from mpress.vocabulary import ScheduleName
 
 
@@ -221,6 +222,9 @@ def pool_override(variable: str) -> int | None:
     if not value:
         return None
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise UserError(f"{variable}: expected a whole number of bytes, got {value!r}") from None
+    if not 0 < number <= MAX_BYTES:
+        raise UserError(f"{variable}: must be between 1 and {MAX_BYTES} bytes (1 EiB), got {value!r}")
+    return number

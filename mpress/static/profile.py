@@ -28,7 +28,7 @@ import yaml
 
 from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
 from mpress.errors import ProfileError, UserError
-from mpress.model_config import ModelConfig, load_model_config
+from mpress.model_config import ModelConfig, load_model_config, model_presets
 
 PROFILE_VERSION = 2
 
@@ -209,11 +209,17 @@ class ModelIdentity:
         return self.structure
 
 
-def model_for_profile(name: str | None, profile: Profile | None, default: str) -> "ModelConfig | ModelIdentity":
+def model_for_profile(name: str | None, profile: Profile | None, default: str,
+                      path: str = "profile") -> "ModelConfig | ModelIdentity":
     """The model a command plans for: the profile's own when `--model` is not given (or
     names the profile's model), else the preset or YAML `name` (default `default`), which
-    `Profile.check_model` then holds the profile to."""
+    `Profile.check_model` then holds the profile to. A profile that names a model preset
+    must be that preset's (its fingerprint), or it is refused naming `path`."""
     if profile is not None and name in (None, profile.model):
+        if profile.model in model_presets():
+            preset = load_model_config(profile.model)
+            profile.check_model(preset, path)
+            return preset
         return profile.model_identity()
     if name is not None and ":" in name and not Path(name).exists():
         raise UserError(f"--model {name!r} names a user factory: give it as --module {name}, "

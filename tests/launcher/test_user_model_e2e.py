@@ -1,37 +1,37 @@
-"""A user's own model, end to end through the documented commands (issue 13's done-when):
+"""A user's own model, end to end through the documented commands (issue 13's done-when),
+exactly as README.md's "Your own model" runs `examples/own_model`:
 `mpress profile --module` -> `mpress plan --profile` -> `mpress train` on 4 CPU ranks under
 a mixed plan (host swap, recompute, optimizer state on the host), `torch.equal` to plain
 pipelining of the same model.
 
-The model (`tests/support/user_model.py`'s SkipNet) is not GPT/BERT: residual blocks, a
-forward that is not a chain (the embedding's output skips every block to the head, so
-it crosses every stage boundary) and a CPU scalar saved for backward. Its file lies in a
-temporary directory, importable only because the commands run there (as a user's own
-module would be)."""
+The model (SkipNet) is not GPT/BERT: residual blocks, a forward that is not a chain (the
+embedding's output skips every block to the head, so it crosses every stage boundary) and
+a CPU scalar saved for backward. The example's files are copied to a temporary directory,
+where the model is importable only because the commands run there (as a user's own
+module is)."""
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from mpress.launcher.checkpoint import read_step
-from tests.support import user_model
 from tests.support.compare import assert_states_equal
 from tests.support.documented import run_documented
 
 pytestmark = pytest.mark.slow
 
-PLAN_BUDGET = "60KB"
-"""The device memory the plan is made for: below what plain pipelining needs on every
-stage but the last (86 KB at its fullest), so the planner must compact."""
-CAPACITY = "80KB"
-"""The stand-in devices' capacity while training under the plan. Above the budget: for a
-model whose stage boundaries carry more than one layer's output (the skip), the memory
-model leaves those extra bytes out, and the run measures 112-118% of the prediction
-(the closing note of issue 13 says so); the test is about equality, not the model."""
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_model"
+PROFILE = ["profile", "--module", "mymodel:make", "--layers", "embed,blocks.*,head", "--fake", "--hardware",
+           "cpu-local", "--out", "profile.yaml"]
+PLAN = ["plan", "--profile", "profile.yaml", "--hardware", "cpu-local", "--num-stages", "4",
+        "--num-microbatches", "4", "--device-memory", "60KB", "--out", "plan.yaml"]
+TRAIN = ["train", "--config", "train.yaml", "--nproc-per-node", "4"]
+"""README.md's commands for the example (the test checks the README shows them)."""
 
 
 def mpress(args: list[str], cwd: Path) -> str:
@@ -40,36 +40,31 @@ def mpress(args: list[str], cwd: Path) -> str:
     return out
 
 
-def write_config(d: Path, name: str, plan: str, capacity: str) -> Path:
-    cfg = {"module": "mymodel:make_skipnet", "layers": ["embed", "blocks.*", "head"], "microbatch_size": 2,
-           "num_microbatches": 4, "steps": 4, "log_every": 1, "plan": plan, "hardware": "cpu-local",
-           "device_memory": capacity, "checkpoint": {"dir": f"ckpt-{name}"}}
-    path = d / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 def losses(stdout: str) -> list[str]:
     return re.findall(r"^step \d+: loss (\S+)", stdout, re.M)
 
 
+def test_the_readme_shows_these_commands():
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    for argv in (PROFILE, PLAN, TRAIN):
+        shown = " ".join(f'"{a}"' if "*" in a else a for a in argv)
+        assert f"mpress {shown}" in readme, shown
+
+
 def test_own_module_profile_plan_train_equals_plain_pipelining(tmp_path):
-    (tmp_path / "mymodel.py").write_text(user_model.SOURCE)
-    mpress(["profile", "--module", "mymodel:make_skipnet", "--layers", "embed,blocks.*,head", "--fake",
-            "--hardware", "cpu-local", "--out", "prof.yaml"], tmp_path)
-    mpress(["plan", "--profile", "prof.yaml", "--hardware", "cpu-local", "--stages", "4", "--microbatches", "4",
-            "--microbatch-size", "2", "--device-memory", PLAN_BUDGET, "--strategy", "mpress", "--out", "plan.yaml"],
-           tmp_path)
+    for f in ("mymodel.py", "train.yaml"):
+        shutil.copy(EXAMPLE / f, tmp_path / f)
+    mpress(PROFILE, tmp_path)
+    mpress(PLAN, tmp_path)
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     rules = [(r["tensor"], r["technique"]) for st in plan["stages"] for r in st.get("rules", [])]
-    techniques = {t for _, t in rules}
-    assert {"host", "recompute"} <= techniques, rules  # a mixed plan
+    assert {"host", "recompute"} <= {t for _, t in rules}, rules  # a mixed plan
     assert any(tensor.startswith("optim:") and t == "host" for tensor, t in rules), rules  # optimizer offload
 
-    mixed = mpress(["train", "--config", str(write_config(tmp_path, "mixed", "plan.yaml", CAPACITY)),
-                    "--nproc-per-node", "4"], tmp_path)
-    plain = mpress(["train", "--config", str(write_config(tmp_path, "plain", "none", "1MB")),
-                    "--nproc-per-node", "4"], tmp_path)
+    short = ["--steps", "4", "--log-every", "1"]
+    mixed = mpress([*TRAIN, *short, "--checkpoint.dir", "ckpt-mixed"], tmp_path)
+    plain = mpress([*TRAIN, *short, "--plan", "none", "--device-memory", "1MB", "--checkpoint.dir", "ckpt-plain"],
+                   tmp_path)
     assert "plan mpress" in mixed and "no plan" in plain
     assert "host, recompute" in mixed  # the report's per-rank techniques: what ran
     assert len(losses(mixed)) == 4 and losses(mixed) == losses(plain)

@@ -11,7 +11,7 @@ from mpress.identity import inspect_stage
 from mpress.models.user import load_user_model
 from mpress.models.user_module import select_layers
 
-SPEC = "tests.support.user_model:make_skipnet"
+SPEC = "examples.own_model.mymodel:make"
 LAYERS = ["embed", "blocks.*", "head"]
 
 

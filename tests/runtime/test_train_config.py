@@ -264,7 +264,7 @@ def test_the_d2d_example_needs_peer_memory_and_finds_it():
 
 # ---- a user's own module ---------------------------------------------------------------------
 
-MODULE = "tests.support.user_model:make_skipnet"
+MODULE = "examples.own_model.mymodel:make"
 
 
 def test_a_module_config_names_its_factory_and_layers(tmp_path):

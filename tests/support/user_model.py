@@ -2,8 +2,8 @@
 MLP blocks in a `ModuleList` (the root's forward is not a chain of its children), a CPU
 scalar saved for backward, and a loss that closes over targets the factory made.
 
-`SkipNet` (`make_skipnet`) goes further: the embedding's output skips every block to the
-head, so a split hands it across stages, and glue code runs between layers.
+The example's SkipNet (`examples/own_model/mymodel.py`, `SKIPNET`) goes further: the
+embedding's output skips every block to the head, so a split hands it across stages.
 
 `make(...)` returns `(module, example_input, loss_fn)` as `mpress profile --module`
 expects; `SOURCE` is this file's text, for tests that write it into a temporary directory
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 SOURCE = Path(__file__).read_text()
+
+SKIPNET = "examples.own_model.mymodel:make"
+"""The example's factory, importable from the repository root."""
 
 LAYERS = "embed,blocks.*,head"
 """The split points a user names for `--layers`."""
@@ -80,47 +83,6 @@ def make_10b():
 def make_10b_one_block():
     """The same block, once: what this machine can run for real."""
     return make(vocab=1024, hidden=4096, heads=32, num_blocks=1, batch=2, seq=32)
-
-
-class MLPBlock(nn.Module):
-    """Pre-norm residual MLP block with dropout."""
-
-    def __init__(self, width: int, dropout: float) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm(x)))))
-
-
-class SkipNet(nn.Module):
-    """embed -> blocks -> head(blocks' output + embed output) * a CPU scalar."""
-
-    def __init__(self, width: int = 16, depth: int = 6, classes: int = 4, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.embed = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(MLPBlock(width, dropout) for _ in range(depth))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = self.embed(x)
-        h = skip
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h + skip) * torch.tensor(0.5)
-
-
-def skipnet_loss(output: torch.Tensor) -> torch.Tensor:
-    """A regression towards zero: the square of the logits, mean."""
-    return output.float().pow(2).mean()
-
-
-def make_skipnet() -> tuple[nn.Module, torch.Tensor, object]:
-    """SkipNet of width 16 and depth 6, a microbatch of 2 sequences of 8 positions."""
-    return SkipNet(), torch.randn(2, 8, 16), skipnet_loss
 
 
 def num_parameters(module: nn.Module) -> int:

@@ -1,0 +1,1 @@
+"""Runnable examples (importable as packages so the tests run them as they are)."""

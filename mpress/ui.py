@@ -42,7 +42,7 @@ class TaskProgress:
 
     On a terminal: a rich bar (transient unless `keep`), `info` beside it. Off one: no bar;
     `advance(line=...)` prints `[done/total] line (elapsed)`, and `update` prints its
-    description when `PLAIN_EVERY_S` have passed since the last line. `console.print`
+    description when `PLAIN_EVERY_S` have passed since the last line (or when told to). `console.print`
     prints above the bar either way. Use as a context manager.
     """
 
@@ -77,11 +77,13 @@ class TaskProgress:
         self._last_line = time.monotonic()
         self.console.print(f"{text} ({self.elapsed()})", markup=False, highlight=False, soft_wrap=True)
 
-    def update(self, description: str) -> None:
-        """News within the current unit (`planning mpress: D2D round 2`)."""
+    def update(self, description: str, *, say: bool = False) -> None:
+        """News within the current unit (`planning mpress: D2D round 2`); `say`: print it
+        off a terminal now (what a long unit is about to do), not only when it is due."""
         self.description = description
         self._rich.update(self._task, description=description)
-        if self.enabled and not self.terminal and time.monotonic() - self._last_line >= PLAIN_EVERY_S:
+        due = say or time.monotonic() - self._last_line >= PLAIN_EVERY_S
+        if self.enabled and not self.terminal and due:
             self._plain(f"[{self.completed}/{self.total}] {description}")
 
     def advance(self, line: str | None = None, *, info: str = "") -> None:

@@ -20,12 +20,13 @@ commands print it, and `--json` carries it as `settings`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from mpress.commands.flags import add_flag
 from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.model_config import model_presets
 from mpress.plan import Plan
+from mpress.runtime.train_config import TrainConfig
 from mpress.static.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.profile import Profile, model_for_profile
 from mpress.units import fmt_bytes
@@ -34,8 +35,8 @@ from mpress.vocabulary import ScheduleName
 DEFAULT_MODEL = "gpt-20.4b"
 DEFAULT_HARDWARE = "dgx1-v100"
 DEFAULT_SCHEDULE = ScheduleName.ONE_F_ONE_B
-DEFAULT_MICROBATCH_SIZE = 1
-"""As the train config's `microbatch_size` default and `mpress profile --model`'s."""
+DEFAULT_MICROBATCH_SIZE: int = next(f.default for f in fields(TrainConfig) if f.name == "microbatch_size")
+"""The train config's `microbatch_size` default, which `mpress profile --model` uses too."""
 MICROBATCHES_PER_RANK = 2
 """Default microbatches per iteration = this x pipeline ranks."""
 STAGES_PER_RANK = 2

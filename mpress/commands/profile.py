@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mpress.commands.flags import EXIT_STATUS, add_command, add_flag
-from mpress.commands.pipeline_args import DEFAULT_HARDWARE
+from mpress.commands.pipeline_args import DEFAULT_HARDWARE, DEFAULT_MICROBATCH_SIZE
 from mpress.errors import UserError
 from mpress.hardware import hardware_presets, load_hardware
 from mpress.model_config import load_model_config, model_presets
@@ -102,7 +102,7 @@ def make_profile(args: argparse.Namespace) -> Profile:
     fake = True if args.fake else None
     if args.model:
         cfg = load_model_config(args.model)
-        batch = args.microbatch_size or 1
+        batch = args.microbatch_size or DEFAULT_MICROBATCH_SIZE
         if args.analytic:
             from mpress.static.analytic import analytic_profile
 
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     console = _console()
     _check_args(args)
     with TaskProgress(console, 1, "profiling") as progress:
-        progress.update(_what(args))
+        progress.update(_what(args), say=True)
         profile = make_profile(args)
         progress.advance(f"profiled {profile.model}: {len(profile.layers)} layers, {profile.source} profile")
     render_profile(profile, console)

@@ -42,4 +42,5 @@ def test_maxsize_and_profile_off_a_terminal_print_progress(capsys):
     assert re.findall(r"^\[(\d)/2\] (\S+): largest ", out, re.M) == [("1", "none"), ("2", "recompute")], out
     assert main(["profile", "--model", "gpt-tiny", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
+    assert re.search(r"^\[0/1\] profiling gpt-tiny: measured on cpu ", out, re.M), out  # before it starts
     assert re.search(r"^\[1/1\] profiled gpt-tiny: \d+ layers, measured profile \(\d+:\d\d:\d\d\)$", out, re.M), out

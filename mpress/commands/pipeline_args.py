@@ -135,7 +135,7 @@ def resolve_shape(args: argparse.Namespace, hardware: Hardware, *, num_layers: i
             ranks = args.num_ranks  # build_schedule holds it to num_stages
         stages_default = min(devices, layers)
         why = (f"one per device of {hardware.name}" if stages_default == devices
-               else f"one per layer of the model's {layers}")
+               else f"one per layer: the model has {layers}")
         stages = int(pick("num_stages", plan and plan.num_stages, stages_default, why))  # type: ignore[arg-type]
     pipeline_ranks = ranks if ranks is not None else stages
     if profile is not None and args.microbatch_size is None and plan is None:

@@ -166,7 +166,8 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     unset take the plan's values (when a plan is given) or the derived defaults."""
     hardware = hardware_from_args(args, plan)
     profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
-    model = model_for_profile(args.model or (plan.model if plan is not None else None), profile, DEFAULT_MODEL)
+    model = model_for_profile(args.model or (plan.model if plan is not None else None), profile, DEFAULT_MODEL,
+                              path=str(args.profile) if args.profile else "profile")
     num_layers = len(profile.layers) if profile is not None else None
     shape_profile = profile
     if profile is None and plan is None and args.num_stages is None:
@@ -178,7 +179,8 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     shape = resolve_shape(args, hardware, num_layers=num_layers, plan=plan, profile=shape_profile)
     setup = setup_pipeline(model, hardware, schedule=shape.schedule, num_stages=shape.num_stages,  # type: ignore[arg-type]
                            num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
-                           num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance)
+                           num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance,
+                           profile_path=str(args.profile) if args.profile else "profile")
     return setup, shape
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mpress.actions import Schedule
-from mpress.errors import UserError
+from mpress.errors import ProfileError, UserError
 from mpress.hardware import Hardware
 from mpress.model_config import ModelConfig
 from mpress.static.analytic import analytic_profile
@@ -59,18 +59,19 @@ def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: Schedule
                    microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
                    profile: Profile | None = None, balance: Literal["compute", "memory"] = "compute",
                    stage_to_device: list[int] | None = None,
-                   ranges: list[tuple[int, int]] | None = None) -> PipelineSetup:
+                   ranges: list[tuple[int, int]] | None = None, profile_path: str = "profile") -> PipelineSetup:
     """Profile (analytic unless given), partition (unless `ranges` gives each stage's layer
-    range, e.g. a plan's), schedule and size a pipeline."""
+    range, e.g. a plan's), schedule and size a pipeline. `profile_path`: where a given
+    profile came from, named when it does not fit the model or the microbatch size."""
     if microbatch_size < 1:
         raise UserError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     if profile is None:
         profile = analytic_profile(model, hardware, microbatch_size)
     else:
-        profile.check_model(model)
+        profile.check_model(model, profile_path)
         if profile.microbatch_size != microbatch_size:
-            raise UserError(
-                f"profile was measured with microbatch size {profile.microbatch_size}, not {microbatch_size}")
+            raise ProfileError(f"{profile_path}: profile was measured with microbatch size {profile.microbatch_size}, "
+                               f"not {microbatch_size}")
     sched = build_schedule(schedule, num_stages, num_microbatches, num_ranks=num_ranks)
     if sched.num_ranks > hardware.num_devices:
         raise UserError(

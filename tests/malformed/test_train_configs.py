@@ -48,7 +48,7 @@ CASES = [
     cfg("yaml-syntax", "optimizer: {lr: [1\n", "not valid YAML"),
     Case("binary-file", TRAIN, {"train.yaml": b"\xff\xfe\x00garbage\x81"}, ("train.yaml", "not valid YAML"),
          subprocess=True),
-    Case("missing-model", TRAIN, {"train.yaml": "steps: 1\n"}, ("train.yaml", "model", "missing")),
+    Case("missing-model", TRAIN, {"train.yaml": "steps: 1\n"}, ("train.yaml", "model", "exactly one")),
     Case("unknown-model", TRAIN, {"train.yaml": "model: gpt-nano\nnum_stages: 1\n"}, ("model", "gpt-nano")),
     cfg("unknown-schedule", "schedule: zigzag\n", "schedule"),
     cfg("plan-file-missing", "plan: nowhere.yaml\n", "plan", "nowhere.yaml"),

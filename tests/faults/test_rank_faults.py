@@ -108,7 +108,7 @@ def test_a_host_pool_too_small_is_one_line_naming_rank_stage_microbatch_and_tens
     info = run.info()
     line = _one_line(run)
     assert re.fullmatch(r"mpress train: rank 0: SwapError: swap-out failed: rank 0 stage 0 microbatch \d+ tensor "
-                        r"\S*layers\.0\.\S*: pinned host pool exhausted.* \[3 of the other 3 ranks stopped naming "
+                        r"\S*layers\.0\.\S*: pinned host pool exhausted.* \[3 of the other 3 ranks named "
                         r"it; logs in .*\]", line), line
     _assert_survivors_named(run, 0, r"rank 0 failed \(SwapError\)")
     _assert_all_gone(info, t0)

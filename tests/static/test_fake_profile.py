@@ -12,11 +12,12 @@ from torch import nn
 from mpress.errors import UserError
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
+from mpress.models.user_module import module_fingerprint, select_layers
 from mpress.static.analytic import analytic_profile, flops_time_s
 from mpress.static.fake_profile import fake_model_profile, fake_profile
 from mpress.static.measured import measure_profile
-from mpress.models.user_module import module_fingerprint, select_layers
 from tests.support import user_model
+from tests.support.user_model import TiedSquare
 
 CPU = load_hardware("cpu-local")
 LAYERS = user_model.LAYERS.split(",")
@@ -115,21 +116,10 @@ def test_gpt_presets_fake_profile_equals_the_analytic_one(name):
         assert (f.param_bytes, f.optim_bytes, f.master_bytes) == (a.param_bytes, a.optim_bytes, a.master_bytes)
 
 
-class _TiedSquare(nn.Module):
-    """Saves x twice (x * x) and uses a transposed view of its weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(8, 8))
-
-    def forward(self, x):
-        return (x * x) @ self.w.t()
-
-
 def test_storage_identity_under_fake_tensors():
     # every fake storage's data_ptr is 0: identity by data_ptr would take x for a
     # parameter (naming nothing) or count x * x's second x again
-    prof = fake_profile(lambda: (_TiedSquare(), torch.randn(3, 8, requires_grad=True)), model_name="t",
+    prof = fake_profile(lambda: (TiedSquare(), torch.randn(3, 8, requires_grad=True)), model_name="t",
                         hardware=CPU)
     assert [(t.id, t.bytes) for t in prof.layers[0].saved] == [("#0", 96), ("#1", 0), ("#2", 96)]
 

@@ -22,10 +22,11 @@ from mpress.models.transformer import (
     lm_loss,
     num_parameters,
 )
+from mpress.models.user_module import load_user_factory
 from mpress.static.analytic import analytic_profile, layer_saved_tensors
 from mpress.static.measured import measure_model_profile, measure_profile
-from mpress.models.user_module import load_user_factory
 from mpress.static.profile import Profile
+from tests.support.user_model import TiedSquare
 
 
 def _cfg(name: str, **changes):
@@ -184,17 +185,6 @@ class _Residual(nn.Module):
         return self.b(x + self.a(x))
 
 
-class _TiedSquare(nn.Module):
-    """Saves x twice (x * x) and uses a transposed view of its weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(8, 8))
-
-    def forward(self, x):
-        return (x * x) @ self.w.t()
-
-
 def _measure(module, x):
     return measure_profile(module, x, model_name="m", fingerprint="f", microbatch_size=x.shape[0],
                            warmup=0, iters=1)
@@ -220,7 +210,7 @@ def test_measured_user_module_saved_tensors():
 
 
 def test_parameters_skipped_and_shared_storage_counted_once():
-    prof = _measure(_TiedSquare(), torch.randn(3, 8, requires_grad=True))
+    prof = _measure(TiedSquare(), torch.randn(3, 8, requires_grad=True))
     saved = prof.layers[0].saved
     # x * x saves x twice (the second shares storage: 0 bytes); the matmul saves x*x but
     # not the transposed weight, which shares the parameter's storage.

@@ -85,5 +85,17 @@ def make_10b_one_block():
     return make(vocab=1024, hidden=4096, heads=32, num_blocks=1, batch=2, seq=32)
 
 
+class TiedSquare(nn.Module):
+    """Autograd saves x twice (x * x) and a transposed view of the weight: storages
+    shared between saved tensors, for the profilers' byte counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return (x * x) @ self.w.t()
+
+
 def num_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

@@ -100,7 +100,7 @@ class Checkpoints:
             write_manifest(tmp, manifest)
             final = step_folder(self.root, step)
             publish(tmp, final)
-            prune(self.root, self.cfg.checkpoint.keep_last)
+            prune(self.root, self.cfg.checkpoint.keep_last, self.run_id)
             print(f"checkpoint of step {step} saved to {final} ({manifest.total_bytes / 1e6:.2f} MB)", flush=True)
         dist.barrier(group=self.control)  # no rank leaves before the step is complete
 

@@ -22,12 +22,15 @@ and resharded on load (`mpress.launcher.checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from mpress.config import check_output_path, to_dict
 from mpress.errors import ConfigError
@@ -151,13 +154,15 @@ def check_resumable(manifest: Manifest, folder: Path, expected: dict[str, object
                               "checkpoint (set checkpoint.resume: false or use another checkpoint.dir)")
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Remove complete steps older than the newest `keep_last` and every temporary entry
-    (left by killed saves; call when no save of this job is under way). Returns what was
-    removed. Folders named `stepNNNNNN` that are not complete are left alone (they are
-    not this format's; a user may still want them)."""
+def prune(root: Path, keep_last: int, run_id: str) -> list[Path]:
+    """Remove this run's complete steps older than its newest `keep_last`, and every
+    temporary entry (left by killed saves; call when no save of this job is under way).
+    Returns what was removed. Other runs' steps are never removed (a run numbered from 0
+    must not delete its own newest step for an older run's higher numbers), nor folders
+    named `stepNNNNNN` that are not complete (not this format's; a user may want them)."""
     removed: list[Path] = []
-    complete = [folder for _step, folder in step_folders(root) if read_complete(folder)[0] is not None]
+    complete = [folder for _step, folder in step_folders(root)
+                if (m := read_complete(folder)[0]) is not None and m.run_id == run_id]
     for folder in complete[:-keep_last]:
         shutil.rmtree(folder)
         removed.append(folder)
@@ -190,11 +195,19 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
         return
     root = Path(cfg.checkpoint.dir)
     check_output_path(root, "", "checkpoint.dir", "dir")
-    if not cfg.checkpoint.resume:
-        return
     folder, manifest, skipped = newest_complete(root)
+    if not cfg.checkpoint.resume:
+        if manifest is not None:  # a new run's steps beside them: a later resume would take the highest number
+            raise ConfigError(str(root), "checkpoint.resume", f"false, but the directory holds complete "
+                                                              f"checkpoints (newest {folder.name}, run {manifest.run_id}); "
+                                                              "set checkpoint.resume: true to continue from it, or "
+                                                              "use another checkpoint.dir")
+        return
     if manifest is not None:
-        check_resumable(manifest, folder, identity(model_config(cfg), cfg.seed))
+        # a user's module is built on the meta device: its identity is its structure and dtype
+        with torch.device("meta") if cfg.module is not None else contextlib.nullcontext():
+            model = model_config(cfg)
+        check_resumable(manifest, folder, identity(model, cfg.seed))
     elif skipped:  # step folders, none of them a checkpoint: never restart from step 0 unasked
         raise ConfigError(str(root), "checkpoint.resume", f"no complete checkpoint to resume from: "
                                                          f"{'; '.join(skipped)} (not written by this mpress, or "

@@ -24,7 +24,7 @@ parameters before it keeps only its stages'.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,20 @@ from mpress.models.user_module import (
 )
 
 LossFn = Callable[[Any], torch.Tensor]
+
+
+def _refuse_shared_parameters(stages: Sequence[nn.Module], spec: str) -> None:
+    """A parameter two stages use (tied input and output embeddings) would be two copies
+    that drift apart, each stage training its own (torch's pipeline() copies it; summing
+    their gradients across ranks is not done here): refuse it in one line."""
+    seen: dict[str, int] = {}
+    for s, module in enumerate(stages):
+        for name, _p in module.named_parameters():
+            if name in seen:
+                raise UserError(f"{spec}: parameter {name} is held by stages {seen[name]} and {s} (a weight shared "
+                                "across stages, e.g. tied embeddings); mpress does not train shared weights across "
+                                "stages yet: untie it or keep its users in one stage")
+            seen[name] = s
 
 
 def _constants_not_state(module: nn.Module, own: set[str]) -> None:
@@ -65,6 +79,12 @@ def _as_chain(top: fx.Graph, stages: list[fx.GraphModule]) -> list[fx.GraphModul
     make is passed through it: a placeholder returned as an output, so its gradient flows
     back unchanged. `top`: the split's top-level graph (model inputs, one call per stage)."""
     calls = [n for n in top.nodes if n.op == "call_module"]
+    output = next(n for n in top.nodes if n.op == "output")
+    if any(v is not calls[-1] and not (v.op == "call_function" and v.args[0] is calls[-1])
+           for v in output.all_input_nodes):
+        raise UserError("the model returns a value an earlier stage computes (not only the last stage's): "
+                        "torch's pipeline schedules take the output from the last stage; return only what the "
+                        "last layers compute")
     made_at: dict[fx.Node, int] = {n: -1 for n in top.nodes if n.op == "placeholder"}
     for s, call in enumerate(calls):
         parts = [u for u in call.users if u.op == "call_function"]  # getitems of a tuple result
@@ -72,6 +92,7 @@ def _as_chain(top: fx.Graph, stages: list[fx.GraphModule]) -> list[fx.GraphModul
     used_at = {call: s for s, call in enumerate(calls)} | {n: len(calls) for n in top.nodes if n.op == "output"}
     last_use = {v: max((used_at[u] for u in v.users), default=-1) for v in made_at}
     into = [[v for v in made_at if made_at[v] < s <= last_use[v]] for s in range(len(calls))]
+    into[0] = [v for v in made_at if made_at[v] == -1]  # every model input, used or not: the caller passes all
     for s, (module, call) in enumerate(zip(stages, calls)):
         graph = module.graph
         old = [n for n in graph.nodes if n.op == "placeholder"]
@@ -102,6 +123,13 @@ class UserModel:
     """One microbatch, positional."""
     loss_fn: LossFn
     layers: list[str]
+    _identity: tuple[str, str] = field(init=False, repr=False)
+    """(precision, fingerprint), taken at construction: `split` lets the whole module go."""
+
+    def __post_init__(self) -> None:
+        dtypes = {p.dtype for p in self.module.parameters()}
+        words = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        self._identity = ("+".join(sorted(words.get(d, str(d)) for d in dtypes)), module_fingerprint(self.module))
 
     @property
     def name(self) -> str:
@@ -110,13 +138,11 @@ class UserModel:
     @property
     def precision(self) -> str:
         """The parameters' dtype as a precision word (fp32, bf16, fp16): a checkpoint's identity."""
-        dtypes = {p.dtype for p in self.module.parameters()}
-        words = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-        return "+".join(sorted(words.get(d, str(d)) for d in dtypes))
+        return self._identity[0]
 
     def fingerprint(self) -> str:
         """The module's structure (`module_fingerprint`): what a profile and a plan name the model by."""
-        return module_fingerprint(self.module)
+        return self._identity[1]
 
     @property
     def microbatch_size(self) -> int:
@@ -126,6 +152,8 @@ class UserModel:
     def split(self, ranges: Sequence[tuple[int, int]]) -> list[nn.Module]:
         """One module per stage: layers `[start, end)` of `ranges` (which must tile the
         layer list), each with a `layer_names()` listing its layers."""
+        if self.module is None:
+            raise UserError(f"{self.spec}: split once per model (the whole module is let go after a split)")
         if not ranges or ranges[0][0] != 0 or ranges[-1][1] != len(self.layers) or any(
                 a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
             raise UserError(f"stage ranges {list(ranges)} do not tile the {len(self.layers)} layers of {self.spec}")
@@ -137,18 +165,23 @@ class UserModel:
             try:
                 pipe = pipeline(self.module, mb_args=self.example_input, split_spec=spec)
             except Exception as exc:  # tracing the user's forward failed: their model's problem
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 raise UserError(f"{self.spec}: torch.distributed.pipelining could not split the model at "
-                                f"{', '.join(spec)}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+                                f"{', '.join(spec)}: {type(exc).__name__}: {first}") from None
             if pipe.num_stages != len(ranges):
                 raise UserError(f"{self.spec}: splitting at {', '.join(spec)} gave {pipe.num_stages} stages, not "
                                 f"{len(ranges)} (is every split layer called at the top level of the forward?)")
             stages = _as_chain(pipe.split_gm.graph, [pipe.get_stage_module(s) for s in range(len(ranges))])
+        _refuse_shared_parameters(stages, self.spec)
         own = set(self.module.state_dict())
         for module, (start, end) in zip(stages, ranges):
             _constants_not_state(module, own)
             names = list(self.layers[start:end])
             module.layer_names = lambda names=names: names  # type: ignore[method-assign]
             module.train()
+        # the stages hold what they need; keeping the whole module would keep every
+        # stage's parameters alive on every rank for the whole run
+        self.module = None  # type: ignore[assignment]
         return stages
 
     def stage_io(self, stages: Sequence[nn.Module]) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
@@ -211,10 +244,14 @@ def check_user_module(spec: str, layers: Sequence[str] | None, source: str) -> t
     try:
         with torch.device("meta"):
             user = load_user_factory(spec)
+    except UserError as exc:
+        raise ConfigError(source, "module", str(exc)) from None
+    try:
+        with torch.device("meta"):
             args = as_args(user.example_input)
             found = select_layers(user.module, layers) if layers else layer_paths(user.module, args)
     except UserError as exc:
-        raise ConfigError(source, "layers" if layers and "--layers" in str(exc) else "module", str(exc)) from None
+        raise ConfigError(source, "layers", str(exc)) from None
     if found == [""]:
         raise ConfigError(source, "layers", f"the forward of {type(user.module).__name__} does not chain its "
                                             "children, so it is one layer: name its layers (e.g. [embed, \"blocks.*\", head])")

@@ -258,7 +258,7 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
         if exc.key not in {key for key, _ in overrides}:
             raise
         raise ConfigError(source, f"--{exc.key}", exc.problem) from None
-    overridden = {key.replace("-", "_") for key, _ in overrides}
+    overridden = {key for key, _ in overrides}  # parse_override_args wrote them with underscores
 
     def absolute(key: str, value: str) -> str:
         # a path in the file is relative to the file; one given on the command line, to

@@ -321,7 +321,7 @@ class PipelineJob:
                     self.live.adopt(t, "input batch")
             if self.is_last:
                 self.live.adopt(targets, "targets")
-        args = tuple(t.to(self.device) for t in args)
+        args = tuple(t.to(self.device) for t in args) if self.is_first else ()
         try:
             if self.is_first and self.is_last:
                 self.schedule.step(*args, target=targets.to(self.device), losses=losses, return_outputs=False)

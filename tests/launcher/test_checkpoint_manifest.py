@@ -88,9 +88,19 @@ def test_keep_last_keeps_the_newest_complete_steps_and_removes_temporary_entries
     (tmp_path / "step000009").mkdir()  # not this format's: left alone
     temp_folder(tmp_path, "killed", 7).mkdir()
     (tmp_path / f"{TEMP_PREFIX}{MANIFEST}").write_bytes(b"")  # a 0-byte temporary file
-    removed = prune(tmp_path, keep_last=2)
+    removed = prune(tmp_path, keep_last=2, run_id="run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step000003", "step000004", "step000009"]
     assert len(removed) == 5
+
+
+def test_keep_last_never_removes_another_runs_steps_or_this_runs_newest(tmp_path):
+    """An older run's steps 100-300 and a new run numbered from 0: keep_last counts this
+    run's steps only, so its newest step is never pruned for the older run's higher numbers."""
+    for step in (100, 200, 300):
+        save_step(tmp_path, step, run_id="old")
+    save_step(tmp_path, 9, run_id="new")
+    assert prune(tmp_path, keep_last=3, run_id="new") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step000009", "step000100", "step000200", "step000300"]
 
 
 def test_a_step_saved_again_replaces_the_earlier_one_whole(tmp_path):
@@ -140,6 +150,8 @@ def test_start_up_checks_the_step_to_resume(tmp_path):
     path = tmp_path / "a" / "ckpt"
     check_checkpoint_dir(train_config(path, resume=True))  # nothing to resume yet: fine
     save_step(path, 4, seed=1)
-    check_checkpoint_dir(train_config(path))  # not resuming: another run's steps are no concern
+    with pytest.raises(ConfigError, match="checkpoint.resume: false, but the directory holds complete checkpoints "
+                                          r"\(newest step000004"):
+        check_checkpoint_dir(train_config(path))  # a new run would mix its steps with these
     with pytest.raises(ConfigError, match="manifest.json: seed: "):
         check_checkpoint_dir(train_config(path, resume=True))

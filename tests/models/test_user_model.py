@@ -90,3 +90,45 @@ def test_stage_state_dicts_hold_the_models_own_names_only():
     keys = [k for m in stages for k in m.state_dict()]
     assert sorted(keys) == sorted(own)
     assert any("lifted" in n for m in stages for n, _ in m.named_buffers())  # still there to compute with
+
+
+# ---- what a split cannot do is refused, not done wrong ---------------------------------------
+
+class _Chain(torch.nn.Module):
+    """a -> b -> c; `returns_early` also returns a's output; `tied` makes c share a's weight;
+    a second input that the forward ignores."""
+
+    def __init__(self, returns_early: bool = False, tied: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+        if tied:
+            self.c.weight = self.a.weight
+        self.returns_early = returns_early
+
+    def forward(self, x, unused):
+        h = self.a(x)
+        out = self.c(self.b(h))
+        return (out, h) if self.returns_early else out
+
+
+def _user(module):
+    from mpress.models.user import UserModel
+    return UserModel(spec="test:chain", module=module, example_input=(torch.randn(2, 4), torch.zeros(2)),
+                     loss_fn=lambda o: o.sum(), layers=["a", "b", "c"])
+
+
+def test_an_input_no_layer_uses_still_reaches_the_first_stage():
+    user = _user(_Chain())
+    stages = user.split([(0, 1), (1, 2), (2, 3)])
+    (in0, _), *_ = user.stage_io(stages)
+    assert len(in0) == 2
+
+
+def test_an_output_an_earlier_stage_computes_is_refused():
+    with pytest.raises(UserError, match="earlier stage"):
+        _user(_Chain(returns_early=True)).split([(0, 1), (1, 2), (2, 3)])
+
+
+def test_a_weight_shared_across_stages_is_refused():
+    with pytest.raises(UserError, match="held by stages 0 and 2"):
+        _user(_Chain(tied=True)).split([(0, 1), (1, 2), (2, 3)])

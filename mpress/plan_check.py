@@ -161,17 +161,18 @@ def _check_devices(plan: Plan, source: str, hardware: Hardware) -> None:
     for sp in plan.stages:
         for r, rule in enumerate(sp.rules):
             for k, stripe in enumerate(rule.stripes):
-                if not 0 <= stripe.device < n or hardware.links(sp.device, stripe.device) == 0:
-                    raise refusal(source, f"stages[{sp.stage}].rules[{r}].stripes[{k}].device",
-                                  f"stage {sp.stage} rule {r} ({rule.tensor}) stripes to device {stripe.device}, "
-                                  f"which is not an NVLink neighbour of device {sp.device} (its neighbours on "
-                                  f"{hardware.name}: {_neighbours(hardware, sp.device)})")
+                _require_neighbour(source, f"stages[{sp.stage}].rules[{r}].stripes[{k}].device", hardware, sp.device,
+                                   stripe.device, f"stage {sp.stage} rule {r} ({rule.tensor}) stripes to")
         for k, quota in enumerate(sp.peer_quotas):
-            if not 0 <= quota.device < n or hardware.links(sp.device, quota.device) == 0:
-                raise refusal(source, f"stages[{sp.stage}].peer_quotas[{k}].device",
-                              f"stage {sp.stage} holds a quota on device {quota.device}, which is not an NVLink "
-                              f"neighbour of device {sp.device} (its neighbours on {hardware.name}: "
-                              f"{_neighbours(hardware, sp.device)})")
+            _require_neighbour(source, f"stages[{sp.stage}].peer_quotas[{k}].device", hardware, sp.device,
+                               quota.device, f"stage {sp.stage} holds a quota on")
+
+
+def _require_neighbour(source: str, key: str, hardware: Hardware, device: int, peer: int, what: str) -> None:
+    """Refuse (naming `key`) a peer device that does not exist or has no NVLink to `device`."""
+    if not 0 <= peer < hardware.num_devices or hardware.links(device, peer) == 0:
+        raise refusal(source, key, f"{what} device {peer}, which is not an NVLink neighbour of device {device} "
+                                   f"(its neighbours on {hardware.name}: {_neighbours(hardware, device)})")
 
 
 def _check_pools(plan: Plan, source: str, hardware: Hardware) -> None:

@@ -100,7 +100,7 @@ def load_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Ite
             raise UserError(f"checkpoint has no model tensor {', '.join(missing[:3])}")
         m.load_state_dict({k: saved_model[k] for k in own})  # copy_ into each parameter and buffer
     saved = state["optimizer"]
-    _load_hyperparameters(masters.optimizer, saved["param_groups"])
+    _check_param_groups(masters.optimizer, saved["param_groups"])
     existing = {id(p): st for p, st in masters.optimizer.state.items()}
     names = set(masters.names())  # masters of parameters this rank does not hold are left out
     saved_masters = {k: v for k, v in state.get("masters", {}).items() if k in names}
@@ -121,7 +121,7 @@ def _named_groups(masters: MasterWeights) -> list[dict[str, Any]]:
              "params": [name_of[id(p)] for p in g["params"]]} for g in masters.optimizer.param_groups]
 
 
-def _load_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+def _check_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
     """Check the saved parameter groups against the job's. The hyperparameters (learning
     rate, betas, ...) stay the job's: the config is what runs, so a resume with
     `--optimizer.lr 1e-4` trains at 1e-4 (torch's `Optimizer.load_state_dict` would

@@ -1,4 +1,5 @@
-"""Reference GPT (causal decoder) and BERT (bidirectional encoder) models in plain PyTorch.
+"""Reference GPT (causal decoder) and BERT (bidirectional encoder) models in plain PyTorch,
+and the stage layout every family shares (Llama's layers are in `mpress/models/llama.py`).
 
 Both families share one pre-LayerNorm block (as Megatron-LM builds GPT and BERT):
 
@@ -15,6 +16,10 @@ Layer list (the names a `Profile` uses), from the model's top-level children:
     "layers.0" ... "layers.{L-1}" transformer blocks
     "head"                        GPT: LayerNorm + vocabulary projection
                                   BERT: dense + GELU + LayerNorm + vocabulary projection
+                                  Llama: RMSNorm + vocabulary projection
+
+`TransformerStage` takes each family's embedding, block and head (`_PARTS`), so stages,
+`build_stage` and everything built on them (the runtime, the profilers) serve all families.
 
 Layer index i (0 = embed, 1..L = blocks, L+1 = head) is what `build_stage` slices; a
 stage's `named_modules()` paths are those of the whole model (a stage holding blocks 3..5
@@ -41,6 +46,8 @@ from torch import nn
 
 from mpress.errors import UserError
 from mpress.model_config import ModelConfig
+from mpress.models import llama
+from mpress.models.dropout import Dropout
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -49,28 +56,6 @@ INIT_STD = 0.02
 
 NUM_TOKEN_TYPES = 2
 """BERT segment vocabulary; inputs are a single segment (type 0)."""
-
-
-class Dropout(nn.Module):
-    """Dropout that saves a bool mask (1 byte/element) for backward on every device.
-
-    `nn.Dropout` on the CPU multiplies by a float noise tensor and saves that (4 bytes per
-    element), while on CUDA it calls the fused `native_dropout` and saves a bool mask;
-    calling `native_dropout` everywhere makes CPU profiles match GPU ones. With p == 0 or
-    in eval mode it is the identity and saves nothing.
-    """
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        return torch.native_dropout(x, self.p, True)[0]
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
 
 
 class Embedding(nn.Module):
@@ -213,10 +198,11 @@ class TransformerStage(nn.Module):
         self.first_layer = first_layer
         self.end_layer = end_layer
         last = cfg.num_layers + 1
-        self.embed = Embedding(cfg) if first_layer == 0 else None
+        embed, block, head = _PARTS[cfg.family]
+        self.embed = embed(cfg) if first_layer == 0 else None
         blocks = range(max(first_layer, 1) - 1, min(end_layer, last) - 1)
-        self.layers = BlockList({str(i): Block(cfg) for i in blocks})
-        self.head = Head(cfg) if end_layer == last + 1 else None
+        self.layers = BlockList({str(i): block(cfg) for i in blocks})
+        self.head = head(cfg) if end_layer == last + 1 else None
 
     def layer_names(self) -> list[str]:
         """Profile layer names held by this stage, in execution order."""
@@ -230,6 +216,14 @@ class TransformerStage(nn.Module):
         if self.head is not None:
             x = self.head(x)
         return x
+
+
+_PARTS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
+    "gpt": (Embedding, Block, Head),
+    "bert": (Embedding, Block, Head),
+    "llama": (llama.Embedding, llama.Block, llama.Head),
+}
+"""Per family: (embedding, block, head) module classes, each built from a `ModelConfig`."""
 
 
 def check_layer_range(cfg: ModelConfig, first_layer: int, end_layer: int) -> None:
@@ -278,6 +272,8 @@ def _init_layer(module: nn.Module, generator: torch.Generator) -> None:
         elif isinstance(sub, nn.LayerNorm):
             sub.weight.fill_(1.0)
             sub.bias.zero_()
+        elif isinstance(sub, llama.RMSNorm):
+            sub.weight.fill_(1.0)
 
 
 def build_stage(cfg: ModelConfig, first_layer: int, end_layer: int, *, seed: int | None = None,
@@ -311,6 +307,8 @@ def build_model(cfg: ModelConfig, *, seed: int | None = None,
 
 def layer_num_parameters(cfg: ModelConfig, index: int) -> int:
     """Closed-form parameter count of layer `index` (0 = embed, 1..L = blocks, L+1 = head)."""
+    if cfg.family == "llama":
+        return llama.layer_num_parameters(cfg, index)
     h, f, v, t = cfg.hidden_size, cfg.ffn, cfg.vocab_size, cfg.seq_len
     bert = cfg.family == "bert"
     if index == 0:
@@ -326,6 +324,8 @@ def layer_num_parameters(cfg: ModelConfig, index: int) -> int:
 def layer_largest_parameter(cfg: ModelConfig, index: int) -> int:
     """Elements of the largest parameter tensor of layer `index` (0 = embed, 1..L =
     blocks, L+1 = head)."""
+    if cfg.family == "llama":
+        return llama.layer_largest_parameter(cfg, index)
     h, f, v, t = cfg.hidden_size, cfg.ffn, cfg.vocab_size, cfg.seq_len
     if index == 0:
         return max(v * h, t * h)
@@ -352,12 +352,12 @@ def example_batch(cfg: ModelConfig, microbatch_size: int, *, seed: int = 0,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Random (ids, targets), each (B, T) int64.
 
-    GPT: targets are the next tokens (ids shifted by one, from a T+1 token stream).
+    GPT, Llama: targets are the next tokens (ids shifted by one, from a T+1 token stream).
     BERT: targets are the tokens themselves (every position predicted; no masking).
     """
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, cfg.vocab_size, (microbatch_size, cfg.seq_len + 1), generator=g)
     # Separate storages, as a data loader would deliver them (profiles count bytes per storage).
     ids = stream[:, :-1].clone()
-    targets = stream[:, 1:].clone() if cfg.family == "gpt" else ids.clone()
+    targets = stream[:, 1:].clone() if cfg.causal else ids.clone()
     return ids.to(device), targets.to(device)

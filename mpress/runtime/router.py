@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mpress.actions import Action, Kind, UnitId, UnitKind
 from mpress.errors import PlanError, SwapError
-from mpress.identity import SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
+from mpress.identity import SavedName, SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
 from mpress.plan import StagePlan
 from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
@@ -141,6 +140,18 @@ class _View:
         return self.base.unpack().as_strided(self.size, self.stride, self.offset)
 
 
+class _Entry(weakref.ref):
+    """The router's entry for one saved storage: a weak reference to the storage, whose
+    callback ends the entry when the storage dies, carrying the decision for it (one
+    object per saved tensor)."""
+
+    __slots__ = ("decision", "key")
+    decision: _Swapped | None
+    """Its swap, or None: kept."""
+    key: tuple[torch.device, int]
+    """Its `storage_key`."""
+
+
 def _view_of(t: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], int, torch.dtype, bool, bool]:
     """What makes two saves of one storage the same tensor: the view and its lazy conjugate
     and negative bits (`x` and `x.conj()` share a storage, not their values)."""
@@ -176,12 +187,16 @@ class SavedTensorRouter:
         self._microbatch = -1
         self._units: dict[str, Kind] = {}
         self._dropped: dict[str, str] = {}    # layer -> its DR unit, this microbatch
-        self._saved: dict[tuple[torch.device, int], tuple[int, _Swapped | None, weakref.ref]] = {}
-        """Storage (device, address) -> (its entry's number, its swap or None: kept), for the
-        storages alive that this microbatch saved or holds; a storage's entry goes when it
-        dies, so a new storage at a freed address is a new storage."""
-        self._entries = itertools.count()
+        self._saved: dict[tuple[torch.device, int], _Entry] = {}
+        """Storage (device, address) -> its entry (its swap, or None: kept), for the storages
+        alive that this microbatch saved or holds; a storage's entry goes when it dies, so a
+        new storage at a freed address is a new storage."""
         self._saved_lock = threading.Lock()
+        self._forget_entry = self._forget  # one bound method, the callback of every entry
+        self._routes: dict[int, dict[SavedName, tuple[str, int | None, str | None]]] = {}
+        """Per microbatch: a saved tensor's name -> (its id, the index of the rule deciding it,
+        its unit): what the namer's name says is the same in every step, so read once."""
+        self._routes_now: dict[SavedName, tuple[str, int | None, str | None]] = {}
         self._pending: dict[tuple[int, str], list[_Group]] = {}  # (microbatch, unit) -> swaps to bring back
         self._open: dict[str, _Group] = {}  # unit -> its group collecting tensors now
         self._unit_names: dict[tuple[int, int], str] = {}  # (layer index, rule) -> unit
@@ -237,20 +252,19 @@ class SavedTensorRouter:
                   key: tuple[torch.device, int] | None = None, storage: Any = None) -> None:
         """`decision` holds for `tensor`'s storage (`key`: its `storage_key`, `storage`: the
         storage, when the caller has them) while it lives."""
-        key = storage_key(tensor) if key is None else key
-        number = next(self._entries)
-        # the entry holds the weak reference whose callback ends it when the storage dies
+        # the entry is the weak reference whose callback ends it when the storage dies
         # (a `weakref.finalize` would cost several times more per saved tensor)
-        alive = weakref.ref(tensor.untyped_storage() if storage is None else storage,
-                            functools.partial(self._forget, key, number))
+        entry = _Entry(tensor.untyped_storage() if storage is None else storage, self._forget_entry)
+        entry.key = storage_key(tensor) if key is None else key
+        entry.decision = decision
         with self._saved_lock:
-            self._saved[key] = (number, decision, alive)
+            self._saved[entry.key] = entry
 
-    def _forget(self, key: tuple[torch.device, int], number: int, _ref: Any = None) -> None:
+    def _forget(self, entry: _Entry) -> None:
         """A storage died (on any thread): its address may hold a new storage next."""
         with self._saved_lock:
-            if self._saved.get(key, (-1, None, None))[0] == number:
-                del self._saved[key]
+            if self._saved.get(entry.key) is entry:
+                del self._saved[entry.key]
 
     def _layer_forward(self, name: str, *args: Any, **kwargs: Any) -> Any:
         forward = self._originals[name]
@@ -275,17 +289,16 @@ class SavedTensorRouter:
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if not self._active or self.namer is None:
+        if not self._active:  # (active only when routing: the namer exists)
             return tensor
         storage = tensor.untyped_storage()
         skey = (tensor.device, storage.data_ptr())  # `storage_key`, with the storage kept for `_remember`
-        name = self.namer.name(tensor, skey)
+        name = self.namer.name(tensor, skey)  # type: ignore[union-attr]
         if name is None:  # a parameter's storage: never moved
             return tensor
-        with self._saved_lock:
-            entry = self._saved.get(skey)
+        entry = self._saved.get(skey)  # (a dict read is atomic: no lock)
         if entry is not None:  # saved before in this microbatch: its first decision holds
-            swapped = entry[1]
+            swapped = entry.decision
             if swapped is None:
                 return tensor
             if swapped.view == _view_of(tensor):
@@ -294,10 +307,11 @@ class SavedTensorRouter:
             # another view of a swapped storage: rebuilt from the fetched tensor where it
             # can be; else kept (the storage stays, as the profile's alias entry says)
             return _View(swapped, tensor) if swapped.covers(tensor) else tensor
-        tid = name.id
-        rule = self.rules.rule_index(tid, self._microbatch)
-        unit = None if rule is None else self._unit_name(name.layer, rule)
-        kind = self._units.get(unit or "")
+        route = self._routes_now.get(name)
+        if route is None:
+            route = self._routes_now[name] = self._route(name)
+        tid, rule, unit = route
+        kind = self._units.get(unit) if unit is not None else None
         engine = self.engine if kind is Kind.SO else self.d2d_engine if kind is Kind.DO else None
         if engine is None or skey[0] != engine.device:
             # kept, or recomputed (saved outside its checkpoint: the loss's), or not in the
@@ -306,21 +320,34 @@ class SavedTensorRouter:
             return tensor
         group = self._open.get(unit)  # type: ignore[arg-type]
         if group is None:
-            groups = self._pending.setdefault((self._microbatch, unit), [])  # type: ignore[arg-type]
-            if not groups:
-                self.program.record(Action(self.stage, kind, self._microbatch, unit))  # type: ignore[arg-type]
-            stripes = self.plan.rules[rule].stripes  # type: ignore[index]
-            weights = tuple((s.device, s.fraction) for s in stripes) or None
-            # a unit's tensors saved after its group was issued (after its layer's
-            # forward) form another group: another key
-            tkey = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch,
-                             tensor=unit if not groups else f"{unit}/{len(groups)}")  # type: ignore[arg-type]
-            group = self._open[unit] = _Group(engine, tkey, weights)  # type: ignore[index]
-            groups.append(group)
+            group = self._open_group(engine, kind, rule, unit)  # type: ignore[arg-type]
         swapped = _Swapped(group, group.add(tid, tensor), tensor)
         self._remember(tensor, swapped, skey, storage)
         self.tensors_swapped += 1
         return swapped
+
+    def _route(self, name: SavedName) -> tuple[str, int | None, str | None]:
+        """(id, index of the deciding rule or None, unit or None) of the tensor `name`
+        names in this microbatch."""
+        tid = name.id
+        rule = self.rules.rule_index(tid, self._microbatch)
+        return tid, rule, None if rule is None else self._unit_name(name.layer, rule)
+
+    def _open_group(self, engine: SwapEngine, kind: Kind, rule: int, unit: str) -> _Group:
+        """A new group collecting `unit`'s tensors for `engine` (the unit's first, or its
+        tensors saved after its group was issued)."""
+        groups = self._pending.setdefault((self._microbatch, unit), [])
+        if not groups:
+            self.program.record(Action(self.stage, kind, self._microbatch, unit))
+        stripes = self.plan.rules[rule].stripes
+        weights = tuple((s.device, s.fraction) for s in stripes) or None
+        # a unit's tensors saved after its group was issued (after its layer's
+        # forward) form another group: another key
+        tkey = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch,
+                         tensor=unit if not groups else f"{unit}/{len(groups)}")
+        group = self._open[unit] = _Group(engine, tkey, weights)
+        groups.append(group)
+        return group
 
     def _unit_name(self, layer: int, rule: int) -> str:
         """The unit (string form) of layer `layer`'s tensors under rule `rule`."""
@@ -351,6 +378,7 @@ class SavedTensorRouter:
         self._dropped = {UnitId.parse(u).layer: u for u, k in self._units.items() if k is Kind.DR}  # type: ignore[misc]
         with self._saved_lock:
             self._saved = {}
+        self._routes_now = self._routes.setdefault(microbatch, {})
         self._keep_storages(self._buffers)
         self.namer.begin()
         self._microbatch = microbatch

@@ -115,7 +115,7 @@ class Attention(nn.Module):
         cos, sin = rotary_tables(t, hd, self.rope_theta, x.dtype, x.device)  # (T, hd) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.sdpa:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != nh)  # (B, nh, T, hd)
+            y = _sdpa(q, k, v)  # (B, nh, T, hd)
         else:
             y = self._eager(q, repeat_kv(k, nh // kv), repeat_kv(v, nh // kv))
         return self.o_proj(y.transpose(1, 2).reshape(b, t, nh * hd))
@@ -128,6 +128,18 @@ class Attention(nn.Module):
         scores = scores + torch.full((t, t), float("-inf"), dtype=scores.dtype, device=scores.device).triu(1)
         probs = self.attn_drop(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype))  # (B, nh, T, T)
         return probs @ v  # (B, nh, T, hd)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of (B, nh, T, hd) queries and (B, kv, T, hd) keys and values.
+
+    On the meta device (the analytic profiler's memory probe) torch has no fused kernel
+    to choose and would take the math path, which saves the (B, nh, T, T) probabilities
+    that no fused kernel keeps: there the CPU flash kernel's meta function stands in, so
+    the probe sees what a real run saves."""
+    if q.device.type == "meta":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):

@@ -1,4 +1,5 @@
-"""Analytic profiler: closed-form per-layer costs of the reference GPT/BERT models.
+"""Analytic profiler: closed-form per-layer costs of the reference GPT/BERT models (and,
+through `analytic_llama.py`, of the Llama family).
 
 Nothing is run or allocated: a 25B-parameter model is profiled in microseconds, so plans
 for models far larger than the local machine can be made anywhere.
@@ -48,6 +49,7 @@ import torch
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.model_config import ModelConfig
+from mpress.static import analytic_llama
 from mpress.models.transformer import (
     TORCH_DTYPES,
     build_stage,
@@ -106,6 +108,8 @@ def _dropout(out: _SavedList, cfg: ModelConfig, module: str, shape: list[int], w
 
 
 def _embed_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
+    if cfg.family == "llama":
+        return analytic_llama.embed_saved(cfg, b, out)
     t, h = cfg.seq_len, cfg.hidden_size
     out.add("embed.tok", [b, t], "int64", "token ids", is_input=True)
     _dropout(out, cfg, "embed.drop", [b, t, h], "embedding")
@@ -116,6 +120,8 @@ def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList) -> None:
     nh = cfg.num_heads
     hd = h // nh
     act = TORCH_DTYPE_NAMES[cfg.precision]
+    if cfg.family == "llama":
+        return analytic_llama.block_saved(cfg, i, b, act, out)
     p = f"layers.{i}"
     _layer_norm(out, f"{p}.ln1", [b, t, h], act, "ln1", is_input=True)
     out.add(f"{p}.attn.qkv", [b * t, h], act, "qkv input")
@@ -140,7 +146,10 @@ def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList) -> None:
 def _head_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
     t, h, v = cfg.seq_len, cfg.hidden_size, cfg.vocab_size
     act = TORCH_DTYPE_NAMES[cfg.precision]
-    _layer_norm(out, "head.ln", [b, t, h], act, "final LayerNorm", is_input=True)
+    if cfg.family == "llama":
+        analytic_llama.head_norm_saved(cfg, b, act, out)
+    else:
+        _layer_norm(out, "head.ln", [b, t, h], act, "final LayerNorm", is_input=True)
     if cfg.family == "bert":
         out.add("head.dense", [b * t, h], act, "MLM transform dense input")
         out.add("head.act", [b, t, h], act, "MLM transform GELU input")
@@ -168,6 +177,8 @@ def layer_saved_tensors(cfg: ModelConfig, index: int, microbatch_size: int) -> l
 
 def layer_forward_flops(cfg: ModelConfig, index: int, microbatch_size: int) -> float:
     """Matrix-product FLOPs of one forward of layer `index` for one microbatch."""
+    if cfg.family == "llama":
+        return analytic_llama.layer_forward_flops(cfg, index, microbatch_size)
     b, t, h, f, v = microbatch_size, cfg.seq_len, cfg.hidden_size, cfg.ffn, cfg.vocab_size
     tokens = b * t
     if index == 0:
@@ -180,6 +191,14 @@ def layer_forward_flops(cfg: ModelConfig, index: int, microbatch_size: int) -> f
     projections = 2 * tokens * (3 * h * h + h * h + 2 * h * f)  # qkv, proj, fc1, fc2
     attention = 2 * 2 * b * t * t * h  # q@k^T and probs@v over all heads
     return float(projections + attention)
+
+
+def layer_backward_flops(cfg: ModelConfig, index: int, microbatch_size: int) -> float:
+    """Matrix-product FLOPs of one backward of layer `index` for one microbatch: 2 x the
+    forward (Llama's SDPA differs: see `analytic_llama`)."""
+    if cfg.family == "llama":
+        return analytic_llama.layer_backward_flops(cfg, index, microbatch_size)
+    return 2.0 * layer_forward_flops(cfg, index, microbatch_size)
 
 
 def layer_output_bytes(cfg: ModelConfig, index: int, microbatch_size: int) -> int:
@@ -202,7 +221,7 @@ def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int)
     layers = []
     for index in range(cfg.num_layers + 2):
         fwd = layer_forward_flops(cfg, index, microbatch_size)
-        bwd = 2.0 * fwd
+        bwd = layer_backward_flops(cfg, index, microbatch_size)
         n = layer_num_parameters(cfg, index)
         layers.append(LayerProfile(
             name=layer_name(cfg, index),

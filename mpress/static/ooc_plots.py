@@ -36,9 +36,10 @@ def plot_batch_sweep(points: Sequence[OocPoint], path: str | Path, title: str) -
     if knee is not None:
         ax.axvline(knee, color="0.2", linestyle=":", linewidth=1.0, label=f"footprint > device memory from {knee}")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size (samples)")
     ax.set_ylabel("throughput (samples/s)")
-    ax.set_ylim(bottom=0.0)
+    ax.set_ylim(0.0, 1.1 * max(p.in_memory_samples_per_s for p in points))
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower left", fontsize="small")
@@ -55,6 +56,7 @@ def plot_bandwidth_sweep(rows: Sequence[BandwidthPoint], path: str | Path, title
                 **POLICY_STYLE[policy])  # type: ignore[arg-type]
     ax.axhline(1.0, color="0.4", linestyle="--", linewidth=1.0, label="in memory")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{g:g}" for g in xs])
     ax.set_xlabel("host-link bandwidth per direction (GB/s)")
     ax.set_ylabel("iteration time / in-memory iteration time")
     ax.set_ylim(bottom=0.0)

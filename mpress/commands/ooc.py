@@ -32,11 +32,11 @@ from mpress import limits
 from mpress.commands.flags import add_command, add_flag, bytes_arg
 from mpress.config import int_arg, output_path_arg
 from mpress.errors import UserError
-from mpress.hardware import hardware_presets
+from mpress.hardware import Hardware, hardware_presets
 from mpress.models.user_module import parse_layers
 from mpress.static.ooc_model import DEFAULT_IMAGE_SIZE, OocModel, host_link_gbps, load_ooc_model, \
     load_single_device, model_choices
-from mpress.static.ooc_point import POLICIES, OocPoint, evaluate_point
+from mpress.static.ooc_point import POLICIES, OocPoint, PolicyRun, evaluate_point
 from mpress.static.ooc_sweeps import (
     DEFAULT_BANDWIDTHS_GBPS,
     BandwidthPoint,
@@ -45,10 +45,12 @@ from mpress.static.ooc_sweeps import (
     batch_sweep,
     batch_sweep_json,
     default_batch_sizes,
+    footprint_bytes,
     knee_batch,
     point_json,
     settings_json,
 )
+from mpress.tiling.networks import NETWORKS
 from mpress.ui import TaskProgress, make_console, print_json
 from mpress.units import fmt_bytes, fmt_seconds
 
@@ -120,15 +122,13 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.batch_size is not None and args.sweep == "batch":
         raise UserError("--sweep batch takes --batch-sizes, not --batch-size")
     conv_flags = args.image_size != DEFAULT_IMAGE_SIZE or args.width_div != 1
-    if conv_flags and (args.module or (args.model and args.model not in ("vgg16", "vgg19", "darknet19"))):
-        raise UserError("--image-size and --width-div are for the conv nets (vgg16, vgg19, darknet19)")
+    if conv_flags and (args.module or (args.model and args.model not in NETWORKS)):
+        raise UserError(f"--image-size and --width-div are for the conv nets ({', '.join(sorted(NETWORKS))})")
 
 
-def _default_batch(model: OocModel, hardware, sources: dict[str, str]) -> int:  # type: ignore[no-untyped-def]
+def _default_batch(model: OocModel, hardware: Hardware, sources: dict[str, str]) -> int:
     """The first batch of the default sweep whose footprint passes device memory (else its
     largest)."""
-    from mpress.static.ooc_sweeps import footprint_bytes
-
     sizes = default_batch_sizes(model, hardware)
     for batch in sizes:
         if footprint_bytes(model, hardware, batch) > hardware.usable_memory_bytes:
@@ -138,7 +138,8 @@ def _default_batch(model: OocModel, hardware, sources: dict[str, str]) -> int:  
     return sizes[-1]
 
 
-def settings_line(model: OocModel, hardware, sources: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
+def settings_line(model: OocModel, hardware: Hardware, sources: dict[str, str]) -> str:
+    """One line: the model, the device, and each value derived rather than given."""
     parts = [f"model {model.name} ({model.kind}, microbatch {model.microbatch_size})",
              f"hardware {hardware.name}: one {hardware.device.name}, capacity "
              f"{fmt_bytes(hardware.usable_memory_bytes)}, host link {host_link_gbps(hardware):.3g} GB/s"]
@@ -146,7 +147,8 @@ def settings_line(model: OocModel, hardware, sources: dict[str, str]) -> str:  #
     return "settings: " + "; ".join(parts)
 
 
-def _stalls(run) -> str:  # type: ignore[no-untyped-def]
+def _stalls(run: PolicyRun) -> str:
+    """The tensors a policy's stalls are blamed on, most first."""
     return ", ".join(f"{t} {fmt_seconds(s)}" for t, s in run.top_stalls) or "-"
 
 
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(batch_table(model, points))
         if args.plot:
-            from mpress.static.ooc_plots import plot_batch_sweep
+            from mpress.static.ooc_sweeps import plot_batch_sweep
             plot_batch_sweep(points, args.plot, f"{model.name} on one {hardware.device.name}")
     elif args.sweep == "bandwidth":
         batch = args.batch_size or _default_batch(model, hardware, sources)
@@ -231,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(bandwidth_table(model, rows))
         if args.plot:
-            from mpress.static.ooc_plots import plot_bandwidth_sweep
+            from mpress.static.ooc_sweeps import plot_bandwidth_sweep
             plot_bandwidth_sweep(rows, args.plot, f"{model.name}, batch {batch}, on one {hardware.device.name}")
     else:
         batch = args.batch_size or _default_batch(model, hardware, sources)

@@ -152,12 +152,13 @@ def load_ooc_model(*, model: str | None, module: str | None, hardware: Hardware,
         return found
     if layers is not None:
         raise UserError("--layers names split points of a --module (conv nets and presets have theirs)")
-    if model not in NETWORKS and model not in model_presets() and not Path(model).exists():  # type: ignore[arg-type]
+    assert model is not None  # exactly one of model and module, checked above
+    if model not in NETWORKS and model not in model_presets() and not Path(model).exists():
         raise UserError(f"unknown model {model!r} (conv nets: {', '.join(sorted(NETWORKS))}; GPT/BERT presets: "
                         f"{', '.join(model_presets())}; or a model YAML path)")
     if model in NETWORKS:
         return conv_model(model, hardware, microbatch_size or 32, image_size=image_size, width_div=width_div)
-    return preset_model(model, hardware, microbatch_size or 1)  # type: ignore[arg-type]
+    return preset_model(model, hardware, microbatch_size or 1)
 
 
 def num_microbatches_for(model: OocModel, batch_size: int) -> int:

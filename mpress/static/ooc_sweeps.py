@@ -11,6 +11,11 @@
   against host-link bandwidth. A faster link only shortens copies, so the time falls
   towards the in-memory time as the bandwidth grows (to within the copies' latencies).
 
+Plots (`plot_batch_sweep`, `plot_bandwidth_sweep`): throughput (samples/s) against batch
+size (log 2 axis) with the in-memory run dashed and the knee as a vertical line; normalised
+time (no unit) against host-link GB/s (log axis) with 1 dashed. Points that do not fit are
+left out.
+
 Default sizes: batches are powers of two times the microbatch up to past
 `DEFAULT_OVER` x the capacity (`default_batch_sizes`, from the footprint's growth per
 microbatch); bandwidths from PCIe 3 class to NVLink-C2C class (`DEFAULT_BANDWIDTHS_GBPS`).
@@ -23,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from mpress.errors import UserError
 from mpress.hardware import Hardware
@@ -133,3 +139,57 @@ def batch_sweep_json(points: Sequence[OocPoint]) -> dict[str, object]:
 def bandwidth_sweep_json(rows: Sequence[BandwidthPoint]) -> dict[str, object]:
     return {"batch_size": rows[0].point.batch_size if rows else None,
             "points": [{"host_link_gbps": r.gbps, **point_json(r.point)} for r in rows]}
+
+
+# -- plots (house style of `mpress.static.plots`: an Agg figure, one unit per axis) -----------------
+POLICY_STYLE = {POLICIES[0]: dict(color="C3", marker="s"), POLICIES[1]: dict(color="C0", marker="o")}
+
+
+def plot_batch_sweep(points: Sequence[OocPoint], path: str | Path, title: str) -> Path:
+    """Throughput against batch size for both policies and in memory; returns `path`."""
+    from mpress.static.plots import new_figure, save
+
+    points = sorted(points, key=lambda p: p.batch_size)
+    fig = new_figure(8, 5)
+    ax = fig.add_subplot(1, 1, 1)
+    batches = [p.batch_size for p in points]
+    ax.plot(batches, [p.in_memory_samples_per_s for p in points], color="0.4", linestyle="--", linewidth=1.2,
+            label="in memory (infinite capacity)")
+    for policy in POLICIES:
+        xs = [p.batch_size for p in points if p.runs[policy].fits]
+        ys = [p.runs[policy].samples_per_s for p in points if p.runs[policy].fits]
+        ax.plot(xs, ys, linewidth=1.6, label=f"{policy} swap-in", **POLICY_STYLE[policy])  # type: ignore[arg-type]
+    knee = knee_batch(points)
+    if knee is not None:
+        ax.axvline(knee, color="0.2", linestyle=":", linewidth=1.0, label=f"footprint > device memory from {knee}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (samples)")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_ylim(0.0, 1.1 * max(p.in_memory_samples_per_s for p in points))
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower left", fontsize="small")
+    return save(fig, path)
+
+
+def plot_bandwidth_sweep(rows: Sequence[BandwidthPoint], path: str | Path, title: str) -> Path:
+    """Normalised iteration time against host-link bandwidth for both policies."""
+    from mpress.static.plots import new_figure, save
+
+    fig = new_figure(8, 5)
+    ax = fig.add_subplot(1, 1, 1)
+    xs = [r.gbps for r in rows]
+    for policy in POLICIES:
+        ax.plot(xs, [r.point.runs[policy].normalised for r in rows], linewidth=1.6, label=f"{policy} swap-in",
+                **POLICY_STYLE[policy])  # type: ignore[arg-type]
+    ax.axhline(1.0, color="0.4", linestyle="--", linewidth=1.0, label="in memory")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{g:g}" for g in xs])
+    ax.set_xlabel("host-link bandwidth per direction (GB/s)")
+    ax.set_ylabel("iteration time / in-memory iteration time")
+    ax.set_ylim(bottom=0.0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right", fontsize="small")
+    return save(fig, path)

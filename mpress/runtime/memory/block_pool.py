@@ -25,6 +25,7 @@ import math
 import threading
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -98,9 +99,27 @@ class Block:
         if offset_bytes + nbytes > self.size_bytes:
             raise SwapError(f"{self._pool.name} block of {self.owner} holds {self.size_bytes} bytes, "
                             f"{nbytes} bytes from offset {offset_bytes} do not fit")
-        typed = self._pool.typed(dtype)
-        start = typed.storage_offset() + (self.offset_bytes + offset_bytes) // dtype.itemsize
-        return typed.as_strided(shape, stride, start)
+        typed, start = self._pool.typed_start(dtype)
+        return typed.as_strided(shape, stride, start + (self.offset_bytes + offset_bytes) // dtype.itemsize)
+
+    def strided_pairs(self, pieces: Sequence[tuple[int, Any, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(`strided` over this block, tensor) for each (offset_bytes, layout, tensor) of
+        `pieces`, where a layout has `dtype`, `shape`, `stride` and `nbytes` (`mpress.
+        runtime.swap.layout.Layout`): a group's views in one call, the block's checks made
+        once for the group, one view op per piece. Same validity and errors as `strided`."""
+        if self._state is not BlockState.ALLOCATED:
+            raise SwapError(f"{self._pool.name} block {self.block_id} of {self.owner} used after free")
+        base, size, typed = self.offset_bytes, self.size_bytes, self._pool.typed_start
+        out = []
+        for offset_bytes, layout, tensor in pieces:
+            if offset_bytes + layout.nbytes > size:
+                raise SwapError(f"{self._pool.name} block of {self.owner} holds {size} bytes, "
+                                f"{layout.nbytes} bytes from offset {offset_bytes} do not fit")
+            dtype = layout.dtype
+            flat, start = typed(dtype)
+            out.append((flat.as_strided(layout.shape, layout.stride, start + (base + offset_bytes) // dtype.itemsize),
+                        tensor))
+        return out
 
     def __repr__(self) -> str:
         return (f"Block(id={self.block_id}, offset={self.offset_bytes}, "
@@ -134,14 +153,20 @@ class BlockPool:
         self._next_id = 0
         self._in_use_bytes = 0
         self._high_water_bytes = 0
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
-        """The buffer viewed as each dtype a block was viewed as (`typed`)."""
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+        """The buffer viewed as each dtype a block was viewed as, and its storage offset
+        (`typed_start`)."""
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole buffer as a flat tensor of `dtype` (made once per dtype)."""
+        return self.typed_start(dtype)[0]
+
+    def typed_start(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """`typed(dtype)` and its storage offset (in elements of `dtype`), made once per dtype."""
         found = self._typed.get(dtype)
         if found is None:
-            found = self._typed[dtype] = self.buffer.view(dtype)
+            flat = self.buffer.view(dtype)
+            found = self._typed[dtype] = (flat, flat.storage_offset())
         return found
 
     # ---- counters --------------------------------------------------------------------

@@ -218,7 +218,8 @@ class SwapEngine(EngineWorkers):
                 return
             record.in_requested = True
         try:  # the bytes come back now, on this thread (an out-of-memory error names the action)
-            dst = [layout.empty(self.device) for layout in record.layouts]
+            device, empty = self.device, torch.empty_strided  # (`Layout.empty`, inlined: one per tensor)
+            dst = [empty(layout.shape, layout.stride, dtype=layout.dtype, device=device) for layout in record.layouts]
             with self._lock:
                 placement = record.placement
             batch = self.store.pair(placement, record.pieces(dst)) if placement is not None else None

@@ -46,7 +46,7 @@ class Layout(NamedTuple):
         """The layout `tensor` comes back in, and a dense tensor holding its elements in
         that layout: `tensor` itself when it is dense (no copy), else a gather made here
         (on the calling thread's current stream)."""
-        if tensor.is_conj():
+        if tensor.dtype.is_complex and tensor.is_conj():  # (only complex tensors have the bit)
             tensor = tensor.resolve_conj()
         if tensor.is_neg():
             tensor = tensor.resolve_neg()
@@ -75,7 +75,15 @@ class Layout(NamedTuple):
 def _dense(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s elements fill a contiguous range of memory in some order of its
     dimensions (no gaps, no overlaps)."""
-    # outermost first: larger strides first; among equal strides (size-1 dims) keep the
-    # order of the dimensions, which `permute` then makes contiguous all the same
-    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
-    return tensor.permute(order).is_contiguous()
+    # innermost first (smallest stride): each dimension's stride must be the number of
+    # elements of the dimensions inside it; size-1 dimensions (any stride) take no room.
+    # Plain integers, no tensor op: the swap-out path runs this per tensor.
+    shape = tensor.shape
+    if 0 in shape:
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -243,9 +243,7 @@ def _in_block(placement: Placement, pieces: Pieces) -> list[tuple[torch.Tensor, 
     """(the block's part, the piece) for each piece of a one-block placement (`segments`
     for the host's case, where every piece is whole)."""
     (slot,) = placement.slots
-    block = slot.block
-    return [(block.strided(layout.dtype, layout.shape, layout.stride, offset, layout.nbytes), data)
-            for offset, layout, data in pieces]
+    return slot.block.strided_pairs(pieces)
 
 
 class PeerStores(Protocol):

@@ -8,7 +8,13 @@ microbatch 12; 8 stages, 16 microbatches), all measured in this run:
   unlimited device memory: the `none` plan, whose emulation ignores capacity) — the
   overhead memory compaction costs.
 
+A second table per hardware compares recompute granularity, side by side in the same
+run: the `recompute` and `mpress` strategies planned with whole-layer recompute only and
+with per-tensor (op-level) recompute (`PlannerOptions.op_level_recompute`), each as its
+iteration over the ideal, for the GPT and Llama presets (Llama where the device has bf16).
+
 Usage: python bench/plan_search.py [--hardware dgx1-v100,dgx-a100] [--models gpt-20.4b,...]
+       [--granularity-models gpt-20.4b,llama-2-7b,...] [--no-strategies]
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from mpress.hardware import load_hardware
+from mpress.errors import UserError
+from mpress.hardware import Hardware, load_hardware
 from mpress.model_config import load_model_config, model_presets
 from mpress.static.evaluate import setup_pipeline
-from mpress.static.planner import plan_strategy
+from mpress.static.planner import PlannerOptions, plan_strategy
 from mpress.vocabulary import Strategy
 
 
@@ -31,26 +38,72 @@ def billion_presets() -> list[str]:
     return sorted(names, key=lambda n: (n.split("-")[0], float(n.split("-")[1][:-1])))
 
 
+def granularity_presets() -> list[str]:
+    """The GPT billion-scale presets and the Llama presets."""
+    llama = sorted(n for n in model_presets() if n.startswith("llama-") and n != "llama-tiny")
+    return [n for n in billion_presets() if n.startswith("gpt")] + llama
+
+
+def _setup(name: str, hw: Hardware, num_microbatches: int):
+    model = load_model_config(name)
+    schedule, mbsize = ("pipedream", 12) if model.family == "bert" else ("1f1b", 2 if model.family == "gpt" else 1)
+    return setup_pipeline(model, hw, schedule=schedule, num_stages=8, microbatch_size=mbsize,
+                          num_microbatches=num_microbatches)
+
+
+def granularity_table(hw: Hardware, names: list[str], num_microbatches: int) -> Table:
+    """Iteration over the ideal of `recompute` and `mpress`, whole-layer vs per-tensor recompute."""
+    table = Table(title=f"recompute granularity on {hw.name}: iteration / ideal (8 stages, {num_microbatches} "
+                        "microbatches); x = does not fit")
+    for col in ["model", "recompute, whole layers", "recompute, per tensor", "per tensor / whole",
+                "mpress, whole layers", "mpress, per tensor", "per tensor / whole "]:
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name in names:
+        try:
+            setup = _setup(name, hw, num_microbatches)
+        except UserError as exc:
+            table.add_row(name, f"[dim]{exc}[/]", *[""] * 5)
+            continue
+        ideal = plan_strategy(setup, "none").evaluation.result.iteration_s
+        cells = [name]
+        for strategy in ("recompute", "mpress"):
+            its = []
+            for op_level in (False, True):
+                r = plan_strategy(setup, strategy, PlannerOptions(op_level_recompute=op_level))
+                it = r.evaluation.result.iteration_s
+                its.append((it, r.fits))
+                cells.append(f"{'[green]' if r.fits else '[red]x '}{it / ideal:.3f}[/]")
+            (whole, whole_fits), (per, per_fits) = its
+            cells.append(f"{per / whole:.3f}" if whole_fits and per_fits else
+                         "only per tensor fits" if per_fits else "only whole fits" if whole_fits else "-")
+        table.add_row(*cells)
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hardware", default="dgx1-v100,dgx-a100")
     ap.add_argument("--models", default=",".join(billion_presets()))
     ap.add_argument("--num-microbatches", "--microbatches", type=int, default=16,
                     help="microbatches per iteration (default: %(default)s)")
+    ap.add_argument("--granularity-models", default=",".join(granularity_presets()),
+                    help="presets of the recompute-granularity table ('' for none)")
+    ap.add_argument("--no-strategies", action="store_true", help="only the recompute-granularity table")
     args = ap.parse_args()
     console = Console(width=170)
     for hw_name in args.hardware.split(","):
         hw = load_hardware(hw_name)
+        if args.granularity_models:
+            console.print(granularity_table(hw, args.granularity_models.split(","), args.num_microbatches))
+        if args.no_strategies:
+            continue
         summary = Table(title=f"planner on {hw.name}: 8 stages, {args.num_microbatches} microbatches "
                               "(GPT 1f1b x2, BERT pipedream x12)")
         for col in ["model", "plan s", "mapping s", *Strategy.words(), "mpress / best fitting baseline",
                     "mpress / ideal"]:
             summary.add_column(col, justify="left" if col == "model" else "right")
         for name in args.models.split(","):
-            model = load_model_config(name)
-            schedule, mbsize = ("1f1b", 2) if model.family == "gpt" else ("pipedream", 12)
-            setup = setup_pipeline(model, hw, schedule=schedule, num_stages=8, microbatch_size=mbsize,
-                                   num_microbatches=args.num_microbatches)
+            setup = _setup(name, hw, args.num_microbatches)
             results = {}
             for strategy in Strategy.words():
                 t0 = time.perf_counter()

@@ -85,6 +85,10 @@ class DeviceSpec:
     `reserve_bytes` must be its total."""
     peak_flops: dict[str, float] = field(metadata={"gt": 0})
     """Nominal dense peak FLOP/s per dtype: keys fp32, fp16, bf16 (bf16 may be absent)."""
+    memory_gbps: float | None = field(default=None, metadata={"gt": 0})
+    """Nominal device memory bandwidth, GB/s: what an operator that computes little (a
+    norm, an activation, dropout) takes is its bytes read and written over this (a
+    recompute's replay is mostly such operators). None: such operators cost nothing."""
     peer_context_bytes: int = field(default=DEFAULT_PEER_CONTEXT_BYTES, metadata={"min": 0, "max": MAX_BYTES})
     """Memory one exporter process's CUDA context takes on a GPU whose peer pool it
     opens (see `DEFAULT_PEER_CONTEXT_BYTES`); 0 for stand-ins whose pools are shared

@@ -25,9 +25,10 @@ or `optim:<param>:<state>` for model data, so a failure reads "rank 1 stage 1 mi
 3 tensor layers.2.mlp.fc1#0" and can be matched against the plan.
 
 Rules (`StageRules`): the first rule of a stage whose pattern names a tensor and whose
-microbatch selector holds the microbatch decides it; no rule = keep. Recompute is per
-layer (the layer is checkpointed), so a recompute rule must decide all of a layer's saved
-tensors or none of them.
+microbatch selector holds the microbatch decides it; no rule = keep. A layer whose rules
+recompute all its saved tensors in a microbatch is checkpointed whole; one whose rules
+recompute some of them is checkpointed with the operators producing the rest cached
+(`mpress.selective`), so the rest is kept: no other rule may move them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import nn
 
 from mpress.errors import PlanError
 from mpress.plan import StagePlan, TensorRule, parse_microbatches, pattern_matches
+from mpress.selective import LayerOps, OpTrace
 from mpress.vocabulary import Technique
 
 MODEL_DATA_KINDS = ("optim", "stash")
@@ -218,6 +220,9 @@ class LayerTensors:
 
     name: str
     saved: tuple[str, ...]
+    ops: LayerOps | None = None
+    """Its forward's operators and the producer of each saved tensor (`inspect_stage`
+    traces them at run time; None where only the names are known)."""
 
 
 def inspect_stage(module: nn.Module, args: tuple[Any, ...], layers: Sequence[str] | None = None) -> list[LayerTensors]:
@@ -227,21 +232,42 @@ def inspect_stage(module: nn.Module, args: tuple[Any, ...], layers: Sequence[str
     layers = list(layers) if layers is not None else layer_paths(module, args)
     namer = SavedTensorNamer(module, layers)
     saved: list[list[str]] = [[] for _ in layers]
+    producers: list[list[int | None]] = [[] for _ in layers]
+    traces: list[tuple[Any, ...]] = [((), -1)] * len(layers)
+    trace = OpTrace()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         name = namer.name(t)
         if name is not None:
             saved[name.layer].append(name.id)
+            producers[name.layer].append(trace.producer(t))
         return t
 
+    def enter(_m: nn.Module, _a: Any) -> None:
+        trace.begin()
+
+    def leave(index: int) -> Any:
+        def hook(_m: nn.Module, _a: Any, _o: Any) -> None:
+            trace.end()
+            traces[index] = (tuple(trace.ops), trace.last_saved_op)
+        return hook
+
+    handles = []
+    for i, path in enumerate(layers):
+        sub = module.get_submodule(path)
+        handles += [sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave(i))]
     try:
-        with torch.enable_grad(), side_effect_free(module), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), side_effect_free(module), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trace:
             namer.begin()
             module(*args)
     finally:
         namer.end()
         namer.close()
-    return [LayerTensors(name=n, saved=tuple(ids)) for n, ids in zip(layers, saved)]
+        for h in handles:
+            h.remove()
+    return [LayerTensors(name=n, saved=tuple(ids), ops=LayerOps(ops=ops, producers=tuple(p), last_op=last))
+            for n, ids, p, (ops, last) in zip(layers, saved, producers, traces)]
 
 
 # ---- rules ----------------------------------------------------------------------------------------
@@ -251,7 +277,7 @@ class StageRules:
 
     layers: the stage's layers with the ids of their saved tensors (from the profile at
     plan time, `inspect_stage` at run time). num_microbatches: when given, selectors are
-    checked against it. Raises `PlanError` when a recompute rule covers part of a layer.
+    checked against it.
     """
 
     def __init__(self, plan: StagePlan, layers: Sequence[LayerTensors], num_microbatches: int | None = None) -> None:
@@ -263,17 +289,6 @@ class StageRules:
                 parse_microbatches(rule.microbatches, num_microbatches)
         self._candidates: dict[str, tuple[int, ...]] = {}
         self._layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
-        for i, rule in enumerate(self.rules):
-            if rule.technique is Technique.RECOMPUTE:
-                self._check_whole_layers(i, rule)
-
-    def _check_whole_layers(self, index: int, rule: TensorRule) -> None:
-        for layer in self.layers:
-            hits = sum(1 for t in layer.saved if index in self.candidates(t))
-            if 0 < hits < len(layer.saved):
-                raise PlanError(
-                    f"stage {self.plan.stage} rule {index} ({rule.tensor}): recompute must cover whole layers "
-                    f"(use {layer.name}.**), it matches {hits} of {len(layer.saved)} tensors")
 
     def candidates(self, tensor: str) -> tuple[int, ...]:
         """Indices of the rules whose pattern names `tensor` (any microbatch), in order."""
@@ -302,27 +317,34 @@ class StageRules:
     def layer_groups(self, layer: int, microbatch: int) -> dict[int, list[int]]:
         """Layer `layer`'s saved tensors that a rule compacts in `microbatch`: rule index ->
         positions in the layer's saving order. Raises `PlanError` when the layer is
-        recomputed in part (an earlier rule took some of its tensors: first match wins)."""
+        recomputed in part and a rule moves some of the rest (a layer recomputed in part
+        keeps what it does not recompute: its checkpoint caches it)."""
         groups: dict[int, list[int]] = {}
         saved = self.layers[layer].saved
-        recomputed = 0
         for position, tensor in enumerate(saved):
             r = self.rule_index(tensor, microbatch)
             if r is not None and self.rules[r].technique is not Technique.KEEP:
                 groups.setdefault(r, []).append(position)
-                recomputed += self.rules[r].technique is Technique.RECOMPUTE
-        if 0 < recomputed < len(saved):
+        techniques = {self.rules[r].technique for r in groups}
+        if Technique.RECOMPUTE in techniques and len(techniques) > 1:
+            recomputed = sum(len(p) for r, p in groups.items() if self.rules[r].technique is Technique.RECOMPUTE)
+            moved = next(r for r in groups if self.rules[r].technique is not Technique.RECOMPUTE)
             name = self.layers[layer].name
             raise PlanError(
                 f"stage {self.plan.stage} microbatch {microbatch}: {recomputed} of {len(saved)} saved tensors of "
-                f"{name} are recomputed and the rest decided by earlier rules; recompute must cover whole layers "
-                f"(put the {name}.** recompute rule first)")
+                f"{name} are recomputed and rule {moved} ({self.rules[moved].tensor}) moves others; a layer "
+                f"recomputed in part keeps the rest (recompute all of {name}.** or move none of it)")
         return groups
 
-    def recomputed(self, layer: int, microbatch: int) -> bool:
-        """Whether layer `layer` is recomputed (checkpointed) in `microbatch`."""
+    def recompute_set(self, layer: int, microbatch: int) -> frozenset[int]:
+        """Positions of layer `layer`'s saved tensors its rules recompute in `microbatch`."""
         groups = self.layer_groups(layer, microbatch)
-        return any(self.rules[r].technique is Technique.RECOMPUTE for r in groups)
+        return frozenset(p for r, positions in groups.items() if self.rules[r].technique is Technique.RECOMPUTE
+                         for p in positions)
+
+    def recomputed(self, layer: int, microbatch: int) -> bool:
+        """Whether layer `layer` is recomputed, whole or in part, in `microbatch`."""
+        return bool(self.recompute_set(layer, microbatch))
 
     def model_data_rule(self, kind: str, layer: str, microbatch: int | None = None) -> tuple[int, TensorRule] | None:
         """The rule that moves layer `layer`'s model data of `kind` (`optim`: Adam states

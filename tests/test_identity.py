@@ -290,15 +290,3 @@ def test_a_rule_naming_only_the_stage_input_makes_a_program_the_router_runs():
     assert all(rewritten.tensors[a.tensor].bytes == 0 for a in actions if a.kind is Kind.SO)  # frees nothing
     program, _router, swapped = _run_program(stage, batches, plan, actions)
     assert program.last_log == actions and swapped == []
-
-
-def test_a_recompute_rule_over_part_of_a_layer_is_refused_by_both_halves():
-    cfg = load_model_config("gpt-tiny")
-    stage = build_stage(cfg, 0, cfg.num_layers + 2, seed=1)
-    x, _ = example_batch(cfg, 2, seed=0)
-    partial = _plan(cfg, [TensorRule(tensor="layers.0.attn.**", technique="recompute")], 1).stage(0)
-    layers = inspect_stage(stage, (x,))
-    with pytest.raises(PlanError, match="recompute must cover whole layers"):
-        StageRules(partial, layers)
-    with pytest.raises(PlanError, match="recompute must cover whole layers"):
-        SavedTensorRouter(stage, partial, RankProgram([], rank=0), rank=0, example_args=(x,))

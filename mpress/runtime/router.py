@@ -15,7 +15,9 @@ microbatch are moved, by the action it names there:
   SI / DI (`prefetch_unit`, issued by the program where the list puts it) starts the
   copy back; the unpack hook in backward takes the tensor from the fetched group;
 - DR: the layer's forward runs under non-reentrant `torch.utils.checkpoint` (RNG state
-  preserved, so dropout masks repeat); its RC is recorded when the backward recomputes it;
+  preserved, so dropout masks repeat), whole, or, when the rules recompute only some of
+  what it saves, with the operators producing the rest cached (`mpress.selective`); its
+  RC is recorded when the backward recomputes it;
 - anything else is kept (the pack hook returns the tensor).
 
 Storages, not tensors, take up memory, so a storage saved twice in a microbatch keeps
@@ -38,12 +40,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mpress.actions import Action, Kind, UnitId, UnitKind
 from mpress.errors import PlanError, SwapError
 from mpress.identity import SavedName, SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
 from mpress.plan import StagePlan
+from mpress.selective import cached_ops, check_closed, run_recomputed
 from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
 
@@ -217,6 +219,11 @@ class SavedTensorRouter:
         self.layers = {layer.name: module.get_submodule(layer.name) for layer in tensors}
         self.layer_names = list(self.layers)
         self.rules = StageRules(plan, tensors, num_microbatches)
+        self._tensors = tensors
+        self._cached: dict[tuple[str, int], frozenset[int]] = {}  # (layer, microbatch) -> cached ops
+        for m in range(num_microbatches or 0):  # a set the checkpoint cannot recompute: refused now
+            for name in self.layer_names:
+                self._cached_ops(name, m)
         self.namer = SavedTensorNamer(module, self.layer_names)
         self._buffers = list(module.buffers())  # the module holds them
         self._input_hook = module.register_forward_pre_hook(self._stage_input)
@@ -286,7 +293,25 @@ class SavedTensorRouter:
                 self.program.record(Action(self.stage, Kind.RC, microbatch, unit))
             return forward(*a, **k)
 
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return run_recomputed(run, self._cached_ops(name, microbatch), *args, **kwargs)
+
+    def _cached_ops(self, name: str, microbatch: int) -> frozenset[int]:
+        """The operators of layer `name` whose outputs its checkpoint caches in `microbatch`
+        (`mpress.selective`: empty when the rules recompute all it saves); `PlanError` when
+        the rules recompute a set the checkpoint cannot recompute alone."""
+        found = self._cached.get((name, microbatch))
+        if found is None:
+            li = self.layer_names.index(name)
+            layer = self._tensors[li]
+            recomputed = self.rules.recompute_set(li, microbatch)
+            if recomputed and layer.ops is not None:
+                where = f"stage {self.stage} microbatch {microbatch}"
+                recomputed = check_closed(layer.ops, recomputed, layer.saved, where)
+                found = cached_ops(layer.ops, recomputed)
+            else:
+                found = frozenset()
+            self._cached[(name, microbatch)] = found
+        return found
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not self._active:  # (active only when routing: the namer exists)

@@ -58,8 +58,9 @@ from mpress.models.transformer import (
     layer_num_parameters,
     lm_loss,
 )
-from mpress.static.memory_probe import probe
-from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
+from mpress.static.memory_probe import Probed, probe
+from mpress.static.profile import LayerProfile, Profile, SavedTensor
+from mpress.static.recompute_options import recompute_options, with_producers
 
 TORCH_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -229,14 +230,13 @@ def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int)
             backward_flops=bwd,
             forward_time_s=flops_time_s(fwd, hardware, cfg.precision),
             backward_time_s=flops_time_s(bwd, hardware, cfg.precision),
-            saved=layer_saved_tensors(cfg, index, microbatch_size),
             param_bytes=n * cfg.dtype_bytes,
             grad_bytes=n * cfg.dtype_bytes,
             optim_bytes=8 * n,
             master_bytes=4 * n if cfg.mixed_precision else 0,
             largest_param_bytes=4 * layer_largest_parameter(cfg, index),
             output_bytes=layer_output_bytes(cfg, index, microbatch_size),
-            **_layer_memory(cfg, _kind(cfg, index), microbatch_size),
+            **_layer_memory(cfg, index, microbatch_size, layer_saved_tensors(cfg, index, microbatch_size), hardware),
         ))
     return Profile(
         model=cfg.name,
@@ -257,9 +257,10 @@ def _kind(cfg: ModelConfig, index: int) -> int:
 
 
 @functools.cache
-def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int) -> dict[str, LayerMemory | int]:
+def _probe(cfg: ModelConfig, index: int, microbatch_size: int) -> Probed:
     """What layer `index` holds, probed on the meta device (the memory probe; nothing is
-    computed or allocated), the head with the model's loss; and its parameter count."""
+    computed or allocated), the head with the model's loss, with its op-level recompute
+    choices."""
     layer = build_stage(cfg, index, index + 1, device="meta").train()
     b, t = microbatch_size, cfg.seq_len
     if index == 0:
@@ -268,5 +269,20 @@ def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int) -> dict[st
         x = torch.zeros(b, t, cfg.hidden_size, dtype=TORCH_DTYPES[cfg.precision], device="meta", requires_grad=True)
     targets = torch.zeros(b, t, dtype=torch.long, device="meta")
     loss = (lambda out: lm_loss(out, targets)) if index == cfg.num_layers + 1 else None
-    plain, recomputed, _grads = probe(layer, (x,), loss_fn=loss)
-    return {"memory": plain, "recompute_memory": recomputed, "param_tensors": len(list(layer.parameters()))}
+    return probe(layer, (x,), loss_fn=loss)
+
+
+@functools.cache
+def _param_tensors(cfg: ModelConfig, index: int) -> int:
+    return len(list(build_stage(cfg, index, index + 1, device="meta").parameters()))
+
+
+def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int, saved: list[SavedTensor],
+                  hardware: Hardware) -> dict[str, object]:
+    """The memory fields of layer `index`'s profile (`_probe` of its kind), its saved
+    tensors with their producers, and its op-level recompute choices priced on `hardware`."""
+    probed = _probe(cfg, _kind(cfg, index), microbatch_size)
+    return {"memory": probed.plain, "recompute_memory": probed.recomputed,
+            "param_tensors": _param_tensors(cfg, _kind(cfg, index)),
+            "saved": with_producers(saved, probed.ops),
+            "recompute_options": recompute_options(saved, probed, hardware, cfg.precision)}

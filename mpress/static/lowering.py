@@ -35,7 +35,7 @@ from mpress.static.memory import (
 from mpress.static.profile import LayerProfile, Profile
 from mpress.static.program import Cost, Program, Task, Transfer
 from mpress.static.schedules import held_input_grads, held_outputs
-from mpress.static.stage_memory import backward_steps, forward_steps
+from mpress.static.stage_memory import WHOLE, Choice, backward_steps, forward_steps, recompute_time_s
 
 __all__ = ["LateFrees", "TensorInfo", "build_program", "late_frees", "lower_rank", "lower_rank_traced",
            "optimizer_transient_bytes"]
@@ -60,6 +60,9 @@ class TensorInfo:
     pool_bytes: int = 0
     largest_block_bytes: int = 0
     stripes: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    recompute: Choice = None
+    """A dropped unit: its layer's recompute choice (`stage_memory.Choice`; None: the
+    whole layer), which sets its memory and its recompute's time."""
 
 
 _COST: dict[Kind, Cost] = {
@@ -181,8 +184,8 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                     (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
                 i += 1
                 inside.append(actions[i])
-            dropped = {_unit_layer(x, c) for x in inside if x.kind is Kind.DR}
-            recomputed = [j in dropped for j in range(len(c.layers))]
+            dropped = {_unit_layer(x, c): _choice(x, tensors) for x in inside if x.kind is Kind.DR}
+            recomputed = [dropped.get(j) for j in range(len(c.layers))]
             by_layer: dict[int | None, list[Action]] = {}
             for x in inside:
                 by_layer.setdefault(_unit_layer(x, c), []).append(x)
@@ -201,7 +204,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 i += 1
                 inside.append(actions[i])
             rc = {_unit_layer(x, c): x for x in inside}
-            recomputed = [j in rc for j in range(len(c.layers))]
+            recomputed = [_choice(rc[j], tensors) if j in rc else None for j in range(len(c.layers))]
             first = a.stage not in backward_seen
             backward_seen.add(a.stage)
             steps = backward_steps(c.layers, recomputed, first_backward=first,
@@ -210,7 +213,8 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             for k, step in enumerate(steps):
                 j = len(steps) - 1 - k
                 if j in rc:
-                    group.append(Task(rc[j], layer=j, compute_s=c.layers[j].forward_time_s, cost=Cost.RECOMPUTE))
+                    group.append(Task(rc[j], layer=j, compute_s=recompute_time_s(c.layers[j], recomputed[j]),
+                                      cost=Cost.RECOMPUTE))
                 stash = c.param_bytes if weight_stashing and j == 0 else 0
                 consumes = issued_in.get((a.stage, a.microbatch, j), [])
                 if k == 0:  # stashed weights (no layer) come back before the backward
@@ -254,6 +258,13 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
     for k in pending:  # no release point follows: these give their bytes back when they end
         out[k] = Task(**{**out[k].__dict__, "free_bytes": released.pop(k)})
     return tuple(out), origins
+
+
+def _choice(action: Action, tensors: dict[str, TensorInfo]) -> Choice:
+    """The recompute choice of a dropped unit (DR, RC): what its `TensorInfo` says, the
+    whole layer when it says nothing."""
+    info = tensors.get(action.tensor or "")
+    return WHOLE if info is None or info.recompute is None else info.recompute
 
 
 def _lower_memory(action: Action, tensors: dict[str, TensorInfo], device: int, hardware: Hardware,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,8 +49,10 @@ from mpress.models.transformer import (
     lm_loss,
     num_parameters,
 )
-from mpress.static.memory_probe import probe_layers
-from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
+from mpress.hardware import Hardware, load_hardware
+from mpress.static.memory_probe import Probed, probe_layers
+from mpress.static.recompute_options import recompute_options, replay_time_s, with_producers
+from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.models.user_module import as_args, default_loss, select_layers, tensors
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -69,12 +71,12 @@ class _LayerRecord:
 @dataclass(kw_only=True)
 class Instrumented:
     """What `instrument` learned, per layer: saved tensors and output bytes, FLOPs of
-    forward and backward, and memory (plain, recomputed)."""
+    forward and backward, and the memory probe's findings (plain, recomputed, op-level choices)."""
 
     paths: list[str]
     records: list[_LayerRecord]
     flops: list[tuple[float, float]]
-    memory: list[tuple[LayerMemory, LayerMemory]]
+    memory: list[Probed]
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -313,22 +315,29 @@ def instrument(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn | None,
         flop_marks = _Marks(False, counter)
         _step(module, args, loss, mods, flop_marks)
     flops = [(f, b) for _fs, _bs, f, b in flop_marks.spans(len(paths))]
-    memory = [(plain, recomputed) for plain, recomputed, _ in probe_layers(module, args, paths, loss_fn=loss)]
+    memory = probe_layers(module, args, paths, loss_fn=loss)
     return Instrumented(paths=paths, records=records, flops=flops, memory=memory)
 
 
-def layer_profiles(module: nn.Module, found: Instrumented,
-                   times: Sequence[tuple[float, float, float, float]]) -> list[LayerProfile]:
+def layer_profiles(module: nn.Module, found: Instrumented, times: Sequence[tuple[float, float, float, float]],
+                   hardware: Hardware, *, measured: bool) -> list[LayerProfile]:
     """`LayerProfile`s from `instrument`'s findings and per layer (forward_s, backward_s,
-    forward_iqr_s, backward_iqr_s)."""
+    forward_iqr_s, backward_iqr_s). Op-level recompute choices are priced on `hardware`;
+    for `measured` times, as that share of the layer's measured forward."""
     out = []
     for i, path in enumerate(found.paths):
         fs, bs, fiqr, biqr = times[i]
+        probed = found.memory[i]
+        saved = found.records[i].saved
+        options = recompute_options(saved, probed, hardware, _precision(module))
+        if measured:
+            whole = replay_time_s(probed.ops, frozenset(), hardware, _precision(module))
+            options = [replace(o, time_s=fs * o.time_s / whole if whole else 0.0) for o in options]
         out.append(LayerProfile(
             name=path, forward_flops=found.flops[i][0], backward_flops=found.flops[i][1],
             forward_time_s=fs, backward_time_s=bs, forward_time_iqr_s=fiqr, backward_time_iqr_s=biqr,
-            saved=found.records[i].saved, output_bytes=found.records[i].output_bytes,
-            memory=found.memory[i][0], recompute_memory=found.memory[i][1],
+            saved=with_producers(saved, probed.ops), output_bytes=found.records[i].output_bytes,
+            memory=probed.plain, recompute_memory=probed.recomputed, recompute_options=options,
             **_model_state(module.get_submodule(path)),
         ))
     return out
@@ -363,13 +372,15 @@ def _time_layers(module: nn.Module, args: tuple[Any, ...], loss: LossFn, paths: 
 def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, fingerprint: str,
                     microbatch_size: int, loss_fn: LossFn | None = None, warmup: int = 2,
                     iters: int = 10, device: str | torch.device = "cpu", target_bytes: int = 0,
-                    layers: Sequence[str] | None = None) -> Profile:
+                    layers: Sequence[str] | None = None, hardware: Hardware | None = None) -> Profile:
     """Run `module` in training mode on `device` and return its measured `Profile`.
 
     `example_input` is one microbatch (a tensor or a tuple of positional tensors);
     `loss_fn(output) -> scalar` defaults to `default_loss`; `target_bytes`: one
     microbatch of what the loss compares with (the pipeline's last stage holds them);
     `layers`: module names or patterns of the split points (default `layer_paths`).
+    `hardware`: the machine model that prices op-level recompute choices as a share of
+    a layer's measured forward (default the cpu-local preset).
     The module is moved to `device` and left in training mode with no gradients.
     """
     if warmup < 0 or iters < 1:
@@ -388,7 +399,8 @@ def measure_profile(module: nn.Module, example_input: Any, *, model_name: str, f
     device_name = torch.cuda.get_device_name(dev) if cuda else dev.type
     return Profile(model=model_name, model_fingerprint=fingerprint, source="measured", device=device_name,
                    dtype=_precision(module), microbatch_size=microbatch_size,
-                   layers=layer_profiles(module, found, times), time_samples=iters,
+                   layers=layer_profiles(module, found, times, hardware or load_hardware("cpu-local"), measured=True),
+                   time_samples=iters,
                    input_bytes=sum(t.numel() * t.element_size() for t in tensors(args)), target_bytes=target_bytes)
 
 

@@ -169,7 +169,7 @@ def memory_model(costs: list[StageCosts], schedule: Schedule, hardware: Hardware
     for c in costs:
         in_flight = max_in_flight(schedule, c.stage)
         stash = (in_flight - 1) * c.param_bytes if schedule.weight_stashing else 0
-        kept = sum(step.alloc_bytes - step.free_bytes for step in forward_steps(c.layers, [False] * len(c.layers)))
+        kept = sum(step.alloc_bytes - step.free_bytes for step in forward_steps(c.layers, [None] * len(c.layers)))
         # a forward's peak includes what the layer keeps (counted in `kept`): only the rest is transient
         transient = max((max(x.memory.forward_peak_bytes - x.memory.kept_bytes, x.memory.backward_peak_bytes)
                          for x in c.layers), default=0)

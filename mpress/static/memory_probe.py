@@ -26,14 +26,15 @@ milliseconds). It records (`mpress.static.profile.LayerMemory`):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from mpress.identity import side_effect_free
 from mpress.live_bytes import LiveBytes, tensors_in
+from mpress.selective import LayerOps, cached_ops, recompute_menu, run_recomputed, trace_layer_ops
 from mpress.static.profile import LayerMemory
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -105,29 +106,55 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
 
 
 class _Checkpointed(nn.Module):
-    """A layer run as the runtime runs a recomputed one: under non-reentrant
-    `torch.utils.checkpoint` with its random state preserved."""
+    """A layer run as the runtime runs a recomputed one (`mpress.selective.run_recomputed`:
+    non-reentrant checkpoint, random state preserved, the operators `cached` cached)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, cached: frozenset[int] | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.cached = cached
 
     def forward(self, *args: Any) -> Any:
-        return checkpoint(self.layer, *args, use_reentrant=False, preserve_rng_state=True)
+        return run_recomputed(self.layer, self.cached, *args)
 
 
-def probe(layer: nn.Module, args: tuple[Any, ...], *,
-          loss_fn: LossFn | None = None) -> tuple[LayerMemory, LayerMemory, int]:
-    """The layer's memory when it keeps what it saves and when it is recomputed, and the
-    bytes of its parameters' gradients (see `probe_layer`). A recomputed layer keeps its
-    input (the checkpoint holds it for the recompute)."""
+@dataclass(frozen=True)
+class Probed:
+    """What `probe` found for one layer."""
+
+    plain: LayerMemory
+    """It keeps what it saves."""
+    recomputed: LayerMemory
+    """The whole layer is recomputed (its checkpoint keeps its input)."""
+    param_grad_bytes: int
+    """Its parameters' gradients."""
+    ops: LayerOps
+    """Its forward's operators and the producers of what it saves (`mpress.selective`)."""
+    options: list[tuple[frozenset[int], LayerMemory]]
+    """Op-level recompute choices (`selective.recompute_menu`) and the memory of each,
+    those that keep less than the plain layer."""
+
+
+def probe(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | None = None) -> Probed:
+    """The layer's memory when it keeps what it saves, when it is recomputed and under
+    each op-level recompute choice, and the bytes of its parameters' gradients (see
+    `probe_layer`). A recomputed layer keeps its input (the checkpoint holds it)."""
     plain, grads = probe_layer(layer, args, loss_fn=loss_fn)
     recomputed, _ = probe_layer(_Checkpointed(layer), args, loss_fn=loss_fn)
-    return plain, replace(recomputed, saves_input=True), grads
+    with side_effect_free(layer):
+        ops = trace_layer_ops(layer, args, loss_fn=loss_fn)
+    layer.zero_grad(set_to_none=True)
+    options = []
+    for tensors in recompute_menu(ops):
+        memory, _ = probe_layer(_Checkpointed(layer, cached_ops(ops, tensors)), args, loss_fn=loss_fn)
+        if memory.kept_bytes < plain.kept_bytes:  # else what it caches outweighs what it frees
+            options.append((tensors, replace(memory, saves_input=True)))
+    return Probed(plain=plain, recomputed=replace(recomputed, saves_input=True), param_grad_bytes=grads,
+                  ops=ops, options=options)
 
 
 def probe_layers(module: nn.Module, args: tuple[Any, ...], paths: list[str], *,
-                 loss_fn: LossFn | None = None) -> list[tuple[LayerMemory, LayerMemory, int]]:
+                 loss_fn: LossFn | None = None) -> list[Probed]:
     """`probe` of each layer of `module` (paths as `mpress.identity.layer_paths` gives them)
     on the input it gets in a forward of `args`; the loss goes with the last layer. Each
     layer runs alone, so what the module computes between its layers is not counted."""

@@ -23,6 +23,7 @@ from mpress.plan import (
     hardware_fingerprint,
 )
 from mpress.static.host_memory import pinned_bytes
+from mpress.static.stage_memory import WHOLE
 from mpress.static.evaluate import Evaluation, PipelineSetup
 from mpress.units import ALIGNMENT_BYTES, round_up
 from mpress.vocabulary import Strategy, SwapInPolicy, Technique
@@ -70,11 +71,18 @@ class Draft:
     """D2D bytes no peer could take (the plan then does not fit)."""
     unplaced_why: str = ""
     """Why they could not go to peers, when it is not a lack of spare peer memory."""
+    recompute_choice: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(stage, layer) -> the recompute choice of its recomputed microbatches
+    (`stage_memory.Choice`: an entry of the layer's `recompute_options`); absent: `WHOLE`."""
 
     def copy(self) -> "Draft":
         return Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
                       list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
-                      self.unplaced_bytes, self.unplaced_why)
+                      self.unplaced_bytes, self.unplaced_why, dict(self.recompute_choice))
+
+    def choice(self, s: int, j: int) -> int:
+        """The recompute choice of layer j of stage s (`WHOLE` unless op-level)."""
+        return self.recompute_choice.get((s, j), WHOLE)
 
 
 class PlanWriter:
@@ -106,6 +114,10 @@ class PlanWriter:
                         by_tech.setdefault(t, []).append(m)
                 for t, mbs in sorted(by_tech.items()):
                     sel = "all" if len(mbs) == self.num_mb else format_microbatches(mbs)
+                    if t == RECOMPUTE and d.choice(s, j) != WHOLE:  # op-level: what it keeps, first
+                        recomputed = set(layer.recompute_options[d.choice(s, j)].tensors)
+                        rules += [self._rule(x.id, sel, KEEP, stripes) for p, x in enumerate(layer.saved)
+                                  if x.op_index >= 0 and p not in recomputed]
                     rules.append(self._rule(f"{layer.name}.**", sel, t, stripes, self._lead(s, d)))
             peak = predicted.result.peak_bytes[d.stage_to_device[s]] if predicted else 0
             stages.append(StagePlan(

@@ -49,7 +49,7 @@ from mpress.static.liveness import layer_live_intervals, stage_times
 from mpress.static.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan_eval import evaluate_plan
 from mpress.static.planner_d2d import D2DSteps
-from mpress.static.stage_memory import freeable_bytes
+from mpress.static.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.units import fmt_bytes
 from mpress.vocabulary import Strategy, SwapInPolicy, Technique
 
@@ -70,6 +70,9 @@ class PlannerOptions:
     d2d_layers_per_round: int = 2
     """Layers per overflowing stage moved to D2D in one round."""
     swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY
+    op_level_recompute: bool = True
+    """Recompute may keep part of a layer (its profile's `recompute_options`); False: whole
+    layers only (for comparison)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,14 +122,35 @@ class _Planner(D2DSteps):
         return evaluate_plan(self.setup, self.writer.to_plan(d))
 
     # -- candidates --------------------------------------------------------------------------
-    def _layer_saving(self, s: int, j: int, technique: str) -> int:
+    def _layer_saving(self, s: int, j: int, technique: str, choice: int = WHOLE) -> int:
         """Bytes per microbatch layer j of stage s keeps no more when compacted this way:
-        what its forward keeps less what a checkpointed one keeps (recompute), or what
-        swapping all it saved frees."""
+        what its forward keeps less what it keeps under recompute choice `choice`
+        (recompute), or what swapping all it saved frees."""
         layers = self.costs[s].layers
         if technique == RECOMPUTE:
-            return max(layers[j].memory.kept_bytes - layers[j].recompute_memory.kept_bytes, 0)
-        return freeable_bytes(layers, j, layers[j].saved, [False] * len(layers))
+            return max(layers[j].memory.kept_bytes - layer_memory(layers[j], choice).kept_bytes, 0)
+        return freeable_bytes(layers, j, layers[j].saved, [None] * len(layers))
+
+    def _recompute_choices(self, s: int, j: int) -> list[int]:
+        """The recompute choices the search may give layer j of stage s: its op-level
+        options (unless switched off), then the whole layer."""
+        layer = self.costs[s].layers[j]
+        options = range(len(layer.recompute_options)) if self.options.op_level_recompute else range(0)
+        return [*options, WHOLE]
+
+    def _recompute(self, s: int, j: int) -> tuple[int, float, int]:
+        """(choice, time, bytes saved per microbatch) of the recompute choice of layer j of
+        stage s with the least time per byte saved."""
+        layer = self.costs[s].layers[j]
+        best = None
+        for choice in self._recompute_choices(s, j):
+            saving = self._layer_saving(s, j, RECOMPUTE, choice)
+            if saving <= 0:
+                continue
+            cost = recompute_time_s(layer, choice)
+            if best is None or cost / saving < best[1] / best[2]:
+                best = (choice, cost, saving)
+        return best or (WHOLE, layer.forward_time_s, 0)
 
     def _host_roundtrip_s(self, nbytes: int) -> float:
         return nbytes / (self.hw.pcie_gbps("d2h") * 1e9) + nbytes / (self.hw.pcie_gbps("h2d") * 1e9) \
@@ -153,21 +177,29 @@ class _Planner(D2DSteps):
         roundtrip = self._host_roundtrip_s(layer.saved_bytes) * self._pcie_sharing(s)
         host_ok = HOST in self.layer_allowed
         rc_ok = RECOMPUTE in self.layer_allowed
+        _choice, rc_cost, rc_saving = self._recompute(s, j)
+        # a swap frees all the layer saves, a recompute choice perhaps less: per byte
+        host_saving = self._layer_saving(s, j, HOST) or 1
         techs = [D2D] * self.num_mb  # the d2d-only strategy does not use this choice
         total = used = 0.0
         for m in sorted(range(self.num_mb), key=lambda m: -live[m]):
             host_cost = max(roundtrip - live[m], 0.0)
             fits_budget = pcie_used_s + used + roundtrip <= pcie_budget_s
-            if host_ok and (not rc_ok or (fits_budget and host_cost < layer.forward_time_s)):
+            if host_ok and (not rc_ok or (fits_budget and host_cost / host_saving < rc_cost / max(rc_saving, 1))):
                 overrun = 0.0 if fits_budget else min(roundtrip, pcie_used_s + used + roundtrip - pcie_budget_s)
                 techs[m], cost = HOST, max(host_cost, overrun)
                 used += roundtrip
             elif rc_ok:
-                techs[m], cost = RECOMPUTE, layer.forward_time_s
+                techs[m], cost = RECOMPUTE, rc_cost
             else:
                 continue
             total += cost
         return techs, total, used
+
+    def _saving(self, s: int, j: int, techs: list[str]) -> int:
+        """Bytes per microbatch a layer compacted with `techs` (per microbatch) surely saves."""
+        choice = self._recompute(s, j)[0]
+        return min(self._layer_saving(s, j, t, choice) for t in set(techs))
 
     def _model_data_overhead_s(self, s: int, nbytes: int) -> float:
         """Exposed time of streaming `nbytes` of optimizer data in and out around the step:
@@ -197,9 +229,16 @@ class _Planner(D2DSteps):
             candidates.append((over / ((k - 1) * c.param_bytes), 1, 0, "stash", -1))
         for j in range(len(c.layers)):
             if any(t != KEEP for t in d.layer_tech[s][j]):
+                if RECOMPUTE in d.layer_tech[s][j] and d.choice(s, j) != WHOLE:
+                    # recomputed in part: the rest of the layer, recomputed too
+                    layer, count = c.layers[j], d.layer_tech[s][j].count(RECOMPUTE)
+                    more = (self._layer_saving(s, j, RECOMPUTE) - self._layer_saving(s, j, RECOMPUTE, d.choice(s, j)))
+                    extra = (layer.forward_time_s - recompute_time_s(layer, d.choice(s, j))) * count
+                    if more > 0:
+                        candidates.append((extra / (more * k), 1, -j, "whole", j))
                 continue
             techs, overhead, _ = self._choose(s, j, live[j], pcie_used, pcie_budget)
-            saving = min(self._layer_saving(s, j, t) for t in set(techs)) * k
+            saving = self._saving(s, j, techs) * k
             if saving <= 0:
                 continue
             # ties: later layers first (their backward comes first)
@@ -214,11 +253,17 @@ class _Planner(D2DSteps):
             elif what == "stash":
                 d.stash[s] = HOST
                 shed += (k - 1) * c.param_bytes
+            elif what == "whole":
+                shed += (self._layer_saving(s, j, RECOMPUTE) - self._layer_saving(s, j, RECOMPUTE, d.choice(s, j))) * k
+                d.recompute_choice.pop((s, j), None)
             else:
                 # choose again: earlier picks may have used up the stage's PCIe time
                 techs, _, used = self._choose(s, j, live[j], pcie_used, pcie_budget)
                 d.layer_tech[s][j] = techs
-                shed += min(self._layer_saving(s, j, t) for t in set(techs)) * k
+                choice = self._recompute(s, j)[0]
+                if RECOMPUTE in techs and choice != WHOLE:
+                    d.recompute_choice[(s, j)] = choice
+                shed += self._saving(s, j, techs) * k
                 pcie_used += used
         return shed
 
@@ -314,7 +359,7 @@ class _Planner(D2DSteps):
                 techs = d.layer_tech[s][j]
                 for t in set(techs) - {KEEP}:
                     share = techs.count(t) / self.num_mb
-                    by[t] = by.get(t, 0) + int(self._layer_saving(s, j, t) * k * share)
+                    by[t] = by.get(t, 0) + int(self._layer_saving(s, j, t, d.choice(s, j)) * k * share)
             if d.optim[s] != KEEP:
                 by[d.optim[s]] = by.get(d.optim[s], 0) + c.optim_bytes + c.master_bytes
             if d.stash[s] != KEEP:

@@ -16,6 +16,7 @@ from mpress.d2d.static.mapper import map_devices
 from mpress.d2d.static.mapping import MappingProblem, exporter_context_bytes
 from mpress.static.evaluate import Evaluation
 from mpress.static.plan_draft import D2D, KEEP, RECOMPUTE, Draft, peer_quota_bytes, quota_payload_bytes
+from mpress.static.stage_memory import recompute_time_s
 
 
 class D2DSteps:
@@ -122,7 +123,8 @@ class D2DSteps:
                 techs = d.layer_tech[s][j]
                 if all(t in (KEEP, D2D) for t in techs):
                     continue
-                o = stall.get((s, layer.name), 0.0) + layer.forward_time_s * techs.count(RECOMPUTE)
+                rc_s = recompute_time_s(layer, d.choice(s, j))
+                o = stall.get((s, layer.name), 0.0) + rc_s * techs.count(RECOMPUTE)
                 out.append((o, s, j))
         return sorted(out, reverse=True)
 

@@ -55,6 +55,16 @@ class SavedTensor:
     held: bool = False
     """Its storage existed before the step and something else holds it throughout (the
     loss's targets, a module buffer): swapping it frees nothing."""
+    op: str = ""
+    """The operator that produced its storage in the layer's forward (e.g.
+    "aten.native_layer_norm.default"); "" when none did (the layer's input, a buffer,
+    a tensor the loss saves outside the layer): it cannot be recomputed on its own."""
+    op_index: int = field(default=-1, metadata={"min": -1})
+    """That operator's ordinal in the layer's forward (`mpress.selective`), -1 for none."""
+    op_flops: float = field(default=0.0, metadata={"min": 0})
+    """Matrix-product FLOPs of that operator (what re-producing it computes)."""
+    op_bytes: int = field(default=0, metadata={"min": 0})
+    """Bytes that operator reads and writes (what re-producing it moves)."""
 
     @property
     def id(self) -> str:
@@ -84,6 +94,23 @@ class LayerMemory:
     loss_bytes: int = field(default=0, metadata={"min": 0})
     """The last layer of a model: its loss (part of `kept_bytes`); the loss's seed gradient
     is as large. 0 for every other layer."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RecomputeOption:
+    """Recomputing some of a layer's saved tensors and keeping the rest (`mpress.selective`:
+    the layer is checkpointed and the operators producing what it keeps are cached)."""
+
+    tensors: list[int] = field(default_factory=list)
+    """Positions (in the layer's `saved` list) of the tensors recomputed."""
+    flops: float = field(default=0.0, metadata={"min": 0})
+    """Matrix-product FLOPs the backward's replay repeats."""
+    bytes_moved: int = field(default=0, metadata={"min": 0})
+    """Bytes the replay's operators read and write."""
+    time_s: float = field(default=0.0, metadata={"min": 0})
+    """The replay's time on the profile's device (`recompute_options.replay_time_s`)."""
+    memory: LayerMemory = field(default_factory=lambda: LayerMemory())
+    """What the layer holds with this choice (the memory probe, run as the runtime runs it)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -121,6 +148,9 @@ class LayerProfile:
     """What its forward and backward hold on the device (the memory probe)."""
     recompute_memory: LayerMemory = field(default_factory=lambda: LayerMemory())
     """The same when the layer is checkpointed (recomputed in its backward)."""
+    recompute_options: list[RecomputeOption] = field(default_factory=list)
+    """Recomputing part of its saved tensors (op-level recompute), cheapest per freed
+    byte first; none when it saves nothing an operator of its own produced."""
 
     @property
     def saved_bytes(self) -> int:

@@ -22,8 +22,11 @@ A *unit* is what one memory action moves (`mpress.actions.UnitId`): the saved te
 one layer that one rule decides in one microbatch (`{s}:LAYER.**@rN`, rule N of the
 stage), one layer's chunk of the streamed optimizer step (`{s}:optim:LAYER`) or stashed
 weights (`{s}:stash@rN`). Rules are read by `mpress.identity.StageRules`, as the runtime
-reads them; recompute rules must cover whole layers: the runtime recomputes by
-checkpointing each such layer, which keeps the layer's input.
+reads them. A layer's recomputed tensors are one unit (DR, RC): the runtime checkpoints
+the layer, which keeps its input, whole when the rules recompute all it saves, else with
+the rest cached (`mpress.selective`); such a partial set must be one of the choices the
+profile measured (`stage_memory.recompute_choice`), whose memory and replay time the
+lowering uses.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from mpress.identity import LayerTensors, StageRules
 from mpress.plan import Plan, StagePlan, TensorRule
 from mpress.static.lowering import TensorInfo
 from mpress.static.memory import StageCosts, optimizer_step_s
-from mpress.static.stage_memory import freeable_tensors
+from mpress.static.stage_memory import Choice, freeable_tensors, recompute_choice, recompute_time_s
 from mpress.units import ALIGNMENT_BYTES, round_up
 from mpress.vocabulary import OptimizerStep, Technique
 
@@ -79,18 +82,26 @@ class _Stage:
         self.costs = costs
         self.rules = StageRules(sp, layer_tensors(costs), num_microbatches)
 
-    def recomputed(self, microbatch: int) -> list[bool]:
-        """Per layer of the stage: recomputed (checkpointed) in `microbatch`."""
-        return [self.rules.recomputed(li, microbatch) for li in range(len(self.costs.layers))]
+    def recomputed(self, microbatch: int) -> list[Choice]:
+        """Per layer of the stage: its recompute choice in `microbatch` (`stage_memory.Choice`)."""
+        return [recompute_choice(layer, self.rules.recompute_set(li, microbatch),
+                                 f"stage {self.sp.stage} microbatch {microbatch}")
+                for li, layer in enumerate(self.costs.layers)]
 
     def units(self, microbatch: int) -> list[tuple[_Unit, int]]:
         """(unit, bytes) of every compacted group of saved tensors in `microbatch`: the
-        bytes its swap frees (`stage_memory.freeable_bytes`; 0 for a recomputed one)."""
+        bytes its swap frees (`stage_memory.freeable_bytes`; 0 for a recomputed one). A
+        layer's recomputed tensors are one unit, under the first rule recomputing them."""
         out = []
         recomputed = self.recomputed(microbatch)
         for li, layer in enumerate(self.costs.layers):
+            dropped = False
             for r, positions in sorted(self.rules.layer_groups(li, microbatch).items()):
                 rule = self.sp.rules[r]
+                if rule.technique is Technique.RECOMPUTE:
+                    if dropped:
+                        continue
+                    dropped = True
                 moved = [] if rule.technique is Technique.RECOMPUTE else freeable_tensors(
                     self.costs.layers, li, [layer.saved[p] for p in positions], recomputed)
                 if rule.technique is not Technique.RECOMPUTE and not moved:
@@ -187,8 +198,11 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                     # its swap-in would come before the swap-out's release point: the bytes
                     # would never leave the device, so the unit stays (the program says so)
                     units = [u for u in units if u[0].rule.technique not in _IN]
+                choices = st.recomputed(a.microbatch)
                 for unit in _recomputes(units):
-                    tensors[str(unit.id)] = TensorInfo(bytes=0, compute_s=st.costs.layers[unit.layer].forward_time_s)
+                    layer, choice = st.costs.layers[unit.layer], choices[unit.layer]
+                    tensors[str(unit.id)] = TensorInfo(bytes=0, compute_s=recompute_time_s(layer, choice),
+                                                       recompute=choice)
                 for unit, nbytes in units:
                     tech = unit.rule.technique
                     key = str(unit.id)

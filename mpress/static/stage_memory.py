@@ -4,8 +4,9 @@ microbatch takes and gives back, composed from the layers' probed memory
 
 The emulator's layer tasks take these figures (`lowering.py`); the runtime does what they
 say, so a CPU run's counted bytes follow them. The rules, for layer j of a stage with
-layers 0..n-1 (a recomputed layer uses its `recompute_memory`, whose checkpoint keeps
-its input):
+layers 0..n-1 (a layer's memory follows its recompute choice, `layer_memory`: a
+recomputed layer uses its `recompute_memory`, one recomputed in part the memory of that
+`recompute_options` entry; either checkpoint keeps its input):
 
 - forward of j: takes what it keeps (its saved tensors and its output) and, at its peak,
   its transients; at its end the previous layer's output is given back when nothing holds
@@ -31,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mpress.errors import PlanError
 from mpress.static.profile import LayerMemory, LayerProfile, SavedTensor
 
 
@@ -45,18 +47,61 @@ class StepMemory:
     free_bytes: int
 
 
-def _memory(layer: LayerProfile, recomputed: bool) -> LayerMemory:
-    return layer.recompute_memory if recomputed else layer.memory
+WHOLE = -1
+"""A recompute choice: the whole layer is recomputed."""
+
+Choice = int | None
+"""What a layer does with its saved tensors in one microbatch: None keeps them (or swaps
+some: swaps are units of their own), `WHOLE` recomputes the layer, k >= 0 recomputes the
+tensors of its `recompute_options[k]` and keeps the rest."""
 
 
-def forward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool]) -> list[StepMemory]:
+def layer_memory(layer: LayerProfile, choice: Choice) -> LayerMemory:
+    """What `layer` holds under recompute choice `choice`."""
+    if choice is None:
+        return layer.memory
+    if choice == WHOLE:
+        return layer.recompute_memory
+    return layer.recompute_options[choice].memory
+
+
+def recompute_choice(layer: LayerProfile, recomputed: frozenset[int], where: str) -> Choice:
+    """The choice a plan's rules make for `layer` by recomputing the saved tensors at
+    `recomputed` (positions): None for none, `WHOLE` when they hold every tensor an
+    operator of the layer produced (the runtime then checkpoints it whole), else the
+    `recompute_options` entry with exactly those tensors; anything else is a `PlanError`
+    (in `where`) naming the choices the profile measured."""
+    if not recomputed:
+        return None
+    producible = {p for p, t in enumerate(layer.saved) if t.op_index >= 0}
+    if producible <= recomputed and (producible or len(recomputed) == len(layer.saved)):
+        return WHOLE
+    wanted = sorted(recomputed & producible)
+    for k, option in enumerate(layer.recompute_options):
+        if option.tensors == wanted:
+            return k
+    names = [layer.saved[p].id for p in wanted] or [layer.saved[p].id for p in sorted(recomputed)]
+    choices = "; ".join(", ".join(layer.saved[p].id for p in o.tensors) for o in layer.recompute_options)
+    raise PlanError(f"{where}: recomputing {', '.join(names)} of {layer.name} is not a choice its profile measured "
+                    f"(recompute all of {layer.name}.**" + (f", or exactly one of: {choices})" if choices else ")"))
+
+
+def recompute_time_s(layer: LayerProfile, choice: Choice) -> float:
+    """What recomputing under `choice` takes in the backward (0 for None)."""
+    if choice is None:
+        return 0.0
+    return layer.forward_time_s if choice == WHOLE else layer.recompute_options[choice].time_s
+
+
+
+def forward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Choice]) -> list[StepMemory]:
     """The forward of one microbatch, one step per layer in order."""
     out = []
     for j, layer in enumerate(layers):
-        mem = _memory(layer, recomputed[j])
+        mem = layer_memory(layer, recomputed[j])
         freed = 0
         if j > 0 and not mem.saves_input:
-            prev = _memory(layers[j - 1], recomputed[j - 1])
+            prev = layer_memory(layers[j - 1], recomputed[j - 1])
             if not prev.saves_output:
                 freed = prev.output_bytes
         out.append(StepMemory(alloc_bytes=mem.kept_bytes, transient_bytes=max(mem.forward_peak_bytes - mem.kept_bytes, 0),
@@ -64,7 +109,7 @@ def forward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool]) ->
     return out
 
 
-def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *,
+def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Choice], *,
                    first_backward: bool, output_held: bool = False) -> list[StepMemory]:
     """The backward of one microbatch, one step per layer, last layer first.
 
@@ -80,10 +125,10 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
     """
     n = len(layers)
     out: list[StepMemory] = []
-    last = _memory(layers[n - 1], recomputed[n - 1])
+    last = layer_memory(layers[n - 1], recomputed[n - 1])
     loss = last.loss_bytes
     for j in range(n - 1, -1, -1):
-        mem = _memory(layers[j], recomputed[j])
+        mem = layer_memory(layers[j], recomputed[j])
         alloc = mem.input_grad_bytes + (layers[j].grad_bytes if first_backward else 0)
         # what its forward kept, but the output the next layer's backward gives back (its
         # saved input) or, for the last layer, the stage's output, which goes at the end
@@ -91,10 +136,10 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
         if j == n - 1:
             alloc += loss  # the seed
             freed -= loss  # the loss stays
-        if j > 0 and mem.saves_input and not _memory(layers[j - 1], recomputed[j - 1]).saves_output:
-            freed += _memory(layers[j - 1], recomputed[j - 1]).output_bytes  # the input it saved
+        if j > 0 and mem.saves_input and not layer_memory(layers[j - 1], recomputed[j - 1]).saves_output:
+            freed += layer_memory(layers[j - 1], recomputed[j - 1]).output_bytes  # the input it saved
         if j < n - 1:
-            freed += _memory(layers[j + 1], recomputed[j + 1]).input_grad_bytes  # the gradient it consumed
+            freed += layer_memory(layers[j + 1], recomputed[j + 1]).input_grad_bytes  # the gradient it consumed
         if j == 0:
             freed += loss  # the seed
             if not output_held:
@@ -105,7 +150,7 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[bool], *
 
 
 def freeable_tensors(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
-                     recomputed: Sequence[bool]) -> list[SavedTensor]:
+                     recomputed: Sequence[Choice]) -> list[SavedTensor]:
     """The tensors among `tensors` (saved by layer `layer` of the stage) whose storage
     swapping them out frees: all but the stage's input (the receive buffer or the input
     batch holds it), an input whose producer keeps it too, storages held elsewhere (the
@@ -117,13 +162,13 @@ def freeable_tensors(layers: Sequence[LayerProfile], layer: int, tensors: Sequen
         if t.input:
             if layer == 0:
                 continue
-            if _memory(layers[layer - 1], recomputed[layer - 1]).saves_output:
+            if layer_memory(layers[layer - 1], recomputed[layer - 1]).saves_output:
                 continue
         out.append(t)
     return out
 
 
 def freeable_bytes(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
-                   recomputed: Sequence[bool]) -> int:
+                   recomputed: Sequence[Choice]) -> int:
     """Bytes swapping `tensors` out frees (`freeable_tensors`)."""
     return sum(t.bytes for t in freeable_tensors(layers, layer, tensors, recomputed))

@@ -34,6 +34,7 @@ from mpress.static.lowering import TensorInfo
 from mpress.static.memory import stage_costs
 from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
 from mpress.static.schedules import build_schedule
+from mpress.static.stage_memory import WHOLE
 from tests.support.plans import rule
 from tests.support.rewriter import (
     DGX1,
@@ -119,7 +120,7 @@ def test_no_swap_when_backward_directly_follows_forward() -> None:
     # swap-out's release point, so the unit stays; recompute still applies
     case = Case("1f1b", [(0, 2), (2, 4)], 2, {1: [rule("layers.2.**", "recompute"), rule("layers.3.**")]})
     assert case.rank(1) == expand("1F0 1DR0:{R} 1B0 1RC0:{R} 1F1 1DR1:{R} 1B1 1RC1:{R} 1OPT", R="1:layers.2.**@r0")
-    assert case.rw.tensors == {"1:layers.2.**@r0": TensorInfo(bytes=0, compute_s=FWD[2])}
+    assert case.rw.tensors == {"1:layers.2.**@r0": TensorInfo(bytes=0, compute_s=FWD[2], recompute=WHOLE)}
     # the same on the first stage of a one-microbatch pipeline (rank 0: F0 B0 OPT)
     one = Case("1f1b", [(0, 2), (2, 4)], 1, {0: [rule("layers.0.**"), rule("layers.1.**", "d2d",
                                                  stripes=D2D_STRIPES)]})
@@ -244,7 +245,7 @@ def test_recompute_drops_after_forward_and_restores_after_backward() -> None:
         0B3 0RC3:{T} 0OPT""", T="0:layers.1.**@r0")
     # no bytes move (the layer's recompute memory says what it keeps); it re-runs its
     # 1.1 ms forward
-    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=0, compute_s=1.1e-3)}
+    assert case.rw.tensors == {"0:layers.1.**@r0": TensorInfo(bytes=0, compute_s=1.1e-3, recompute=WHOLE)}
 
 
 @pytest.mark.parametrize("layers", [[1], [1, 3], [1, 2, 3]])
@@ -252,7 +253,7 @@ def test_recompute_units_drop_in_layer_order_and_recompute_last_layer_first(laye
     rules = [rule(f"layers.{j}.**", "recompute") for j in layers]
     case = Case("1f1b", [(0, 1), (1, 4)], 1, {1: rules})
     names = {j: f"1:layers.{j}.**@r{r}" for r, j in enumerate(layers)}
-    assert case.rw.tensors == {names[j]: TensorInfo(bytes=0, compute_s=FWD[j]) for j in layers}
+    assert case.rw.tensors == {names[j]: TensorInfo(bytes=0, compute_s=FWD[j], recompute=WHOLE) for j in layers}
     drops = " ".join(f"1DR0:{names[j]}" for j in layers)
     recomputes = " ".join(f"1RC0:{names[j]}" for j in reversed(layers))
     assert case.rank(1) == f"1F0 {drops} 1B0 {recomputes} 1OPT"
@@ -299,7 +300,7 @@ def test_recomputed_layers_keep_only_their_output() -> None:
     case = Case("1f1b", [(0, 2), (2, 4)], 1, {0: [rule("layers.*", "recompute")]})
     a, b = "0:layers.0.**@r0", "0:layers.1.**@r0"
     assert case.rank(0) == f"0F0 0DR0:{a} 0DR0:{b} 0B0 0RC0:{b} 0RC0:{a} 0OPT"
-    assert case.rw.tensors == {a: TensorInfo(bytes=0, compute_s=1.0e-3), b: TensorInfo(bytes=0, compute_s=1.1e-3)}
+    assert case.rw.tensors == {a: TensorInfo(bytes=0, compute_s=1.0e-3, recompute=WHOLE), b: TensorInfo(bytes=0, compute_s=1.1e-3, recompute=WHOLE)}
     walk = rise(case.program(), 0)
     assert (walk[f"0DR0:{a}"], walk[f"0DR0:{b}"]) == (100_000, 300_000)
 
@@ -346,7 +347,7 @@ def test_different_techniques_per_microbatch() -> None:
         0B3 0RC3:{R} 0OPT""", H="0:layers.0.**@r0", R="0:layers.0.**@r1")
     assert case.rw.tensors == {"0:layers.0.**@r0": TensorInfo(bytes=6 * MB, pool_bytes=L0_POOL,
                                                                  largest_block_bytes=4_000_256),
-                               "0:layers.0.**@r1": TensorInfo(bytes=0, compute_s=1.0e-3)}
+                               "0:layers.0.**@r1": TensorInfo(bytes=0, compute_s=1.0e-3, recompute=WHOLE)}
     res = case.emulate()
     assert res.busy_s_by_cost["recompute"] == pytest.approx(2 * 1.0e-3)  # mbs 2 and 3 only
 
@@ -366,8 +367,9 @@ def test_recompute_of_part_of_a_layer_is_refused() -> None:
         Case("1f1b", [(0, 2), (2, 4)], 2, {0: [rule("layers.0.fc#*", "recompute")]})
     msg = str(info.value)
     assert "\n" not in msg
-    # layer 0 saves ln#0, fc#0, fc#1, act#0
-    assert "stage 0 rule 0 (layers.0.fc#*)" in msg and "use layers.0.**" in msg and "2 of 4 tensors" in msg
+    # layer 0 saves ln#0, fc#0, fc#1, act#0; this profile measured no op-level choice
+    assert "stage 0 microbatch 0: recomputing layers.0.fc#0, layers.0.fc#1 of layers.0" in msg
+    assert "not a choice its profile measured (recompute all of layers.0.**)" in msg
 
 
 @pytest.mark.parametrize("rules, mb", [
@@ -380,8 +382,8 @@ def test_recompute_shadowed_by_an_earlier_rule_is_refused(rules: list[TensorRule
     with pytest.raises(PlanError) as info:
         Case("1f1b", [(0, 2), (2, 4)], 2, {0: rules})
     msg = str(info.value)
-    assert "\n" not in msg and f"stage 0 microbatch {mb}" in msg and "tensors of layers.0" in msg
-    assert "recompute must cover whole layers" in msg
+    assert "\n" not in msg and f"stage 0 microbatch {mb}" in msg and "layers.0.**" in msg
+    assert "a layer recomputed in part keeps the rest" in msg or "not a choice its profile measured" in msg
 
 
 def test_plan_for_another_pipeline_shape_is_refused() -> None:

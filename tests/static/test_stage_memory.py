@@ -16,7 +16,7 @@ from mpress.live_bytes import LiveBytes
 from mpress.static.memory_probe import probe_layers
 from mpress.static.profile import LayerMemory, LayerProfile, SavedTensor
 from mpress.static.program import Task, walk_peaks
-from mpress.static.stage_memory import StepMemory, backward_steps, forward_steps, freeable_bytes
+from mpress.static.stage_memory import WHOLE, StepMemory, backward_steps, forward_steps, freeable_bytes
 
 
 def layer(name: str, grad_bytes: int = 0, recompute: LayerMemory | None = None, **memory) -> LayerProfile:
@@ -41,8 +41,8 @@ C = layer("c", grad_bytes=3, kept_bytes=30, forward_peak_bytes=30, saves_input=T
 D = layer("d", grad_bytes=2, kept_bytes=40, forward_peak_bytes=50, backward_peak_bytes=45, input_grad_bytes=30,
           output_bytes=4)
 LAYERS = [A, B, C, D]
-PLAIN = [False] * 4
-C_RECOMPUTED = [False, False, True, False]
+PLAIN = [None] * 4
+C_RECOMPUTED = [None, None, WHOLE, None]
 
 
 def test_forward_takes_what_each_layer_keeps_and_frees_inputs_nothing_holds():
@@ -119,7 +119,7 @@ def test_a_stage_that_ends_the_model_keeps_its_loss_and_the_seed_lives_through_t
     left = sum(s.alloc_bytes - s.free_bytes for s in forward_steps([A, B, C, D_LOSS], PLAIN) + steps)
     assert left == 5 + 12 + 6  # A's input gradient, the parameters' gradients, the loss
     # one layer: the seed comes and goes in the same step; the stage's output goes too
-    (only,) = backward_steps([D_LOSS], [False], first_backward=False)
+    (only,) = backward_steps([D_LOSS], [None], first_backward=False)
     assert only == StepMemory(alloc_bytes=30 + 6, transient_bytes=9, free_bytes=46 - 4 - 6 + 6 + 4)
 
 
@@ -137,13 +137,13 @@ def test_the_stage_output_goes_when_the_backward_ends_even_when_its_layer_saves_
     # C's step gives back only its saved input (B's output, 20); A's gives the output back
     # at the end, or, with output_held, leaves it to the lowering.
     three = [A, B, C]
-    steps = backward_steps(three, [False] * 3, first_backward=True)
+    steps = backward_steps(three, [None] * 3, first_backward=True)
     assert steps == [StepMemory(alloc_bytes=23, transient_bytes=27, free_bytes=20),
                      StepMemory(alloc_bytes=10, transient_bytes=20, free_bytes=20),
                      StepMemory(alloc_bytes=12, transient_bytes=48, free_bytes=100 + 10 + 30)]
-    held = backward_steps(three, [False] * 3, first_backward=True, output_held=True)
+    held = backward_steps(three, [None] * 3, first_backward=True, output_held=True)
     assert [s.free_bytes for s in held] == [20, 20, 100 + 10]
-    left = sum(s.alloc_bytes - s.free_bytes for s in forward_steps(three, [False] * 3) + held)
+    left = sum(s.alloc_bytes - s.free_bytes for s in forward_steps(three, [None] * 3) + held)
     assert left == 5 + 10 + 30  # A's input gradient, A's and C's parameters' gradients, the held output
 
 
@@ -168,11 +168,11 @@ def _model() -> nn.Sequential:
 def _probed(model: nn.Sequential, x: torch.Tensor, loss_fn=None) -> list[LayerProfile]:
     paths = [name for name, _ in model.named_children()]
     return [LayerProfile(name=p, forward_flops=0, backward_flops=0, forward_time_s=0, backward_time_s=0,
-                         grad_bytes=grads, memory=plain, recompute_memory=recomputed)
-            for p, (plain, recomputed, grads) in zip(paths, probe_layers(model, (x,), paths, loss_fn=loss_fn))]
+                         grad_bytes=found.param_grad_bytes, memory=found.plain, recompute_memory=found.recomputed)
+            for p, found in zip(paths, probe_layers(model, (x,), paths, loss_fn=loss_fn))]
 
 
-def _walk(layers: list[LayerProfile], recomputed: list[bool], num_microbatches: int) -> tuple[int, int]:
+def _walk(layers: list[LayerProfile], recomputed: list, num_microbatches: int) -> tuple[int, int]:
     """Peak and end of the walk of all forwards, then all backwards (GPipe order)."""
     steps = forward_steps(layers, recomputed) * num_microbatches
     for m in range(num_microbatches):
@@ -182,16 +182,16 @@ def _walk(layers: list[LayerProfile], recomputed: list[bool], num_microbatches: 
     return max(walk_peaks(tasks, 0)), sum(t.alloc_bytes - t.free_bytes for t in tasks)
 
 
-def _forward(model: nn.Sequential, x: torch.Tensor, recomputed: list[bool]) -> torch.Tensor:
+def _forward(model: nn.Sequential, x: torch.Tensor, recomputed: list) -> torch.Tensor:
     """The stage's forward as the runtime runs it: a recomputed layer under a non-reentrant
     checkpoint with its random state preserved."""
     h = x
     for module, r in zip(model, recomputed):
-        h = checkpoint(module, h, use_reentrant=False, preserve_rng_state=True) if r else module(h)
+        h = checkpoint(module, h, use_reentrant=False, preserve_rng_state=True) if r is not None else module(h)
     return h
 
 
-def _run_middle_stage(model: nn.Sequential, recomputed: list[bool], out_width: int) -> None:
+def _run_middle_stage(model: nn.Sequential, recomputed: list, out_width: int) -> None:
     """A stage between two others: its inputs and the gradients of its outputs are receive
     buffers made before the step (not counted); two microbatches, all forwards then all
     backwards; the pipeline holds each output until its backward is over."""
@@ -211,13 +211,13 @@ def _run_middle_stage(model: nn.Sequential, recomputed: list[bool], out_width: i
     assert (tracker.peak_bytes - start, tracker.live_bytes - start) == (peak, end)
 
 
-@pytest.mark.parametrize("recomputed", [list(r) for r in itertools.product([False, True], repeat=5)],
+@pytest.mark.parametrize("recomputed", [list(r) for r in itertools.product([None, WHOLE], repeat=5)],
                          ids=lambda r: "".join("R" if x else "-" for x in r))
 def test_walk_of_a_middle_stage_equals_a_cpu_run(recomputed):
     _run_middle_stage(_model(), recomputed, out_width=4)
 
 
-@pytest.mark.parametrize("recomputed", [list(r) for r in itertools.product([False, True], repeat=4)],
+@pytest.mark.parametrize("recomputed", [list(r) for r in itertools.product([None, WHOLE], repeat=4)],
                          ids=lambda r: "".join("R" if x else "-" for x in r))
 def test_walk_of_a_stage_whose_last_layer_saves_its_output_equals_a_cpu_run(recomputed):
     # the stage ends in a ReLU, which saves its own output (the stage's output) for its
@@ -229,7 +229,7 @@ def test_walk_of_a_stage_whose_last_layer_saves_its_output_equals_a_cpu_run(reco
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 2])
-@pytest.mark.parametrize("recomputed", [[False] * 5, [False, True, False, True, True]],
+@pytest.mark.parametrize("recomputed", [[None] * 5, [None, WHOLE, None, WHOLE, WHOLE]],
                          ids=lambda r: "".join("R" if x else "-" for x in r))
 def test_walk_of_a_last_stage_with_its_loss_equals_a_cpu_run(recomputed, num_microbatches):
     # The last stage as torch's pipelining runs it: the loss is part of the last layer; the

@@ -1,0 +1,291 @@
+"""Op-level (selective) recompute: a plan recomputes some of a layer's saved tensors and
+keeps the rest. Both halves call this module, so what the profiler measured and the
+planner chose is exactly what the runtime replays.
+
+How a layer is recomputed in part: its forward runs under non-reentrant
+`torch.utils.checkpoint` (random state preserved) with torch's selective checkpoint
+contexts (`create_selective_checkpoint_contexts`). The policy names, by their ordinal in
+the layer's forward, the operators whose outputs are *cached* (kept on the device until
+the backward); every other operator is replayed by the backward's recompute, which
+stops after the last saved tensor is rebuilt (checkpoint's early stop).
+
+Which operators are cached (`cached_ops`): the producer of every saved tensor the plan
+keeps (the operator that last wrote its storage in this layer's forward). Two closures
+follow from torch's semantics and are checked, not guessed (`closed_set`):
+
+- an operator's outputs are cached together, so recomputing one saved tensor of an
+  operator frees nothing unless all its saved tensors are recomputed: the set of a
+  plan must hold all or none of each producer's tensors;
+- random operators (dropout) draw from the random stream the checkpoint restores: if
+  one is replayed, all before and after it must be too, or the stream shifts and the
+  masks differ. So random operators are replayed all together or cached all together.
+
+A saved tensor no operator of the layer produced (the layer's input, a buffer, a
+tensor saved by the loss outside the layer) has no producer: the checkpoint holds the
+input anyway and the rest is kept; a plan's word for it changes nothing.
+
+The trace (`trace_layer_ops`): one forward of the layer under a `TorchDispatchMode`
+that lists the operators the selective policy sees (torch's `SAC_IGNORED_OPS` left out,
+as the policy leaves them out) with what re-running each costs: matrix-product FLOPs
+(torch's flop counter formulas) and bytes read and written (views move nothing), so
+the hardware model can turn both into time (`op_time_s`). Storage identity is the
+storage object (`untyped_storage()._cdata`): fake and meta storages all sit at address 0.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+from torch.utils.flop_counter import flop_registry
+
+from mpress.errors import PlanError
+from mpress.live_bytes import tensors_in
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One operator of a layer's forward, as the recompute would re-run it."""
+
+    name: str
+    """Operator overload, e.g. "aten.mm.default"."""
+    flops: float
+    """Matrix-product FLOPs (0 for everything torch's flop counter does not count)."""
+    bytes_moved: int
+    """Bytes of its tensor inputs and outputs (0 for a view)."""
+    random: bool
+    """It draws from the random stream (dropout)."""
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """A layer's forward as the selective policy sees it."""
+
+    ops: tuple[OpCost, ...]
+    """Every operator the policy sees, in order (its ordinal is its index)."""
+    producers: tuple[int | None, ...]
+    """Per saved tensor (the layer's saving order, parameters excluded): the ordinal of
+    the operator that last wrote its storage in this forward; None when none did."""
+    last_op: int
+    """The ordinal of the operator during which the last tensor was saved (-1: none):
+    the recompute replays up to it."""
+    saved_bytes: tuple[int, ...] = ()
+    """Per saved tensor: its storage's bytes, 0 when an earlier saved tensor had the storage."""
+
+    def recomputable(self) -> list[int]:
+        """Positions of the saved tensors an operator of the layer produced."""
+        return [p for p, op in enumerate(self.producers) if op is not None]
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of `t`'s storage (also for fake and meta tensors)."""
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(values: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in values)
+
+
+def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, alias: bool) -> OpCost:
+    """What re-running `func(*args, **kwargs)` (which returned `out`; `alias`: a view of
+    its input) costs."""
+    formula = flop_registry.get(func._overloadpacket)
+    flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+    moved = 0 if alias else _nbytes(tensors_in((args, kwargs))) + _nbytes(tensors_in(out))
+    return OpCost(name=str(func), flops=flops, bytes_moved=moved,
+                  random=torch.Tag.nondeterministic_seeded in func.tags)
+
+
+class OpTrace(TorchDispatchMode):
+    """Lists the operators of the forwards it watches, per layer (`begin` starts a
+    layer's list, `end` stops listing), and which operator last wrote each storage (made
+    it, or changed it in place; a view writes nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[OpCost] = []
+        self.active = False
+        self._writer: dict[int, int] = {}
+        self.last_saved_op = -1
+
+    def begin(self) -> None:
+        self.ops = []
+        self._writer = {}
+        self.last_saved_op = -1
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+
+    def producer(self, t: torch.Tensor) -> int | None:
+        """The ordinal of the operator of this layer that last wrote `t`'s storage (and
+        note that a tensor is being saved now)."""
+        if not self.active:
+            return None
+        self.last_saved_op = len(self.ops) - 1
+        return self._writer.get(storage_id(t))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.active and func not in SAC_IGNORED_OPS:
+            ordinal = len(self.ops)
+            inputs = {storage_id(t) for t in tensors_in((args, kwargs))}
+            outputs = tensors_in(out)
+            # a view's storage is its base's, and so is an out-of-place op's output that
+            # aliases its input (`_unsafe_view`): they write nothing; in-place ops write
+            alias = func.is_view or (not func._schema.is_mutable and all(storage_id(t) in inputs for t in outputs))
+            self.ops.append(op_cost(func, args, kwargs, out, alias))
+            if not alias:
+                for t in outputs:
+                    self._writer[storage_id(t)] = ordinal
+        return out
+
+
+def closed_set(ops: LayerOps, recomputed: Collection[int]) -> frozenset[int]:
+    """The saved tensors (positions) really recomputed when a plan recomputes
+    `recomputed`: those with a producer, grown by the closures of the module docstring
+    (used to check that a plan's set is closed)."""
+    replayed = {ops.producers[p] for p in recomputed if ops.producers[p] is not None}
+    if any(ops.ops[o].random for o in replayed):  # type: ignore[index]
+        replayed |= {o for o, op in enumerate(ops.ops) if op.random}
+    return frozenset(p for p, o in enumerate(ops.producers) if o is not None and o in replayed)
+
+
+def check_closed(ops: LayerOps, recomputed: Collection[int], names: Sequence[str], where: str) -> frozenset[int]:
+    """`closed_set`, or `PlanError` naming (in `where`) a tensor the plan keeps that
+    recomputing the others would recompute too."""
+    closed = closed_set(ops, recomputed)
+    extra = sorted(closed - set(recomputed))
+    if extra:
+        op = ops.ops[ops.producers[extra[0]]]  # type: ignore[index]
+        why = "random operators are replayed together" if op.random else f"it is an output of the same {op.name}"
+        raise PlanError(f"{where}: recomputing {names[min(closed - set(extra))]} also recomputes {names[extra[0]]} "
+                        f"({why}); recompute it too or keep both")
+    return closed
+
+
+def is_whole(ops: LayerOps, recomputed: Collection[int]) -> bool:
+    """Whether recomputing `recomputed` recomputes every saved tensor a layer's operator
+    produced: the whole layer is checkpointed, nothing cached."""
+    return all(p in recomputed for p in ops.recomputable())
+
+
+def cached_ops(ops: LayerOps, recomputed: Collection[int]) -> frozenset[int]:
+    """Ordinals of the operators whose outputs the forward caches when the saved tensors
+    `recomputed` (a closed set) are recomputed; empty for the whole layer (`is_whole`).
+    Cached: the producer of every other saved tensor, every matrix product that produces
+    no recomputed tensor (a product is never replayed to rebuild cheap tensors: its
+    output is kept instead, which is what makes selective recompute cheap), and the
+    random operators when none is replayed."""
+    if is_whole(ops, recomputed):
+        return frozenset()
+    replayed = {ops.producers[p] for p in recomputed if ops.producers[p] is not None}
+    cached = {o for p, o in enumerate(ops.producers) if o is not None and o not in replayed}
+    cached |= {o for o, op in enumerate(ops.ops) if op.flops > 0 and o not in replayed}
+    if not any(ops.ops[o].random for o in replayed):  # type: ignore[index]
+        cached |= {o for o, op in enumerate(ops.ops) if op.random}
+    return frozenset(cached)
+
+
+def recompute_menu(ops: LayerOps, limit: int = 3) -> list[frozenset[int]]:
+    """The selective recompute choices a profile offers for one layer (each a closed set
+    of saved-tensor positions, short of the whole layer), cheapest per freed byte first:
+    the saved tensors of each producer (random operators as one) are a group, groups of
+    operators that are no matrix product are added in order of bytes moved per byte
+    freed, and every `k`-th prefix is a choice, so at most `limit` of them, the last
+    holding every such group."""
+    groups: dict[int, set[int]] = {}
+    for p, o in enumerate(ops.producers):
+        if o is None or ops.ops[o].flops > 0:
+            continue
+        key = -1 if ops.ops[o].random else o
+        groups.setdefault(key, set()).add(p)
+
+    def cost_per_byte(key: int) -> float:
+        members = [o for o, op in enumerate(ops.ops) if op.random] if key < 0 else [key]
+        freed = sum(ops.saved_bytes[p] for p in groups[key]) or 1
+        return sum(ops.ops[o].bytes_moved for o in members) / freed
+
+    order = sorted(groups, key=lambda k: (cost_per_byte(k), k))
+    prefixes: list[frozenset[int]] = []
+    current: set[int] = set()
+    for key in order:
+        current |= groups[key]
+        prefixes.append(frozenset(current))
+    prefixes = [p for p in prefixes if p and not is_whole(ops, p)]
+    if len(prefixes) > limit:
+        step = len(prefixes) / limit
+        prefixes = [prefixes[min(len(prefixes) - 1, round((i + 1) * step) - 1)] for i in range(limit)]
+    return prefixes
+
+
+def replay_cost(ops: LayerOps, cached: Collection[int]) -> tuple[float, int]:
+    """(FLOPs, bytes moved) of the backward's replay under `cached`: every operator up to
+    the one that saved the last tensor, less the cached ones."""
+    flops, moved = 0.0, 0
+    for o in range(ops.last_op + 1):
+        if o not in cached:
+            flops += ops.ops[o].flops
+            moved += ops.ops[o].bytes_moved
+    return flops, moved
+
+
+def _policy(cached: frozenset[int], counter: list[int], _ctx: Any, _func: Any, *_args: Any,
+            **_kwargs: Any) -> CheckpointPolicy:
+    ordinal = counter[0]
+    counter[0] += 1
+    return CheckpointPolicy.MUST_SAVE if ordinal in cached else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts(cached: frozenset[int]) -> tuple[Any, Any]:
+    """torch's selective checkpoint contexts for one forward (and its recompute) of a
+    layer that caches the operators `cached` (ordinals as `trace_layer_ops` counts them)."""
+    return create_selective_checkpoint_contexts(functools.partial(_policy, cached, [0]))
+
+
+def run_recomputed(forward: Any, cached: frozenset[int] | None, *args: Any, **kwargs: Any) -> Any:
+    """`forward(*args, **kwargs)` under non-reentrant checkpoint with the random state
+    preserved: the whole layer is recomputed (`cached` None or empty), or all but the
+    outputs of the operators `cached`."""
+    if cached:
+        kwargs["context_fn"] = functools.partial(selective_contexts, cached)
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def trace_layer_ops(layer: torch.nn.Module, args: tuple[Any, ...], *, loss_fn: Any = None) -> LayerOps:
+    """`LayerOps` of one forward of `layer` on `args` (with `loss_fn(output)` after it,
+    outside the layer, as the last layer of a model runs). Saved tensors sharing a
+    parameter's storage are not listed (they never move and are not counted)."""
+    params = {storage_id(p) for p in layer.parameters()}
+    trace = OpTrace()
+    producers: list[int | None] = []
+    sizes: list[int] = []
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_id(t)
+        if key not in params:
+            producers.append(trace.producer(t))
+            sizes.append(0 if key in seen else t.untyped_storage().nbytes())
+            seen.add(key)
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trace:
+        trace.begin()
+        out = layer(*args)
+        trace.end()
+        if loss_fn is not None:
+            loss_fn(out)
+    return LayerOps(ops=tuple(trace.ops), producers=tuple(producers), last_op=trace.last_saved_op,
+                    saved_bytes=tuple(sizes))

@@ -9,6 +9,7 @@ from mpress.cli import main
 from mpress.hardware import load_hardware
 from mpress.static.ooc_model import load_ooc_model, single_device
 from mpress.static.ooc_sweeps import footprint_bytes
+from tests.support.user_model import SKIPNET
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -93,3 +94,13 @@ def test_unknown_model_is_one_line(capsys):
     assert main(["ooc", "--model", "resnet9000", "--hardware", "cpu-local"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "resnet9000" in err
+
+
+def test_user_module_runs(capsys):
+    # README's own-model example (a non-chain module named by its layers), on fake tensors
+    assert main(["ooc", "--module", SKIPNET, "--layers", "embed,blocks.*,head", "--hardware", "cpu-local",
+                 "--capacity", "3MB", "--batch-size", "512", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["settings"]["model_kind"] == "module" and data["over_capacity"]
+    for run in data["policies"].values():
+        assert run["fits"] and run["swapped"] and run["normalised_time"] >= 1.0

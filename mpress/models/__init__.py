@@ -1,7 +1,8 @@
-"""Reference models (plain PyTorch): GPT and BERT built from a `ModelConfig`.
+"""Reference models (plain PyTorch): GPT, BERT and Llama built from a `ModelConfig`.
 
-See `mpress/models/transformer.py` for the layer list ("embed", "layers.i", "head") and
-how stages keep the whole model's module paths.
+See `mpress/models/transformer.py` for the layer list ("embed", "layers.i", "head") every
+family shares and how stages keep the whole model's module paths; `mpress/models/llama.py`
+for the Llama family's layers.
 """
 
 from mpress.models.transformer import (

@@ -111,13 +111,15 @@ class Block:
             raise SwapError(f"{self._pool.name} block {self.block_id} of {self.owner} used after free")
         base, size, typed = self.offset_bytes, self.size_bytes, self._pool.typed_start
         out = []
+        last = None  # (dtype, its typed view, its start in elements, its item size): groups repeat dtypes
         for offset_bytes, layout, tensor in pieces:
             if offset_bytes + layout.nbytes > size:
                 raise SwapError(f"{self._pool.name} block of {self.owner} holds {size} bytes, "
                                 f"{layout.nbytes} bytes from offset {offset_bytes} do not fit")
             dtype = layout.dtype
-            flat, start = typed(dtype)
-            out.append((flat.as_strided(layout.shape, layout.stride, start + (base + offset_bytes) // dtype.itemsize),
+            if last is None or last[0] is not dtype:
+                last = (dtype, *typed(dtype), dtype.itemsize)
+            out.append((last[1].as_strided(layout.shape, layout.stride, last[2] + (base + offset_bytes) // last[3]),
                         tensor))
         return out
 

@@ -167,15 +167,18 @@ class SwapEngine(EngineWorkers):
         self._reap_dropped()  # frees their blocks and keys before this one needs them
         layouts: list[Layout] = []
         sources: list[torch.Tensor] = []
+        device, strided, source_of = self.device, torch.strided, Layout.source
         with traced("mpress:swap_out"):
             for name, tensor in tensors:
-                if tensor.layout is not torch.strided or tensor.device != self.device:
+                if tensor.layout is not strided or tensor.device != device:
                     what = key if name == key.tensor else f"{key} ({name})"
                     raise SwapError(f"cannot swap out {what}: " + (
                         f"{tensor.layout} tensors are not supported" if tensor.layout is not torch.strided else
                         f"it is on {tensor.device}, the engine serves {self.device}"))
-                # dense bytes of the tensor, made here on the compute stream (`layout.py`)
-                layout, source = Layout.source(tensor.detach() if tensor.requires_grad else tensor)
+                # dense bytes of the tensor, made here on the compute stream (`layout.py`);
+                # a dense one is held as given (the workers copy it under no_grad, and the
+                # engine lets it go when its copy completed or at the release point)
+                layout, source = source_of(tensor)
                 layouts.append(layout)
                 sources.append(source)
             nbytes = sum(layout.nbytes for layout in layouts)

@@ -44,16 +44,20 @@ class Layout(NamedTuple):
     @staticmethod
     def source(tensor: torch.Tensor) -> tuple[Layout, torch.Tensor]:
         """The layout `tensor` comes back in, and a dense tensor holding its elements in
-        that layout: `tensor` itself when it is dense (no copy), else a gather made here
-        (on the calling thread's current stream)."""
-        if tensor.dtype.is_complex and tensor.is_conj():  # (only complex tensors have the bit)
-            tensor = tensor.resolve_conj()
-        if tensor.is_neg():
-            tensor = tensor.resolve_neg()
-        if not tensor.is_contiguous() and not _dense(tensor):
-            tensor = tensor.clone()  # preserve_format: dense, dimensions in the same memory order
-            if not _dense(tensor):  # not expected from clone; contiguous is always dense
-                tensor = tensor.contiguous()
+        that layout: `tensor` itself when it is dense (no copy, no new tensor: the caller
+        swaps it out as autograd saved it), else a gather made here (detached: no autograd
+        node; on the calling thread's current stream)."""
+        if (tensor.is_neg() or (tensor.dtype.is_complex and tensor.is_conj())  # (only complex tensors have the bit)
+                or not (tensor.is_contiguous() or _dense(tensor))):
+            tensor = tensor.detach()
+            if tensor.is_conj():
+                tensor = tensor.resolve_conj()
+            if tensor.is_neg():
+                tensor = tensor.resolve_neg()
+            if not tensor.is_contiguous() and not _dense(tensor):
+                tensor = tensor.clone()  # preserve_format: dense, dimensions in the same memory order
+                if not _dense(tensor):  # not expected from clone; contiguous is always dense
+                    tensor = tensor.contiguous()
         return Layout(tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.nbytes), tensor
 
     def empty(self, device: torch.device) -> torch.Tensor:

@@ -204,16 +204,30 @@ class HostStore(SwapStore):
         self.pool = pool
         self._out_stream = torch.cuda.Stream(device) if self.cuda else None
         self._in_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._views: dict[int, list[tuple[Layout, torch.Tensor]]] = {}
+        """Block id -> (layout, view over the block) of each piece the swap-out's `pair`
+        placed there, until the swap-in's `pair` of the same pieces takes them: one view
+        op per tensor per swap, not per copy. Dict operations only (atomic): `release`
+        runs on worker threads."""
 
     def reserve(self, owner: str, nbytes: int, weights: Any = None) -> Placement:
         return Placement((Slot(None, self.pool.allocate(nbytes, owner=owner), 0, nbytes),))
 
     def release(self, placement: Placement) -> None:
         for slot in placement.slots:
+            self._views.pop(slot.block.block_id, None)
             self.pool.free(slot.block)
 
     def pair(self, placement: Placement, pieces: Pieces) -> Batch:
-        return {None: _in_block(placement, pieces)}
+        (slot,) = placement.slots
+        block_id = slot.block.block_id
+        made = self._views.pop(block_id, None)
+        if made is not None and len(made) == len(pieces) and all(
+                layout is m[0] for (_offset, layout, _t), m in zip(pieces, made)):
+            return {None: [(view, data) for (_layout, view), (_offset, _l, data) in zip(made, pieces)]}
+        pairs = _in_block(placement, pieces)
+        self._views[block_id] = [(layout, view) for (_offset, layout, _t), (view, _d) in zip(pieces, pairs)]
+        return {None: pairs}
 
     def copy_out(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
         # No record_stream on the pieces: the engine holds them until it saw this copy

@@ -17,7 +17,7 @@ from mpress.plan import Plan, Stripe, TensorRule
 from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
-from tests.support.plans import pipeline_plan
+from tests.support.plans import op_level_recompute, pipeline_plan
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, batch, num_stages_of
 
@@ -140,15 +140,16 @@ PEER_POOL_BYTES = 16 << 20
 
 
 @st.composite
-def random_plan(draw, schedule: str) -> Plan:
-    """Per stage: random layers, each with a technique (keep, recompute, host swap, D2D
-    swap striped to the other device) for a random set of microbatches, and optimizer
-    offload (all layers or one, to the host or the other device) or not."""
+def random_plan(draw, schedule: str, world: int = 2, num_microbatches: int = 4) -> Plan:
+    """Per stage: random layers, each with a technique (keep, recompute, op-level
+    recompute of part of it, host swap, D2D swap striped to another device) for a random
+    set of microbatches, and optimizer offload (all layers or one, to the host or another
+    device) or not."""
     rules: dict[int, list[TensorRule]] = {}
     pools: dict[int, int] = {}
-    for stage, layers in LAYERS[num_stages_of(schedule, 2)].items():
+    for stage, layers in LAYERS[num_stages_of(schedule, world)].items():
         stage_rules = []
-        other = 1 - stage % 2  # the other rank's device
+        other = (stage + 1) % world  # the next rank's device
         stripes = [Stripe(device=other, fraction=1.0)]
         optim = draw(st.sampled_from(["none", "all", "one"]))
         if optim != "none":
@@ -157,15 +158,18 @@ def random_plan(draw, schedule: str) -> Plan:
             stage_rules.append(TensorRule(tensor=f"optim:{target}", technique=where,
                                           stripes=stripes if where == "d2d" else []))
         for layer in draw(st.lists(st.sampled_from(layers), unique=True, max_size=3)):
-            mbs = draw(st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=4))
-            technique = draw(st.sampled_from(["host", "recompute", "keep", "d2d"]))
-            stage_rules.append(TensorRule(tensor=f"{layer}.**", technique=technique,
-                                          microbatches=",".join(map(str, sorted(mbs))),
+            mbs = draw(st.lists(st.integers(0, num_microbatches - 1), unique=True, min_size=1, max_size=4))
+            technique = draw(st.sampled_from(["host", "recompute", "keep", "d2d", "op-level"]))
+            selector = ",".join(map(str, sorted(mbs)))
+            if technique == "op-level":  # part of the layer recomputed: one of its profile's choices
+                stage_rules += op_level_recompute(layer, draw(st.integers(0, 3)), selector)
+                continue
+            stage_rules.append(TensorRule(tensor=f"{layer}.**", technique=technique, microbatches=selector,
                                           stripes=stripes if technique == "d2d" else []))
         if any(r.technique == "d2d" for r in stage_rules):
             pools[other] = PEER_POOL_BYTES  # stage `other` runs on device `other`: it lends the pool
         rules[stage] = stage_rules
-    return pipeline_plan(schedule, 2, 4, rules, peer_pools=pools)
+    return pipeline_plan(schedule, world, num_microbatches, rules, peer_pools=pools)
 
 
 @pytest.mark.slow
@@ -178,6 +182,34 @@ def test_random_plans_run_as_planned_within_their_predicted_memory(schedule, dat
     emulator's prediction for the same program."""
     plans = data.draw(st.lists(random_plan(schedule), min_size=PLANS_PER_SCHEDULE, max_size=PLANS_PER_SCHEDULE))
     results = run_jobs(2, schedule, 4, [None, *plans])
+    for plan, result in zip(plans, results[1:]):
+        assert_identical(results[0], result)
+        assert_ran_as_planned(plan, result)
+
+
+@pytest.mark.parametrize("option", [0, 1, 2])
+def test_op_level_recompute_of_every_layer_is_bit_identical_and_within_its_predicted_memory(option):
+    """Every layer of both stages recomputes one of its profile's op-level choices in
+    every microbatch (dropout on): bit-identical to the plain run, the program run as
+    listed, each rank's measured peak within [90%, 100%] of the prediction."""
+    plan = pipeline_plan("1f1b", 2, 4, {s: [r for layer in layers for r in op_level_recompute(layer, option)]
+                                        for s, layers in LAYERS[2].items()})
+    assert any(r.technique == "keep" for sp in plan.stages for r in sp.rules)  # part of layers, not all
+    plain, ran = run_jobs(2, "1f1b", 4, [None, plan])
+    assert_identical(plain, ran)
+    assert_ran_as_planned(plan, ran)
+    assert sum(r["extra"]["recomputed"] for r in ran) == 6 * 4 * STEPS
+
+
+@pytest.mark.slow
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_random_plans_on_four_ranks_run_as_planned(data):
+    """The same on 4 ranks (1F1B, one layer or two per stage): random plans, op-level
+    recompute among their techniques, bit-identical to the plain run and within their
+    predicted memory."""
+    plans = data.draw(st.lists(random_plan("1f1b", 4, 4), min_size=6, max_size=6))
+    results = run_jobs(4, "1f1b", 4, [None, *plans])
     for plan, result in zip(plans, results[1:]):
         assert_identical(results[0], result)
         assert_ran_as_planned(plan, result)

@@ -5,10 +5,12 @@ stages on given devices."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from mpress.hardware import load_hardware
 from mpress.model_config import ModelConfig, load_model_config
 from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
+from mpress.static.analytic import analytic_profile
 from mpress.static.evaluate import setup_pipeline
 from mpress.static.plan_eval import complete_plan
 from tests.support.tiny_pipeline import (
@@ -88,6 +90,27 @@ def with_program(plan: Plan, model: ModelConfig) -> Plan:
                            num_ranks=plan.num_ranks if plan.num_ranks != plan.num_stages else None, ranges=ranges)
     plan = dataclasses.replace(plan, actions=[], hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
     return complete_plan(setup, plan)[0]
+
+
+@functools.cache
+def _tiny_layers() -> dict[str, object]:
+    """The tiny pipeline's layers as its plans' profile has them (analytic, cpu-local)."""
+    profile = analytic_profile(load_model_config(MODEL), load_hardware("cpu-local"), MICROBATCH_SIZE)
+    return {layer.name: layer for layer in profile.layers}
+
+
+def op_level_recompute(layer: str, option: int, microbatches: str = "all") -> list[TensorRule]:
+    """Rules recomputing choice `option` of `layer`'s op-level recompute choices (its
+    profile's `recompute_options`, taken modulo their number) in `microbatches`, as the
+    planner writes them: a keep rule for each tensor it keeps, then the layer's recompute
+    rule. A layer without such choices is recomputed whole."""
+    profile = _tiny_layers()[layer]
+    rules = []
+    if profile.recompute_options:  # type: ignore[attr-defined]
+        chosen = profile.recompute_options[option % len(profile.recompute_options)]  # type: ignore[attr-defined]
+        rules = [rule(t.id, "keep", microbatches) for p, t in enumerate(profile.saved)  # type: ignore[attr-defined]
+                 if t.op_index >= 0 and p not in chosen.tensors]
+    return rules + [rule(f"{layer}.**", "recompute", microbatches)]
 
 
 def d2d_plan(devices: list[int], *, stripes: dict[int, dict[int, float]] | None = None,

@@ -80,6 +80,13 @@ FLAGS: dict[str, Flag] = {
     "model": Flag(("--model",), dict(metavar="PRESET_OR_YAML", help="model preset or model YAML path")),
     "module": Flag(("--module",), dict(metavar="PKG.MOD:FACTORY",
                                        help="your own model: a factory returning (module, example_input[, loss_fn])")),
+    "hf_config": Flag(("--hf-config",), dict(metavar="NAME_OR_PATH",
+                                             help="a Hugging Face transformers model: a built-in config "
+                                                  "(gpt2-tiny, llama-tiny, bert-tiny, llama-2-7b), a config.json "
+                                                  "(random weights) or a directory with local weights; never "
+                                                  "downloaded")),
+    "seq_len": Flag(("--seq-len",), dict(type=int_arg(1, 1 << 20), metavar="T",
+                                         help="tokens per sequence of --hf-config (default: its maximum positions)")),
     "layers": Flag(("--layers",), dict(metavar="NAMES", help="split points of a --module: comma-separated module "
                                                              "paths or patterns, e.g. 'embed,blocks.*,head'")),
     "hardware": Flag(("--hardware",), dict(metavar="PRESET_OR_YAML", help="hardware preset or YAML path")),

@@ -23,6 +23,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from mpress.commands.flags import add_flag
+from mpress.errors import UserError
 from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.model_config import model_presets
 from mpress.plan import Plan
@@ -60,6 +61,10 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "num_microbatches", help=f"microbatches per iteration (default: {MICROBATCHES_PER_RANK} per "
                                          "pipeline rank)")
     add_flag(p, "profile", default=None, help="profile YAML/JSON from `mpress profile` (default: analytic)")
+    add_flag(p, "hf_config", default=None, help="a Hugging Face transformers model, profiled now (fake tensors if "
+                                                "it does not fit here): a built-in config (gpt2-tiny, llama-tiny, "
+                                                "bert-tiny, llama-2-7b), a config.json or a local weights directory")
+    add_flag(p, "seq_len", default=None)
     p.add_argument("--balance", default="compute", choices=["compute", "memory"],
                    help="partition layers to balance compute (PipeDream/DAPPLE default) or memory")
     add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
@@ -166,6 +171,8 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     unset take the plan's values (when a plan is given) or the derived defaults."""
     hardware = hardware_from_args(args, plan)
     profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
+    if profile is None:
+        profile = hf_profile_from_args(args, hardware)
     model = model_for_profile(args.model or (plan.model if plan is not None else None), profile, DEFAULT_MODEL,
                               path=str(args.profile) if args.profile else "profile")
     num_layers = len(profile.layers) if profile is not None else None
@@ -182,6 +189,23 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
                            num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance,
                            profile_path=str(args.profile) if args.profile else "profile")
     return setup, shape
+
+
+def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profile | None:
+    """`--hf-config`'s profile for one microbatch of `--microbatch-size` (default
+    `DEFAULT_MICROBATCH_SIZE`) sequences of `--seq-len`, times for `hardware`; None
+    without `--hf-config`."""
+    name = getattr(args, "hf_config", None)
+    if name is None:
+        if getattr(args, "seq_len", None) is not None:
+            raise UserError("--seq-len is the sequence length of an --hf-config")
+        return None
+    if args.profile or getattr(args, "module", None) or args.model:
+        raise UserError("give --hf-config (profiled now) or --model, --module or --profile, not both")
+    from mpress.static.fake_profile import profile_hf_model
+
+    return profile_hf_model(name, microbatch_size=args.microbatch_size or DEFAULT_MICROBATCH_SIZE,
+                            hardware=hardware, fake=None, seq_len=args.seq_len)
 
 
 def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:

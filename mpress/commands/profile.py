@@ -37,11 +37,15 @@ Examples:
   mpress profile --model gpt-25.5b --microbatch-size 2 --analytic --hardware dgx1-v100
   mpress profile --module mypkg.models:make_model --device cuda --out my.json
   mpress profile --module mymodel:make --layers "embed,blocks.*,head" --fake --hardware hgx-h100 --out my.yaml
+  mpress profile --hf-config llama-tiny --microbatch-size 2 --out llama.yaml
+  mpress profile --hf-config path/to/config.json --seq-len 512 --fake --hardware hgx-h100 --out hf.yaml
   mpress plan --profile my.yaml --hardware hgx-h100
 A --module factory takes no arguments and returns (module, example_input) or
 (module, example_input, loss_fn); the microbatch size is the example input's first
 dimension. --layers names the split points as module paths (* = one name segment); a
-forward that is not a plain chain of its children needs them.
+forward that is not a plain chain of its children needs them. --hf-config builds a
+Hugging Face transformers model from a config (never downloaded); its layers are
+embed, blocks.N and head.
 
 """ + EXIT_STATUS
 
@@ -57,10 +61,13 @@ def register(subparsers: Any) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     add_flag(source, "model", help=f"model preset ({', '.join(model_presets())}) or a model YAML path")
     add_flag(source, "module")
+    add_flag(source, "hf_config")
     add_flag(parser, "microbatch_size",
              help="samples per microbatch (default 1 for --model; the example input's for --module)")
     add_flag(parser, "layers", help="split points of a --module: comma-separated module paths or patterns, "
-                                    "e.g. 'embed,blocks.*,head' (default: the module's chain of children)")
+                                    "e.g. 'embed,blocks.*,head' (default: the module's chain of children); of "
+                                    "an --hf-config of a family mpress does not know: EMBED,BLOCKS,NORM,HEAD")
+    add_flag(parser, "seq_len")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--analytic", action="store_true",
                       help="closed-form profile of a GPT/BERT preset (needs --hardware); runs nothing")
@@ -91,8 +98,12 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UserError("--analytic works for GPT/BERT presets (--model) only; use --fake for a --module")
         if not args.hardware:
             raise UserError(f"--analytic needs --hardware (presets: {', '.join(hardware_presets())})")
-    if args.layers is not None and not args.module:
-        raise UserError("--layers names split points of a --module (presets have theirs)")
+    if args.layers is not None and not (args.module or args.hf_config):
+        raise UserError("--layers names split points of a --module or --hf-config (presets have theirs)")
+    if args.seq_len is not None and not args.hf_config:
+        raise UserError("--seq-len is the sequence length of an --hf-config (a preset has its own)")
+    if args.analytic and args.hf_config:
+        raise UserError("--analytic works for GPT/BERT presets (--model) only; use --fake for an --hf-config")
 
 
 def make_profile(args: argparse.Namespace) -> Profile:
@@ -112,8 +123,13 @@ def make_profile(args: argparse.Namespace) -> Profile:
         return profile_model(cfg, batch, hardware=hardware, fake=fake, device=args.device,
                              warmup=args.warmup, iters=args.iters)
 
-    from mpress.static.fake_profile import profile_user_module
+    from mpress.static.fake_profile import profile_hf_model, profile_user_module
     from mpress.models.user_module import parse_layers
+
+    if args.hf_config:
+        return profile_hf_model(args.hf_config, microbatch_size=args.microbatch_size or DEFAULT_MICROBATCH_SIZE,
+                                hardware=hardware, fake=fake, seq_len=args.seq_len, layers=parse_layers(args.layers),
+                                device=args.device, warmup=args.warmup, iters=args.iters)
 
     profile = profile_user_module(args.module, hardware=hardware, fake=fake, layers=parse_layers(args.layers),
                                   device=args.device, warmup=args.warmup, iters=args.iters)
@@ -125,7 +141,7 @@ def make_profile(args: argparse.Namespace) -> Profile:
 
 def _what(args: argparse.Namespace) -> str:
     """What `make_profile` is about to do, for the progress line."""
-    name = args.model or args.module
+    name = args.model or args.module or f"hf:{args.hf_config}"
     if args.analytic:
         return f"profiling {name}: analytic, times from {args.hardware}"
     if args.fake:

@@ -19,7 +19,6 @@ from mpress.hardware import Hardware, load_hardware
 from mpress.launcher.devices import cuda_bus_ids, cuda_index_of
 from mpress.model_config import ModelConfig
 from mpress.models.user import UserModel
-from mpress.models.user_module import import_factory
 from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan, refusal
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
@@ -117,11 +116,12 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
 
 def profile_for(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware) -> Profile:
     """What the job's model costs per microbatch on `hardware`: a preset's analytic profile,
-    or a user module's profile on fake tensors (exact saved tensors and FLOPs, times from
-    the hardware model; deterministic, so `plan: none` splits the layers as a plan made
-    from `mpress profile --module ... --fake` does)."""
+    or a user module's or HF model's profile on fake tensors (exact saved tensors and
+    FLOPs, times from the hardware model; deterministic, so `plan: none` splits the layers
+    as a plan made from `mpress profile --module/--hf-config ... --fake` does)."""
     if isinstance(model, UserModel):
-        return fake_profile(import_factory(model.spec), model_name=model.spec, hardware=hardware, layers=model.layers)
+        return fake_profile(model.factory(), model_name=model.spec, hardware=hardware, layers=model.layers,
+                            fingerprint=model.fingerprint())
     return analytic_profile(model, hardware, cfg.microbatch_size)
 
 

@@ -35,6 +35,7 @@ from mpress.errors import ConfigError, UserError
 from mpress.identity import layer_paths, side_effect_free
 from mpress.models.user_module import (
     UserModule,
+    import_factory,
     as_args,
     default_loss,
     load_user_factory,
@@ -112,6 +113,13 @@ def _as_chain(top: fx.Graph, stages: list[fx.GraphModule]) -> list[fx.GraphModul
     return stages
 
 
+def check_ranges(ranges: Sequence[tuple[int, int]], num_layers: int, spec: str) -> None:
+    """Stage ranges `[start, end)` must tile the `num_layers` layers of `spec`, in order."""
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != num_layers or any(
+            a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise UserError(f"stage ranges {list(ranges)} do not tile the {num_layers} layers of {spec}")
+
+
 @dataclass
 class UserModel:
     """A user's model, its example microbatch, its loss and its layer list."""
@@ -149,14 +157,16 @@ class UserModel:
         """Samples per microbatch: the example input's leading dimension."""
         return int(self.example_input[0].shape[0])
 
+    def factory(self) -> Callable[[], Any]:
+        """The factory the profilers call (`mpress.models.user_module`)."""
+        return import_factory(self.spec)
+
     def split(self, ranges: Sequence[tuple[int, int]]) -> list[nn.Module]:
         """One module per stage: layers `[start, end)` of `ranges` (which must tile the
         layer list), each with a `layer_names()` listing its layers."""
         if self.module is None:
             raise UserError(f"{self.spec}: split once per model (the whole module is let go after a split)")
-        if not ranges or ranges[0][0] != 0 or ranges[-1][1] != len(self.layers) or any(
-                a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
-            raise UserError(f"stage ranges {list(ranges)} do not tile the {len(self.layers)} layers of {self.spec}")
+        check_ranges(ranges, len(self.layers), self.spec)
         self.module.train()
         if len(ranges) == 1:
             stages = [self.module]

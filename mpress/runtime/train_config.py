@@ -38,6 +38,8 @@ from mpress.limits import (
     MAX_STEPS,
 )
 from mpress.model_config import ModelConfig, load_model_config
+from mpress.models.hf_config import hf_presets
+from mpress.models.hf_model import check_hf_model, load_hf_model
 from mpress.models.user import UserModel, check_user_module, load_user_model
 from mpress.overrides import apply_overrides
 from mpress.units import parse_bytes
@@ -127,10 +129,21 @@ class TrainConfig:
     directory importable), a factory returning `(nn.Module, example_input[, loss_fn])` with
     one microbatch as the example (`mpress/models/user_module.py`); the same factory
     `mpress profile --module` and `mpress plan --module` take."""
+    hf_config: str | None = None
+    """A Hugging Face `transformers` model instead of a preset: a built-in config's name
+    (configs/hf/: gpt2-tiny, llama-tiny, bert-tiny, llama-2-7b), a `config.json` path
+    (random weights under `seed`) or a directory with `config.json` and local weights;
+    never downloaded (`mpress/models/hf_config.py`). Its layers (embed, each block, final
+    norm + head) are found for GPT-2, Llama-style and BERT models; name them with
+    `layers` for others. Needs `pip install 'mpress[hf]'`."""
+    seq_len: int | None = field(default=None, metadata={"min": 1, "max": 1 << 20})
+    """With `hf_config`: tokens per sequence; default: the config's maximum positions."""
     layers: list[str] | None = None
     """With `module`: the layers stages are made of, as module paths (`*` one name segment,
     e.g. [embed, "blocks.*", head]); default: the module's own (`layer_names()`, an
-    `nn.Sequential`, children its forward chains)."""
+    `nn.Sequential`, children its forward chains). With `hf_config`: the model's
+    [EMBED, BLOCKS, NORM, HEAD] module paths (e.g. [model.embed_tokens, "model.layers.*",
+    model.norm, lm_head]), for a family mpress does not know."""
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
     """Pipeline schedule: gpipe, 1f1b or interleaved (torch.distributed.pipelining's GPipe,
     1F1B, interleaved 1F1B)."""
@@ -185,13 +198,15 @@ class TrainConfig:
     """Log the loss every this many steps (and at the first and last step)."""
 
     def __post_init__(self) -> None:
-        if (self.model is None) == (self.module is None):
-            raise ConfigError("", "model", "give a model preset (model:) or your own module (module: pkg.mod:factory), "
-                                           "exactly one")
-        if self.layers is not None and self.module is None:
-            raise ConfigError("", "layers", "only with module: (a preset's layers are fixed)")
-        if self.dropout is not None and self.module is not None:
-            raise ConfigError("", "dropout", "only with a model preset (your module sets its own dropout)")
+        if sum(x is not None for x in (self.model, self.module, self.hf_config)) != 1:
+            raise ConfigError("", "model", "give a model preset (model:), your own module (module: pkg.mod:factory) "
+                                           "or a Hugging Face config (hf_config:), exactly one")
+        if self.layers is not None and self.module is None and self.hf_config is None:
+            raise ConfigError("", "layers", "only with module: or hf_config: (a preset's layers are fixed)")
+        if self.seq_len is not None and self.hf_config is None:
+            raise ConfigError("", "seq_len", "only with hf_config: (a preset has its own, a module its example's)")
+        if self.dropout is not None and self.model is None:
+            raise ConfigError("", "dropout", "only with a model preset (your module or HF config sets its own dropout)")
         as_word(self, "schedule", ScheduleName)
         as_word(self, "strategy", Strategy)
         if self.schedule not in RUNNABLE_SCHEDULES:
@@ -266,6 +281,9 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
         return _absolute(value, Path.cwd() if key in overridden else path.resolve().parent)
 
     model = absolute("model", cfg.model) if cfg.model is not None and _is_path(cfg.model) else cfg.model
+    hf = cfg.hf_config
+    if hf is not None and not (hf in hf_presets() and not Path(absolute("hf_config", hf)).exists()):
+        hf = absolute("hf_config", hf)  # a path (a built-in name stays one unless such a path exists)
     hardware = absolute("hardware", cfg.hardware) if _is_path(cfg.hardware) else cfg.hardware
     plan = cfg.plan if cfg.plan in (PLAN_AUTO, PLAN_NONE) else absolute("plan", cfg.plan)
     data = cfg.data
@@ -277,13 +295,17 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
     outputs = {k: absolute(k, v) if k in overridden and v is not None else v
                for k, v in (("trace", cfg.trace), ("report", cfg.report), ("profiler_trace", cfg.profiler_trace),
                             ("memory_snapshot", cfg.memory_snapshot))}
-    cfg = dataclasses.replace(cfg, model=model, hardware=hardware, plan=plan, data=data, checkpoint=ckpt, **outputs)
+    cfg = dataclasses.replace(cfg, model=model, hf_config=hf, hardware=hardware, plan=plan, data=data,
+                              checkpoint=ckpt, **outputs)
     check_outputs(cfg, source)
 
-    if cfg.module is not None and cfg.data.kind != "synthetic":
-        raise ConfigError(source, "data.kind", "a token file feeds a model preset; a module trains on synthetic "
-                                               "inputs shaped like its example microbatch (kind: synthetic)")
-    if cfg.module is not None:
+    if cfg.model is None and cfg.data.kind != "synthetic":
+        raise ConfigError(source, "data.kind", "a token file feeds a model preset; a module or HF model trains on "
+                                               "synthetic inputs shaped like its example microbatch (kind: synthetic)")
+    if cfg.hf_config is not None:
+        num_layers = check_hf_model(cfg.hf_config, seq_len=cfg.seq_len, layers=cfg.layers, source=source)
+        what = f"{cfg.hf_config} has {num_layers} layers (embed, {num_layers - 2} blocks, head)"
+    elif cfg.module is not None:
         num_layers, microbatch_size = check_user_module(cfg.module, cfg.layers, source)
         if cfg.microbatch_size != microbatch_size:
             raise ConfigError(source, "microbatch_size", f"{cfg.module}'s example input is one microbatch of "
@@ -325,9 +347,13 @@ def check_outputs(cfg: TrainConfig, source: str) -> None:
 
 def model_config(cfg: TrainConfig) -> ModelConfig | UserModel:
     """What `cfg` trains: the model preset `cfg.model` with `cfg.dropout` applied when it is
-    set, or the user's module `cfg.module` (its factory called under `cfg.seed`)."""
+    set, the user's module `cfg.module` (its factory called under `cfg.seed`), or the
+    Hugging Face model `cfg.hf_config` (built under `cfg.seed`, an `HFModel`)."""
     if cfg.module is not None:
         return load_user_model(cfg.module, layers=cfg.layers, seed=cfg.seed)
+    if cfg.hf_config is not None:
+        return load_hf_model(cfg.hf_config, microbatch_size=cfg.microbatch_size, seq_len=cfg.seq_len,
+                             layers=cfg.layers, seed=cfg.seed)
     model = load_model_config(cfg.model)
     return model if cfg.dropout is None else dataclasses.replace(model, dropout=cfg.dropout)
 

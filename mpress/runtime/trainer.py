@@ -41,6 +41,7 @@ from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload
 from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.stage import MpressStage, wrap_stage
 from mpress.runtime.swap.store import PeerStores
+from mpress.runtime.tied_grads import TiedGrads
 from mpress.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
 
 SCHEDULES = {ScheduleName.GPIPE: ScheduleGPipe, ScheduleName.ONE_F_ONE_B: Schedule1F1B}
@@ -142,6 +143,9 @@ class PipelineJob:
             self.stages.append(stage)
             self.params[s] = layer_params(module, layers)
         self._user_stages.clear()  # the other stages' modules are not this rank's to keep
+        self.tied = TiedGrads(getattr(spec.model, "tied_groups", []), stage_ids=self.stage_ids,
+                              modules=self.modules, world=self.world, group=group)
+        """Copies of a weight several stages use (tied embeddings): gradients summed each step."""
         last = self.stages[-1]
         loss = spec.model.loss if isinstance(spec.model, UserModel) else lm_loss
         loss_fn = last.route_loss(loss) if isinstance(last, MpressStage) else loss
@@ -274,6 +278,7 @@ class PipelineJob:
             live.reset_peak()
         with live.watch() if live is not None else contextlib.nullcontext():
             losses = self._run_schedule(inputs, targets)
+            self.tied.sum_gradients()
             self._optimizer_steps()
         loss = float(torch.stack(losses).detach().mean()) if losses else None
         if self.device.type == "cuda":

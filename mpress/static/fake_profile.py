@@ -136,10 +136,10 @@ def _fake_input(value: Any, mode: FakeTensorMode) -> Any:
 
 
 def fake_profile(factory: Factory, *, model_name: str, hardware: Hardware, layers: Sequence[str] | None = None,
-                 target_bytes: int = 0, fingerprint: str | None = None) -> Profile:
+                 target_bytes: int = 0, fingerprint: str | Callable[[nn.Module], str] | None = None) -> Profile:
     """The profile of what `factory` (see `mpress.models.user_module`) returns, made on
-    fake tensors (see the module docstring); times for `hardware`. `fingerprint`
-    defaults to `module_fingerprint` of the module."""
+    fake tensors (see the module docstring); times for `hardware`. `fingerprint` (a
+    string, or a function of the module) defaults to `module_fingerprint` of the module."""
     user, made = _build_on_meta(factory, model_name)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # the fake mode's memo maps them when the loss uses them; it holds its values weakly
@@ -162,13 +162,25 @@ def fake_profile(factory: Factory, *, model_name: str, hardware: Hardware, layer
         raise UserError(f"{model_name}: cannot run on fake tensors ({type(exc).__name__}: {first}); "
                         "measure it for real") from None
     del twins
+    _refuse_nothing_saved(module, found, model_name)
     precision = _precision(module)
     times = [(flops_time_s(f, hardware, precision), flops_time_s(b, hardware, precision), 0.0, 0.0)
              for f, b in found.flops]
-    return Profile(model=model_name, model_fingerprint=fingerprint or module_fingerprint(module), source="fake",
+    name = fingerprint(module) if callable(fingerprint) else fingerprint or module_fingerprint(module)
+    return Profile(model=model_name, model_fingerprint=name, source="fake",
                    device=hardware.name, dtype=precision, microbatch_size=user.microbatch_size,
-                   layers=layer_profiles(module, found, times, hardware, measured=False), time_samples=0,
+                   layers=layer_profiles(module, found, times), time_samples=0,
                    input_bytes=sum(t.numel() * t.element_size() for t in tensors(args)), target_bytes=target_bytes)
+
+
+def _refuse_nothing_saved(module: nn.Module, found: Any, model_name: str) -> None:
+    """A model with trainable layers saves activations for backward; a profile that found
+    none (fake storages told apart by address, all 0, once made every saved tensor one)
+    would let the planner say any such model fits. One line, never a fit."""
+    trainable = any(p.requires_grad for p in module.parameters())
+    if trainable and not any(x.bytes for r in found.records for x in r.saved):
+        raise UserError(f"{model_name}: its profile on fake tensors found 0 saved bytes, though it has trainable "
+                        "layers; it cannot be planned from this profile (measure it for real)")
 
 
 def fake_model_profile(cfg: ModelConfig, microbatch_size: int, hardware: Hardware, *, seed: int = 0) -> Profile:
@@ -207,14 +219,18 @@ def profile_model(cfg: ModelConfig, microbatch_size: int, *, hardware: Hardware,
 
 
 def profile_user_module(spec: str, *, hardware: Hardware, fake: bool | None, layers: Sequence[str] | None = None,
-                        device: str = "cpu", warmup: int = 2, iters: int = 10) -> Profile:
+                        device: str = "cpu", warmup: int = 2, iters: int = 10, factory: Factory | None = None,
+                        fingerprint: Callable[[nn.Module], str] = module_fingerprint) -> Profile:
     """The profile of `package.module:factory`: on fake tensors first (cheap at any size);
     that profile is the answer when `fake`, or when `fake` is None and the model does not
     fit `device`; otherwise the module is built for real and measured there (also when
-    its forward needs values and cannot run on fake tensors, if its parameters fit)."""
-    factory = import_factory(spec)
+    its forward needs values and cannot run on fake tensors, if its parameters fit).
+    `factory` replaces the one `spec` names (`spec` then only names the model: a Hugging
+    Face model's `HFSource.factory`); `fingerprint` names the model by its module."""
+    factory = factory or import_factory(spec)
     try:
-        fake_prof: Profile | None = fake_profile(factory, model_name=spec, hardware=hardware, layers=layers)
+        fake_prof: Profile | None = fake_profile(factory, model_name=spec, hardware=hardware, layers=layers,
+                                                 fingerprint=fingerprint)
     except UserError:
         if fake:
             raise
@@ -227,5 +243,22 @@ def profile_user_module(spec: str, *, hardware: Hardware, fake: bool | None, lay
         return fake_prof
     user = call_factory(factory, spec)
     return measure_profile(user.module, user.example_input, model_name=spec,
-                           fingerprint=module_fingerprint(user.module), microbatch_size=user.microbatch_size,
+                           fingerprint=fingerprint(user.module), microbatch_size=user.microbatch_size,
                            loss_fn=user.loss_fn, warmup=warmup, iters=iters, device=device, layers=layers)
+
+
+def profile_hf_model(name: str, *, microbatch_size: int, hardware: Hardware, fake: bool | None,
+                     seq_len: int | None = None, layers: Sequence[str] | None = None, device: str = "cpu",
+                     warmup: int = 2, iters: int = 10) -> Profile:
+    """The profile of the Hugging Face model `name` (`mpress.models.hf_config`: a built-in
+    config, a config.json or a local weights directory) for one microbatch of
+    `microbatch_size` sequences, as `profile_user_module` makes a module's: on fake tensors
+    when `fake` or when it does not fit `device`, measured otherwise. The model is named
+    `hf:<name>` and fingerprinted by its chain and sequence length (`HFSource.fingerprint`)."""
+    from mpress.models.hf_config import resolve_hf
+
+    if microbatch_size < 1:
+        raise UserError(f"microbatch size must be >= 1, got {microbatch_size}")
+    source = resolve_hf(name, seq_len=seq_len, layers=layers)
+    return profile_user_module(source.label, hardware=hardware, fake=fake, device=device, warmup=warmup,
+                               iters=iters, factory=source.factory(microbatch_size), fingerprint=source.fingerprint)

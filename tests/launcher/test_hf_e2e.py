@@ -1,0 +1,81 @@
+"""Hugging Face models end to end through the documented commands (issue 19's done-when):
+tiny GPT-2-, Llama- and BERT-style configs go `mpress profile --hf-config` -> `mpress plan
+--profile` -> `mpress train` on CPU ranks under mixed plans, `torch.equal` to plain
+pipelining of the same HF model (`--plan none`), and a tied embedding (GPT-2's and BERT's
+output projection) is equal on the first and the last stage after training.
+
+BERT runs on 4 ranks (its tie spans ranks 0 and 3), GPT-2 and Llama on 2: each training
+run costs seconds of process start-up on this 2-core machine, so not every family runs on
+both. The device memory of each plan is one at which the planner mixes techniques.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mpress.launcher.checkpoint import read_step
+from tests.support.compare import assert_states_equal
+from tests.support.documented import run_documented
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+TRAIN_YAML = """\
+hf_config: {name}
+microbatch_size: 2
+num_microbatches: 4
+steps: 3
+log_every: 1
+plan: plan.yaml
+hardware: cpu-local
+optimizer: {{lr: 0.01}}
+"""
+
+CASES = [
+    # (config, ranks, device memory the plan is made for, tied parameter on the first / last stage)
+    ("gpt2-tiny", 2, "850KB", ("embed.tokens.weight", "head.lm_head.weight")),
+    ("llama-tiny", 2, "500KB", None),
+    ("bert-tiny", 4, "550KB", ("embed.word_embeddings.weight", "head.predictions.decoder.weight")),
+]
+
+
+def mpress(args: list[str], cwd: Path) -> str:
+    """`mpress ARGS` in `cwd`: training in its own processes, profile and plan in this one
+    (the same argv through `mpress.cli.main`, without a second interpreter's start-up)."""
+    code, out, err = run_documented(args, cwd=cwd, in_process=args[0] != "train")
+    assert code == 0, f"mpress {' '.join(args)} failed:\n{out[-3000:]}\n{err[-3000:]}"
+    return out
+
+
+def losses(stdout: str) -> list[str]:
+    return re.findall(r"^step \d+: loss (\S+)", stdout, re.M)
+
+
+@pytest.mark.parametrize("name,ranks,memory,tied", CASES, ids=[c[0] for c in CASES])
+def test_hf_profile_plan_train_equals_plain_pipelining(tmp_path, name, ranks, memory, tied):
+    (tmp_path / "train.yaml").write_text(TRAIN_YAML.format(name=name))
+    mpress(["profile", "--hf-config", name, "--microbatch-size", "2", "--fake", "--hardware", "cpu-local",
+            "--out", "profile.yaml"], tmp_path)
+    mpress(["plan", "--profile", "profile.yaml", "--hardware", "cpu-local", "--num-stages", str(ranks),
+            "--num-microbatches", "4", "--device-memory", memory, "--out", "plan.yaml"], tmp_path)
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    techniques = {r["technique"] for st in plan["stages"] for r in st.get("rules", [])}
+    assert len(techniques) >= 2 and "recompute" in techniques, techniques  # a mixed plan
+
+    train = ["train", "--config", "train.yaml", "--nproc-per-node", str(ranks)]
+    mixed = mpress([*train, "--checkpoint.dir", "ck-mixed"], tmp_path)
+    plain = mpress([*train, "--plan", "none", "--checkpoint.dir", "ck-plain"], tmp_path)
+    assert "plan mpress" in mixed and "no plan" in plain
+    assert len(losses(mixed)) == 3 and losses(mixed) == losses(plain)
+    a = read_step(tmp_path / "ck-mixed" / "step000002")
+    b = read_step(tmp_path / "ck-plain" / "step000002")
+    assert sorted(a["model"]) == sorted(b["model"])
+    assert_states_equal(a, b)
+    if tied is not None:
+        first, last = (a["model"][n] for n in tied)
+        assert torch.equal(first, last), "the tied embedding differs between the first and the last stage"

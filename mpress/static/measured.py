@@ -50,6 +50,7 @@ from mpress.models.transformer import (
     num_parameters,
 )
 from mpress.hardware import Hardware, load_hardware
+from mpress.static.flop_formulas import EXTRA_FLOP_FORMULAS
 from mpress.static.memory_probe import Probed, probe_layers
 from mpress.static.recompute_options import recompute_options, replay_time_s, with_producers
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
@@ -311,7 +312,7 @@ def instrument(module: nn.Module, args: tuple[Any, ...], loss_fn: LossFn | None,
     paths = layer_list(module, args, layers)
     records = _record_saved(module, args, loss, paths)
     mods = [module.get_submodule(p) for p in paths]
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:  # CPU SDPA too
         flop_marks = _Marks(False, counter)
         _step(module, args, loss, mods, flop_marks)
     flops = [(f, b) for _fs, _bs, f, b in flop_marks.spans(len(paths))]

@@ -33,8 +33,7 @@ from mpress.static.emulator import EmulatorResult
 from mpress.static.evaluate import Evaluation, PipelineSetup, evaluate
 from mpress.static.ooc_model import OocModel, ooc_setup
 from mpress.static.plan_eval import evaluate_plan
-from mpress.static.plan_draft import Draft, PlanWriter
-from mpress.static.planner import PlannerOptions, _Planner
+from mpress.static.planner import PlannerOptions, plan_strategy
 from mpress.vocabulary import Strategy, SwapInPolicy
 
 POLICIES = (SwapInPolicy.LAYER_AHEAD, SwapInPolicy.CAPACITY)
@@ -105,27 +104,17 @@ def policy_run(policy: SwapInPolicy, result: EmulatorResult, in_memory_s: float,
                      top_stalls=tuple(by_tensor[:TOP_STALLS]), plan=plan)
 
 
-class _OneAheadWriter(PlanWriter):
-    """The planner's plan writer with every swap-in rule one compute action ahead of its
-    consumer (`prefetch_lead` 1), the out-of-core model's definition of both policies:
-    layer-ahead brings a tensor back right before the backward that needs it (vDNN), and
-    capacity placement (`placement.place_by_capacity`) moves it earlier from there as far
-    as memory allows. The planner's own lead (`PlanWriter._lead`: enough compute actions
-    to cover one microbatch's copy back, up to 8) suits a pipeline stage; on one stage,
-    where the backward of microbatch 0 follows the last forward, a lead of 8 brings the
-    swapped tensors back during the forwards, so nothing is saved and the plan cannot fit."""
-
-    def _lead(self, s: int, d: Draft) -> int:
-        return 1
-
-
 def plan_host_swap(setup: PipelineSetup, policy: SwapInPolicy) -> tuple[Plan, Evaluation]:
-    """The planner's host-swap search (`planner.plan_strategy`'s, the same code) for a
-    one-stage setup under `policy`, its swap-ins one action ahead (`_OneAheadWriter`),
-    and the plan's evaluation."""
-    planner = _Planner(setup, Strategy.HOST_SWAP, PlannerOptions(swap_in_policy=policy), None)
-    planner.writer = _OneAheadWriter(setup, Strategy.HOST_SWAP, policy)
-    result = planner.run()
+    """The planner's host-swap search for a one-stage setup under `policy` and the plan's
+    evaluation. Every swap-in starts one compute action ahead of its consumer
+    (`prefetch_lead` 1), the out-of-core model's definition of both policies: layer-ahead
+    brings a tensor back right before the backward that needs it (vDNN), and capacity
+    placement (`placement.place_by_capacity`) moves it earlier from there as far as memory
+    allows. The planner's derived lead (enough compute actions to cover one microbatch's
+    copy back, up to 8) suits a pipeline stage; on one stage, where the backward of
+    microbatch 0 follows the last forward, it would bring the swapped tensors back during
+    the forwards, so nothing would be saved."""
+    result = plan_strategy(setup, Strategy.HOST_SWAP, PlannerOptions(swap_in_policy=policy, prefetch_lead=1))
     return result.plan, result.evaluation
 
 

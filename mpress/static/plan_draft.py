@@ -88,8 +88,10 @@ class Draft:
 class PlanWriter:
     """Turns drafts of one pipeline setup into plans."""
 
-    def __init__(self, setup: PipelineSetup, strategy: Strategy, swap_in_policy: SwapInPolicy) -> None:
+    def __init__(self, setup: PipelineSetup, strategy: Strategy, swap_in_policy: SwapInPolicy,
+                 prefetch_lead: int | None = None) -> None:
         self.setup, self.strategy, self.swap_in_policy = setup, strategy, swap_in_policy
+        self.prefetch_lead = prefetch_lead
         self.hw: Hardware = setup.hardware
         self.sched = setup.schedule
         self.costs = setup.costs
@@ -148,7 +150,9 @@ class PlanWriter:
     def _lead(self, s: int, d: Draft) -> int:
         """Compute actions ahead of the backward at which swap-ins start: enough compute to
         cover bringing one microbatch's swapped bytes back, host swaps over PCIe and D2D
-        swaps over the NVLinks to their stripes' peers."""
+        swaps over the NVLinks to their stripes' peers (or the writer's `prefetch_lead`)."""
+        if self.prefetch_lead is not None:
+            return self.prefetch_lead
         c = self.costs[s]
         device = d.stage_to_device[s]
         host = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if HOST in d.layer_tech[s][j])

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mpress.errors import UserError
@@ -70,6 +70,10 @@ class PlannerOptions:
     d2d_layers_per_round: int = 2
     """Layers per overflowing stage moved to D2D in one round."""
     swap_in_policy: SwapInPolicy = SwapInPolicy.CAPACITY
+    prefetch_lead: int | None = field(default=None, metadata={"min": 1})
+    """Compute actions ahead of the backward at which swap-ins start; None: derived per
+    stage, enough compute to cover one microbatch's copy back (`PlanWriter._lead`). One
+    device out of core takes 1: its first backward follows its last forward."""
     op_level_recompute: bool = True
     """Recompute may keep part of a layer (its profile's `recompute_options`); False: whole
     layers only (for comparison)."""
@@ -114,7 +118,7 @@ class _Planner(D2DSteps):
         self.capacity = self.hw.usable_memory_bytes
         self.mapping_s = 0.0
         self.in_flight = [m.max_in_flight for m in setup.memory]
-        self.writer = PlanWriter(setup, self.strategy, options.swap_in_policy)
+        self.writer = PlanWriter(setup, self.strategy, options.swap_in_policy, options.prefetch_lead)
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, d: Draft) -> Evaluation:
@@ -384,7 +388,7 @@ class _Planner(D2DSteps):
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)
         return (f"device {worst} peaks at {fmt_bytes(ev.result.peak_bytes[worst])} of "
-                f"{fmt_bytes(self.hw.device.memory_bytes)}")
+                f"{fmt_bytes(self.capacity)} usable")
 
 
 def _better(a: Evaluation, b: Evaluation) -> bool:

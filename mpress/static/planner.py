@@ -19,6 +19,12 @@ Steps (PAPERS.md section 1; one `PipelineSetup` in, one `PlanResult` out):
    first until the stage fits; among equals, later layers first (their recompute delays
    the backward least and leaves earlier tensors longer to hide swaps). Each recomputed
    layer is its own checkpoint: one layer's recomputed tensors are alive at a time.
+   Recompute is per tensor: a layer's profile offers op-level choices (part of what it
+   saves, rebuilt from cached matrix products at a fraction of its forward) besides the
+   whole layer; the choice with the least replay time per byte saved is taken, compared
+   per byte with the host swap, and a layer recomputed in part may later be recomputed
+   whole when more must go. Every seed is searched with op-level choices and with whole
+   layers only, and the emulator picks.
 4. Emulate; where a device still overflows (copies in flight, the optimizer's streamed
    chunks), shed the excess and repeat.
 5. D2D rounds (`mpress`, `d2d`): take the compacted layers with the largest emulated
@@ -34,6 +40,7 @@ Units: bytes, seconds.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -44,6 +51,7 @@ from mpress.hardware import Hardware
 from mpress.plan import (
     Plan,
 )
+from mpress.static.channels import host_roundtrip_s, pcie_sharers
 from mpress.static.evaluate import Evaluation, PipelineSetup
 from mpress.static.liveness import layer_live_intervals, stage_times
 from mpress.static.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
@@ -109,6 +117,8 @@ class _Planner(D2DSteps):
         self.layer_allowed: tuple[Technique, ...] = self.allowed
         """Techniques the current seed gives activations."""
         self.model_data_host = HOST in self.allowed
+        self.op_level = options.op_level_recompute
+        """Whether the current seed may recompute part of a layer."""
         """Whether the current seed may send optimizer data and stashed weights to the host."""
         self.progress = progress or (lambda _msg: None)
         self.hw: Hardware = setup.hardware
@@ -139,7 +149,7 @@ class _Planner(D2DSteps):
         """The recompute choices the search may give layer j of stage s: its op-level
         options (unless switched off), then the whole layer."""
         layer = self.costs[s].layers[j]
-        options = range(len(layer.recompute_options)) if self.options.op_level_recompute else range(0)
+        options = range(len(layer.recompute_options)) if self.op_level else range(0)
         return [*options, WHOLE]
 
     def _recompute(self, s: int, j: int) -> tuple[int, float, int]:
@@ -156,14 +166,21 @@ class _Planner(D2DSteps):
                 best = (choice, cost, saving)
         return best or (WHOLE, layer.forward_time_s, 0)
 
-    def _host_roundtrip_s(self, nbytes: int) -> float:
-        return nbytes / (self.hw.pcie_gbps("d2h") * 1e9) + nbytes / (self.hw.pcie_gbps("h2d") * 1e9) \
-            + 2 * self.hw.pcie_latency_s
+    def _host_roundtrip_s(self, nbytes: int, s: int) -> float:
+        """A host swap's round trip for stage s, as the emulator runs it while its uplink
+        is shared (`channels.host_roundtrip_s`, `_pcie_sharing`)."""
+        return host_roundtrip_s(self.hw, nbytes, self._pcie_sharing(s))
 
     def _pcie_sharing(self, s: int) -> int:
-        """GPUs behind the PCIe switch of stage s's device (they share its bandwidth)."""
-        group = self.hw.pcie_group(self.setup.stage_to_device[s])
-        return sum(1 for dev in range(self.hw.num_devices) if self.hw.pcie_group(dev) == group)
+        """GPUs copying on the PCIe uplink of stage s's device at once: its own and those
+        behind the same switch whose stages overflow by the memory model (they must shed
+        bytes, and shed them to the host; one that fits never copies)."""
+        need: dict[int, int] = {}
+        for m in self.setup.memory:
+            dev = self.setup.stage_to_device[m.stage]
+            need[dev] = need.get(dev, 0) + m.total_bytes
+        copying = [dev for dev, b in need.items() if b > self.capacity]
+        return pcie_sharers(self.hw, self.setup.stage_to_device[s], copying)
 
     def _choose(self, s: int, j: int, live: list[float], pcie_used_s: float,
                 pcie_budget_s: float) -> tuple[list[str], float, float]:
@@ -178,7 +195,7 @@ class _Planner(D2DSteps):
         microbatches of an early 1F1B stage, which wait longest, can be swapped while the
         later ones are recomputed."""
         layer = self.costs[s].layers[j]
-        roundtrip = self._host_roundtrip_s(layer.saved_bytes) * self._pcie_sharing(s)
+        roundtrip = self._host_roundtrip_s(layer.saved_bytes, s)
         host_ok = HOST in self.layer_allowed
         rc_ok = RECOMPUTE in self.layer_allowed
         _choice, rc_cost, rc_saving = self._recompute(s, j)
@@ -218,8 +235,7 @@ class _Planner(D2DSteps):
         c, k = self.costs[s], self.in_flight[s]
         # PCIe time this stage's host swaps already take per iteration, and its share of
         # the iteration (a microbatch slot is set by the slowest stage's F + B)
-        sharing = self._pcie_sharing(s)
-        pcie_used = sum(self._host_roundtrip_s(c.layers[j].saved_bytes) * sharing * d.layer_tech[s][j].count(HOST)
+        pcie_used = sum(self._host_roundtrip_s(c.layers[j].saved_bytes, s) * d.layer_tech[s][j].count(HOST)
                         for j in range(len(c.layers)))
         pcie_budget = max(x.forward_s + x.backward_s for x in self.costs) * self.num_mb
         candidates: list[tuple[float, int, int, str, int]] = []
@@ -229,7 +245,7 @@ class _Planner(D2DSteps):
             candidates.append((self._model_data_overhead_s(s, optim_bytes) / optim_bytes, 1, 0, "optim", -1))
         if host and self.sched.weight_stashing and d.stash[s] == KEEP and k > 1 and c.param_bytes:
             stash_live = [min(col) for col in zip(*live)] if live else []
-            over = sum(max(self._host_roundtrip_s(c.param_bytes) - x, 0.0) for x in stash_live)
+            over = sum(max(self._host_roundtrip_s(c.param_bytes, s) - x, 0.0) for x in stash_live)
             candidates.append((over / ((k - 1) * c.param_bytes), 1, 0, "stash", -1))
         for j in range(len(c.layers)):
             if any(t != KEEP for t in d.layer_tech[s][j]):
@@ -290,10 +306,14 @@ class _Planner(D2DSteps):
         # hides recompute, nor every stall of streamed model data); the emulator picks
         seeds = [(self.allowed, HOST in self.allowed)] if self.strategy is not Strategy.MPRESS else [
             ((HOST, RECOMPUTE), True), ((RECOMPUTE,), True), ((RECOMPUTE,), False)]
+        # each with op-level recompute choices and with whole layers only: choosing per byte
+        # is greedy, and a whole layer recomputed can end a fit sooner than several parts
+        granularity = (True, False) if self.options.op_level_recompute and RECOMPUTE in self.allowed else (False,)
         best: tuple[Draft, Evaluation] | None = None
-        for layer_techniques, model_data_host in seeds:
+        for (layer_techniques, model_data_host), op_level in itertools.product(seeds, granularity):
             self.layer_allowed = layer_techniques
             self.model_data_host = model_data_host
+            self.op_level = op_level
             d, ev = self._fit(empty.copy(), base, live)
             if best is None or _better(ev, best[1]):
                 best = (d, ev)

@@ -47,9 +47,8 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
-from torch.utils.flop_counter import flop_registry
-
 from mpress.errors import PlanError
+from mpress.flop_formulas import flop_formula
 from mpress.live_bytes import tensors_in
 
 
@@ -99,7 +98,7 @@ def _nbytes(values: Iterable[torch.Tensor]) -> int:
 def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, alias: bool) -> OpCost:
     """What re-running `func(*args, **kwargs)` (which returned `out`; `alias`: a view of
     its input) costs."""
-    formula = flop_registry.get(func._overloadpacket)
+    formula = flop_formula(func._overloadpacket)  # torch's, and the CPU SDPA kernel's it lacks
     flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
     moved = 0 if alias else _nbytes(tensors_in((args, kwargs))) + _nbytes(tensors_in(out))
     return OpCost(name=str(func), flops=flops, bytes_moved=moved,

@@ -14,8 +14,8 @@ counted listed with 0 bytes). What is Llama-specific:
   2·m·n·k per product, scores for all T x T pairs (the causal mask is not discounted).
   Backward is 2 x forward except SDPA's attention, which torch counts as 5 products in
   the backward (the scores are recomputed): 2.5 x its forward. torch counts SDPA only
-  on the kernels it knows (CUDA flash, efficient, cuDNN); `flop_formulas.py` gives the
-  CPU kernel the same formulas.
+  on the kernels it knows (CUDA flash, efficient, cuDNN); `mpress/flop_formulas.py`
+  gives the CPU kernel the same formulas.
 
 Units: elements and FLOPs; B = microbatch size, T = sequence length, h = hidden size,
 f = MLP width, V = vocabulary, nh = query heads, kv = key/value heads, hd = head width.

@@ -50,7 +50,7 @@ from mpress.models.transformer import (
     num_parameters,
 )
 from mpress.hardware import Hardware, load_hardware
-from mpress.static.flop_formulas import EXTRA_FLOP_FORMULAS
+from mpress.flop_formulas import EXTRA_FLOP_FORMULAS
 from mpress.static.memory_probe import Probed, probe_layers
 from mpress.static.recompute_options import recompute_options, replay_time_s, with_producers
 from mpress.static.profile import LayerProfile, Profile, SavedTensor

@@ -15,7 +15,7 @@ from mpress.model_config import load_model_config
 from mpress.models.transformer import TORCH_DTYPES, build_model, build_stage, example_batch, lm_loss
 from mpress.static.analytic import analytic_profile, layer_saved_tensors
 from mpress.static.fake_profile import fake_model_profile, fake_profile
-from mpress.static.flop_formulas import EXTRA_FLOP_FORMULAS
+from mpress.flop_formulas import EXTRA_FLOP_FORMULAS
 from mpress.static.measured import measure_model_profile
 
 CPU = load_hardware("cpu-local")
@@ -121,3 +121,13 @@ def test_a_real_size_layer_under_fake_tensors_equals_the_analytic_one(name, chan
     assert (fake.forward_flops, fake.backward_flops) == (analytic.forward_flops, analytic.backward_flops)
     assert (fake.memory, fake.recompute_memory) == (analytic.memory, analytic.recompute_memory)
     assert fake.param_bytes == analytic.param_bytes
+
+
+def test_op_level_recompute_prices_sdpa_with_its_flops():
+    """SDPA's saved output costs its products to re-make (not only the bytes it moves):
+    the op-level recompute must not take it for a cheap elementwise operator."""
+    cfg = _cfg("llama-3-8b")
+    layer = analytic_profile(cfg, H100, 1).layers[1]
+    q, kv = [1, cfg.num_heads, cfg.seq_len, cfg.head_dim], [1, cfg.kv_heads, cfg.seq_len, cfg.head_dim]
+    sdpa = [t for t in layer.saved if "scaled_dot_product" in (t.op or "")]
+    assert sdpa and all(t.op_flops == sdpa_flop_count(q, kv, kv) for t in sdpa)

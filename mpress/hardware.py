@@ -119,7 +119,13 @@ class Hardware:
     compute_efficiency: float = field(default=0.5, metadata={"gt": 0, "max": 1})
     """Fraction of peak FLOP/s that model layers achieve (analytic times = FLOPs / (peak x this))."""
     host_memory_bytes: int = field(metadata={"gt": 0, "max": MAX_BYTES})
-    """Host memory usable for pinned swap buffers."""
+    """Host memory (RAM) of the server."""
+    pinnable_host_bytes: int | None = field(default=None, metadata={"gt": 0, "max": MAX_BYTES})
+    """Host memory that can be page-locked for swap buffers: RAM less what the OS and the
+    training processes need unpinned. None: all of `host_memory_bytes` (see `pinnable_bytes`)."""
+    host_memory_gbps: float | None = field(default=None, metadata={"min": MIN_BANDWIDTH_GBPS})
+    """Sustained host DRAM bandwidth, GB/s, shared by every GPU's host copies in both
+    directions. None: DRAM never limits host copies (only PCIe does)."""
     pcie_h2d_gbps: float = field(metadata={"min": MIN_BANDWIDTH_GBPS})
     """Nominal host-to-device PCIe bandwidth per GPU, GB/s."""
     pcie_d2h_gbps: float = field(metadata={"min": MIN_BANDWIDTH_GBPS})
@@ -180,8 +186,15 @@ class Hardware:
                 if d in seen:
                     raise ConfigError("", f"pcie_switches[{g}]", f"device {d} is behind two switches")
                 seen.add(d)
+        if self.pinnable_host_bytes is not None and self.pinnable_host_bytes > self.host_memory_bytes:
+            raise ConfigError("", "pinnable_host_bytes", f"must be at most host_memory_bytes ({self.host_memory_bytes})")
 
     # -- links -----------------------------------------------------------------------------
+    @property
+    def pinnable_bytes(self) -> int:
+        """What plans may pin on the host: `pinnable_host_bytes`, else all host memory."""
+        return self.host_memory_bytes if self.pinnable_host_bytes is None else self.pinnable_host_bytes
+
     @property
     def usable_memory_bytes(self) -> int:
         """What a plan may fill on each device: its memory less the reserve."""

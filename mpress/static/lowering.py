@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from mpress.actions import Action, Kind, Schedule, UnitId
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware import Hardware
-from mpress.static.channels import build_channels, nvlink, pcie_down, pcie_up, peer_transfers
+from mpress.static.channels import build_channels, host_transfers, nvlink_transfers, peer_transfers
+from mpress.static.data_parallel import DataParallel, add_reduction, reduction_buffer_bytes
 from mpress.static.memory import (
     StageCosts,
     buffer_bytes,
@@ -98,17 +99,16 @@ def _copy(action: Action, info: TensorInfo, device: int, hardware: Hardware) -> 
     kind = action.kind
     to_peers = kind in (Kind.DO, Kind.DI) or (kind in (Kind.OO, Kind.OI) and bool(info.stripes))
     if not to_peers:
-        channel = pcie_up(hardware, device) if out else pcie_down(hardware, device)
-        transfers: tuple[Transfer, ...] = (Transfer(channel, info.bytes),)
+        transfers: tuple[Transfer, ...] = host_transfers(hardware, device, "d2h" if out else "h2d", info.bytes)
     else:
         if not info.stripes:
             raise UserError(f"action {action}: D2D tensor {action.tensor!r} has no stripes")
-        parts = []
+        parts: list[Transfer] = []
         for peer, fraction in info.stripes:
             if hardware.links(device, peer) == 0:
                 raise UserError(f"action {action}: stripe peer {peer} has no NVLink to device {device}")
             src, dst = (device, peer) if out else (peer, device)
-            parts.append(Transfer(nvlink(hardware, src, dst), round(info.bytes * fraction)))
+            parts.extend(nvlink_transfers(hardware, src, dst, round(info.bytes * fraction)))
         transfers = tuple(parts)
     return Task(action, transfers=transfers, alloc_bytes=0 if out else info.bytes, cost=_COST[kind])
 
@@ -282,13 +282,17 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
                   microbatch_size: int, stage_to_device: list[int] | None = None,
                   tensors: dict[str, TensorInfo] | None = None,
                   offloaded_bytes: list[int] | None = None,
-                  pool_bytes: list[int] | None = None) -> Program:
+                  pool_bytes: list[int] | None = None,
+                  data_parallel: DataParallel | None = None) -> Program:
     """Lower `schedule` (with or without memory actions) into an emulator `Program`.
 
     tensors: describes every tensor a memory action names (see `TensorInfo`).
     offloaded_bytes: per stage, model-data bytes that start the iteration off the device
         (optimizer states the plan offloads; OI brings them in, OO takes them out).
     pool_bytes: per device, peer-pool bytes it reserves for D2D exporters.
+    data_parallel: replicas across nodes: adds their gradient reduction and buffers
+        (`data_parallel.add_reduction`); `profile` is then the per-device one
+        (`data_parallel.shard_profile`).
     Weight stashing is accounted per microbatch: F(s, m) allocates a weight version and
     B(s, m) frees it, and the static bytes hold one version fewer (the live weights are
     the newest version).
@@ -316,7 +320,8 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
         rank_device.append(device)
         static.append(pool + sum(
             (0 if stash else costs[s].param_bytes) + costs[s].optim_bytes + costs[s].master_bytes - offloaded[s]
-            + buffer_bytes(costs[s], schedule.num_microbatches) for s in stages))
+            + buffer_bytes(costs[s], schedule.num_microbatches) + reduction_buffer_bytes(costs[s], data_parallel)
+            for s in stages))
     sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     grad_sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     for s in range(schedule.num_stages - 1):
@@ -324,9 +329,9 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
         sends[(s, s + 1)] = peer_transfers(hardware, a, b, costs[s].output_bytes)
         grad_sends[(s + 1, s)] = peer_transfers(hardware, b, a, costs[s].output_bytes)
     flops = sum(c.forward_flops + c.backward_flops for c in costs) * schedule.num_microbatches
-    return Program(
+    return add_reduction(Program(
         ranks=ranks, rank_device=tuple(rank_device),
         device_capacity_bytes=tuple([hardware.usable_memory_bytes] * hardware.num_devices),
         static_bytes=tuple(static), channels=build_channels(hardware), sends=sends, grad_sends=grad_sends,
         samples_per_iteration=microbatch_size * schedule.num_microbatches, model_flops_per_iteration=flops,
-    )
+    ), costs, data_parallel)

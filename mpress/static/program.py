@@ -45,6 +45,8 @@ class Cost(Word):
     RECOMPUTE = Technique.RECOMPUTE.value
     DROP = "drop"
     OPTIMIZER_OFFLOAD = "optimizer-offload"
+    DATA_PARALLEL = "dp-reduce"
+    """The data-parallel gradient reduction across nodes (`data_parallel.py`)."""
     PIPELINE = "pipeline"
     """A stall waiting for another stage (the bubble), never a task's own cost."""
 
@@ -53,8 +55,8 @@ class Cost(Word):
 class Channel:
     """A copy path whose bandwidth concurrent transfers share fairly.
 
-    id: e.g. "pcie-up:0" (host<-GPUs of PCIe group 0), "pcie-down:0", "nvlink:2->5",
-        "nvswitch-out:3".
+    id: e.g. "pcie-up:0" (host<-GPUs of PCIe group 0), "pcie-down:0", "host-mem",
+        "nvlink:2->5", "nvswitch-out:3", "nvswitch-in:5" (`channels.py`).
     gbps: effective bandwidth, GB/s.
     latency_s: fixed cost added to each transfer on it.
     """

@@ -100,7 +100,7 @@ def test_channels_and_peer_paths_follow_topology():
     # GPUs 0 and 1 share a PCIe switch: one uplink
     assert ch["pcie-up:0"] is ch.get(f"pcie-up:{DGX1.pcie_group(1)}")
     a100 = load_hardware("dgx-a100")
-    assert [t.channel for t in peer_transfers(a100, 0, 5, 100)] == ["nvswitch-out:0"]
+    assert [t.channel for t in peer_transfers(a100, 0, 5, 100)] == ["nvswitch-out:0", "nvswitch-in:5"]
 
 
 # ---- lowering -----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from mpress.d2d.static.maxflow import (
     solve_by_flow,
     stage_levels,
 )
+from mpress.d2d.static.ports import port_gbps_per_device
 from mpress.errors import PlanError
 from mpress.hardware import DEFAULT_PEER_CONTEXT_BYTES, Hardware
 
@@ -100,12 +101,11 @@ class MappingProblem:
         contexts of the exporters that may open its pool. `spare_bytes` are the caller's
         (a busy lender's exporter contexts are its to leave out, `exporter_context_bytes`)."""
         n = hw.num_devices
-        port = hw.nvlink_links_per_gpu * hw.nvlink_gbps_per_link * hw.nvlink_efficiency
         exporters = sum(1 for b in overflow_bytes if b > 0)
         return cls(link_gbps=tuple(tuple(hw.nvlink_gbps(i, j) for j in range(n)) for i in range(n)),
                    overflow_bytes=tuple(overflow_bytes), spare_bytes=tuple(spare_bytes),
                    idle_spare_bytes=tuple(idle_lendable_bytes(hw, d, exporters) for d in range(n)),
-                   port_gbps=(port,) * n if hw.nvswitch and port > 0 else None)
+                   port_gbps=port_gbps_per_device(hw))
 
 
 def exporter_context_bytes(hw: Hardware, device: int, num_exporters: int) -> int:

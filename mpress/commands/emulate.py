@@ -20,7 +20,14 @@ from rich.console import Console
 from rich.table import Table
 
 from mpress.commands.flags import add_command, add_flag
-from mpress.commands.pipeline_args import PipelineShape, add_pipeline_args, settings_json, settings_line, setup_from_args
+from mpress.commands.pipeline_args import (
+    PipelineShape,
+    add_pipeline_args,
+    cluster_line,
+    settings_json,
+    settings_line,
+    setup_from_args,
+)
 from mpress.errors import UserError
 from mpress.plan import Plan
 from mpress.static.evaluate import Evaluation, evaluate
@@ -165,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         console.print(stage_table(ev))
         print_summary(console, ev, planned=plan is not None)
+        if (line := cluster_line(setup, ev.result)) is not None:
+            console.print(line, markup=False, soft_wrap=True)
     written: dict[str, str] = {}
     if args.trace:
         from mpress.static.trace import write_trace

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpress import limits
+from mpress.cluster import MAX_NODES, Sharding
 from mpress.config import int_arg
 from mpress.errors import UserError
 from mpress.units import parse_bytes
@@ -100,6 +101,13 @@ FLAGS: dict[str, Flag] = {
     "num_microbatches": Flag(("--num-microbatches", "--microbatches"),
                              dict(type=int_arg(1, limits.MAX_MICROBATCHES), metavar="M",
                                   help="microbatches per iteration")),
+    "num_nodes": Flag(("--num-nodes", "--nodes"), dict(type=int_arg(1, MAX_NODES), metavar="N",
+                                                       help="nodes, each running one replica of the pipeline "
+                                                            "(data parallelism across nodes)")),
+    "dp_sharding": Flag(("--dp-sharding",), dict(choices=Sharding.words(),
+                                                 help="how replicas across nodes hold model states: ddp (all, "
+                                                      "gradients all-reduced) or fsdp (optimizer states sharded, "
+                                                      "gradients reduce-scattered)")),
     "num_devices": Flag(("--num-devices", "--devices"), dict(type=int_arg(1, limits.MAX_DEVICES), metavar="N",
                                                              help="the hardware's device count, overridden")),
     "device_memory": Flag(("--device-memory",), dict(type=bytes_arg, metavar="SIZE",

@@ -28,9 +28,12 @@ from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.model_config import model_presets
 from mpress.plan import Plan
 from mpress.runtime.train_config import TrainConfig
+from mpress.cluster import Sharding, make_cluster
+from mpress.static.data_parallel import DataParallel, exposed_reduction_s, reduction_busy_s
+from mpress.static.emulator_result import EmulatorResult
 from mpress.static.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.profile import Profile, model_for_profile
-from mpress.units import fmt_bytes
+from mpress.units import fmt_bytes, fmt_seconds
 from mpress.vocabulary import ScheduleName
 
 DEFAULT_MODEL = "gpt-20.4b"
@@ -67,6 +70,12 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "seq_len", default=None)
     p.add_argument("--balance", default="compute", choices=["compute", "memory"],
                    help="partition layers to balance compute (PipeDream/DAPPLE default) or memory")
+    add_flag(p, "num_nodes", default=None, help="nodes, each running one replica of the pipeline, gradients "
+                                                "reduced across them over the network of configs/clusters/"
+                                                "<hardware>.yaml (default: 1)")
+    add_flag(p, "dp_sharding", default=None, help="with --num-nodes: ddp (every replica holds all model states) or "
+                                                  "fsdp (optimizer states and master weights sharded over the "
+                                                  "nodes) (default: ddp)")
     add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
     add_flag(p, "device_memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
 
@@ -187,8 +196,35 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     setup = setup_pipeline(model, hardware, schedule=shape.schedule, num_stages=shape.num_stages,  # type: ignore[arg-type]
                            num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
                            num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance,
-                           profile_path=str(args.profile) if args.profile else "profile")
+                           profile_path=str(args.profile) if args.profile else "profile",
+                           data_parallel=data_parallel_from_args(args, hardware))
     return setup, shape
+
+
+def data_parallel_from_args(args: argparse.Namespace, hardware: Hardware) -> DataParallel | None:
+    """`--num-nodes` replicas of the pipeline with `--dp-sharding` (default ddp); None for
+    one node (the single-server emulation, unchanged)."""
+    nodes, sharding = getattr(args, "num_nodes", None), getattr(args, "dp_sharding", None)
+    if nodes is None or nodes == 1:
+        if sharding is not None and nodes is None:
+            raise UserError("--dp-sharding shards model states over the replicas of --num-nodes N")
+        return None
+    return DataParallel(cluster=make_cluster(hardware, nodes), sharding=Sharding(sharding or Sharding.DDP))
+
+
+def cluster_line(setup: PipelineSetup, result: EmulatorResult) -> str | None:
+    """One line on the whole cluster (None for one node): its throughput (the result's,
+    all replicas counted), per replica, and the data-parallel reduction, overlapped and
+    exposed (`data_parallel.exposed_reduction_s`)."""
+    dp = setup.data_parallel
+    if dp is None or dp.degree == 1:
+        return None
+    c = dp.cluster
+    return (f"cluster {c.name} ({c.num_nodes * c.hardware.num_devices} GPUs, {dp.sharding}): "
+            f"{result.samples_per_s:.4g} samples/s for the cluster ({dp.degree} x "
+            f"{result.samples_per_s / dp.degree:.4g} per replica), {result.model_tflops:.4g} model TFLOP/s; "
+            f"dp reduction {fmt_seconds(reduction_busy_s(result))} per iteration over "
+            f"{c.network.num_nics} x {c.nic_gbps:.3g} GB/s NICs, {fmt_seconds(exposed_reduction_s(result))} exposed")
 
 
 def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profile | None:
@@ -211,12 +247,22 @@ def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profil
 def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:
     """One line of what the command runs with: model, hardware, and the resolved shape."""
     hw = setup.hardware
+    dp = setup.data_parallel
+    nodes = f", {dp.degree} nodes ({dp.sharding})" if dp is not None else ""
     return (f"settings: model {setup.model.name}, hardware {hw.name} ({hw.num_devices} x "
-            f"{fmt_bytes(hw.device.memory_bytes)}), {shape.describe()}")
+            f"{fmt_bytes(hw.device.memory_bytes)}){nodes}, {shape.describe()}")
 
 
 def settings_json(setup: PipelineSetup, shape: PipelineShape) -> dict[str, object]:
     """The resolved settings for `--json`, keyed as the train config's keys."""
     hw = setup.hardware
     return {"model": setup.model.name, "hardware": hw.name, "num_devices": hw.num_devices,
-            "device_memory_bytes": hw.device.memory_bytes, **shape.settings(), "defaults": dict(shape.sources)}
+            "device_memory_bytes": hw.device.memory_bytes, **shape.settings(), "defaults": dict(shape.sources),
+            **data_parallel_json(setup)}
+
+
+def data_parallel_json(setup: PipelineSetup) -> dict[str, object]:
+    """`num_nodes` and `dp_sharding` of the setup (1 and none for one node)."""
+    dp = setup.data_parallel
+    return {"num_nodes": dp.degree if dp is not None else 1,
+            "dp_sharding": str(dp.sharding) if dp is not None else None}

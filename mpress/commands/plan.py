@@ -28,6 +28,7 @@ from mpress.commands.pipeline_args import (
     DEFAULT_HARDWARE,
     PipelineShape,
     add_pipeline_args,
+    cluster_line,
     settings_json,
     settings_line,
     setup_from_args,
@@ -175,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(stage_table(chosen))
         console.print(comparison_table(results))
+        if (line := cluster_line(chosen.evaluation.setup, chosen.evaluation.result)) is not None:
+            console.print(f"{args.strategy} plan on the {line}", markup=False, soft_wrap=True)
     if not any(r.fits for r in results.values()):
         raise UserError(f"no strategy fits {setup.model.name} on {setup.hardware.name}: {results['mpress'].reason}")
     if not chosen.fits:

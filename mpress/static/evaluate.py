@@ -15,6 +15,7 @@ from mpress.errors import ProfileError, UserError
 from mpress.hardware import Hardware
 from mpress.model_config import ModelConfig
 from mpress.static.analytic import analytic_profile
+from mpress.static.data_parallel import DataParallel, shard_profile
 from mpress.static.emulator import EmulatorResult, emulate
 from mpress.static.lowering import TensorInfo, build_program
 from mpress.static.memory import StageCosts, StageMemory, default_stage_to_device, memory_model, stage_costs
@@ -40,6 +41,9 @@ class PipelineSetup:
     stage_to_device: list[int]
     costs: list[StageCosts]
     memory: list[StageMemory]
+    data_parallel: DataParallel | None = None
+    """Replicas of this pipeline on other nodes (None: one server); `profile`, `costs`
+    and `memory` are then one device's, sharded states included."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,10 +63,13 @@ def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: Schedule
                    microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
                    profile: Profile | None = None, balance: Literal["compute", "memory"] = "compute",
                    stage_to_device: list[int] | None = None,
-                   ranges: list[tuple[int, int]] | None = None, profile_path: str = "profile") -> PipelineSetup:
+                   ranges: list[tuple[int, int]] | None = None, profile_path: str = "profile",
+                   data_parallel: DataParallel | None = None) -> PipelineSetup:
     """Profile (analytic unless given), partition (unless `ranges` gives each stage's layer
     range, e.g. a plan's), schedule and size a pipeline. `profile_path`: where a given
-    profile came from, named when it does not fit the model or the microbatch size."""
+    profile came from, named when it does not fit the model or the microbatch size.
+    data_parallel: the pipeline is replicated across nodes; stages are partitioned on
+    the whole profile, then sized on one device's (`data_parallel.shard_profile`)."""
     if microbatch_size < 1:
         raise UserError(f"--microbatch-size must be >= 1, got {microbatch_size}")
     if profile is None:
@@ -82,11 +89,13 @@ def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: Schedule
     elif len(ranges) != num_stages:
         raise UserError(f"{len(ranges)} layer ranges for {num_stages} stages")
     devices = stage_to_device or default_stage_to_device(sched, hardware)
+    if data_parallel is not None:
+        profile = shard_profile(profile, data_parallel)
     costs = stage_costs(profile, ranges)
     return PipelineSetup(
         model=model, hardware=hardware, profile=profile, microbatch_size=microbatch_size, ranges=ranges,
         schedule=sched, stage_to_device=devices, costs=costs,
-        memory=memory_model(costs, sched, hardware, devices),
+        memory=memory_model(costs, sched, hardware, devices, data_parallel), data_parallel=data_parallel,
     )
 
 
@@ -96,6 +105,6 @@ def evaluate(setup: PipelineSetup, schedule: Schedule | None = None, *,
     program = build_program(
         setup.profile, setup.ranges, schedule or setup.schedule, setup.hardware,
         microbatch_size=setup.microbatch_size, stage_to_device=setup.stage_to_device,
-        tensors=tensors,
+        tensors=tensors, data_parallel=setup.data_parallel,
     )
     return Evaluation(setup=setup, schedule=schedule or setup.schedule, program=program, result=emulate(program))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from mpress.actions import Schedule
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware import Hardware
+from mpress.static.data_parallel import DataParallel, reduction_buffer_bytes
 from mpress.static.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import max_in_flight
 from mpress.static.stage_memory import forward_steps
@@ -161,8 +162,11 @@ def default_stage_to_device(schedule: Schedule, hardware: Hardware) -> list[int]
 
 
 def memory_model(costs: list[StageCosts], schedule: Schedule, hardware: Hardware,
-                 stage_to_device: list[int] | None = None) -> list[StageMemory]:
-    """Bytes per stage, by category, with no memory compaction."""
+                 stage_to_device: list[int] | None = None,
+                 data_parallel: DataParallel | None = None) -> list[StageMemory]:
+    """Bytes per stage, by category, with no memory compaction. data_parallel: its
+    reduction's buffers count as buffers (`data_parallel.reduction_buffer_bytes`; the
+    sharded states are in `costs`, from the sharded profile)."""
     devices = stage_to_device or default_stage_to_device(schedule, hardware)
     m = schedule.num_microbatches
     out = []
@@ -176,7 +180,8 @@ def memory_model(costs: list[StageCosts], schedule: Schedule, hardware: Hardware
         out.append(StageMemory(
             stage=c.stage, device=devices[c.stage],
             param_bytes=c.param_bytes, grad_bytes=c.grad_bytes, optim_bytes=c.optim_bytes,
-            master_bytes=c.master_bytes, stash_bytes=stash, buffer_bytes=buffer_bytes(c, m),
+            master_bytes=c.master_bytes, stash_bytes=stash,
+            buffer_bytes=buffer_bytes(c, m) + reduction_buffer_bytes(c, data_parallel),
             activation_bytes_per_microbatch=kept, max_in_flight=in_flight,
             transient_bytes=transient, capacity_bytes=hardware.usable_memory_bytes,
         ))

@@ -50,7 +50,7 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
     def lower(schedule: Schedule) -> Program:
         return build_program(setup.profile, setup.ranges, schedule, setup.hardware,
                              microbatch_size=setup.microbatch_size, stage_to_device=devices, tensors=rw.tensors,
-                             offloaded_bytes=offloaded, pool_bytes=pools)
+                             offloaded_bytes=offloaded, pool_bytes=pools, data_parallel=setup.data_parallel)
 
     schedule = rw.schedule
     if plan.swap_in_policy is SwapInPolicy.CAPACITY:
@@ -73,7 +73,8 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
                                 f"{want[i] if i < len(want) else 'end'}); re-plan, or drop `actions` to re-derive it")
     program = lower(schedule)
     placed_setup = replace(setup, stage_to_device=devices,
-                           memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices))
+                           memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices,
+                                               setup.data_parallel))
     return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program),
                       tensors=rw.tensors)
 

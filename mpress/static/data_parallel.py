@@ -1,0 +1,240 @@
+"""Data parallelism across nodes: the `dp` gradient reduction as emulator tasks, and what
+sharding (FSDP) changes in a stage's memory.
+
+One pipeline per node, replicated on `dp` = `num_nodes` nodes (`mpress.cluster`). The
+emulator runs one replica (every replica runs the same program at the same time); what
+the replicas add is the reduction of each stage's gradients with its `dp - 1` twins on
+the other nodes, over the NIC of the stage's GPU (`Cluster.nic`; stages whose GPUs share
+a NIC, or an interleaved rank's stages, share its bandwidth):
+
+- ddp (torch DDP): during the stage's last backward (gradient sync on the last
+  microbatch only, as `PipelineStage` runs DDP under `no_sync` before it), gradients
+  are cut into buckets of `bucket_bytes` (DDP's `bucket_cap_mb=25`, in reverse layer
+  order), and a bucket is all-reduced as soon as the layer holding its last gradient has
+  finished its backward: buckets closed by one layer are one task, issued when that
+  layer's backward task ends. A ring all-reduce of b bytes puts 2(dp-1)/dp x b on each
+  NIC and takes 2(dp-1) ring steps (`Channel.latency_s`). In place on the gradients
+  (`gradient_as_bucket_view=True`), so it holds no memory of its own.
+- fsdp (torch FSDP2 `fully_shard` per layer, `reshard_after_forward=False` as under
+  pipelining): each layer's gradients are reduce-scattered when its backward of the last
+  microbatch ends ((dp-1)/dp x b on the NIC, dp-1 steps); the optimizer steps its shard;
+  then the updated parameters are all-gathered ((dp-1)/dp x parameter bytes), after the
+  step, where nothing overlaps it (FSDP2 would hide part of it behind the next
+  iteration's first forward: this is the conservative bound). Optimizer states and
+  fp32 master weights are sharded (`shard_profile`: 1/dp of them per device, and
+  1/dp of the optimizer's time); the reduce-scatter's input and output buffers of one
+  layer, and without mixed precision the sharded parameter copy, are held on top
+  (`reduction_buffer_bytes`).
+
+The optimizer step of a stage waits for the stage's reductions (its `consumes`), so a
+reduction that outlasts the backward shows as a stall blamed on `Cost.DATA_PARALLEL`.
+The tasks use the OI/OO action kinds (a copy in the optimizer's stead, one with no
+microbatch) under tensor names `<stage>:optim:dp-reduce:<layer>` and
+`<stage>:optim:dp-gather` (`reduce_name`, `gather_name`); they are emulator tasks only,
+never plan actions. With dp = 1 nothing is added.
+
+Units: bytes, seconds, GB/s (1e9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from mpress.actions import Action, Kind
+from mpress.cluster import Cluster, Sharding
+from mpress.static.emulator_result import EmulatorResult
+from mpress.static.profile import Profile
+from mpress.static.program import Channel, Cost, Program, Task, Transfer
+
+if TYPE_CHECKING:  # memory.py sizes its buffers with this module
+    from mpress.static.memory import StageCosts
+
+DDP_BUCKET_BYTES = 25 * (1 << 20)
+"""torch DDP's default `bucket_cap_mb=25` (its first bucket, 1 MiB, is not modelled)."""
+REDUCE = "dp-reduce"
+GATHER = "dp-gather"
+
+
+def reduce_name(stage: int, layer: str) -> str:
+    """Tensor name of the reduction of `layer`'s gradients: an optimizer unit's name
+    (`actions.UnitId`, `{stage}:optim:...`) that no rewriter unit takes, so what reads
+    stall names (the planner) sees model data, not activations."""
+    return f"{stage}:optim:{REDUCE}:{layer}"
+
+
+def gather_name(stage: int) -> str:
+    """Tensor name of the all-gather of a stage's updated parameters (fsdp)."""
+    return f"{stage}:optim:{GATHER}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel:
+    """Replicas of the pipeline across the nodes of `cluster`."""
+
+    cluster: Cluster
+    sharding: Sharding = Sharding.DDP
+    """How replicas hold model states and reduce gradients (`mpress.cluster.Sharding`)."""
+    bucket_bytes: int = field(default=DDP_BUCKET_BYTES)
+    """ddp: gradient bytes per all-reduce bucket."""
+
+    @property
+    def degree(self) -> int:
+        """Replicas: one per node."""
+        return self.cluster.num_nodes
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding is Sharding.FSDP and self.degree > 1
+
+
+def ring_wire_bytes(nbytes: int, degree: int, *, all_reduce: bool) -> int:
+    """Bytes a ring collective over `degree` ranks puts on each rank's link: 2(n-1)/n x b
+    for an all-reduce, (n-1)/n x b for a reduce-scatter or an all-gather."""
+    factor = 2 if all_reduce else 1
+    return math.ceil(factor * (degree - 1) * nbytes / degree)
+
+
+def shard_profile(profile: Profile, dp: DataParallel) -> Profile:
+    """The profile one device sees under `dp`: with fsdp, each layer's optimizer states,
+    master weights and largest optimizer tensor are 1/dp (rounded up); otherwise the
+    profile itself."""
+    if not dp.sharded:
+        return profile
+    n = dp.degree
+    layers = [replace(x, optim_bytes=-(-x.optim_bytes // n), master_bytes=-(-x.master_bytes // n),
+                      largest_param_bytes=-(-x.largest_param_bytes // n)) for x in profile.layers]
+    return replace(profile, layers=layers)
+
+
+def reduction_buffer_bytes(costs: StageCosts, dp: DataParallel | None) -> int:
+    """Device bytes a stage holds for the whole iteration because of `dp`, beyond its
+    (sharded) model states: fsdp holds one layer's reduce-scatter input (its unsharded
+    gradients) and output (their shard), and, without master weights, its 1/dp shard of
+    the parameters beside the unsharded ones; ddp reduces in place (0)."""
+    if dp is None or not dp.sharded:
+        return 0
+    n = dp.degree
+    largest = max((x.grad_bytes for x in costs.layers), default=0)
+    shard_copy = 0 if costs.master_bytes else -(-costs.param_bytes // n)
+    return largest + -(-largest // n) + shard_copy
+
+
+def nic_channel(dp: DataParallel, device: int) -> str:
+    """Channel id of the NIC `device` reduces over."""
+    return f"nic:{dp.cluster.nic(device)}"
+
+
+def reduction_channels(dp: DataParallel) -> dict[str, Channel]:
+    """One channel per NIC of the node; its latency is the ring's steps (all-reduce:
+    2(dp-1), reduce-scatter and all-gather: dp-1) times the hop latency."""
+    steps = (dp.degree - 1) * (1 if dp.sharded else 2)
+    latency = steps * dp.cluster.network.hop_latency_s
+    return {f"nic:{k}": Channel(f"nic:{k}", dp.cluster.nic_gbps, latency)
+            for k in range(dp.cluster.network.num_nics)}
+
+
+def bucket_bytes_by_layer(grad_bytes: list[int], dp: DataParallel) -> list[int]:
+    """Per layer of a stage (in layer order), the gradient bytes whose reduction starts
+    when that layer's backward ends: ddp, the buckets it closes (walking layers in
+    reverse, a bucket closes when it holds `bucket_bytes`; the rest closes at the first
+    layer); fsdp, the layer's own gradients."""
+    if dp.sharded:
+        return list(grad_bytes)
+    out = [0] * len(grad_bytes)
+    total = closed = 0
+    for j in range(len(grad_bytes) - 1, -1, -1):
+        total += grad_bytes[j]
+        full = total // dp.bucket_bytes * dp.bucket_bytes if j else total
+        out[j] = full - closed
+        closed = full
+    return out
+
+
+def add_reduction(program: Program, costs: list[StageCosts], dp: DataParallel | None) -> Program:
+    """`program` with the `dp` reduction of every stage (module docstring), the NIC
+    channels, and the samples and FLOPs of all `dp` replicas; `program` itself for dp = 1."""
+    if dp is None or dp.degree == 1:
+        return program
+    ranks = tuple(_rank_with_reduction(tasks, costs, program.rank_device[r], dp)
+                  for r, tasks in enumerate(program.ranks))
+    return replace(program, ranks=ranks, channels={**program.channels, **reduction_channels(dp)},
+                   samples_per_iteration=program.samples_per_iteration * dp.degree,
+                   model_flops_per_iteration=program.model_flops_per_iteration * dp.degree)
+
+
+def _rank_with_reduction(tasks: tuple[Task, ...], costs: list[StageCosts], device: int,
+                         dp: DataParallel) -> tuple[Task, ...]:
+    last_mb: dict[int, int] = {}   # stage -> microbatch of its last backward on this rank
+    last_opt: dict[int, int] = {}  # stage -> index of its last optimizer task
+    for i, t in enumerate(tasks):
+        a = t.action
+        if a.kind is Kind.B:
+            last_mb[a.stage] = a.microbatch  # type: ignore[assignment]
+        elif a.kind is Kind.OPT:
+            last_opt[a.stage] = i
+    channel = nic_channel(dp, device)
+    issued: dict[int, list[str]] = {}  # stage -> reductions the step waits for
+    waited: set[int] = set()
+    out: list[Task] = []
+    for i, t in enumerate(tasks):
+        a = t.action
+        if a.kind is Kind.OPT and a.stage in issued and a.stage not in waited:
+            waited.add(a.stage)
+            t = replace(t, consumes=t.consumes + tuple(issued[a.stage]))
+        out.append(t)
+        if a.kind is Kind.B and t.layer is not None and last_mb.get(a.stage) == a.microbatch:
+            c = costs[a.stage]
+            nbytes = bucket_bytes_by_layer([x.grad_bytes for x in c.layers], dp)[t.layer]
+            if nbytes:
+                name = reduce_name(a.stage, c.layers[t.layer].name)
+                wire = ring_wire_bytes(nbytes, dp.degree, all_reduce=not dp.sharded)
+                out.append(Task(Action(a.stage, Kind.OI, None, name), transfers=(Transfer(channel, wire),),
+                                cost=Cost.DATA_PARALLEL))
+                issued.setdefault(a.stage, []).append(name)
+        if dp.sharded and last_opt.get(a.stage) == i and costs[a.stage].param_bytes:
+            wire = ring_wire_bytes(costs[a.stage].param_bytes, dp.degree, all_reduce=False)
+            out.append(Task(Action(a.stage, Kind.OO, None, gather_name(a.stage)),
+                            transfers=(Transfer(channel, wire),), cost=Cost.DATA_PARALLEL))
+    return tuple(out)
+
+
+def is_reduction(task: Task) -> bool:
+    """A task `add_reduction` made."""
+    return task.cost is Cost.DATA_PARALLEL
+
+
+def exposed_reduction_s(result: EmulatorResult) -> float:
+    """How long the reduction holds up the slowest rank: per rank, the wait of each
+    optimizer step for reductions that end after the compute task before it, plus the
+    time its reductions run past its last compute task; the most over the ranks. 0
+    without reductions."""
+    worst = 0.0
+    for r, tasks in enumerate(result.program.ranks):
+        starts, ends = result.task_start_s[r], result.task_end_s[r]
+        dp_end: dict[str, float] = {t.action.tensor or "": ends[i] for i, t in enumerate(tasks) if is_reduction(t)}
+        if not dp_end:
+            continue
+        exposed, previous_end, last_compute = 0.0, 0.0, 0.0
+        for i, t in enumerate(tasks):
+            if not t.action.is_compute:
+                continue
+            ready = max((dp_end[x] for x in t.consumes if x in dp_end), default=None)
+            if ready is not None:
+                exposed += max(0.0, min(starts[i], ready) - previous_end)
+            previous_end = last_compute = ends[i]
+        exposed += max(0.0, max(dp_end.values()) - last_compute)
+        worst = max(worst, exposed)
+    return worst
+
+
+def reduction_busy_s(result: EmulatorResult) -> float:
+    """The longest a rank's reductions take from the first one's start to the last one's
+    end (overlapped or not)."""
+    spans = []
+    for r, tasks in enumerate(result.program.ranks):
+        idx = [i for i, t in enumerate(tasks) if is_reduction(t)]
+        if idx:
+            spans.append(max(result.task_end_s[r][i] for i in idx) - min(result.task_start_s[r][i] for i in idx))
+    return max(spans, default=0.0)

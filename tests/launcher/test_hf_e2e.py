@@ -12,6 +12,7 @@ both. The device memory of each plan is one at which the planner mixes technique
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,16 +26,14 @@ from tests.support.documented import run_documented
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-TRAIN_YAML = """\
-hf_config: {name}
-microbatch_size: 2
-num_microbatches: 4
-steps: 3
-log_every: 1
-plan: plan.yaml
-hardware: cpu-local
-optimizer: {{lr: 0.01}}
-"""
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf"
+PROFILE = ["profile", "--hf-config", "gpt2-tiny", "--microbatch-size", "2", "--fake", "--hardware", "cpu-local",
+           "--out", "profile.yaml"]
+PLAN = ["plan", "--profile", "profile.yaml", "--hardware", "cpu-local", "--num-stages", "2",
+        "--num-microbatches", "4", "--device-memory", "850KB", "--out", "plan.yaml"]
+TRAIN = ["train", "--config", "train.yaml", "--nproc-per-node", "2"]
+"""README.md's commands for `examples/hf` (GPT-2); the other families run the same with
+their name, rank count and memory in place of GPT-2's."""
 
 CASES = [
     # (config, ranks, device memory the plan is made for, tied parameter on the first / last stage)
@@ -56,21 +55,32 @@ def losses(stdout: str) -> list[str]:
     return re.findall(r"^step \d+: loss (\S+)", stdout, re.M)
 
 
+def for_case(argv: list[str], name: str, ranks: int, memory: str) -> list[str]:
+    """README's GPT-2 command for another case: its config, ranks and device memory."""
+    values = {"--hf-config": name, "--num-stages": str(ranks), "--nproc-per-node": str(ranks),
+              "--device-memory": memory}
+    return [values.get(flag, a) for flag, a in zip(["", *argv], argv)]
+
+
+def test_the_readme_shows_these_commands():
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    for argv in (PROFILE, PLAN, TRAIN):
+        assert f"mpress {' '.join(argv)}" in readme, argv
+
+
 @pytest.mark.parametrize("name,ranks,memory,tied", CASES, ids=[c[0] for c in CASES])
 def test_hf_profile_plan_train_equals_plain_pipelining(tmp_path, name, ranks, memory, tied):
-    (tmp_path / "train.yaml").write_text(TRAIN_YAML.format(name=name))
-    mpress(["profile", "--hf-config", name, "--microbatch-size", "2", "--fake", "--hardware", "cpu-local",
-            "--out", "profile.yaml"], tmp_path)
-    mpress(["plan", "--profile", "profile.yaml", "--hardware", "cpu-local", "--num-stages", str(ranks),
-            "--num-microbatches", "4", "--device-memory", memory, "--out", "plan.yaml"], tmp_path)
+    shutil.copy(EXAMPLE / "train.yaml", tmp_path / "train.yaml")
+    mpress(for_case(PROFILE, name, ranks, memory), tmp_path)
+    mpress(for_case(PLAN, name, ranks, memory), tmp_path)
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     techniques = {r["technique"] for st in plan["stages"] for r in st.get("rules", [])}
     assert len(techniques) >= 2 and "recompute" in techniques, techniques  # a mixed plan
 
-    train = ["train", "--config", "train.yaml", "--nproc-per-node", str(ranks)]
+    train = [*for_case(TRAIN, name, ranks, memory), "--hf-config", name]  # the example's config, another model
     mixed = mpress([*train, "--checkpoint.dir", "ck-mixed"], tmp_path)
     plain = mpress([*train, "--plan", "none", "--checkpoint.dir", "ck-plain"], tmp_path)
-    assert "plan mpress" in mixed and "no plan" in plain
+    assert f"hf:{name}" in mixed and "plan mpress" in mixed and "no plan" in plain
     assert len(losses(mixed)) == 3 and losses(mixed) == losses(plain)
     a = read_step(tmp_path / "ck-mixed" / "step000002")
     b = read_step(tmp_path / "ck-plain" / "step000002")

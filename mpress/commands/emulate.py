@@ -28,7 +28,7 @@ from mpress.commands.pipeline_args import (
     settings_line,
     setup_from_args,
 )
-from mpress.errors import UserError
+from mpress.errors import PlanError, UserError
 from mpress.plan import Plan
 from mpress.static.evaluate import Evaluation, evaluate
 from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
@@ -162,7 +162,10 @@ def run(args: argparse.Namespace) -> int:
         check_plan_for_setup(plan, setup, source=args.plan)
         if args.swap_in_policy:
             plan = replace(plan, swap_in_policy=args.swap_in_policy, actions=[])  # the program is placed anew
-        ev = evaluate_plan(setup, plan)
+        try:
+            ev = evaluate_plan(setup, plan)
+        except PlanError as exc:  # its rules, read against the profile: name the file
+            raise PlanError(f"{args.plan}: {exc}") from None
         console.print(f"plan {args.plan}: {plan.strategy} strategy, predicted iteration "
                       f"{fmt_seconds(plan.predicted_iteration_s)} when planned")
     else:

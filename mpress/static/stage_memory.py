@@ -80,10 +80,14 @@ def recompute_choice(layer: LayerProfile, recomputed: frozenset[int], where: str
     for k, option in enumerate(layer.recompute_options):
         if option.tensors == wanted:
             return k
-    names = [layer.saved[p].id for p in wanted] or [layer.saved[p].id for p in sorted(recomputed)]
-    choices = "; ".join(", ".join(layer.saved[p].id for p in o.tensors) for o in layer.recompute_options)
-    raise PlanError(f"{where}: recomputing {', '.join(names)} of {layer.name} is not a choice its profile measured "
-                    f"(recompute all of {layer.name}.**" + (f", or exactly one of: {choices})" if choices else ")"))
+    kept = [layer.saved[p].id for p in sorted(producible - recomputed)]
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    what = f"keeping {shown}" if kept else f"in part ({len(recomputed)} of its {len(layer.saved)} saved tensors)"
+    sizes = ", ".join(str(len(producible) - len(o.tensors)) for o in layer.recompute_options)
+    raise PlanError(
+        f"{where}: {layer.name} recomputed {what} is not a choice its profile measured: recompute all of "
+        f"{layer.name}.**" + (f", or keep exactly what one of its {len(layer.recompute_options)} recompute_options "
+                              f"keeps ({sizes} tensors)" if sizes else ""))
 
 
 def recompute_time_s(layer: LayerProfile, choice: Choice) -> float:

@@ -183,3 +183,26 @@ def test_profile_microbatch_must_match(tmp_path, capsys):
     assert Profile.load(path).microbatch_size == 1
     assert main(["emulate", "--model", "gpt-tiny", "--hardware", "cpu-local", "--stages", "2",
                  "--microbatch-size", "2", "--profile", str(path)]) == 2
+
+
+def test_a_plan_recomputing_a_set_no_profile_measured_is_one_line_naming_the_file(tmp_path, capsys):
+    """A planned op-level choice edited into one the profile never measured: `mpress
+    emulate` refuses it with exit 2, one line naming the plan file, the stage, the
+    microbatch, the layer and what it would keep."""
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "gpt-20.4b", "--hardware", "dgx-a100", "--out", str(out)]) == 0
+    plan = Plan.load(str(out))
+    rules = plan.stages[0].rules
+    keep = next(i for i, r in enumerate(rules) if r.technique == "keep" and r.tensor.startswith("layers.0."))
+    assert rules[keep + 1].tensor == "layers.0.**" and rules[keep + 1].technique == "recompute"
+    edited = [*rules[:keep], type(rules[keep])(**{**rules[keep].__dict__, "tensor": "layers.0.mlp.drop#0"}),
+              *rules[keep + 1:]]
+    stages = [type(plan.stages[0])(**{**plan.stages[0].__dict__, "rules": edited}), *plan.stages[1:]]
+    bad = tmp_path / "bad.yaml"
+    Plan(**{**plan.__dict__, "stages": stages}).save(str(bad))
+    capsys.readouterr()
+    assert main(["emulate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith(f"mpress emulate: error: {bad}: stage 0 microbatch ")
+    assert "layers.0 recomputed keeping layers.0.mlp.drop#0 is not a choice its profile measured" in err

@@ -83,12 +83,16 @@ def copy_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
 
 def issue_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream | None) -> Copy:
     """Copy each (dst, src) pair of contiguous tensors: on CPU at once, on CUDA enqueued
-    on `stream` (non_blocking) between one start and one done event."""
+    on `stream` (non_blocking) between one start and one done event. Under no_grad
+    whatever the calling thread's mode: a swap-out's sources are the saved tensors as
+    autograd gave them (they may require grad), and a copy recorded by autograd would put
+    the pool's buffer into the graph."""
     dsts, srcs = [d for d, _s in pairs], [s for _d, s in pairs]
     if stream is None:
         start_s = time.perf_counter()
         if dsts:
-            torch._foreach_copy_(dsts, srcs)  # one Python call for the batch
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)  # one Python call for the batch
         return Copy(done=None, start=None, wall_s=time.perf_counter() - start_s)
     start, done = copy_events()
     start.record(stream)
@@ -96,7 +100,8 @@ def issue_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: tor
         # one Python call for the batch, not one kernel: tensors on different devices
         # (pinned host and GPU) take foreach's per-tensor path, each an async copy_ here
         if dsts:
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
     done.record(stream)
     return Copy(done=done, start=start, wall_s=0.0)
 

@@ -19,6 +19,7 @@ from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapState
+from mpress.runtime.swap.store import issue_copies
 from tests.support import keys
 from tests.support.tensors import CPU, DTYPES, random_tensor, same_bits, wait_until
 
@@ -83,6 +84,18 @@ def test_views_copy_only_their_elements(make_engine, make_view, dtype):
     back = engine.fetch(handle)
     assert back.stride() == expected.stride()  # clone's preserve_format: the view's own if dense
     assert same_bits(back, expected) and torch.equal(back, expected)
+
+
+def test_copies_record_no_autograd_whatever_the_calling_threads_grad_mode():
+    """A swap-out's sources are the saved tensors as autograd gave them (they may require
+    grad): copying one into the pool must not put the pool's buffer into the graph, even
+    from a thread with grad enabled (a bool view of such a buffer cannot even be made)."""
+    pool = torch.zeros(64)
+    src = torch.randn(8, requires_grad=True) * 2
+    with torch.enable_grad():
+        issue_copies([(pool[:8], src)], None)
+    assert not pool.requires_grad and pool.grad_fn is None
+    assert torch.equal(pool[:8], src.detach())
 
 
 def test_many_swaps_in_flight(make_engine):

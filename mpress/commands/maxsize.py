@@ -4,6 +4,9 @@
         --microbatch-size 2 --num-microbatches 16
     mpress maxsize --model bert --hardware dgx-a100 --strategy recompute,mpress --json
 
+Models grow as the family's presets do, width and depth together (`maxsize.ShapeRule`).
+Each row says what bounds it: why the next size up does not fit (device memory, pinned
+host, host RAM, peer memory), or the search's --time-budget, or the widest shape tried.
 Flags left unset derive from the hardware: one stage per device (interleaved: one rank
 per device, two stages each), 2 microbatches per rank, microbatch size 1; the line
 `settings: ...` says what was used. --json prints the table's figures as JSON instead of
@@ -21,7 +24,7 @@ from mpress.commands.pipeline_args import DEFAULT_HARDWARE, DEFAULT_SCHEDULE, Pi
 from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
 from mpress.vocabulary import Strategy
-from mpress.config import output_path_arg
+from mpress.config import int_arg, output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
 from mpress.units import fmt_bytes, fmt_seconds
 
@@ -44,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              help=f"comma-separated strategies to search ({', '.join(Strategy.words())}; default: all)")
     add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
     add_flag(p, "device_memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
+    p.add_argument("--time-budget", type=int_arg(0, 10**6), default=None, metavar="SECONDS",
+                   help="per strategy, stop trying larger sizes after this many seconds (default: no limit)")
     p.add_argument("--plot", type=output_path_arg(), default=None,
                    help="write a PNG bar chart of the largest model per strategy")
     add_flag(p, "json")
@@ -54,17 +59,22 @@ def table(rows: list[MaxSize], title: str) -> Table:
     ref = next((r for r in rows if r.strategy == Strategy.MPRESS and r.model), None)
     t = Table(title=title)
     for col in ["strategy", "largest model", "parameters", "layers", "hidden", "iteration", "samples/s",
-                "size / mpress", "plans"]:
+                "size / mpress", "bound", "plans"]:
         t.add_column(col, justify="left" if col in ("strategy", "largest model") else "right")
     for r in rows:
         if r.model is None or r.result is None:
-            t.add_row(r.strategy, "[red]nothing fits[/]", "-", "-", "-", "-", "-", "-", str(r.evaluations))
+            t.add_row(r.strategy, "[red]nothing fits[/]", "-", "-", "-", "-", "-", "-", _bound(r),
+                      str(r.evaluations))
             continue
         res = r.result.evaluation.result
         t.add_row(r.strategy, r.model.name, f"{r.num_parameters / 1e9:.2f} B", str(r.model.num_layers),
                   str(r.model.hidden_size), fmt_seconds(res.iteration_s), f"{res.samples_per_s:.3g}",
-                  f"{r.num_parameters / ref.num_parameters:.2f}x" if ref else "-", str(r.evaluations))
+                  f"{r.num_parameters / ref.num_parameters:.2f}x" if ref else "-", _bound(r), str(r.evaluations))
     return t
+
+
+def _bound(row: MaxSize) -> str:
+    return row.bound.value if row.bound is not None else "-"
 
 
 def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: PipelineShape) -> dict[str, object]:
@@ -79,9 +89,12 @@ def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: Pi
                     "hidden_size": r.model.hidden_size if r.model else None,
                     "iteration_s": res.iteration_s if res else None, "samples_per_s": res.samples_per_s if res else None,
                     "size_over_mpress": r.num_parameters / ref.num_parameters if ref and r.model else None,
+                    "bound": r.bound.value if r.bound is not None else None, "bound_detail": r.bound_detail,
                     "plans": r.evaluations})
     return {"settings": {"model": family, "hardware": hardware.name, "num_devices": hardware.num_devices,
-                         "device_memory_bytes": hardware.device.memory_bytes, **shape.settings(),
+                         "device_memory_bytes": hardware.device.memory_bytes,
+                         "usable_memory_bytes": hardware.usable_memory_bytes,
+                         "pinnable_host_bytes": hardware.pinnable_bytes, **shape.settings(),
                          "defaults": dict(shape.sources)},
             "strategies": out}
 
@@ -91,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     shape = resolve_shape(args, hardware, num_layers=None)
     console = make_console(stderr=args.json)
     console.print(f"settings: model family {args.model}, hardware {hardware.name} ({hardware.num_devices} x "
-                  f"{fmt_bytes(hardware.device.memory_bytes)}), {shape.describe()}", markup=False, soft_wrap=True)
+                  f"{fmt_bytes(hardware.device.memory_bytes)}, {fmt_bytes(hardware.usable_memory_bytes)} usable; "
+                  f"{fmt_bytes(hardware.pinnable_bytes)} pinnable host), {shape.describe()}",
+                  markup=False, soft_wrap=True)
     rows = []
     with TaskProgress(console, len(args.strategy), "searching") as progress:
         for strategy in args.strategy:
@@ -99,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             row = find_max_size(
                 args.model, hardware, strategy, schedule=shape.schedule, num_stages=shape.num_stages,
                 num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
-                num_microbatches=shape.num_microbatches, progress=progress.update)
+                num_microbatches=shape.num_microbatches, time_budget_s=args.time_budget, progress=progress.update)
             rows.append(row)
             progress.advance(f"{strategy}: largest {row.model.name if row.model else 'none'} "
                              f"({row.evaluations} plans)")
@@ -109,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
         print_json({**maxsize_json(rows, hardware, args.model, shape), "plot": args.plot})
     else:
         console.print(table(rows, title))
+        for r in rows:
+            if r.bound_detail:
+                console.print(f"{r.strategy}: bound by {_bound(r)}: {r.bound_detail}", markup=False, soft_wrap=True)
     if args.plot:
         from mpress.static.plots import plot_maxsize
         plot_maxsize(rows, args.plot, title)

@@ -22,7 +22,11 @@ What is simulated:
   each moves gbps/n. A transfer *joins* its channel after the channel's latency has
   elapsed, so the latency is paid up front and does not take bandwidth. Implemented with a
   virtual clock per channel that advances gbps/n bytes per second; a transfer finishes
-  when the clock reaches its join mark plus its bytes (a heap per channel).
+  when the clock reaches its join mark plus its bytes (a heap per channel). A copy that
+  crosses several channels (an NVSwitch copy: the sender's egress and the receiver's
+  ingress port; a host copy: its PCIe uplink and host DRAM; `channels.py`) has one
+  transfer of all its bytes on each and ends when the last one does: the busiest
+  channel on its path bounds it (the device mapper's cut model).
 - Memory per device: the static bytes of its ranks; a compute task gives back its
   `release_bytes` and takes `alloc_bytes + transient_bytes` when it starts, and gives back
   `free_bytes + transient_bytes` when it ends; a copy-in takes `alloc_bytes` when it is

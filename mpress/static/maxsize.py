@@ -1,33 +1,108 @@
-"""The largest model of a family each strategy can fit on a server.
+"""The largest model of a family each strategy can fit on a server, and what bounds it.
 
-Models grow the way the presets do: the family's billion-scale presets, in order of
-size, set the widths (hidden size, heads) and a ladder of depths. For each strategy the
-search walks that ladder until a preset does not fit, then bisects the depth at the
-width of the last preset that fit, up to the size of the next preset (past the top
-preset: doubling, then bisecting). Fitting is monotone in depth at a fixed width (more
-layers per stage only add bytes), which is what makes bisection exact.
+Models grow the way the family's presets do: width and depth together. The family's
+billion-scale presets set the rule (`ShapeRule`): depth = scale x width^exponent, fitted
+to the presets by least squares in log-log space; heads of the largest preset's head
+size; sequence, vocabulary and precision of the largest preset. The candidates are the
+widths that are multiples of the head size, each at the rule's depth; bigger width means
+more parameters, more bytes per stage and wider activations, so fitting is taken as
+monotone in width: the search doubles the width from the smallest preset's until a size
+does not fit, then bisects.
+
+A size fits when the strategy's plan fits (`PlanResult.fits`): every device's emulated
+peak within its usable memory (`Hardware.usable_memory_bytes`: nominal less the reserve)
+and the pinned host buffers within what the server can pin (`Hardware.pinnable_bytes`).
+What bounds the answer (`Bound`) is why the smallest size that fails failed; or the
+search's time budget; or the largest shape searched.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
 from mpress.errors import UserError
 from mpress.hardware import Hardware
+from mpress.limits import MAX_WIDTH
 from mpress.model_config import ModelConfig, load_model_config, model_presets
 from mpress.models import num_parameters
 from mpress.static.evaluate import setup_pipeline
-from mpress.vocabulary import ScheduleName
 from mpress.static.planner import (
     PlannerOptions,
     PlanResult,
     minimum_need_bytes,
     plan_strategy,
 )
+from mpress.vocabulary import ScheduleName, Word
 
-MAX_LAYERS = 4096
-"""Depth at which the search stops doubling."""
+
+class Bound(Word):
+    """What keeps the next size up from fitting."""
+
+    DEVICE_MEMORY = "device memory"
+    """A device's peak (or what no technique can move) exceeds its usable memory."""
+    PINNED_HOST = "pinned host"
+    """The host-swap buffers exceed what the server can pin."""
+    HOST_RAM = "host RAM"
+    """The host-swap buffers exceed the host's memory (a preset that states no pinnable limit)."""
+    PEER_MEMORY = "peer memory"
+    """D2D data finds no spare peer memory over NVLink."""
+    PIPELINE_DEPTH = "pipeline depth"
+    """The rule's depth is too shallow for the pipeline's stages (small widths only)."""
+    TIME = "time"
+    """The search's time budget ran out: larger sizes were not tried."""
+    LARGEST_SHAPE = "largest shape"
+    """The widest shape the search tries fits."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeRule:
+    """A family's shape rule: depth = scale x width^exponent (rounded, >= 1); heads of
+    `head_dim`; everything else as `base` (the family's largest preset)."""
+
+    family: str
+    base: ModelConfig
+    head_dim: int
+    scale: float
+    exponent: float
+
+    def depth(self, width: int) -> int:
+        """Blocks of the model of this width."""
+        return max(1, round(self.scale * width ** self.exponent))
+
+    def model(self, width: int) -> ModelConfig:
+        """The family's model of this width (a multiple of `head_dim`), named by its size."""
+        if width <= 0 or width % self.head_dim:
+            raise UserError(f"width {width} is not a positive multiple of the {self.family} head size {self.head_dim}")
+        b = self.base
+        ffn = None if b.ffn_hidden_size is None else round(b.ffn_hidden_size * width / b.hidden_size)
+        cfg = replace(b, hidden_size=width, num_heads=width // self.head_dim, num_layers=self.depth(width),
+                      ffn_hidden_size=ffn, num_kv_heads=None)
+        return replace(cfg, name=f"{b.family}-{num_parameters(cfg) / 1e9:.2f}b-L{cfg.num_layers}-h{width}")
+
+
+def family_ladder(family: str) -> list[ModelConfig]:
+    """Billion-scale presets of `family` (names ending in `b`), smallest first."""
+    configs = [load_model_config(n) for n in model_presets() if n.startswith(f"{family}-") and n.endswith("b")]
+    if not configs:
+        raise UserError(f"unknown family {family!r} (known: gpt, bert)")
+    return sorted(configs, key=num_parameters)
+
+
+def family_rule(family: str) -> ShapeRule:
+    """`ShapeRule` fitted to the family's billion-scale presets (least squares of log depth
+    on log width; a single width, or one preset: depth in proportion to width)."""
+    ladder = family_ladder(family)
+    top = ladder[-1]
+    xs = [math.log(c.hidden_size) for c in ladder]
+    ys = [math.log(c.num_layers) for c in ladder]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    exponent = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 1.0
+    return ShapeRule(family=family, base=top, head_dim=top.hidden_size // top.num_heads,
+                     scale=math.exp(my - exponent * mx), exponent=exponent)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,80 +116,97 @@ class MaxSize:
     """The strategy's plan for that model, with the full search."""
     evaluations: int
     """Plans made during the search."""
+    bound: Bound | None = None
+    """What keeps the next size up from fitting (None: a row not found by the search)."""
+    bound_detail: str = ""
+    """The next size up and why it does not fit (the planner's reason)."""
 
 
-def family_ladder(family: str) -> list[ModelConfig]:
-    """Billion-scale presets of `family` (names ending in `b`), smallest first."""
-    configs = [load_model_config(n) for n in model_presets() if n.startswith(f"{family}-") and n.endswith("b")]
-    if not configs:
-        raise UserError(f"unknown family {family!r} (known: gpt, bert)")
-    return sorted(configs, key=num_parameters)
-
-
-def with_layers(base: ModelConfig, num_layers: int) -> ModelConfig:
-    """`base` at another depth, named by its parameter count."""
-    cfg = replace(base, num_layers=num_layers)
-    return replace(cfg, name=f"{base.family}-{num_parameters(cfg) / 1e9:.2f}b-L{num_layers}-h{base.hidden_size}")
+def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
+    """Why a plan that does not fit fails, as a `Bound`."""
+    if result.host_bytes > hardware.pinnable_bytes:
+        return Bound.PINNED_HOST if hardware.pinnable_host_bytes is not None else Bound.HOST_RAM
+    if any(p > hardware.usable_memory_bytes for p in result.evaluation.result.peak_bytes):
+        return Bound.DEVICE_MEMORY
+    return Bound.PEER_MEMORY if "D2D" in result.reason else Bound.DEVICE_MEMORY
 
 
 def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: ScheduleName, num_stages: int,
                   microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
+                  time_budget_s: float | None = None,
                   progress: Callable[[str], None] | None = None) -> MaxSize:
-    """Largest model of `family` that `strategy` fits (see the module docstring)."""
+    """Largest model of `family` that `strategy` fits (see the module docstring).
+    time_budget_s: stop trying larger sizes after this many seconds (None: no limit)."""
     note = progress or (lambda _m: None)
     quick = PlannerOptions(max_d2d_rounds=0)  # D2D rounds buy speed, not fit: skip while searching
+    rule = family_rule(family)
+    shape = dict(schedule=schedule, num_stages=num_stages, num_ranks=num_ranks, microbatch_size=microbatch_size,
+                 num_microbatches=num_microbatches)
+    t0 = time.monotonic()
     count = 0
-    cache: dict[tuple[int, int], bool] = {}
+    why: dict[int, tuple[Bound, str]] = {}  # width index -> why it does not fit
 
-    def fits(cfg: ModelConfig) -> bool:
+    def fits(i: int) -> bool:
         nonlocal count
-        key = (cfg.hidden_size, cfg.num_layers)
-        if key not in cache:
-            if cfg.num_layers + 2 < num_stages:
-                cache[key] = False
-                return False
-            setup = setup_pipeline(cfg, hardware, schedule=schedule, num_stages=num_stages, num_ranks=num_ranks,
-                                   microbatch_size=microbatch_size, num_microbatches=num_microbatches)
-            if any(floor > hardware.device.memory_bytes for floor in minimum_need_bytes(setup)):
-                cache[key] = False
-            else:
-                count += 1
-                cache[key] = plan_strategy(setup, strategy, quick).fits
-            note(f"{strategy}: {cfg.name} {'fits' if cache[key] else 'does not fit'}")
-        return cache[key]
+        if i in why:
+            return False
+        cfg = rule.model(i * rule.head_dim)
+        if cfg.num_layers + 2 < num_stages:
+            why[i] = (Bound.PIPELINE_DEPTH, f"{cfg.name}: {cfg.num_layers} blocks for {num_stages} stages")
+            return False
+        setup = setup_pipeline(cfg, hardware, **shape)
+        floor = max(minimum_need_bytes(setup))
+        if floor > hardware.usable_memory_bytes:
+            why[i] = (Bound.DEVICE_MEMORY, f"{cfg.name}: a stage needs {floor} bytes no technique can move, "
+                                           f"above the {hardware.usable_memory_bytes} usable")
+            return False
+        count += 1
+        res = plan_strategy(setup, strategy, quick)
+        note(f"{strategy}: {cfg.name} {'fits' if res.fits else 'does not fit'}")
+        if not res.fits:
+            why[i] = (plan_bound(hardware, res), f"{cfg.name}: {res.reason}")
+        return res.fits
 
-    ladder = family_ladder(family)
-    best: ModelConfig | None = None
-    nxt: ModelConfig | None = None
-    for i, cfg in enumerate(ladder):
-        if not fits(cfg):
-            nxt = cfg
+    def out_of_time() -> bool:
+        return time_budget_s is not None and time.monotonic() - t0 >= time_budget_s
+
+    top = MAX_WIDTH // rule.head_dim
+    start = max(1, family_ladder(family)[0].hidden_size // rule.head_dim)
+    lo, hi = (start, None) if fits(start) else (0, start)  # lo fits (or is 0), hi does not (or is None)
+    timed_out = False
+    while hi is None and lo < top:
+        if out_of_time():
+            timed_out = True
             break
-        best = cfg
-    if best is None:  # even the smallest preset fails: bisect its depth downwards
-        base = ladder[0]
-        lo, hi = 0, base.num_layers
-    else:
-        base = best
-        lo = best.num_layers
-        if nxt is not None:
-            hi = next(L for L in range(lo, MAX_LAYERS + 1)
-                      if num_parameters(replace(best, num_layers=L)) >= num_parameters(nxt))
+        nxt = min(2 * lo, top)
+        if fits(nxt):
+            lo = nxt
         else:
-            hi = lo
-            while hi < MAX_LAYERS and fits(with_layers(best, min(2 * hi, MAX_LAYERS))):
-                lo = hi = min(2 * hi, MAX_LAYERS)
-            hi = min(2 * hi, MAX_LAYERS) if hi < MAX_LAYERS else hi
-    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not (or is the next size)
+            hi = nxt
+    while hi is not None and hi - lo > 1 and not timed_out:
+        if out_of_time():
+            timed_out = True
+            break
         mid = (lo + hi) // 2
-        if fits(with_layers(base, mid)):
+        if fits(mid):
             lo = mid
         else:
             hi = mid
+    if timed_out:
+        bound, detail = Bound.TIME, f"stopped after {time_budget_s} s"
+    elif hi is None:
+        bound, detail = Bound.LARGEST_SHAPE, f"width {lo * rule.head_dim} is the widest searched"
+    else:
+        bound, detail = why[hi]
     if lo == 0:
-        return MaxSize(strategy=strategy, model=None, num_parameters=0, result=None, evaluations=count)
-    model = base if lo == base.num_layers else with_layers(base, lo)
-    setup = setup_pipeline(model, hardware, schedule=schedule, num_stages=num_stages, num_ranks=num_ranks,
-                           microbatch_size=microbatch_size, num_microbatches=num_microbatches)
+        return MaxSize(strategy=strategy, model=None, num_parameters=0, result=None, evaluations=count,
+                       bound=bound, bound_detail=detail)
+    model = rule.model(lo * rule.head_dim)
+    setup = setup_pipeline(model, hardware, **shape)
+    result = plan_strategy(setup, strategy)
+    count += 1
+    if not result.fits:  # the full search never loses the fit the quick one found; if it did, keep that
+        result = plan_strategy(setup, strategy, quick)
+        count += 1
     return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model),
-                   result=plan_strategy(setup, strategy), evaluations=count + 1)
+                   result=result, evaluations=count, bound=bound, bound_detail=detail)

@@ -392,9 +392,9 @@ class _Planner(D2DSteps):
             peers.append([dev for dev, _f in (d.stripes[s] if d.stripes else ())] if self._d2d_bytes(d, s) else [])
         host = sum(sp.pinned_host_bytes for sp in plan.stages)
         fits, reason = ev.result.fits, ""
-        if host > self.hw.host_memory_bytes:
-            fits, reason = False, (f"host memory too small for the host-swap volume: needs {fmt_bytes(host)}, "
-                                   f"{self.hw.name} has {fmt_bytes(self.hw.host_memory_bytes)}")
+        if host > self.hw.pinnable_bytes:
+            fits, reason = False, (f"pinnable host memory too small for the host-swap volume: needs "
+                                   f"{fmt_bytes(host)}, {self.hw.name} can pin {fmt_bytes(self.hw.pinnable_bytes)}")
         elif d.unplaced_bytes:
             fits, reason = False, (f"{fmt_bytes(d.unplaced_bytes)} of D2D data "
                                    f"{d.unplaced_why or 'find no spare peer memory over NVLink'}")

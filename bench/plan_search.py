@@ -55,14 +55,16 @@ def granularity_table(hw: Hardware, names: list[str], num_microbatches: int) -> 
     """Iteration over the ideal of `recompute` and `mpress`, whole-layer vs per-tensor recompute."""
     table = Table(title=f"recompute granularity on {hw.name}: iteration / ideal (8 stages, {num_microbatches} "
                         "microbatches); x = does not fit")
+    skipped: list[str] = []
     for col in ["model", "recompute, whole layers", "recompute, per tensor", "per tensor / whole",
                 "mpress, whole layers", "mpress, per tensor", "per tensor / whole "]:
         table.add_column(col, justify="left" if col == "model" else "right")
     for name in names:
         try:
             setup = _setup(name, hw, num_microbatches)
-        except UserError as exc:
-            table.add_row(name, f"[dim]{exc}[/]", *[""] * 5)
+        except UserError as exc:  # e.g. a bf16 model on a device without bf16
+            table.add_row(name, "[dim]cannot plan here[/]", *[""] * 5)
+            skipped.append(f"{name}: {exc}")
             continue
         ideal = plan_strategy(setup, "none").evaluation.result.iteration_s
         cells = [name]
@@ -77,6 +79,8 @@ def granularity_table(hw: Hardware, names: list[str], num_microbatches: int) -> 
             cells.append(f"{per / whole:.3f}" if whole_fits and per_fits else
                          "only per tensor fits" if per_fits else "only whole fits" if whole_fits else "-")
         table.add_row(*cells)
+    if skipped:
+        table.caption = "; ".join(dict.fromkeys(x.split(": ", 1)[1] for x in skipped))
     return table
 
 

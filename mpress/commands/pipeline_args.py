@@ -238,10 +238,12 @@ def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profil
         return None
     if args.profile or getattr(args, "module", None) or args.model:
         raise UserError("give --hf-config (profiled now) or --model, --module or --profile, not both")
+    from mpress.models.user_module import parse_layers
     from mpress.static.fake_profile import profile_hf_model
 
     return profile_hf_model(name, microbatch_size=args.microbatch_size or DEFAULT_MICROBATCH_SIZE,
-                            hardware=hardware, fake=None, seq_len=args.seq_len)
+                            hardware=hardware, fake=None, seq_len=args.seq_len,
+                            layers=parse_layers(getattr(args, "layers", None)))
 
 
 def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:

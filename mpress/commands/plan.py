@@ -66,7 +66,7 @@ def profile_for_args(args: argparse.Namespace) -> Profile | None:
     """The profile to plan from: `--module` profiled now, `--profile` read, or None (the
     analytic profile of `--model`); the microbatch size then defaults to its
     (`pipeline_args.resolve_shape`)."""
-    if args.layers is not None and not args.module:
+    if args.layers is not None and not (args.module or args.hf_config):
         raise UserError("--layers names split points of a --module")
     if args.fake and not args.module:
         raise UserError("--fake profiles a --module; for a preset use mpress profile --fake and --profile")

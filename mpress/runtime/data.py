@@ -330,9 +330,10 @@ def batches(dataset: TokenDataset, *, microbatch_size: int, num_microbatches: in
 
 
 def build_dataset(data: DataConfig, model: ModelConfig, *, seed: int) -> SyntheticTokens | TokenFile:
-    """The dataset a training config asks for, shaped for `model`: GPT trains on the
-    causal objective, BERT on the masked one; sequences have the model's seq_len."""
-    objective: Objective = "causal" if model.family == "gpt" else "masked"
+    """The dataset a training config asks for, shaped for `model`: decoders (GPT, Llama:
+    `ModelConfig.causal`) train on the causal objective, BERT on the masked one;
+    sequences have the model's seq_len."""
+    objective: Objective = "causal" if model.causal else "masked"
     if data.kind == "synthetic":
         return SyntheticTokens(model.vocab_size, model.seq_len, seed=seed, branching=data.branching,
                                objective=objective, mask_prob=data.mask_prob)

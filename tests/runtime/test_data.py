@@ -279,3 +279,10 @@ def test_build_dataset_follows_the_model_family(tmp_path):
     np.save(path, TOKENS)
     ds = build_dataset(DataConfig(kind="file", path=str(path)), gpt, seed=0)
     assert isinstance(ds, TokenFile) and len(ds) == (100 - 1) // 32
+
+
+@pytest.mark.parametrize("name, objective", [("gpt-tiny", "causal"), ("llama-tiny", "causal"), ("bert-tiny", "masked")])
+def test_each_family_trains_on_its_objective(name, objective):
+    """Decoders (GPT, Llama) predict the next token; encoders (BERT) the masked ones."""
+    model = load_model_config(name)
+    assert build_dataset(DataConfig(), model, seed=0).objective == objective

@@ -206,25 +206,31 @@ def is_reduction(task: Task) -> bool:
 
 
 def exposed_reduction_s(result: EmulatorResult) -> float:
-    """How long the reduction holds up the slowest rank: per rank, the wait of each
-    optimizer step for reductions that end after the compute task before it, plus the
-    time its reductions run past its last compute task; the most over the ranks. 0
-    without reductions."""
+    """How long the reduction holds up the slowest rank: per rank, for each optimizer step
+    that waits for reductions, the time between when everything else it waits for was
+    ready (the compute task before it, its other copy-ins) and the later of its start and
+    its reductions' end; plus the time its reductions run past its last compute task. The
+    most over the ranks; 0 without reductions. (What this costs the iteration is at most
+    this: the rank may not be the one that ends last.)"""
     worst = 0.0
     for r, tasks in enumerate(result.program.ranks):
         starts, ends = result.task_start_s[r], result.task_end_s[r]
-        dp_end: dict[str, float] = {t.action.tensor or "": ends[i] for i, t in enumerate(tasks) if is_reduction(t)}
+        dp_end = {t.action.tensor or "": ends[i] for i, t in enumerate(tasks) if is_reduction(t)}
         if not dp_end:
             continue
-        exposed, previous_end, last_compute = 0.0, 0.0, 0.0
+        in_end: dict[str, float] = {}  # latest end of each other copy-in issued so far
+        exposed, previous_end = 0.0, 0.0
         for i, t in enumerate(tasks):
             if not t.action.is_compute:
+                if not is_reduction(t):
+                    in_end[t.action.tensor or ""] = ends[i]
                 continue
             ready = max((dp_end[x] for x in t.consumes if x in dp_end), default=None)
             if ready is not None:
-                exposed += max(0.0, min(starts[i], ready) - previous_end)
-            previous_end = last_compute = ends[i]
-        exposed += max(0.0, max(dp_end.values()) - last_compute)
+                others = max([previous_end] + [in_end[x] for x in t.consumes if x in in_end])
+                exposed += max(0.0, min(starts[i], ready) - others)
+            previous_end = ends[i]
+        exposed += max(0.0, max(dp_end.values()) - previous_end)
         worst = max(worst, exposed)
     return worst
 

@@ -68,8 +68,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                                                 "it does not fit here): a built-in config (gpt2-tiny, llama-tiny, "
                                                 "bert-tiny, llama-2-7b), a config.json or a local weights directory")
     add_flag(p, "seq_len", default=None)
-    p.add_argument("--balance", default="compute", choices=["compute", "memory"],
-                   help="partition layers to balance compute (PipeDream/DAPPLE default) or memory")
+    p.add_argument("--balance", default=None, choices=["compute", "memory"],
+                   help="partition layers to balance compute (PipeDream/DAPPLE; the default) or memory; "
+                        "with a plan: its stages' layers unless given")
     add_flag(p, "num_nodes", default=None, help="nodes, each running one replica of the pipeline, gradients "
                                                 "reduced across them over the network of configs/clusters/"
                                                 "<hardware>.yaml (default: 1)")
@@ -193,9 +194,13 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
         profile = analytic_profile(model, hardware, args.microbatch_size or DEFAULT_MICROBATCH_SIZE)  # type: ignore[arg-type]
         num_layers = len(profile.layers)
     shape = resolve_shape(args, hardware, num_layers=num_layers, plan=plan, profile=shape_profile)
+    # a plan keeps its stages' layers unless --balance asks for another split (which the
+    # plan check then refuses, naming both)
+    ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages] if plan is not None and not args.balance else None
     setup = setup_pipeline(model, hardware, schedule=shape.schedule, num_stages=shape.num_stages,  # type: ignore[arg-type]
                            num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
-                           num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance,
+                           num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance or "compute",
+                           ranges=ranges,
                            profile_path=str(args.profile) if args.profile else "profile",
                            data_parallel=data_parallel_from_args(args, hardware))
     return setup, shape

@@ -206,3 +206,22 @@ def test_a_plan_recomputing_a_set_no_profile_measured_is_one_line_naming_the_fil
     assert "\n" not in err
     assert err.startswith(f"mpress emulate: error: {bad}: stage 0 microbatch ")
     assert "layers.0 recomputed keeping layers.0.mlp.drop#0 is not a choice its profile measured" in err
+
+
+def test_a_plan_made_with_memory_balance_emulates_on_its_own_stages(tmp_path, capsys):
+    """`mpress emulate PLAN` keeps the plan's stage split; it does not re-split the layers
+    by the default (compute) balance and then refuse the plan for not matching."""
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "llama-3-8b", "--hardware", "hgx-h100", "--balance", "memory",
+                 "--out", str(out)]) == 0
+    plan = Plan.load(str(out))
+    compute = setup_pipeline(load_model_config("llama-3-8b"), load_hardware("hgx-h100"), schedule=plan.schedule,
+                             num_stages=plan.num_stages, microbatch_size=plan.microbatch_size,
+                             num_microbatches=plan.num_microbatches)
+    assert [(sp.first_layer, sp.end_layer) for sp in plan.stages] != compute.ranges  # the balances differ here
+    capsys.readouterr()
+    assert main(["emulate", str(out), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["emulate", str(out), "--balance", "compute"]) == 2  # another split: refused, one line
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"mpress emulate: error: {out}: stages[0].end_layer: stage 0 holds layers")

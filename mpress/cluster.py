@@ -82,7 +82,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nodes <= MAX_NODES:
-            raise UserError(f"--num-nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
+            raise UserError(f"--nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
         mapped = len(self.network.nic_of_device)
         if mapped and mapped != self.hardware.num_devices:
             raise UserError(f"network of {self.network.hardware}: nic_of_device names {mapped} devices, hardware "

@@ -101,7 +101,7 @@ FLAGS: dict[str, Flag] = {
     "num_microbatches": Flag(("--num-microbatches", "--microbatches"),
                              dict(type=int_arg(1, limits.MAX_MICROBATCHES), metavar="M",
                                   help="microbatches per iteration")),
-    "num_nodes": Flag(("--num-nodes", "--nodes"), dict(type=int_arg(1, MAX_NODES), metavar="N",
+    "num_nodes": Flag(("--nodes",), dict(dest="num_nodes", type=int_arg(1, MAX_NODES), metavar="N",
                                                        help="nodes, each running one replica of the pipeline "
                                                             "(data parallelism across nodes)")),
     "dp_sharding": Flag(("--dp-sharding",), dict(choices=Sharding.words(),

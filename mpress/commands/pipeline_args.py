@@ -74,7 +74,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "num_nodes", default=None, help="nodes, each running one replica of the pipeline, gradients "
                                                 "reduced across them over the network of configs/clusters/"
                                                 "<hardware>.yaml (default: 1)")
-    add_flag(p, "dp_sharding", default=None, help="with --num-nodes: ddp (every replica holds all model states) or "
+    add_flag(p, "dp_sharding", default=None, help="with --nodes: ddp (every replica holds all model states) or "
                                                   "fsdp (optimizer states and master weights sharded over the "
                                                   "nodes) (default: ddp)")
     add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
@@ -207,12 +207,12 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
 
 
 def data_parallel_from_args(args: argparse.Namespace, hardware: Hardware) -> DataParallel | None:
-    """`--num-nodes` replicas of the pipeline with `--dp-sharding` (default ddp); None for
+    """`--nodes` replicas of the pipeline with `--dp-sharding` (default ddp); None for
     one node (the single-server emulation, unchanged)."""
     nodes, sharding = getattr(args, "num_nodes", None), getattr(args, "dp_sharding", None)
     if nodes is None or nodes == 1:
         if sharding is not None and nodes is None:
-            raise UserError("--dp-sharding shards model states over the replicas of --num-nodes N")
+            raise UserError("--dp-sharding shards model states over the replicas of --nodes N")
         return None
     return DataParallel(cluster=make_cluster(hardware, nodes), sharding=Sharding(sharding or Sharding.DDP))
 

@@ -43,8 +43,8 @@ def one_line_error(capsys, words):
 
 @pytest.mark.parametrize("argv, words", [
     (["--hardware", "cpu-local", "--nodes", "2"], "no network preset"),
-    (["--dp-sharding", "fsdp"], "--num-nodes"),
-    (["--nodes", "0"], "--num-nodes"),
+    (["--dp-sharding", "fsdp"], "--nodes"),
+    (["--nodes", "0"], "--nodes"),
 ])
 def test_bad_node_input_is_one_line_and_exit_2(capsys, argv, words):
     with pytest.raises(SystemExit) as exc:

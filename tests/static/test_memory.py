@@ -96,7 +96,8 @@ def test_channels_and_peer_paths_follow_topology():
     # GPU 0 and 3 share 2 NVLink2 links, 0 and 5 none: 0->5 goes through host over PCIe
     assert ch["nvlink:0->3"].gbps == pytest.approx(2 * ch["nvlink:0->1"].gbps)
     assert "nvlink:0->5" not in ch
-    assert [t.channel for t in peer_transfers(DGX1, 0, 5, 100)] == ["pcie-up:0", "pcie-down:2"]
+    # through host DRAM: written by 0's uplink, read by 5's
+    assert [t.channel for t in peer_transfers(DGX1, 0, 5, 100)] == ["pcie-up:0", "host-mem", "pcie-down:2", "host-mem"]
     # GPUs 0 and 1 share a PCIe switch: one uplink
     assert ch["pcie-up:0"] is ch.get(f"pcie-up:{DGX1.pcie_group(1)}")
     a100 = load_hardware("dgx-a100")
@@ -160,8 +161,8 @@ def test_lowering_layer_tasks_copies_and_release_points():
     # a recompute takes its layer's forward time
     assert [t.compute_s for t in tasks if t.action.is_compute][:-1] == [1e-3] * 5 + [2e-3] * 4
     assert origins == [0, 0, 0, 0, 3, 3, 4, 5, 5, 5, 7, 7, 8]
-    assert [(x.channel, x.bytes) for x in tasks[1].transfers] == [("pcie-up:0", 10)]
-    assert [(x.channel, x.bytes) for x in tasks[6].transfers] == [("pcie-down:0", 10)]
+    assert [(x.channel, x.bytes) for x in tasks[1].transfers] == [("pcie-up:0", 10), ("host-mem", 10)]
+    assert [(x.channel, x.bytes) for x in tasks[6].transfers] == [("pcie-down:0", 10), ("host-mem", 10)]
     assert (tasks[1].cost, tasks[3].cost, tasks[7].cost) == ("host", "drop", "recompute")
     assert walk_peaks(tasks, 0) == [14, 12, 26, 14, 18, 30, 36, 36, 56, 49, 41, 33, 20]
     # what is left: the input gradients of the stage (2 per microbatch): lowered without
@@ -215,7 +216,7 @@ def test_optimizer_states_striped_over_peers_travel_nvlink():
     # the step of the rest of the stage is its release point and frees the other gradients
     assert (rest.release_bytes, rest.free_bytes) == (30, 4)
     host = lower(f"0F0 0B0 0OO:{o}", {o: TensorInfo(bytes=5)})[-1]
-    assert [t.channel for t in host.transfers] == ["pcie-up:0"] and host.free_bytes == 5
+    assert [t.channel for t in host.transfers] == ["pcie-up:0", "host-mem"] and host.free_bytes == 5
 
 
 def test_lowering_errors_say_what_is_wrong():

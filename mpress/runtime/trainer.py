@@ -34,6 +34,7 @@ from mpress.models.transformer import TORCH_DTYPES
 from mpress.models.user import UserModel
 from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan
+from mpress.runtime.data_parallel import replicate_stages
 from mpress.runtime.job_state import Chunk, load_state, save_state
 from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.master_weights import MasterWeights
@@ -99,10 +100,13 @@ class PipelineJob:
     """
 
     def __init__(self, spec: JobSpec, plan: Plan | None, device: torch.device, *,
-                 group: dist.ProcessGroup | None = None, peers: PeerStores | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, peers: PeerStores | None = None,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
         """group: the pipeline's process group (send/recv). peers: the job's D2D side, set
         up by every rank before (`mpress.launcher.job.start_job` does both); needed when
-        the plan reserves peer pools or D2D-swaps. The job owns it and closes it."""
+        the plan reserves peer pools or D2D-swaps. The job owns it and closes it.
+        dp_group: this rank's stage replicas when the job runs several replicas of the
+        pipeline (`mpress.runtime.data_parallel`): gradients are averaged over it."""
         self.spec = spec
         self.plan = plan
         self.device = device
@@ -143,6 +147,8 @@ class PipelineJob:
             self.stages.append(stage)
             self.params[s] = layer_params(module, layers)
         self._user_stages.clear()  # the other stages' modules are not this rank's to keep
+        if dp_group is not None:  # before the schedule runs them; the modules keep their names
+            replicate_stages(self.stages, dp_group, device)
         self.tied = TiedGrads(getattr(spec.model, "tied_groups", []), stage_ids=self.stage_ids,
                               modules=self.modules, world=self.world, group=group)
         """Copies of a weight several stages use (tied embeddings): gradients summed each step."""

@@ -1,0 +1,80 @@
+"""Data-parallel replicas of the pipeline on CPU (gloo): a `dp` x `pp` mesh, each stage's
+gradients averaged over its replicas by DDP (`mpress.runtime.data_parallel`).
+
+Under a mixed plan (host swap, recompute, optimizer-state offload) every rank's losses
+and final state equal the same dp x pp run without a plan bit for bit, and the replicas,
+which trained on different batches, end with identical states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpress.launcher.job import start_job
+from mpress.model_config import load_model_config
+from mpress.plan import Plan, TensorRule
+from mpress.runtime.data_parallel import make_replicas
+from mpress.runtime.trainer import JobSpec
+from tests.support.compare import assert_identical, assert_states_equal
+from tests.support.plans import pipeline_plan
+from tests.support.spawn import spawn
+from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, batch
+
+NUM_MICROBATCHES = 4
+
+
+def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int):
+    """One job per plan on a dp x pp mesh; replica k trains on batches k, dp + k, ..."""
+    replicas = make_replicas(dp, "cpu")
+    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[replicas.pp_size],
+                   microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=3)
+    for plan_path in plan_paths:
+        torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
+        plan = Plan.load(plan_path) if plan_path else None
+        job = start_job(spec, plan, torch.device("cpu"), group=replicas.pp_group, dp_group=replicas.dp_group)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step * dp + replicas.dp_rank, NUM_MICROBATCHES)
+            losses.append(job.step(x, y).loss)
+        swapped = sum(rt.router.tensors_swapped for rt in job.runtimes)
+        recomputed = sum(rt.router.layers_recomputed for rt in job.runtimes)
+        yield {"losses": losses, "state": job.state(), "dp_rank": replicas.dp_rank, "pp_rank": replicas.pp_rank,
+               "swapped": swapped, "recomputed": recomputed, "offloaded": sorted(job.offloads)}
+        job.close()
+
+
+def _mixed_plan(pp: int) -> Plan:
+    """Host swap, recompute and optimizer-state offload, spread over the stages."""
+    last = pp - 1
+    rules = {0: [TensorRule(tensor="optim:*", technique="host"), TensorRule(tensor="layers.0.**", technique="host")],
+             1: [TensorRule(tensor="layers.*.**", technique="recompute", microbatches="0-1"),
+                 TensorRule(tensor="layers.*.**", technique="host", microbatches="2-3")]}
+    rules.setdefault(last, []).extend([TensorRule(tensor="optim:*", technique="host"),
+                                       TensorRule(tensor="head.**", technique="recompute")])
+    return pipeline_plan("1f1b", pp, NUM_MICROBATCHES, rules)
+
+
+def _check(dp: int, pp: int) -> None:
+    spawned = spawn(_dp_worker, dp * pp, [None, _mixed_plan(pp)], dp, timeout_s=600)
+    assert not spawned.errors, spawned.errors
+    plain, mixed = spawned.results
+    assert [(r["dp_rank"], r["pp_rank"]) for r in mixed] == [(k, p) for k in range(dp) for p in range(pp)]
+    assert_identical(plain, mixed)
+    assert sum(r["swapped"] for r in mixed) > 0 and sum(r["recomputed"] for r in mixed) > 0
+    assert any(r["offloaded"] for r in mixed)
+    last = [r for r in mixed if r["pp_rank"] == pp - 1]
+    assert all(None not in r["losses"] for r in last)
+    assert last[0]["losses"] != last[1]["losses"], "the replicas trained on the same batches"
+    for run in (plain, mixed):  # the reduction keeps the replicas equal
+        for p in range(pp):
+            assert_states_equal(run[p]["state"], run[pp + p]["state"])
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_stages_equal_the_plain_run_and_each_other():
+    _check(2, 2)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_four_stages_equal_the_plain_run_and_each_other():
+    _check(2, 4)

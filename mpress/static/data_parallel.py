@@ -28,8 +28,9 @@ a NIC, or an interleaved rank's stages, share its bandwidth):
 
 The optimizer step of a stage waits for the stage's reductions (its `consumes`), so a
 reduction that outlasts the backward shows as a stall blamed on `Cost.DATA_PARALLEL`.
-The tasks use the OI/OO action kinds (a copy in the optimizer's stead, one with no
-microbatch) under tensor names `<stage>:optim:dp-reduce:<layer>` and
+The tasks use the OI action kind (a copy, with no microbatch, that only what names it
+in `consumes` waits for: the next iteration's forward would wait for the gather, none in
+this one) under tensor names `<stage>:optim:dp-reduce:<layer>` and
 `<stage>:optim:dp-gather` (`reduce_name`, `gather_name`); they are emulator tasks only,
 never plan actions. With dp = 1 nothing is added.
 
@@ -195,7 +196,7 @@ def _rank_with_reduction(tasks: tuple[Task, ...], costs: list[StageCosts], devic
                 issued.setdefault(a.stage, []).append(name)
         if dp.sharded and last_opt.get(a.stage) == i and costs[a.stage].param_bytes:
             wire = ring_wire_bytes(costs[a.stage].param_bytes, dp.degree, all_reduce=False)
-            out.append(Task(Action(a.stage, Kind.OO, None, gather_name(a.stage)),
+            out.append(Task(Action(a.stage, Kind.OI, None, gather_name(a.stage)),
                             transfers=(Transfer(channel, wire),), cost=Cost.DATA_PARALLEL))
     return tuple(out)
 

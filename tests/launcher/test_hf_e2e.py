@@ -30,16 +30,16 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf"
 PROFILE = ["profile", "--hf-config", "gpt2-tiny", "--microbatch-size", "2", "--fake", "--hardware", "cpu-local",
            "--out", "profile.yaml"]
 PLAN = ["plan", "--profile", "profile.yaml", "--hardware", "cpu-local", "--num-stages", "2",
-        "--num-microbatches", "4", "--device-memory", "850KB", "--out", "plan.yaml"]
+        "--num-microbatches", "4", "--device-memory", "700KB", "--out", "plan.yaml"]
 TRAIN = ["train", "--config", "train.yaml", "--nproc-per-node", "2"]
 """README.md's commands for `examples/hf` (GPT-2); the other families run the same with
 their name, rank count and memory in place of GPT-2's."""
 
 CASES = [
     # (config, ranks, device memory the plan is made for, tied parameter on the first / last stage)
-    ("gpt2-tiny", 2, "850KB", ("embed.tokens.weight", "head.lm_head.weight")),
+    ("gpt2-tiny", 2, "700KB", ("embed.tokens.weight", "head.lm_head.weight")),
     ("llama-tiny", 2, "500KB", None),
-    ("bert-tiny", 4, "550KB", ("embed.word_embeddings.weight", "head.predictions.decoder.weight")),
+    ("bert-tiny", 4, "420KB", ("embed.word_embeddings.weight", "head.predictions.decoder.weight")),
 ]
 
 
@@ -75,7 +75,7 @@ def test_hf_profile_plan_train_equals_plain_pipelining(tmp_path, name, ranks, me
     mpress(for_case(PLAN, name, ranks, memory), tmp_path)
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     techniques = {r["technique"] for st in plan["stages"] for r in st.get("rules", [])}
-    assert len(techniques) >= 2 and "recompute" in techniques, techniques  # a mixed plan
+    assert len(techniques - {"keep"}) >= 2 and "recompute" in techniques, techniques  # a mixed plan
 
     train = [*for_case(TRAIN, name, ranks, memory), "--hf-config", name]  # the example's config, another model
     mixed = mpress([*train, "--checkpoint.dir", "ck-mixed"], tmp_path)

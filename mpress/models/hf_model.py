@@ -107,9 +107,10 @@ def load_hf_model(name: str, *, microbatch_size: int, seq_len: int | None = None
     source = resolve_hf(name, seq_len=seq_len, layers=layers)
     torch.manual_seed(seed)
     chain = source.build_chain()
-    ids, _targets = source.example(microbatch_size, seed=seed)
+    ids, targets = source.example(microbatch_size, seed=seed)
+    masked = source.masked_lm
     return HFModel(spec=source.label, module=chain, example_input=(ids,),
-                   loss_fn=lambda out: lm_loss(out, _targets, masked=source.masked_lm),
+                   loss_fn=lambda out: lm_loss(out, targets, masked=masked),
                    layers=chain.layer_names(), source=source, vocab_size=source.vocab_size())
 
 

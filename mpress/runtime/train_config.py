@@ -7,8 +7,9 @@ out-of-range values naming the file and the key; `load_train_config` adds the ru
 involve several fields or the file system (plan file present, model preset known, ...).
 
 Relative paths in a train config (`model`, `plan`, `hardware` when they are paths,
-`data.path`, `checkpoint.dir`) are relative to the directory of the config file, so a
-config and its plan/data can travel together; `load_train_config` returns them absolute.
+`hf_config` unless it names a built-in config, `data.path`, `checkpoint.dir`) are
+relative to the directory of the config file, so a config and its plan/data can travel
+together; `load_train_config` returns them absolute.
 A `model`/`hardware` value without a `.yaml`/`.yml`/`.json` suffix and without a `/` is a
 preset name (`configs/models/`, `configs/hardware/`).
 

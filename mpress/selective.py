@@ -20,6 +20,15 @@ follow from torch's semantics and are checked, not guessed (`closed_set`):
   one is replayed, all before and after it must be too, or the stream shifts and the
   masks differ. So random operators are replayed all together or cached all together.
 
+Torch's cache refuses an entry whose tensor changed after it was cached, and an
+operator writing in place is seen by the policy before torch bumps the version of what
+it wrote: operators that write in place, or whose output a later one writes in place,
+are never cached (`OpCost.cacheable`), so what they produce is recomputed; when one
+random operator cannot be cached (CPU's dropout: `bernoulli_` then `div_`), all replay.
+Operators after the last saved tensor are never cached (the replay stops before them).
+The policy checks, op by op, that the forward runs the operators of the trace (an
+autocast or a data-dependent branch would shift every ordinal) and refuses otherwise.
+
 A saved tensor no operator of the layer produced (the layer's input, a buffer, a
 tensor saved by the loss outside the layer) has no producer: the checkpoint holds the
 input anyway and the rest is kept; a plan's word for it changes nothing.
@@ -36,7 +45,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,6 +73,17 @@ class OpCost:
     """Bytes of its tensor inputs and outputs (0 for a view)."""
     random: bool
     """It draws from the random stream (dropout)."""
+    overwritten: bool = False
+    """A later operator of the layer writes its output's storage in place."""
+    mutates: bool = False
+    """It writes an input in place (`relu_`, `div_`): torch bumps the version of its
+    output only after the selective policy cached it, so the cache entry reads as changed."""
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether torch's selective checkpoint can keep its output: torch refuses a cached
+        tensor changed after caching, which both kinds of in-place writing cause."""
+        return not (self.overwritten or self.mutates)
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,8 @@ class LayerOps:
     the recompute replays up to it."""
     saved_bytes: tuple[int, ...] = ()
     """Per saved tensor: its storage's bytes, 0 when an earlier saved tensor had the storage."""
+    output_op: int | None = None
+    """The operator that last wrote the layer's output storage (None: none of its own)."""
 
     def recomputable(self) -> list[int]:
         """Positions of the saved tensors an operator of the layer produced."""
@@ -102,7 +124,7 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, 
     flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
     moved = 0 if alias else _nbytes(tensors_in((args, kwargs))) + _nbytes(tensors_in(out))
     return OpCost(name=str(func), flops=flops, bytes_moved=moved,
-                  random=torch.Tag.nondeterministic_seeded in func.tags)
+                  random=torch.Tag.nondeterministic_seeded in func.tags, mutates=func._schema.is_mutable)
 
 
 class OpTrace(TorchDispatchMode):
@@ -126,6 +148,10 @@ class OpTrace(TorchDispatchMode):
     def end(self) -> None:
         self.active = False
 
+    def writer(self, t: torch.Tensor) -> int | None:
+        """The ordinal of the operator of this layer that last wrote `t`'s storage."""
+        return self._writer.get(storage_id(t))
+
     def producer(self, t: torch.Tensor) -> int | None:
         """The ordinal of the operator of this layer that last wrote `t`'s storage (and
         note that a tensor is being saved now)."""
@@ -146,32 +172,20 @@ class OpTrace(TorchDispatchMode):
             alias = func.is_view or (not func._schema.is_mutable and all(storage_id(t) in inputs for t in outputs))
             self.ops.append(op_cost(func, args, kwargs, out, alias))
             if not alias:
+                mutates = func._schema.is_mutable
                 for t in outputs:
-                    self._writer[storage_id(t)] = ordinal
+                    key = storage_id(t)
+                    earlier = self._writer.get(key)
+                    # written in place: the earlier writer's output changes (an operator that
+                    # writes nothing in place made a new storage, perhaps at a freed one's address)
+                    if mutates and earlier is not None:
+                        self.ops[earlier] = replace(self.ops[earlier], overwritten=True)
+                    self._writer[key] = ordinal
         return out
 
 
-def closed_set(ops: LayerOps, recomputed: Collection[int]) -> frozenset[int]:
-    """The saved tensors (positions) really recomputed when a plan recomputes
-    `recomputed`: those with a producer, grown by the closures of the module docstring
-    (used to check that a plan's set is closed)."""
-    replayed = {ops.producers[p] for p in recomputed if ops.producers[p] is not None}
-    if any(ops.ops[o].random for o in replayed):  # type: ignore[index]
-        replayed |= {o for o, op in enumerate(ops.ops) if op.random}
-    return frozenset(p for p, o in enumerate(ops.producers) if o is not None and o in replayed)
-
-
-def check_closed(ops: LayerOps, recomputed: Collection[int], names: Sequence[str], where: str) -> frozenset[int]:
-    """`closed_set`, or `PlanError` naming (in `where`) a tensor the plan keeps that
-    recomputing the others would recompute too."""
-    closed = closed_set(ops, recomputed)
-    extra = sorted(closed - set(recomputed))
-    if extra:
-        op = ops.ops[ops.producers[extra[0]]]  # type: ignore[index]
-        why = "random operators are replayed together" if op.random else f"it is an output of the same {op.name}"
-        raise PlanError(f"{where}: recomputing {names[min(closed - set(extra))]} also recomputes {names[extra[0]]} "
-                        f"({why}); recompute it too or keep both")
-    return closed
+def _replayed_producers(ops: LayerOps, recomputed: Collection[int]) -> set[int]:
+    return {o for p in recomputed if (o := ops.producers[p]) is not None}
 
 
 def is_whole(ops: LayerOps, recomputed: Collection[int]) -> bool:
@@ -181,48 +195,72 @@ def is_whole(ops: LayerOps, recomputed: Collection[int]) -> bool:
 
 
 def cached_ops(ops: LayerOps, recomputed: Collection[int]) -> frozenset[int]:
-    """Ordinals of the operators whose outputs the forward caches when the saved tensors
-    `recomputed` (a closed set) are recomputed; empty for the whole layer (`is_whole`).
-    Cached: the producer of every other saved tensor, every matrix product that produces
-    no recomputed tensor (a product is never replayed to rebuild cheap tensors: its
-    output is kept instead, which is what makes selective recompute cheap), and the
-    random operators when none is replayed."""
+    """Ordinals of the operators whose outputs the forward caches when the plan recomputes
+    the saved tensors `recomputed`; empty for the whole layer (`is_whole`). Cached: the
+    producer of every other saved tensor and every matrix product that produces no
+    recomputed tensor (a product is never replayed to rebuild cheap tensors: its output
+    is kept instead, which makes selective recompute cheap); the random operators all
+    together, when none of them is replayed and each can be cached. Never cached: an
+    operator writing in place or whose output a later one writes in place (torch
+    refuses such a cache entry: `OpCost.cacheable`) and one after the replay's end (its
+    entry would never be used)."""
     if is_whole(ops, recomputed):
         return frozenset()
-    replayed = {ops.producers[p] for p in recomputed if ops.producers[p] is not None}
+    replayed = _replayed_producers(ops, recomputed)
+    random = {o for o, op in enumerate(ops.ops) if op.random}
     cached = {o for p, o in enumerate(ops.producers) if o is not None and o not in replayed}
     cached |= {o for o, op in enumerate(ops.ops) if op.flops > 0 and o not in replayed}
-    if not any(ops.ops[o].random for o in replayed):  # type: ignore[index]
-        cached |= {o for o, op in enumerate(ops.ops) if op.random}
-    return frozenset(cached)
+    if replayed & random or not all(ops.ops[o].cacheable for o in random):
+        cached -= random  # the random stream is replayed whole, or not at all
+    else:
+        cached |= random
+    return frozenset(o for o in cached if o <= ops.last_op and ops.ops[o].cacheable)
+
+
+def closed_set(ops: LayerOps, recomputed: Collection[int]) -> frozenset[int]:
+    """The saved tensors (positions) really recomputed when a plan recomputes
+    `recomputed`: every one whose producer the forward does not cache (`cached_ops`)."""
+    if is_whole(ops, recomputed):
+        return frozenset(ops.recomputable())
+    cached = cached_ops(ops, recomputed)
+    return frozenset(p for p, o in enumerate(ops.producers) if o is not None and o not in cached)
+
+
+def check_closed(ops: LayerOps, recomputed: Collection[int], names: Sequence[str], where: str) -> frozenset[int]:
+    """`closed_set`, or `PlanError` naming (in `where`) a tensor the plan keeps that
+    recomputing the others would recompute too."""
+    closed = closed_set(ops, recomputed)
+    extra = sorted(closed - set(recomputed))
+    if extra:
+        op = ops.ops[ops.producers[extra[0]]]  # type: ignore[index]
+        why = ("random operators are replayed all together" if op.random else
+               "torch cannot cache what is written in place" if not op.cacheable else "it is replayed with the others")
+        raise PlanError(f"{where}: the recompute the plan asks for also recomputes {names[extra[0]]}, which it "
+                        f"keeps ({op.name}: {why}); recompute it too")
+    return closed
 
 
 def recompute_menu(ops: LayerOps, limit: int = 3) -> list[frozenset[int]]:
     """The selective recompute choices a profile offers for one layer (each a closed set
     of saved-tensor positions, short of the whole layer), cheapest per freed byte first:
-    the saved tensors of each producer (random operators as one) are a group, groups of
-    operators that are no matrix product are added in order of bytes moved per byte
-    freed, and every `k`-th prefix is a choice, so at most `limit` of them, the last
-    holding every such group."""
+    the saved tensors of each producer that is no matrix product form a group; groups
+    are added in order of bytes moved per byte freed, each prefix closed (`closed_set`),
+    and of the distinct closed prefixes at most `limit` are kept, spread evenly, the last
+    holding every group."""
     groups: dict[int, set[int]] = {}
     for p, o in enumerate(ops.producers):
-        if o is None or ops.ops[o].flops > 0:
-            continue
-        key = -1 if ops.ops[o].random else o
-        groups.setdefault(key, set()).add(p)
+        if o is not None and ops.ops[o].flops == 0:
+            groups.setdefault(o, set()).add(p)
 
-    def cost_per_byte(key: int) -> float:
-        members = [o for o, op in enumerate(ops.ops) if op.random] if key < 0 else [key]
-        freed = sum(ops.saved_bytes[p] for p in groups[key]) or 1
-        return sum(ops.ops[o].bytes_moved for o in members) / freed
+    def cost_per_byte(o: int) -> float:
+        return ops.ops[o].bytes_moved / (sum(ops.saved_bytes[p] for p in groups[o]) or 1)
 
-    order = sorted(groups, key=lambda k: (cost_per_byte(k), k))
     prefixes: list[frozenset[int]] = []
-    current: set[int] = set()
-    for key in order:
-        current |= groups[key]
-        prefixes.append(frozenset(current))
-    prefixes = [p for p in prefixes if p and not is_whole(ops, p)]
+    current: frozenset[int] = frozenset()
+    for o in sorted(groups, key=lambda k: (cost_per_byte(k), k)):
+        current = closed_set(ops, current | groups[o])
+        if current and not is_whole(ops, current) and current not in prefixes:
+            prefixes.append(current)
     if len(prefixes) > limit:
         step = len(prefixes) / limit
         prefixes = [prefixes[min(len(prefixes) - 1, round((i + 1) * step) - 1)] for i in range(limit)]
@@ -240,25 +278,34 @@ def replay_cost(ops: LayerOps, cached: Collection[int]) -> tuple[float, int]:
     return flops, moved
 
 
-def _policy(cached: frozenset[int], counter: list[int], _ctx: Any, _func: Any, *_args: Any,
-            **_kwargs: Any) -> CheckpointPolicy:
+def _policy(cached: frozenset[int], names: tuple[str, ...], counter: list[int], _ctx: Any, func: Any,
+            *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
     ordinal = counter[0]
     counter[0] += 1
+    if ordinal >= len(names) or str(func) != names[ordinal]:  # numbering by ordinal holds only then
+        traced = names[ordinal] if ordinal < len(names) else "nothing"
+        raise PlanError(f"the layer's forward ran {func} as its operator {ordinal} where its trace had {traced}: "
+                        "it runs other operators than when it was traced (autocast, a data-dependent branch, "
+                        "a hook), so what op-level recompute caches cannot be told apart")
     return CheckpointPolicy.MUST_SAVE if ordinal in cached else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_contexts(cached: frozenset[int]) -> tuple[Any, Any]:
+def selective_contexts(cached: frozenset[int], names: tuple[str, ...]) -> tuple[Any, Any]:
     """torch's selective checkpoint contexts for one forward (and its recompute) of a
-    layer that caches the operators `cached` (ordinals as `trace_layer_ops` counts them)."""
-    return create_selective_checkpoint_contexts(functools.partial(_policy, cached, [0]))
+    layer that caches the operators `cached` (ordinals as `trace_layer_ops` counts them;
+    `names`: the traced operators, which the forward must run in the same order)."""
+    return create_selective_checkpoint_contexts(functools.partial(_policy, cached, names, [0]))
 
 
-def run_recomputed(forward: Any, cached: frozenset[int] | None, *args: Any, **kwargs: Any) -> Any:
+def run_recomputed(forward: Any, ops: LayerOps | None, cached: frozenset[int] | None, *args: Any,
+                   **kwargs: Any) -> Any:
     """`forward(*args, **kwargs)` under non-reentrant checkpoint with the random state
     preserved: the whole layer is recomputed (`cached` None or empty), or all but the
-    outputs of the operators `cached`."""
+    outputs of the operators `cached` of its trace `ops`."""
     if cached:
-        kwargs["context_fn"] = functools.partial(selective_contexts, cached)
+        assert ops is not None
+        names = tuple(op.name for op in ops.ops)
+        kwargs["context_fn"] = functools.partial(selective_contexts, cached, names)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
@@ -284,7 +331,8 @@ def trace_layer_ops(layer: torch.nn.Module, args: tuple[Any, ...], *, loss_fn: A
         trace.begin()
         out = layer(*args)
         trace.end()
+        output_op = trace.writer(out) if isinstance(out, torch.Tensor) else None
         if loss_fn is not None:
             loss_fn(out)
     return LayerOps(ops=tuple(trace.ops), producers=tuple(producers), last_op=trace.last_saved_op,
-                    saved_bytes=tuple(sizes))
+                    saved_bytes=tuple(sizes), output_op=output_op)

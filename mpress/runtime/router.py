@@ -293,7 +293,14 @@ class SavedTensorRouter:
                 self.program.record(Action(self.stage, Kind.RC, microbatch, unit))
             return forward(*a, **k)
 
-        return run_recomputed(run, self._cached_ops(name, microbatch), *args, **kwargs)
+        layer = self._tensors[self.layer_names.index(name)]
+        try:
+            out = run_recomputed(run, layer.ops, self._cached_ops(name, microbatch), *args, **kwargs)
+        except PlanError as exc:  # the forward left its trace: name where
+            raise PlanError(f"stage {self.stage} microbatch {microbatch} layer {name}: {exc}") from None
+        if self._open:
+            self._issue_groups()  # as after any layer's forward
+        return out
 
     def _cached_ops(self, name: str, microbatch: int) -> frozenset[int]:
         """The operators of layer `name` whose outputs its checkpoint caches in `microbatch`

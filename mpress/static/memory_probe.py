@@ -109,13 +109,14 @@ class _Checkpointed(nn.Module):
     """A layer run as the runtime runs a recomputed one (`mpress.selective.run_recomputed`:
     non-reentrant checkpoint, random state preserved, the operators `cached` cached)."""
 
-    def __init__(self, layer: nn.Module, cached: frozenset[int] | None = None) -> None:
+    def __init__(self, layer: nn.Module, ops: LayerOps | None = None, cached: frozenset[int] | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.ops = ops
         self.cached = cached
 
     def forward(self, *args: Any) -> Any:
-        return run_recomputed(self.layer, self.cached, *args)
+        return run_recomputed(self.layer, self.ops, self.cached, *args)
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,12 @@ def probe(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | None = N
     layer.zero_grad(set_to_none=True)
     options = []
     for tensors in recompute_menu(ops):
-        memory, _ = probe_layer(_Checkpointed(layer, cached_ops(ops, tensors)), args, loss_fn=loss_fn)
+        cached = cached_ops(ops, tensors)
+        memory, _ = probe_layer(_Checkpointed(layer, ops, cached), args, loss_fn=loss_fn)
         if memory.kept_bytes < plain.kept_bytes:  # else what it caches outweighs what it frees
-            options.append((tensors, replace(memory, saves_input=True)))
+            # the checkpoint keeps its input; a cached output lives until the backward
+            options.append((tensors, replace(memory, saves_input=True,
+                                             saves_output=memory.saves_output or ops.output_op in cached)))
     return Probed(plain=plain, recomputed=replace(recomputed, saves_input=True), param_grad_bytes=grads,
                   ops=ops, options=options)
 

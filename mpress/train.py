@@ -54,6 +54,7 @@ from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_dev
 from mpress.overrides import parse_override_args
 from mpress.models.user import UserModel
 from mpress.runtime.data import batches, build_dataset
+from mpress.runtime.data_parallel import make_replicas, replica_control_group
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec
 from mpress.ui import TaskProgress, make_console
@@ -69,10 +70,15 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     model = model_config(cfg)
     if control is None:
         control = control_group()
+    # dp replicas of the pipeline: this rank's place in its replica (the plan's rank) and
+    # the groups along each dimension (one replica: the default group, as before)
+    replicas = make_replicas(cfg.dp, "cuda" if dist.get_backend() == "nccl" else "cpu") if cfg.dp > 1 else None
+    pp_rank, pp_world = (replicas.pp_rank, replicas.pp_size) if replicas is not None else (rank, world)
+    dp_rank = replicas.dp_rank if replicas is not None else 0
     payload: object = None
     if rank == 0:
         try:
-            payload = plan_for(cfg, model, num_stages, world)
+            payload = plan_for(cfg, model, num_stages, pp_world)
         except UserError as exc:
             payload = exc
     payload = broadcast(payload, control)
@@ -82,7 +88,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         return 2
     start: StartPlan = payload  # type: ignore[assignment]
     plan, ranges = start.plan, start.ranges
-    device = rank_device(plan, rank, world, dist.get_backend() == "nccl", plan_bus_ids=start.device_bus_ids)
+    device = rank_device(plan, pp_rank, pp_world, dist.get_backend() == "nccl", plan_bus_ids=start.device_bus_ids)
     claims: list[object] = [None] * world
     dist.all_gather_object(claims, claim_for(rank, device), group=control)
     check_distinct_devices(claims)  # type: ignore[arg-type]  # before NCCL meets one GPU twice
@@ -97,14 +103,21 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     # a preset trains on tokens (synthetic or a file); a user's module on synthetic inputs
     # shaped like its example microbatch (`UserModel.batch`)
     dataset = None if isinstance(model, UserModel) else build_dataset(cfg.data, model, seed=cfg.seed)
-    job = start_job(spec, plan, device, control_group=control)
-    checkpoints = Checkpoints(cfg, job, control)
+    if replicas is None:
+        job = start_job(spec, plan, device, control_group=control)
+    else:  # peer pools stay inside a replica: their handshake on the replica's gloo group
+        replica_control = replicas.pp_group if control is None else replica_control_group(replicas, COLLECTIVE_TIMEOUT_S)
+        job = start_job(spec, plan, device, group=replicas.pp_group, control_group=replica_control,
+                        dp_group=replicas.dp_group)
+    checkpoints = Checkpoints(cfg, job, control, dp_rank=dp_rank)
     first = checkpoints.resume()
     console = make_console()
     if rank == 0:
         what = "no plan (plain pipelining)" if plan is None else f"plan {plan.strategy} ({cfg.plan})"
         console.print(f"mpress.train: {model.name}, {cfg.schedule}, {num_stages} stages x {cfg.num_microbatches} "
-                      f"microbatches of {cfg.microbatch_size}, {what}, backend {dist.get_backend()}"
+                      f"microbatches of {cfg.microbatch_size}"
+                      + (f", {cfg.dp} replicas (dp x pp = {cfg.dp} x {pp_world} ranks)" if cfg.dp > 1 else "")
+                      + f", {what}, backend {dist.get_backend()}"
                       + (f", resuming at step {first}" if first else ""))
     # rank 0's bar on a terminal; off one (a pipe, a log) the logged steps' lines carry its figures
     progress = TaskProgress(console, cfg.steps, "train", bar=True, keep=True, completed=first, enabled=rank == 0)
@@ -116,11 +129,12 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     gc.freeze()
     with progress:
         for step in range(first, cfg.steps):
+            batch = step * cfg.dp + dp_rank  # replica k trains on batches k, dp + k, 2 dp + k, ...
             if dataset is None:
-                x, y = model.batch(step=step, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
+                x, y = model.batch(step=batch, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
             else:
                 x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
-                               step=step)
+                               step=batch)
             tracing = cfg.trace is not None and step == cfg.steps - 1
             if tracing:
                 run_trace.start(job)
@@ -132,7 +146,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             # gloo group: on the default (NCCL) group it would copy through, and sync, the GPU
             stats: list[tuple[float | None, int]] = [(None, 0)] * world
             dist.all_gather_object(stats, (result.loss, result.peak_bytes), group=control)
-            loss = float(stats[job.last_rank][0] or 0.0)
+            # the mean over the replicas' last stages (replica k's ranks start at k * pp)
+            loss = sum(float(stats[k * pp_world + job.last_rank][0] or 0.0) for k in range(cfg.dp)) / cfg.dp
             elapsed = time.perf_counter() - t0
             if result.peak_bytes >= peak:
                 peak, peak_at = result.peak_bytes, result.peak_context
@@ -148,14 +163,16 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                 traces: list[dict] = [{} for _ in range(world)]
                 dist.all_gather_object(traces, run_trace.collect(job), group=control)
                 if rank == 0:
-                    progress.console.print(f"trace of step {step} written to "
-                                           f"{run_trace.write(cfg.trace, traces, step=step)}")
+                    progress.console.print(f"trace of step {step} written to "  # replica 0's, as planned
+                                           f"{run_trace.write(cfg.trace, traces[:pp_world], step=step)}")
             every = cfg.checkpoint.every_steps
             if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
                 checkpoints.save(step)
     rows: list[dict[str, object]] = [{} for _ in range(world)]
-    dist.all_gather_object(rows, rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[rank],
-                                             measured_bytes=peak, measured_at=peak_at), group=control)
+    row = rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[pp_rank], measured_bytes=peak,
+                      measured_at=peak_at)
+    row["rank"] = rank  # the job's (the plan's is the stage's place in its replica)
+    dist.all_gather_object(rows, row, group=control)
     if rank == 0:
         for table in report_tables(rows):
             console.print(table)

@@ -19,7 +19,9 @@ import torch
 
 from mpress.commands.flags import HelpFormatter, add_flag
 from mpress.errors import UserError
-from mpress.launcher.launch import LaunchSpec, launch
+from mpress.cluster import MAX_NODES
+from mpress.config import int_arg
+from mpress.launcher.launch import LaunchSpec, Nodes, launch
 from mpress.launcher.startup import pool_override
 from mpress.overrides import parse_override_args
 from mpress.plan import Plan
@@ -28,6 +30,7 @@ from mpress.runtime.train_config import (
     PLAN_NONE,
     TrainConfig,
     check_world_size,
+    pipeline_ranks,
     load_train_config,
     resolve_backend,
     train_presets,
@@ -43,6 +46,8 @@ examples:
   mpress train --config configs/train/gpt-tiny-mixed.yaml --nproc-per-node 4 --steps 10 --optimizer.lr 1e-3
   mpress train --config gpt-tiny-interleaved --nproc-per-node 2 --checkpoint.dir ckpt --checkpoint.every-steps 10
   mpress train --config gpt-tiny-plain --steps 5 --json > report.json
+  mpress train --config gpt-tiny-mixed --dp 2 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node0
+  mpress train --config gpt-tiny-mixed --dp 2 --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node1
 
 overrides:
   --KEY VALUE sets any key of the YAML config before it is checked: its name as in the
@@ -51,7 +56,8 @@ overrides:
 
 ranks:
   --nproc-per-node defaults to the config's num_stages (interleaved: num_stages / 2, two
-  stages per rank), else on CUDA the number of visible GPUs, else {cpu}. Rank 0's output
+  stages per rank) times the config's dp (replicas of the pipeline) over --nnodes, else
+  on CUDA the number of visible GPUs, else {cpu}. Rank 0's output
   (progress lines, report tables) is this command's output; every rank's other output
   goes to RUN_DIR/rank<N>.log. Off a terminal the progress bar becomes a line per logged
   step (log_every) with loss, samples/s and each rank's peak. With --json, rank 0's
@@ -60,6 +66,14 @@ ranks:
   torchrun form works too:
     python3 -m torch.distributed.run --standalone --nproc-per-node 4 -m mpress.train \\
         --config configs/train/gpt-tiny-mixed.yaml --steps 10
+
+nodes:
+  --nnodes N --node-rank K --rdzv-endpoint HOST:PORT run one mpress train per machine
+  (torchrun's static rendezvous): node K runs global ranks K*nproc .. (K+1)*nproc - 1,
+  node 0 hosts the job's store at HOST:PORT. The job's ranks are dp x pp: replica k of
+  the pipeline on ranks k*pp .. (k+1)*pp - 1, so with --nnodes dp each node holds one
+  replica; a replica's stages never span two nodes (host pools and D2D peers stay inside
+  a node). Each node's launcher prints the one line of how its ranks ended.
 
 exit status:
   0    every rank finished
@@ -84,6 +98,12 @@ def register(subparsers: Any) -> None:
                         help="training config: a YAML path or a preset name (configs/train/)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="ranks to start on this machine (default: see 'ranks' below)")
+    parser.add_argument("--nnodes", type=int_arg(1, MAX_NODES), default=1, metavar="N",
+                        help="machines the job runs on, one mpress train each (default 1; see 'nodes' below)")
+    parser.add_argument("--node-rank", type=int_arg(0, MAX_NODES - 1), default=0, metavar="K",
+                        help="this machine's place among them, 0 .. N-1 (default 0)")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="node 0's address and a free port there, the same on every node (needed with --nnodes > 1)")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help="where the ranks' logs go (default: a new mpress-train-<id> directory under "
                              f"{tempfile.gettempdir()})")
@@ -92,23 +112,30 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run, takes_overrides=True)
 
 
-def default_nproc(cfg: TrainConfig, num_gpus: int) -> int:
-    """Ranks when --nproc-per-node is not given: what the config asks for (num_stages; for
-    interleaved two stages per rank), else one rank per visible GPU, else
-    `DEFAULT_CPU_RANKS` (see EXAMPLES)."""
+def default_nproc(cfg: TrainConfig, num_gpus: int, nnodes: int = 1) -> int:
+    """Ranks per machine when --nproc-per-node is not given: what the config asks for
+    (num_stages; for interleaved two stages per rank; times dp, over `nnodes` machines),
+    else one rank per visible GPU, else `DEFAULT_CPU_RANKS` (see EXAMPLES)."""
     if cfg.num_stages is not None:
         if cfg.schedule is ScheduleName.INTERLEAVED:
-            return max(1, cfg.num_stages // 2) if cfg.num_stages % 2 == 0 else cfg.num_stages
-        return cfg.num_stages
+            pp = max(1, cfg.num_stages // 2) if cfg.num_stages % 2 == 0 else cfg.num_stages
+        else:
+            pp = cfg.num_stages
+        return max(1, pp * cfg.dp // nnodes)
     return num_gpus if num_gpus > 0 else DEFAULT_CPU_RANKS
 
 
-def check_launch(cfg: TrainConfig, nproc: int) -> str:
-    """Everything about the job that can be checked before a rank starts; returns the
-    backend. Raises `UserError` naming the key or flag to change."""
+def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
+    """Everything about the job that can be checked before a rank starts, `nproc` ranks
+    on each of `nnodes` machines; returns the backend. Raises `UserError` naming the key
+    or flag to change."""
     if nproc < 1:
         raise UserError(f"--nproc-per-node: must be >= 1, got {nproc}")
-    check_world_size(cfg, nproc)
+    check_world_size(cfg, nproc * nnodes)
+    pp = pipeline_ranks(cfg, nproc * nnodes)
+    if nnodes > 1 and nproc % pp:
+        raise UserError(f"--nproc-per-node: {nproc} ranks per node would split a replica's {pp} pipeline ranks over "
+                        f"two nodes (host pools and D2D peers stay inside a node): give a multiple of {pp}")
     backend = resolve_backend(cfg)
     if backend == "nccl" and nproc > torch.cuda.device_count():
         raise UserError(f"--nproc-per-node: {nproc} ranks on nccl need as many GPUs; this machine shows "
@@ -125,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_override_args(list(getattr(args, "extra", [])), args.config)
     cfg = load_train_config(args.config, overrides)
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(cfg, num_gpus)
-    backend = check_launch(cfg, nproc)
+    nodes = nodes_of(args)
+    nnodes = nodes.nnodes if nodes is not None else 1
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(cfg, num_gpus, nnodes)
+    backend = check_launch(cfg, nproc, nnodes)
     run_id = secrets.token_hex(6)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / f"mpress-train-{run_id}"
     if run_dir.exists() and not run_dir.is_dir():
@@ -140,7 +169,25 @@ def run(args: argparse.Namespace) -> int:
         report = Path(cfg.report) if cfg.report is not None else run_dir / "report.json"
         if cfg.report is None:
             overrides = [*overrides, ("report", str(report))]
-    print(f"mpress train: {nproc} ranks ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
+    where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
+    print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
           file=sys.stderr if args.json else sys.stdout, flush=True)
     return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir, run_id=run_id,
-                             json_report=report))
+                             json_report=report, nodes=nodes))
+
+
+def nodes_of(args: argparse.Namespace) -> Nodes | None:
+    """The machines of the job from --nnodes/--node-rank/--rdzv-endpoint (None: this
+    machine only). A `UserError` naming the flag when they do not fit together."""
+    if args.nnodes == 1:
+        if args.node_rank != 0:
+            raise UserError(f"--node-rank: {args.node_rank} needs --nnodes > {args.node_rank}")
+        return None
+    if args.node_rank >= args.nnodes:
+        raise UserError(f"--node-rank: must be in 0..{args.nnodes - 1} with --nnodes {args.nnodes}, got {args.node_rank}")
+    if args.rdzv_endpoint is None:
+        raise UserError("--rdzv-endpoint: needed with --nnodes > 1: node 0's HOST:PORT, the same on every node")
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--rdzv-endpoint: expected HOST:PORT with a port in 1..65535, got {args.rdzv_endpoint!r}")
+    return Nodes(nnodes=args.nnodes, node_rank=args.node_rank, host=host.strip("[]"), port=int(port))

@@ -11,7 +11,9 @@ global keys
     rng.rank<r>                        rank r's generator states
 
 and a resume loads, on every rank, the keys of the parameters it holds now, whatever rank
-saved them: a checkpoint of 4 ranks resumes on 2, or on another stage split or plan. The
+saved them: a checkpoint of 4 ranks resumes on 2, or on another stage split or plan.
+Data-parallel replicas (`dp`) hold one state: replica 0's ranks save it (the others only
+their generators), and every replica loads it, so a checkpoint resumes on any `dp`. The
 files, the manifest and what makes a step complete: `mpress.launcher.checkpoint_manifest`.
 
 No checkpoint takes device memory the plan has not planned: the state is built on the
@@ -70,8 +72,12 @@ class Checkpoints:
     both do nothing). Made on every rank; `save` and `resume` are collectives over
     `control` (the gloo group)."""
 
-    def __init__(self, cfg: TrainConfig, job: PipelineJob, control: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: TrainConfig, job: PipelineJob, control: dist.ProcessGroup | None, *,
+                 dp_rank: int = 0) -> None:
+        """dp_rank: the job's replica (`mpress.runtime.data_parallel`); only replica 0 saves
+        the model and optimizer state, which every replica holds alike."""
         self.cfg = cfg
+        self.dp_rank = dp_rank
         self.job = job
         self.control = control
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
@@ -89,7 +95,7 @@ class Checkpoints:
             return
         job = self.job
         tmp = temp_folder(self.root, self.run_id, step)
-        flat = flatten(job.state())
+        flat = flatten(job.state()) if self.dp_rank == 0 else {}
         flat[f"rng.rank{self.rank}"] = rng_state(job.device)
         # the keys are flat already: values that are lists (the groups) are saved whole
         dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.control,
@@ -110,7 +116,7 @@ class Checkpoints:
                         **identity(spec.model, spec.seed),  # type: ignore[arg-type]
                         plan_fingerprint=None if plan is None else fingerprint(to_dict(plan)),
                         world_size=self.job.world, stage_split=[list(r) for r in spec.ranges],
-                        schedule=str(spec.schedule), config=to_dict(self.cfg))
+                        schedule=str(spec.schedule), config=to_dict(self.cfg), dp=self.cfg.dp)
 
     # ---- resume ------------------------------------------------------------------------
 
@@ -132,7 +138,7 @@ class Checkpoints:
         job = self.job
         check_resumable(manifest, folder, identity(job.spec.model, job.spec.seed))
         split = [list(r) for r in job.spec.ranges]
-        same_layout = manifest.world_size == job.world and manifest.stage_split == split
+        same_layout = manifest.world_size == job.world and manifest.stage_split == split and manifest.dp == self.cfg.dp
         reader = dcp.FileSystemReader(folder)
         dest = destination(job, reader.read_metadata(), folder, rng_of=self.rank if same_layout else None)
         dcp.load(dest, storage_reader=reader, process_group=self.control, planner=_planner())
@@ -147,12 +153,12 @@ class Checkpoints:
 
     def _resume_line(self, folder: Path, m: Manifest, same_layout: bool, skipped: list[str]) -> str:
         job = self.job
-        line = f"resuming from {folder} (step {m.step} of run {m.run_id}, saved on {m.world_size} ranks"
+        line = f"resuming from {folder} (step {m.step} of run {m.run_id}, saved on {_ranks(m.world_size, m.dp)}"
         if same_layout:
             line += "; same ranks and stage split: RNG streams restored"
         else:
             split = [list(r) for r in job.spec.ranges]
-            line += (f", stages {m.stage_split}; now {job.world} ranks, stages {split}: resharded by parameter "
+            line += (f", stages {m.stage_split}; now {_ranks(job.world, self.cfg.dp)}, stages {split}: resharded by parameter "
                      "name, each rank's RNG reseeded from (seed, step, rank)")
         plan = None if job.plan is None else fingerprint(to_dict(job.plan))
         if plan != m.plan_fingerprint:
@@ -160,6 +166,10 @@ class Checkpoints:
         if skipped:
             line += f"; passed over incomplete {', '.join(skipped)}"
         return line + ")"
+
+
+def _ranks(pp: int, dp: int) -> str:
+    return f"{pp} ranks" if dp == 1 else f"{dp} x {pp} ranks (dp x pp)"
 
 
 # ---- the flat, name-keyed layout ----------------------------------------------------------

@@ -62,6 +62,7 @@ class Manifest:
     plan_fingerprint: str | None
     """Hash of the plan the run executed; None for plain pipelining."""
     world_size: int
+    """Ranks of one replica's pipeline."""
     stage_split: list[list[int]]
     """Layer range [start, end) of each stage."""
     schedule: str
@@ -69,6 +70,9 @@ class Manifest:
     """The run's training config, as loaded."""
     files: dict[str, int] = field(default_factory=dict)
     """Every file of the step but the manifest: name -> bytes."""
+    dp: int = 1
+    """Data-parallel replicas of the pipeline that saved it (they hold one state: dp rank
+    0's is saved); a resume may run any number of them."""
 
     @property
     def total_bytes(self) -> int:

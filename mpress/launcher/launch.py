@@ -80,16 +80,35 @@ class LaunchSpec:
     """`mpress train --json`: where rank 0 writes the end-of-run report (the config's
     `report`); rank 0's stdout then goes to the launcher's stderr, and the launcher prints
     the report, alone, on its stdout once every rank has finished."""
+    nodes: Nodes | None = None
+    """A job over several machines, one launcher each; None: this machine only."""
 
 
-def rank_env(spec: LaunchSpec, rank: int, port: int) -> dict[str, str]:
-    """Rank `rank`'s environment: as torchrun's workers get it, plus the run id and this
-    launcher's pid."""
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher's ranks sit in a job of several machines (torchrun's static
+    rendezvous: `--nnodes`, `--node-rank`, `--rdzv-endpoint`): node k runs global ranks
+    [k * nproc, (k + 1) * nproc); node 0's launcher hosts the job's store at the endpoint,
+    every rank of every node joins it there."""
+
+    nnodes: int
+    node_rank: int
+    host: str
+    """The endpoint's host: node 0's address, as the other nodes reach it."""
+    port: int
+
+
+def rank_env(spec: LaunchSpec, local: int, port: int) -> dict[str, str]:
+    """Local rank `local`'s environment: as torchrun's workers get it (global rank and
+    world over every node), plus the run id and this launcher's pid."""
     env = {**os.environ, **spec.env}
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks share the machine's cores
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.nproc), LOCAL_WORLD_SIZE=str(spec.nproc),
-               GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(spec.nproc), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", PYTHONUNBUFFERED="1")
+    nodes = spec.nodes or Nodes(nnodes=1, node_rank=0, host="127.0.0.1", port=port)
+    rank, world = nodes.node_rank * spec.nproc + local, nodes.nnodes * spec.nproc
+    env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(spec.nproc),
+               GROUP_RANK=str(nodes.node_rank), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
+               MASTER_ADDR=nodes.host, MASTER_PORT=str(nodes.port), TORCHELASTIC_USE_AGENT_STORE="True",
+               PYTHONUNBUFFERED="1")
     env[RUN_ID_ENV] = spec.run_id
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
@@ -121,7 +140,14 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     (`diagnose`) to `err` (default stderr)."""
     err = err or sys.stderr
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nodes = spec.nodes
+    # the store outlives every rank: on one machine this launcher's; over several, node 0's
+    # at the endpoint (listening on every interface), which the other nodes' ranks join
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nodes is None \
+        else dist.TCPStore(nodes.host, nodes.port, is_master=True, wait_for_workers=False) if nodes.node_rank == 0 \
+        else None
+    port = store.port if store is not None else nodes.port  # type: ignore[union-attr]
+    first = nodes.node_rank * spec.nproc if nodes is not None else 0  # this node's first global rank
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     killed: set[int] = set()  # ranks the launcher itself killed
@@ -129,13 +155,13 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     with _Interrupted() as interrupted:
         try:
             for rank in range(spec.nproc):
-                log = spec.run_dir / f"rank{rank}.log"
+                log = spec.run_dir / f"rank{first + rank}.log"  # named by global rank
                 logs.append(log)
                 with open(log, "wb") as f:
                     procs.append(subprocess.Popen(
                         [sys.executable, "-m", "mpress.train", "--config", spec.config, *override_argv(spec.overrides)],
                         stdin=subprocess.DEVNULL, stdout=rank0_out if rank == 0 else f, stderr=f,
-                        env=rank_env(spec, rank, store.port), process_group=0 if rank == 0 else procs[0].pid))
+                        env=rank_env(spec, rank, port), process_group=0 if rank == 0 else procs[0].pid))
             _write_run_file(spec, procs)
             _watch(procs, killed, interrupted)
         finally:
@@ -147,7 +173,7 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     _end_group(procs)
     sweep_segments(spec.run_id)
     del store
-    ends = [RankEnd(rank=r, pid=p.pid, returncode=p.returncode, killed_by_launcher=r in killed, log=logs[r])
+    ends = [RankEnd(rank=first + r, pid=p.pid, returncode=p.returncode, killed_by_launcher=r in killed, log=logs[r])
             for r, p in enumerate(procs)]
     if interrupted.signum is not None:
         name = signal.Signals(interrupted.signum).name

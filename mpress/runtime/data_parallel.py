@@ -96,7 +96,7 @@ def replicate_stages(stages: list[PipelineStage], dp_group: dist.ProcessGroup, d
         module = stage.submod
         if isinstance(module, DistributedDataParallel):
             raise ValueError(f"stage {stage.stage_index} is replicated already")
-        # buffers are constants here (masks, position ids), equal on every replica: no
-        # broadcast of them before every forward
-        stage.submod = DistributedDataParallel(module, process_group=dp_group, broadcast_buffers=False,
+        # buffers are constants here (masks, position ids), equal on every replica: synced
+        # once at init, not before every forward
+        stage.submod = DistributedDataParallel(module, process_group=dp_group, forward_sync_buffers=False,
                                                device_ids=[device] if device.type == "cuda" else None)

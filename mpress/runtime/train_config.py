@@ -29,6 +29,7 @@ import torch
 
 from mpress.config import check_output_path, from_dict, load_yaml
 from mpress.errors import ConfigError, UserError
+from mpress.cluster import MAX_NODES as MAX_REPLICAS
 from mpress.hardware import CONFIG_DIR, HARDWARE_DIR, resolve_config
 from mpress.limits import (
     MAX_BRANCHING,
@@ -150,6 +151,11 @@ class TrainConfig:
     1F1B, interleaved 1F1B)."""
     num_stages: int | None = field(default=None, metadata={"min": 1, "max": MAX_STAGES})
     """Pipeline stages; default = world size (one per rank); interleaved: a multiple of it."""
+    dp: int = field(default=1, metadata={"min": 1, "max": MAX_REPLICAS})
+    """Data-parallel replicas of the pipeline: the job's ranks are dp x pp, replica k on
+    ranks [k * pp, (k + 1) * pp) (one node each under `mpress train --nnodes dp`), each
+    stage's gradients averaged over its replicas (`mpress/runtime/data_parallel.py`).
+    Every replica trains on its own microbatch_size x num_microbatches samples a step."""
     microbatch_size: int = field(default=1, metadata={"min": 1, "max": MAX_MICROBATCH_SIZE})
     """Samples per microbatch."""
     num_microbatches: int = field(default=1, metadata={"min": 1, "max": MAX_MICROBATCHES})
@@ -230,8 +236,8 @@ class TrainConfig:
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step."""
-        return self.microbatch_size * self.num_microbatches
+        """Samples per optimizer step, over every replica."""
+        return self.microbatch_size * self.num_microbatches * self.dp
 
 
 def _check_microbatches(cfg: TrainConfig, num_stages: int, key: str, source: str = "") -> None:
@@ -369,8 +375,18 @@ def resolve_backend(cfg: TrainConfig) -> str:
     return cfg.backend
 
 
+def pipeline_ranks(cfg: TrainConfig, world_size: int) -> int:
+    """The ranks of one replica's pipeline when the launch has `world_size` ranks: world =
+    dp x pp. Raises `UserError` naming `dp` when the world is not a whole number of replicas."""
+    if world_size % cfg.dp:
+        raise UserError(f"dp: {world_size} ranks cannot hold {cfg.dp} replicas of the pipeline (the world size must "
+                        f"be dp x pp, a multiple of dp; change dp or the ranks)")
+    return world_size // cfg.dp
+
+
 def check_world_size(cfg: TrainConfig, world_size: int) -> int:
-    """Check the config against the launch's world size; return the number of stages.
+    """Check the config against the launch's world size (every replica's ranks: dp x pp);
+    return the number of stages.
 
     GPipe and 1F1B run one stage per rank (num_stages == world_size); interleaved 1F1B
     runs num_stages / world_size stages per rank and needs a whole number of them, and
@@ -379,6 +395,7 @@ def check_world_size(cfg: TrainConfig, world_size: int) -> int:
     """
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
+    world_size = pipeline_ranks(cfg, world_size)
     num_stages = cfg.num_stages if cfg.num_stages is not None else world_size
     if cfg.schedule is not ScheduleName.INTERLEAVED and num_stages != world_size:
         raise UserError(f"num_stages: {cfg.schedule} runs one stage per rank, so num_stages ({num_stages}) "
@@ -408,6 +425,7 @@ __all__ = [
     "OptimizerConfig",
     "TrainConfig",
     "check_world_size",
+    "pipeline_ranks",
     "load_train_config",
     "model_config",
     "resolve_backend",

@@ -346,7 +346,8 @@ class PipelineJob:
             dead = self._dead_ranks()
             if dead:
                 stages = ", ".join(str(s) for s in self.stage_ids)
-                raise SwapError(f"rank {self.rank} stage {stages}: {'; '.join(dead)}; the step stopped ({exc})") from exc
+                raise SwapError(f"rank {dist.get_rank()} stage {stages}: {'; '.join(dead)}; the step stopped "
+                                f"({exc})") from exc
             raise
         return losses
 

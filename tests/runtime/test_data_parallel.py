@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpress.launcher.checkpoint import Checkpoints
 from mpress.launcher.job import start_job
 from mpress.model_config import load_model_config
 from mpress.plan import Plan, TensorRule
 from mpress.runtime.data_parallel import make_replicas
+from mpress.runtime.train_config import load_train_config
 from mpress.runtime.trainer import JobSpec
 from tests.support.compare import assert_identical, assert_states_equal
 from tests.support.plans import pipeline_plan
@@ -78,3 +80,44 @@ def test_two_replicas_of_two_stages_equal_the_plain_run_and_each_other():
 @pytest.mark.slow
 def test_two_replicas_of_four_stages_equal_the_plain_run_and_each_other():
     _check(2, 4)
+
+
+def _checkpoint_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, root: str, resume: bool):
+    """A dp x pp job under the plan: with `resume`, its state as loaded from `root` (no
+    step run); else its state after STEPS steps, saved to `root`."""
+    replicas = make_replicas(dp, "cpu") if dp > 1 else None
+    pp = replicas.pp_size if replicas is not None else world
+    cfg = load_train_config("gpt-tiny-plain", [("num_stages", str(pp)), ("dp", str(dp)), ("seed", "3"),
+                                               ("microbatch_size", str(MICROBATCH_SIZE)),
+                                               ("num_microbatches", str(NUM_MICROBATCHES)),
+                                               ("checkpoint.dir", root), ("checkpoint.resume", str(resume).lower())])
+    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[pp], microbatch_size=MICROBATCH_SIZE,
+                   num_microbatches=NUM_MICROBATCHES, seed=3)
+    plan = Plan.load(plan_paths[0])
+    job = start_job(spec, plan, torch.device("cpu"), group=replicas.pp_group if replicas else None,
+                    dp_group=replicas.dp_group if replicas else None)
+    checkpoints = Checkpoints(cfg, job, None, dp_rank=replicas.dp_rank if replicas else 0)
+    if resume:
+        yield {"next": checkpoints.resume(), "state": job.state()}
+    else:
+        for step in range(STEPS):
+            x, y = batch(step * dp + (replicas.dp_rank if replicas else 0), NUM_MICROBATCHES)
+            job.step(x, y)
+        checkpoints.save(STEPS - 1)
+        yield {"state": job.state()}
+    job.close()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_replicas_resumes_on_one(tmp_path):
+    saved = spawn(_checkpoint_worker, 4, [_mixed_plan(2)], 2, str(tmp_path / "dp2"), False, timeout_s=600)
+    assert not saved.errors, saved.errors
+    # replica 0 wrote the model and optimizer state; replica 1 only its generators
+    shards = {p.name: p.stat().st_size for p in (tmp_path / "dp2").glob("step*/__*.distcp")}
+    assert len(shards) == 4 and shards["__2_0.distcp"] < shards["__0_0.distcp"] / 10, shards
+    one = spawn(_checkpoint_worker, 2, [_mixed_plan(2)], 1, str(tmp_path / "dp2"), True, timeout_s=600)
+    assert not one.errors, one.errors
+    for p, loaded in enumerate(one.results[0]):
+        assert loaded["next"] == STEPS
+        assert_states_equal(saved.results[0][p]["state"], loaded["state"])
+        assert_states_equal(saved.results[0][2 + p]["state"], loaded["state"])

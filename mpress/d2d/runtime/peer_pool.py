@@ -168,7 +168,9 @@ class PeerPools:
             if info.rank != self.rank and not info.process.alive():
                 role = (f"holds the D2D peer pool of device(s) {', '.join(str(e.device) for e in info.exports)}"
                         if info.exports else "holds no peer pool")
-                lines.append(f"rank {info.rank} (pid {info.process.pid}, {role}) has died")
+                # the job's rank (the group is a dp replica's pipeline when the job has several)
+                rank = dist.get_global_rank(self.group, info.rank) if self.group is not None else info.rank
+                lines.append(f"rank {rank} (pid {info.process.pid}, {role}) has died")
         return lines
 
     def pool_usage(self) -> dict[int, dict[str, int]]:

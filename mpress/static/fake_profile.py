@@ -169,7 +169,7 @@ def fake_profile(factory: Factory, *, model_name: str, hardware: Hardware, layer
     name = fingerprint(module) if callable(fingerprint) else fingerprint or module_fingerprint(module)
     return Profile(model=model_name, model_fingerprint=name, source="fake",
                    device=hardware.name, dtype=precision, microbatch_size=user.microbatch_size,
-                   layers=layer_profiles(module, found, times), time_samples=0,
+                   layers=layer_profiles(module, found, times, hardware, measured=False), time_samples=0,
                    input_bytes=sum(t.numel() * t.element_size() for t in tensors(args)), target_bytes=target_bytes)
 
 

@@ -7,6 +7,8 @@ which trained on different batches, end with identical states."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,8 +27,17 @@ from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, b
 NUM_MICROBATCHES = 4
 
 
-def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int):
-    """One job per plan on a dp x pp mesh; replica k trains on batches k, dp + k, ..."""
+def _config(pp: int, dp: int, root: str | None, resume: bool = False):
+    """The train config the checkpoints of these jobs are made under."""
+    return load_train_config("gpt-tiny-plain", [
+        ("num_stages", str(pp)), ("dp", str(dp)), ("seed", "3"), ("microbatch_size", str(MICROBATCH_SIZE)),
+        ("num_microbatches", str(NUM_MICROBATCHES)), ("checkpoint.dir", root or "null"),
+        ("checkpoint.resume", str(resume).lower())])
+
+
+def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, root: str | None = None):
+    """One job per plan on a dp x pp mesh; replica k trains on batches k, dp + k, ...
+    root: the jobs under a plan save their final step there (DCP)."""
     replicas = make_replicas(dp, "cpu")
     spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[replicas.pp_size],
                    microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=3)
@@ -38,6 +49,8 @@ def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int):
         for step in range(STEPS):
             x, y = batch(step * dp + replicas.dp_rank, NUM_MICROBATCHES)
             losses.append(job.step(x, y).loss)
+        if plan is not None and root is not None:
+            Checkpoints(_config(replicas.pp_size, dp, root), job, None, dp_rank=replicas.dp_rank).save(STEPS - 1)
         swapped = sum(rt.router.tensors_swapped for rt in job.runtimes)
         recomputed = sum(rt.router.layers_recomputed for rt in job.runtimes)
         yield {"losses": losses, "state": job.state(), "dp_rank": replicas.dp_rank, "pp_rank": replicas.pp_rank,
@@ -56,10 +69,15 @@ def _mixed_plan(pp: int) -> Plan:
     return pipeline_plan("1f1b", pp, NUM_MICROBATCHES, rules)
 
 
-def _check(dp: int, pp: int) -> None:
-    spawned = spawn(_dp_worker, dp * pp, [None, _mixed_plan(pp)], dp, timeout_s=600)
+def _run(dp: int, pp: int, root: str | None = None) -> tuple[list[dict], list[dict]]:
+    """The plain and the mixed dp x pp runs' results per rank (`root`: see `_dp_worker`)."""
+    spawned = spawn(_dp_worker, dp * pp, [None, _mixed_plan(pp)], dp, root, timeout_s=600)
     assert not spawned.errors, spawned.errors
-    plain, mixed = spawned.results
+    return spawned.results[0], spawned.results[1]
+
+
+def _assert_equal_runs(plain: list[dict], mixed: list[dict], dp: int, pp: int) -> None:
+    """The mixed run equals the plain one bit for bit, and each run's replicas end equal."""
     assert [(r["dp_rank"], r["pp_rank"]) for r in mixed] == [(k, p) for k in range(dp) for p in range(pp)]
     assert_identical(plain, mixed)
     assert sum(r["swapped"] for r in mixed) > 0 and sum(r["recomputed"] for r in mixed) > 0
@@ -72,52 +90,42 @@ def _check(dp: int, pp: int) -> None:
             assert_states_equal(run[p]["state"], run[pp + p]["state"])
 
 
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory) -> tuple[list[dict], list[dict], str]:
+    """The 2 x 2 runs' results per rank, and where the mixed run saved its last step."""
+    root = str(tmp_path_factory.mktemp("dp2") / "ckpt")
+    return (*_run(2, 2, root), root)
+
+
 @pytest.mark.slow
-def test_two_replicas_of_two_stages_equal_the_plain_run_and_each_other():
-    _check(2, 2)
+def test_two_replicas_of_two_stages_equal_the_plain_run_and_each_other(two_by_two):
+    plain, mixed, _root = two_by_two
+    _assert_equal_runs(plain, mixed, 2, 2)
 
 
 @pytest.mark.slow
 def test_two_replicas_of_four_stages_equal_the_plain_run_and_each_other():
-    _check(2, 4)
+    _assert_equal_runs(*_run(2, 4), 2, 4)
 
 
-def _checkpoint_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, root: str, resume: bool):
-    """A dp x pp job under the plan: with `resume`, its state as loaded from `root` (no
-    step run); else its state after STEPS steps, saved to `root`."""
-    replicas = make_replicas(dp, "cpu") if dp > 1 else None
-    pp = replicas.pp_size if replicas is not None else world
-    cfg = load_train_config("gpt-tiny-plain", [("num_stages", str(pp)), ("dp", str(dp)), ("seed", "3"),
-                                               ("microbatch_size", str(MICROBATCH_SIZE)),
-                                               ("num_microbatches", str(NUM_MICROBATCHES)),
-                                               ("checkpoint.dir", root), ("checkpoint.resume", str(resume).lower())])
-    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[pp], microbatch_size=MICROBATCH_SIZE,
-                   num_microbatches=NUM_MICROBATCHES, seed=3)
-    plan = Plan.load(plan_paths[0])
-    job = start_job(spec, plan, torch.device("cpu"), group=replicas.pp_group if replicas else None,
-                    dp_group=replicas.dp_group if replicas else None)
-    checkpoints = Checkpoints(cfg, job, None, dp_rank=replicas.dp_rank if replicas else 0)
-    if resume:
-        yield {"next": checkpoints.resume(), "state": job.state()}
-    else:
-        for step in range(STEPS):
-            x, y = batch(step * dp + (replicas.dp_rank if replicas else 0), NUM_MICROBATCHES)
-            job.step(x, y)
-        checkpoints.save(STEPS - 1)
-        yield {"state": job.state()}
+def _resume_worker(rank: int, world: int, plan_paths: list[str | None], root: str):
+    """A job of one replica under the plan, its state as loaded from `root` (no step run)."""
+    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[world],
+                   microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=3)
+    job = start_job(spec, Plan.load(plan_paths[0]), torch.device("cpu"))
+    yield {"next": Checkpoints(_config(world, 1, root, resume=True), job, None).resume(), "state": job.state()}
     job.close()
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_replicas_resumes_on_one(tmp_path):
-    saved = spawn(_checkpoint_worker, 4, [_mixed_plan(2)], 2, str(tmp_path / "dp2"), False, timeout_s=600)
-    assert not saved.errors, saved.errors
+def test_a_checkpoint_of_two_replicas_resumes_on_one(two_by_two):
+    _plain, saved, root = two_by_two
     # replica 0 wrote the model and optimizer state; replica 1 only its generators
-    shards = {p.name: p.stat().st_size for p in (tmp_path / "dp2").glob("step*/__*.distcp")}
+    shards = {p.name: p.stat().st_size for p in Path(root).glob("step*/__*.distcp")}
     assert len(shards) == 4 and shards["__2_0.distcp"] < shards["__0_0.distcp"] / 10, shards
-    one = spawn(_checkpoint_worker, 2, [_mixed_plan(2)], 1, str(tmp_path / "dp2"), True, timeout_s=600)
+    one = spawn(_resume_worker, 2, [_mixed_plan(2)], root, timeout_s=600)
     assert not one.errors, one.errors
     for p, loaded in enumerate(one.results[0]):
         assert loaded["next"] == STEPS
-        assert_states_equal(saved.results[0][p]["state"], loaded["state"])
-        assert_states_equal(saved.results[0][2 + p]["state"], loaded["state"])
+        assert_states_equal(saved[p]["state"], loaded["state"])
+        assert_states_equal(saved[2 + p]["state"], loaded["state"])

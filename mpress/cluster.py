@@ -30,6 +30,13 @@ MAX_NODES = 4096
 """Most nodes a cluster may have (a bound on input, not a scaling claim)."""
 
 
+DDP_GRADIENT_AS_BUCKET_VIEW = False
+"""`gradient_as_bucket_view` of the DDP that replicates a stage (shared by both halves:
+the runtime passes it, the emulator counts from it). False, torch's default: DDP's
+buckets hold a copy of every gradient, the stage's gradient bytes again for the wrapped
+module's lifetime; True would make the gradients views into the buckets (no copy)."""
+
+
 class Sharding(Word):
     """How data-parallel replicas hold a stage's model states (shared by both halves).
 

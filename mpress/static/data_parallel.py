@@ -13,8 +13,10 @@ a NIC, or an interleaved rank's stages, share its bandwidth):
   order), and a bucket is all-reduced as soon as the layer holding its last gradient has
   finished its backward: buckets closed by one layer are one task, issued when that
   layer's backward task ends. A ring all-reduce of b bytes puts 2(dp-1)/dp x b on each
-  NIC and takes 2(dp-1) ring steps (`Channel.latency_s`). In place on the gradients
-  (`gradient_as_bucket_view=True`), so it holds no memory of its own.
+  NIC and takes 2(dp-1) ring steps (`Channel.latency_s`). DDP's buckets hold a copy
+  of the gradients unless they are views into them
+  (`cluster.DDP_GRADIENT_AS_BUCKET_VIEW`, what the runtime passes to DDP):
+  `reduction_buffer_bytes`.
 - fsdp (torch FSDP2 `fully_shard` per layer, `reshard_after_forward=False` as under
   pipelining): each layer's gradients are reduce-scattered when its backward of the last
   microbatch ends ((dp-1)/dp x b on the NIC, dp-1 steps); the optimizer steps its shard;
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mpress.actions import Action, Kind
-from mpress.cluster import Cluster, Sharding
+from mpress.cluster import DDP_GRADIENT_AS_BUCKET_VIEW, Cluster, Sharding
 from mpress.static.emulator_result import EmulatorResult
 from mpress.static.profile import Profile
 from mpress.static.program import Channel, Cost, Program, Task, Transfer
@@ -110,12 +112,15 @@ def shard_profile(profile: Profile, dp: DataParallel) -> Profile:
 
 
 def reduction_buffer_bytes(costs: StageCosts, dp: DataParallel | None) -> int:
-    """Device bytes a stage holds for the whole iteration because of `dp`, beyond its
-    (sharded) model states: fsdp holds one layer's reduce-scatter input (its unsharded
-    gradients) and output (their shard), and, without master weights, its 1/dp shard of
-    the parameters beside the unsharded ones; ddp reduces in place (0)."""
-    if dp is None or not dp.sharded:
+    """Device bytes a stage holds for the whole iteration because of `dp` (> 1), beyond
+    its (sharded) model states: ddp, its buckets, a copy of the stage's gradients (none
+    when they are views into them, `cluster.DDP_GRADIENT_AS_BUCKET_VIEW`); fsdp, one
+    layer's reduce-scatter input (its unsharded gradients) and output (their shard), and,
+    without master weights, its 1/dp shard of the parameters beside the unsharded ones."""
+    if dp is None or dp.degree == 1:
         return 0
+    if not dp.sharded:
+        return 0 if DDP_GRADIENT_AS_BUCKET_VIEW else costs.grad_bytes
     n = dp.degree
     largest = max((x.grad_bytes for x in costs.layers), default=0)
     shard_copy = 0 if costs.master_bytes else -(-costs.param_bytes // n)

@@ -1,6 +1,6 @@
-"""Data parallelism on preset pipelines: one node is one server, exactly; FSDP shards
-the optimizer states and master weights by the node count and holds its reduce-scatter
-buffers."""
+"""Data parallelism on preset pipelines: one node is one server, exactly; DDP's buckets
+copy the gradients; FSDP shards the optimizer states and master weights by the node
+count and holds its reduce-scatter buffers."""
 
 from __future__ import annotations
 
@@ -30,10 +30,15 @@ def test_one_node_is_the_single_server_emulation(sharding):
     assert one.result.task_end_s == alone.result.task_end_s
 
 
-def test_ddp_keeps_every_state_on_every_replica():
+def test_ddp_keeps_every_state_on_every_replica_and_its_buckets_copy_the_gradients():
+    """mpress's DDP keeps torch's default gradient_as_bucket_view=False: its buckets are a
+    second copy of the stage's gradients, held from the start."""
     alone, four = setup(None), setup(4)
-    assert [m.static_bytes for m in four.memory] == [m.static_bytes for m in alone.memory]
-    assert evaluate(four).program.static_bytes == evaluate(alone).program.static_bytes
+    for full, replica, c in zip(alone.memory, four.memory, alone.costs):
+        assert replica.model_state_bytes == full.model_state_bytes
+        assert replica.buffer_bytes - full.buffer_bytes == sum(x.grad_bytes for x in c.layers) > 0
+    added = [r - f for r, f in zip(evaluate(four).program.static_bytes, evaluate(alone).program.static_bytes)]
+    assert added == [c.grad_bytes for c in alone.costs]
 
 
 @pytest.mark.parametrize("nodes", [2, 4, 8])

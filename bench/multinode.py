@@ -5,14 +5,15 @@ configs/clusters/): plan the `mpress` strategy for one 8-stage 1F1B pipeline on 
 (16 microbatches of 1), then emulate that plan replicated on N nodes with data
 parallelism across them (DDP: each stage's gradients all-reduced over its GPU's NIC in
 25 MB buckets, overlapped with the stage's last backward; `mpress.static.data_parallel`).
-Under DDP every replica holds what one server holds, so the one-node plan is the plan
-on every node count. The table sets the cluster's samples/s beside linear scaling
-(N x one node): `reduction` is the longest a stage's reduction runs, `exposed` how long
-it holds up a rank's optimizer step or end (`data_parallel.exposed_reduction_s`), and
-`cost / iteration` what the iteration gained over one node's (the same plan: the
-reduction's whole cost; with fsdp, the plans differ too: sharded states need less
-compaction, so more than linear is possible, and the note judges by `exposed`). With
---sharding fsdp every node count is planned anew (sharded states free memory).
+Under DDP every replica holds what one server holds plus DDP's buckets (a copy of the
+gradients), whatever N > 1: one plan for one node, one for every N > 1; with --sharding
+fsdp (sharded states free memory, more the more nodes) every node count is planned
+anew. The table sets the cluster's samples/s beside linear scaling (N x one node):
+`reduction` is the longest a stage's reduction runs, `exposed` how long it holds up a
+rank's optimizer step or end (`data_parallel.exposed_reduction_s`; the note says from
+how many nodes it exceeds 1% of the iteration), `cost / iteration` what the iteration
+gained over one node's (the reduction and the plan its memory needs; with fsdp, less
+memory can make it negative: more than linear).
 
 Usage: python bench/multinode.py [--models gpt-20.4b,llama-2-70b,llama-3-70b]
        [--hardware dgx-a100,hgx-h100] [--nodes 1,2,4,8,16] [--sharding ddp|fsdp]
@@ -64,12 +65,15 @@ def main() -> None:
     t0 = time.perf_counter()
     for model in args.models.split(","):
         for hardware in args.hardware.split(","):
-            plan = None
+            plan, planned_for = None, None
             one_node, one_node_s = 0.0, 0.0
             first_exposed = None
             for n in node_counts:
                 setup = make_setup(model, hardware, n, sharding)
-                if plan is None or sharding is Sharding.FSDP:
+                # per-device memory: one node (no replicas), ddp on any N > 1 (its buckets), fsdp per N
+                key = n if sharding is Sharding.FSDP else min(n, 2)
+                if key != planned_for:
+                    planned_for = key
                     planned = plan_strategy(setup, "mpress")
                     if not planned.fits:
                         table.add_row(model, hardware, str(n), *["-"] * 7, "does not fit")
@@ -80,10 +84,8 @@ def main() -> None:
                 if n == 1:
                     one_node, one_node_s = res.samples_per_s, res.iteration_s
                 exposed = exposed_reduction_s(res)
-                cost = res.iteration_s - one_node_s  # the same plan: what the reduction adds
-                # fsdp plans each node count anew (the cost mixes in a plan that shards): judge by the wait
-                lost = cost if sharding is Sharding.DDP else exposed
-                if first_exposed is None and lost > 0.01 * res.iteration_s:
+                cost = res.iteration_s - one_node_s  # what replication costs: the reduction, its memory
+                if first_exposed is None and exposed > 0.01 * res.iteration_s:
                     first_exposed = n
                 gpus = n * setup.hardware.num_devices
                 table.add_row(model, hardware, str(n), str(gpus), fmt_seconds(res.iteration_s),

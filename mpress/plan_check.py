@@ -180,11 +180,12 @@ def _check_pools(plan: Plan, source: str, hardware: Hardware) -> None:
     quotas exporters hold in it (an idle device's pool is their sum) within its usable
     memory."""
     host = sum(sp.pinned_host_bytes for sp in plan.stages)
-    if host > hardware.host_memory_bytes:
+    if host > hardware.pinnable_bytes:
         big = max(plan.stages, key=lambda sp: sp.pinned_host_bytes)
         raise refusal(source, f"stages[{big.stage}].pinned_host_bytes",
                       f"pinned host pools need {fmt_bytes(host)} ({fmt_bytes(big.pinned_host_bytes)} for stage "
-                      f"{big.stage}); {hardware.name} has {fmt_bytes(hardware.host_memory_bytes)} of host memory")
+                      f"{big.stage}); {hardware.name} can pin {fmt_bytes(hardware.pinnable_bytes)} of its "
+                      f"{fmt_bytes(hardware.host_memory_bytes)} of host memory")
     usable = hardware.usable_memory_bytes
     allowed = (f"a {hardware.name} device has {fmt_bytes(usable)} usable "
                f"({fmt_bytes(hardware.device.memory_bytes)} less its reserve)")

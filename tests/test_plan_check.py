@@ -88,14 +88,15 @@ def test_check_plan_device_ranges() -> None:
 
 
 def test_check_plan_pinned_host_memory() -> None:
-    # DGX-1V host memory: 512 GiB = 549.8 GB; two stages ask 300 GB each
-    plan, hw = dgx1_plan(s0={"pinned_host_bytes": 300 * GB}, s1={"pinned_host_bytes": 300 * GB})
+    # DGX-1V host memory: 512 GiB = 549.8 GB, of which the preset lets plans pin 432 GiB
+    # = 463.9 GB; two stages ask 250 GB each: within the memory, over what can be pinned
+    plan, hw = dgx1_plan(s0={"pinned_host_bytes": 250 * GB}, s1={"pinned_host_bytes": 250 * GB})
     with pytest.raises(PlanError) as info:
         check_plan(plan, source="p.yaml", hardware=hw)
     msg = one_line(info.value)
-    assert msg.startswith("p.yaml: stages[0].pinned_host_bytes: pinned host pools need 600 GB (300 GB for stage 0)")
-    assert msg.endswith("dgx1-v100 has 550 GB of host memory")
-    ok, hw = dgx1_plan(s0={"pinned_host_bytes": 300 * GB}, s1={"pinned_host_bytes": 200 * GB})
+    assert msg.startswith("p.yaml: stages[0].pinned_host_bytes: pinned host pools need 500 GB (250 GB for stage 0)")
+    assert msg.endswith("dgx1-v100 can pin 464 GB of its 550 GB of host memory")
+    ok, hw = dgx1_plan(s0={"pinned_host_bytes": 250 * GB}, s1={"pinned_host_bytes": 200 * GB})
     check_plan(ok, source="p.yaml", hardware=hw)
 
 

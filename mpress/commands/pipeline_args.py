@@ -194,9 +194,10 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
         profile = analytic_profile(model, hardware, args.microbatch_size or DEFAULT_MICROBATCH_SIZE)  # type: ignore[arg-type]
         num_layers = len(profile.layers)
     shape = resolve_shape(args, hardware, num_layers=num_layers, plan=plan, profile=shape_profile)
-    # a plan keeps its stages' layers unless --balance asks for another split (which the
-    # plan check then refuses, naming both)
-    ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages] if plan is not None and not args.balance else None
+    # a plan keeps its stages' layers unless --balance asks for another split or another
+    # model is named (which the plan check then refuses, naming both)
+    own = plan is not None and not args.balance and args.model in (None, plan.model)
+    ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages] if own else None  # type: ignore[union-attr]
     setup = setup_pipeline(model, hardware, schedule=shape.schedule, num_stages=shape.num_stages,  # type: ignore[arg-type]
                            num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
                            num_microbatches=shape.num_microbatches, profile=profile, balance=args.balance or "compute",

@@ -98,12 +98,13 @@ def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[
 
 
 def stage_table(r: PlanResult) -> Table:
-    """Per stage: need vs capacity, planned peak, bytes each technique saves and its share."""
+    """Per stage: need vs usable memory (what plans fit: nominal less the reserve), planned
+    peak, bytes each technique saves and its share."""
     setup = r.evaluation.setup
     t = Table(title=f"{r.strategy} plan: {setup.model.name} on {setup.hardware.name}, {setup.schedule.name}, "
                     f"{setup.schedule.num_stages} stages, {setup.schedule.num_microbatches} x {setup.microbatch_size}")
     compacting = [t for t in Technique if t is not Technique.KEEP]
-    for col in ["stage", "device", "need", "capacity", "planned peak", *compacting,
+    for col in ["stage", "device", "need", "usable", "planned peak", *compacting,
                 "pinned host", "peers"]:
         t.add_column(col, justify="right")
     res = r.evaluation.result
@@ -114,8 +115,9 @@ def stage_table(r: PlanResult) -> Table:
             b = saved.get(tech, 0)
             cells.append(f"{fmt_bytes(b)} ({100 * b / total:.0f}%)" if b else "-")
         peak = res.peak_bytes[sp.device]
-        style = "green" if peak <= setup.hardware.device.memory_bytes else "bold red"
-        t.add_row(str(sp.stage), str(sp.device), fmt_bytes(sp.need_bytes), fmt_bytes(setup.hardware.device.memory_bytes),
+        usable = setup.hardware.usable_memory_bytes  # what the planner fits (nominal less the reserve)
+        style = "green" if peak <= usable else "bold red"
+        t.add_row(str(sp.stage), str(sp.device), fmt_bytes(sp.need_bytes), fmt_bytes(usable),
                   f"[{style}]{fmt_bytes(peak)}[/]", *cells, fmt_bytes(sp.pinned_host_bytes),
                   ",".join(map(str, peers)) or "-")
     return t
@@ -143,7 +145,8 @@ def plan_json(results: dict[str, PlanResult], chosen: str, shape: PipelineShape)
     r = results[chosen]
     setup, res = r.evaluation.setup, r.evaluation.result
     stages = [{"stage": sp.stage, "device": sp.device, "need_bytes": sp.need_bytes,
-               "capacity_bytes": setup.hardware.device.memory_bytes, "planned_peak_bytes": res.peak_bytes[sp.device],
+               "capacity_bytes": setup.hardware.usable_memory_bytes,
+               "device_memory_bytes": setup.hardware.device.memory_bytes, "planned_peak_bytes": res.peak_bytes[sp.device],
                "saved_bytes": {str(t): b for t, b in saved.items()}, "pinned_host_bytes": sp.pinned_host_bytes,
                "peers": list(peers)}
               for sp, saved, peers in zip(r.plan.stages, r.saved_bytes, r.peers)]

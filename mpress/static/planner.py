@@ -309,16 +309,18 @@ class _Planner(D2DSteps):
         # each with op-level recompute choices and with whole layers only: choosing per byte
         # is greedy, and a whole layer recomputed can end a fit sooner than several parts
         granularity = (True, False) if self.options.op_level_recompute and RECOMPUTE in self.allowed else (False,)
-        best: tuple[Draft, Evaluation] | None = None
+        best: tuple[Draft, Evaluation, bool] | None = None
         for (layer_techniques, model_data_host), op_level in itertools.product(seeds, granularity):
             self.layer_allowed = layer_techniques
             self.model_data_host = model_data_host
             self.op_level = op_level
             d, ev = self._fit(empty.copy(), base, live)
-            if best is None or _better(ev, best[1]):
-                best = (d, ev)
+            pins_ok = self._pinned_bytes(d, ev) <= self.hw.pinnable_bytes
+            # a seed that fits its devices but pins more than the host can does not fit
+            if best is None or _better(ev, best[1], pins_ok, best[2]):
+                best = (d, ev, pins_ok)
         assert best is not None  # seeds is never empty
-        d, ev = best
+        d, ev, _ = best
         if self.strategy is Strategy.MPRESS:
             d, ev = self._d2d_rounds(d, ev)
         return self.result(d, ev, t0)
@@ -405,16 +407,24 @@ class _Planner(D2DSteps):
                           saved_bytes=saved, peers=peers, host_bytes=host,
                           plan_s=time.perf_counter() - t0, mapping_s=self.mapping_s)
 
+    def _pinned_bytes(self, d: Draft, ev: Evaluation) -> int:
+        """Host memory the plan of draft `d` (emulated as `ev`) pins, over all stages."""
+        return sum(sp.pinned_host_bytes for sp in self.writer.to_plan(d, ev).stages)
+
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)
         return (f"device {worst} peaks at {fmt_bytes(ev.result.peak_bytes[worst])} of "
                 f"{fmt_bytes(self.capacity)} usable")
 
 
-def _better(a: Evaluation, b: Evaluation) -> bool:
-    """Fitting beats not fitting; then the faster iteration."""
-    if a.result.fits != b.result.fits:
-        return a.result.fits
+def _better(a: Evaluation, b: Evaluation, a_pins_ok: bool = True, b_pins_ok: bool = True) -> bool:
+    """Fitting the devices and what the host can pin beats fitting the devices only (whose
+    reason, the host, is the one to report), which beats not fitting; then the faster
+    iteration."""
+    rank_a = (a.result.fits and a_pins_ok, a.result.fits)
+    rank_b = (b.result.fits and b_pins_ok, b.result.fits)
+    if rank_a != rank_b:
+        return rank_a > rank_b
     return a.result.iteration_s < b.result.iteration_s
 
 

@@ -93,6 +93,7 @@ def test_host_memory_too_small(tmp_path, capsys):
     text = (HARDWARE_DIR / "dgx1-v100.yaml").read_text()
     data = yaml.safe_load(text)
     data["host_memory_bytes"] = 50 * 10**9
+    data["pinnable_host_bytes"] = 40 * 10**9  # what plans may pin of it
     path = tmp_path / "small-host.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["plan", "--model", "gpt-20.4b", "--hardware", str(path)]) == 2

@@ -272,3 +272,4 @@ def test_d2d_on_interleaved_leaves_nothing_on_peers_without_stripes():
     assert best.fits
     check_plan_for_setup(best.plan, setup)
     evaluate_plan(setup, best.plan)
+

@@ -208,8 +208,10 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
                                                               "use another checkpoint.dir")
         return
     if manifest is not None:
-        # a user's module is built on the meta device: its identity is its structure and dtype
-        with torch.device("meta") if cfg.module is not None else contextlib.nullcontext():
+        # a user's or Hugging Face module is built on the meta device: its identity is its
+        # structure and dtype (a 7B model is not built for real to be compared)
+        meta = cfg.module is not None or cfg.hf_config is not None
+        with torch.device("meta") if meta else contextlib.nullcontext():
             model = model_config(cfg)
         check_resumable(manifest, folder, identity(model, cfg.seed))
     elif skipped:  # step folders, none of them a checkpoint: never restart from step 0 unasked

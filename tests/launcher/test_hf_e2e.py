@@ -4,7 +4,7 @@ tiny GPT-2-, Llama- and BERT-style configs go `mpress profile --hf-config` -> `m
 pipelining of the same HF model (`--plan none`), and a tied embedding (GPT-2's and BERT's
 output projection) is equal on the first and the last stage after training.
 
-BERT runs on 4 ranks (its tie spans ranks 0 and 3), GPT-2 and Llama on 2: each training
+BERT runs on 4 and 2 ranks (its tie spans ranks 0 and 3, then 0 and 1), GPT-2 on 2 and 4, Llama on 2: each training
 run costs seconds of process start-up on this 2-core machine, so not every family runs on
 both. The device memory of each plan is one at which the planner mixes techniques.
 """
@@ -40,6 +40,9 @@ CASES = [
     ("gpt2-tiny", 2, "700KB", ("embed.tokens.weight", "head.lm_head.weight")),
     ("llama-tiny", 2, "500KB", None),
     ("bert-tiny", 4, "420KB", ("embed.word_embeddings.weight", "head.predictions.decoder.weight")),
+    # the other rank counts: GPT-2 on 4 (D2D + recompute), BERT on 2 (host swap + recompute)
+    ("gpt2-tiny", 4, "800KB", ("embed.tokens.weight", "head.lm_head.weight")),
+    ("bert-tiny", 2, "500KB", ("embed.word_embeddings.weight", "head.predictions.decoder.weight")),
 ]
 
 
@@ -68,7 +71,7 @@ def test_the_readme_shows_these_commands():
         assert f"mpress {' '.join(argv)}" in readme, argv
 
 
-@pytest.mark.parametrize("name,ranks,memory,tied", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,ranks,memory,tied", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_hf_profile_plan_train_equals_plain_pipelining(tmp_path, name, ranks, memory, tied):
     shutil.copy(EXAMPLE / "train.yaml", tmp_path / "train.yaml")
     mpress(for_case(PROFILE, name, ranks, memory), tmp_path)

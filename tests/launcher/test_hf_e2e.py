@@ -4,9 +4,10 @@ tiny GPT-2-, Llama- and BERT-style configs go `mpress profile --hf-config` -> `m
 pipelining of the same HF model (`--plan none`), and a tied embedding (GPT-2's and BERT's
 output projection) is equal on the first and the last stage after training.
 
-BERT runs on 4 and 2 ranks (its tie spans ranks 0 and 3, then 0 and 1), GPT-2 on 2 and 4, Llama on 2: each training
-run costs seconds of process start-up on this 2-core machine, so not every family runs on
-both. The device memory of each plan is one at which the planner mixes techniques.
+GPT-2 and BERT run on 2 and on 4 ranks (BERT's tie spans ranks 0 and 3, then 0 and 1),
+Llama on 2: on 4 ranks the planner finds no memory at which it mixes techniques for the
+tiny Llama (recompute alone, or host swap alone). The device memory of each plan is one
+at which the planner mixes techniques.
 """
 
 from __future__ import annotations

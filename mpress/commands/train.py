@@ -46,8 +46,8 @@ examples:
   mpress train --config configs/train/gpt-tiny-mixed.yaml --nproc-per-node 4 --steps 10 --optimizer.lr 1e-3
   mpress train --config gpt-tiny-interleaved --nproc-per-node 2 --checkpoint.dir ckpt --checkpoint.every-steps 10
   mpress train --config gpt-tiny-plain --steps 5 --json > report.json
-  mpress train --config gpt-tiny-mixed --dp 2 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node0
-  mpress train --config gpt-tiny-mixed --dp 2 --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node1
+  mpress train --config gpt-tiny-plain --dp 2 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500   # on node0
+  mpress train --config gpt-tiny-plain --dp 2 --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500   # on node1
 
 overrides:
   --KEY VALUE sets any key of the YAML config before it is checked: its name as in the

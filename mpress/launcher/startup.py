@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mpress.cluster import Sharding, make_cluster
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
 from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware import Hardware, load_hardware
@@ -23,6 +24,7 @@ from mpress.plan import Plan
 from mpress.plan_check import Shape, check_plan, refusal
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.analytic import analytic_profile
+from mpress.static.data_parallel import DataParallel
 from mpress.static.evaluate import PipelineSetup, evaluate, setup_pipeline
 from mpress.static.fake_profile import fake_profile
 from mpress.static.plan_eval import check_plan_for_setup, complete_plan
@@ -135,9 +137,24 @@ def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig | UserModel, num
 
 def _setup(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware, num_stages: int, world: int,
            ranges: list[tuple[int, int]] | None = None, profile: Profile | None = None) -> PipelineSetup:
+    """One replica's pipeline (`world`: its ranks), with the replicas' DDP reduction and
+    buckets counted when the config has several (`data_parallel_for`)."""
     return setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
                           num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None, profile=profile,
-                          microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches, ranges=ranges)
+                          microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches, ranges=ranges,
+                          data_parallel=data_parallel_for(cfg, hardware))
+
+
+def data_parallel_for(cfg: TrainConfig, hardware: Hardware) -> DataParallel | None:
+    """What the runtime replicates (`mpress.runtime.data_parallel`): `dp` nodes of
+    `hardware` joined by its network preset (configs/clusters/), gradients reduced by
+    DDP; None for one replica. A `UserError` when the hardware has no network preset."""
+    if cfg.dp == 1:
+        return None
+    try:
+        return DataParallel(cluster=make_cluster(hardware, cfg.dp), sharding=Sharding.DDP)
+    except UserError as exc:
+        raise UserError(f"dp: {exc}") from None
 
 
 def _rank_peaks(device_peaks: list[int], stage_to_device: list[int], world: int) -> list[int]:

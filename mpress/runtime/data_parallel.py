@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
+from mpress.cluster import DDP_GRADIENT_AS_BUCKET_VIEW
 
 DP, PP = "dp", "pp"
 """The mesh's dimension names."""
@@ -98,5 +99,7 @@ def replicate_stages(stages: list[PipelineStage], dp_group: dist.ProcessGroup, d
             raise ValueError(f"stage {stage.stage_index} is replicated already")
         # buffers are constants here (masks, position ids), equal on every replica: synced
         # once at init, not before every forward
+        # gradient_as_bucket_view: the one the static half counts the buckets' memory by
         stage.submod = DistributedDataParallel(module, process_group=dp_group, forward_sync_buffers=False,
+                                               gradient_as_bucket_view=DDP_GRADIENT_AS_BUCKET_VIEW,
                                                device_ids=[device] if device.type == "cuda" else None)

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mpress.errors import UserError
 from mpress.launcher.checkpoint import Checkpoints
 from mpress.launcher.job import start_job
 from mpress.model_config import load_model_config
 from mpress.plan import Plan, TensorRule
 from mpress.runtime.data_parallel import make_replicas
-from mpress.runtime.train_config import load_train_config
+from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config
 from mpress.runtime.trainer import JobSpec
 from tests.support.compare import assert_identical, assert_states_equal
 from tests.support.plans import pipeline_plan
@@ -129,3 +130,13 @@ def test_a_checkpoint_of_two_replicas_resumes_on_one(two_by_two):
         assert loaded["next"] == STEPS
         assert_states_equal(saved[p]["state"], loaded["state"])
         assert_states_equal(saved[2 + p]["state"], loaded["state"])
+
+
+def test_the_world_is_dp_replicas_of_the_pipeline():
+    cfg = TrainConfig(model="gpt-tiny", num_stages=2, dp=3, num_microbatches=2)
+    assert check_world_size(cfg, 6) == 2
+    assert cfg.global_batch_size == 3 * 2 * 1
+    with pytest.raises(UserError, match=r"^dp: 4 ranks cannot hold 3 replicas of the pipeline"):
+        check_world_size(cfg, 4)
+    with pytest.raises(UserError, match=r"^num_stages: 1f1b runs one stage per rank, so num_stages \(2\) must equal"):
+        check_world_size(cfg, 9)  # 3 replicas of 3 ranks

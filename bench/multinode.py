@@ -75,11 +75,12 @@ def main() -> None:
                 if key != planned_for:
                     planned_for = key
                     planned = plan_strategy(setup, "mpress")
-                    if not planned.fits:
-                        table.add_row(model, hardware, str(n), *["-"] * 7, "does not fit")
+                    plan = planned.plan if planned.fits else None
+                    if plan is None:
                         notes.append(f"{model} on {hardware}, {n} node(s): no plan fits: {planned.reason}")
-                        break
-                    plan = planned.plan
+                if plan is None:  # another node count may fit (fsdp shards more the more nodes)
+                    table.add_row(model, hardware, str(n), *["-"] * 7, "does not fit")
+                    continue
                 res = evaluate_plan(setup, plan).result
                 if n == 1:
                     one_node, one_node_s = res.samples_per_s, res.iteration_s
@@ -89,11 +90,11 @@ def main() -> None:
                     first_exposed = n
                 gpus = n * setup.hardware.num_devices
                 table.add_row(model, hardware, str(n), str(gpus), fmt_seconds(res.iteration_s),
-                              f"{res.samples_per_s:.3g}", f"{n * one_node:.3g}",
-                              f"{100 * res.samples_per_s / (n * one_node):.1f}%",
+                              f"{res.samples_per_s:.3g}", f"{n * one_node:.3g}" if one_node else "-",
+                              f"{100 * res.samples_per_s / (n * one_node):.1f}%" if one_node else "-",
                               fmt_seconds(reduction_busy_s(res)), fmt_seconds(exposed),
-                              f"{100 * cost / res.iteration_s:.1f}%")
-            else:
+                              f"{100 * cost / res.iteration_s:.1f}%" if one_node else "-")
+            if plan is not None:
                 where = (f"exposed (costs > 1% of the iteration) from {first_exposed} nodes on" if first_exposed
                          else "hidden behind the backward up to the largest node count")
                 notes.append(f"{model} on {hardware}: the inter-node reduction is {where}")

@@ -170,6 +170,16 @@ def run(args: argparse.Namespace) -> int:
     console.print(settings_line(setup, shape), markup=False, soft_wrap=True)
     with TaskProgress(console, len(Strategy), "planning") as progress:
         results = plan_all(setup, args.swap_in_policy, progress)
+    if args.balance is None and not any(r.fits for r in results.values()):
+        # stages balanced for compute leave the first stage, with the most microbatches in
+        # flight, the most memory to hold: split by memory instead, as --balance memory does
+        args.balance = "memory"
+        setup, shape = setup_from_args(args, profile=profile_for_args(args))
+        console.print("no strategy fits with the layers balanced by compute; balancing them by memory "
+                      "(--balance memory)", markup=False, soft_wrap=True)
+        console.print(settings_line(setup, shape), markup=False, soft_wrap=True)
+        with TaskProgress(console, len(Strategy), "planning") as progress:
+            results = plan_all(setup, args.swap_in_policy, progress)
     chosen = results[args.strategy]
     written = args.out if chosen.fits and args.out else None
     if written:

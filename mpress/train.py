@@ -88,7 +88,9 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         return 2
     start: StartPlan = payload  # type: ignore[assignment]
     plan, ranges = start.plan, start.ranges
-    device = rank_device(plan, pp_rank, pp_world, dist.get_backend() == "nccl", plan_bus_ids=start.device_bus_ids)
+    # the bus ids are rank 0's node's: another replica's node numbers its GPUs as CUDA does
+    device = rank_device(plan, pp_rank, pp_world, dist.get_backend() == "nccl",
+                         plan_bus_ids=start.device_bus_ids if dp_rank == 0 else None)
     claims: list[object] = [None] * world
     dist.all_gather_object(claims, claim_for(rank, device), group=control)
     check_distinct_devices(claims)  # type: ignore[arg-type]  # before NCCL meets one GPU twice

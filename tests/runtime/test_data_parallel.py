@@ -23,7 +23,14 @@ from mpress.runtime.trainer import JobSpec
 from tests.support.compare import assert_identical, assert_states_equal
 from tests.support.plans import pipeline_plan
 from tests.support.spawn import spawn
-from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, batch
+from tests.support.tiny_pipeline import (
+    MICROBATCH_SIZE,
+    MODEL,
+    RANGES,
+    STEPS,
+    batch,
+    num_stages_of,
+)
 
 NUM_MICROBATCHES = 4
 
@@ -36,11 +43,13 @@ def _config(pp: int, dp: int, root: str | None, resume: bool = False):
         ("checkpoint.resume", str(resume).lower())])
 
 
-def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, root: str | None = None):
+def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, root: str | None = None,
+               schedule: str = "1f1b"):
     """One job per plan on a dp x pp mesh; replica k trains on batches k, dp + k, ...
     root: the jobs under a plan save their final step there (DCP)."""
     replicas = make_replicas(dp, "cpu")
-    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[replicas.pp_size],
+    spec = JobSpec(model=load_model_config(MODEL), schedule=schedule,
+                   ranges=RANGES[num_stages_of(schedule, replicas.pp_size)],
                    microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=3)
     for plan_path in plan_paths:
         torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
@@ -59,20 +68,20 @@ def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, roo
         job.close()
 
 
-def _mixed_plan(pp: int) -> Plan:
+def _mixed_plan(pp: int, schedule: str = "1f1b") -> Plan:
     """Host swap, recompute and optimizer-state offload, spread over the stages."""
-    last = pp - 1
+    last = num_stages_of(schedule, pp) - 1
     rules = {0: [TensorRule(tensor="optim:*", technique="host"), TensorRule(tensor="layers.0.**", technique="host")],
              1: [TensorRule(tensor="layers.*.**", technique="recompute", microbatches="0-1"),
                  TensorRule(tensor="layers.*.**", technique="host", microbatches="2-3")]}
     rules.setdefault(last, []).extend([TensorRule(tensor="optim:*", technique="host"),
                                        TensorRule(tensor="head.**", technique="recompute")])
-    return pipeline_plan("1f1b", pp, NUM_MICROBATCHES, rules)
+    return pipeline_plan(schedule, pp, NUM_MICROBATCHES, rules)
 
 
-def _run(dp: int, pp: int, root: str | None = None) -> tuple[list[dict], list[dict]]:
+def _run(dp: int, pp: int, root: str | None = None, schedule: str = "1f1b") -> tuple[list[dict], list[dict]]:
     """The plain and the mixed dp x pp runs' results per rank (`root`: see `_dp_worker`)."""
-    spawned = spawn(_dp_worker, dp * pp, [None, _mixed_plan(pp)], dp, root, timeout_s=600)
+    spawned = spawn(_dp_worker, dp * pp, [None, _mixed_plan(pp, schedule)], dp, root, schedule, timeout_s=600)
     assert not spawned.errors, spawned.errors
     return spawned.results[0], spawned.results[1]
 
@@ -107,6 +116,12 @@ def test_two_replicas_of_two_stages_equal_the_plain_run_and_each_other(two_by_tw
 @pytest.mark.slow
 def test_two_replicas_of_four_stages_equal_the_plain_run_and_each_other():
     _assert_equal_runs(*_run(2, 4), 2, 4)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_an_interleaved_pipeline_equal_the_plain_run_and_each_other():
+    # two stages per rank: two DDPs per rank over one dp group, reducing in schedule order
+    _assert_equal_runs(*_run(2, 2, schedule="interleaved"), 2, 2)
 
 
 def _resume_worker(rank: int, world: int, plan_paths: list[str | None], root: str):

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from mpress.actions import format_actions
 from mpress.launcher.job import start_job
 from mpress.launcher.startup import plan_for
 from mpress.plan import Plan, StagePlan, TensorRule
@@ -21,6 +20,7 @@ from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec
 from tests.runtime.test_pipeline_runs import assert_ran_as_planned
 from tests.support.compare import assert_identical
+from tests.support.jobs import run_steps
 from tests.support.plans import with_program
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import POOL_BYTES
@@ -78,19 +78,8 @@ def _worker(rank: int, world: int, plan_paths: list[str | None], attention: str,
         torch.manual_seed(7 + rank)
         plan = Plan.load(plan_path) if plan_path else None
         job = start_job(spec, plan, torch.device("cpu"))
-        losses, peaks = [], []
-        for step in range(steps):
-            x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
-                           step=step)
-            result = job.step(x, y)
-            losses.append(result.loss)
-            peaks.append((result.peak_bytes, result.peak_context))
-        extra = {}
-        if plan is not None:
-            extra = {"swapped": sum(rt.router.tensors_swapped for rt in job.runtimes),
-                     "recomputed": sum(rt.router.layers_recomputed for rt in job.runtimes),
-                     "log": format_actions(job.program.last_log)}
-        yield {"losses": losses, "state": job.state(), "extra": extra, "peaks": peaks}
+        yield run_steps(job, plan, lambda step: batches(dataset, microbatch_size=cfg.microbatch_size,
+                                                        num_microbatches=cfg.num_microbatches, step=step), steps)
         job.close()
 
 

@@ -10,13 +10,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpress.actions import format_actions
 from mpress.errors import PlanError
 from mpress.model_config import load_model_config
 from mpress.plan import Plan, Stripe, TensorRule
 from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
+from tests.support.jobs import run_steps
 from tests.support.plans import op_level_recompute, pipeline_plan
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, batch, num_stages_of
@@ -30,18 +30,7 @@ def _job_worker(rank: int, world: int, plan_paths: list[str | None], schedule: s
         torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
         plan = Plan.load(plan_path) if plan_path else None
         job = start_job(spec, plan, torch.device("cpu"))  # with the peer pools a D2D plan needs
-        losses, peaks = [], []
-        extra = {}
-        for step in range(STEPS):
-            x, y = batch(step, num_microbatches)
-            result = job.step(x, y)
-            losses.append(result.loss)
-            peaks.append((result.peak_bytes, result.peak_context))
-        if plan is not None:
-            extra = {"swapped": sum(rt.router.tensors_swapped for rt in job.runtimes),
-                     "recomputed": sum(rt.router.layers_recomputed for rt in job.runtimes),
-                     "log": format_actions(job.program.last_log)}
-        yield {"losses": losses, "state": job.state(), "extra": extra, "peaks": peaks}
+        yield run_steps(job, plan, lambda step: batch(step, num_microbatches), STEPS)
         job.close()
 
 

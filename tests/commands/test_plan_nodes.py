@@ -5,6 +5,7 @@ import json
 import pytest
 
 from mpress.cli import main
+from mpress.hardware import HARDWARE_DIR
 
 
 def test_plan_on_four_dgx_a100_plans_and_prints_the_cluster_throughput(capsys):
@@ -42,11 +43,14 @@ def one_line_error(capsys, words):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--hardware", "cpu-local", "--nodes", "2"], "no network preset"),
+    (["--hardware", "{own}", "--nodes", "2"], "no network preset"),
     (["--dp-sharding", "fsdp"], "--nodes"),
     (["--nodes", "0"], "--nodes"),
 ])
-def test_bad_node_input_is_one_line_and_exit_2(capsys, argv, words):
+def test_bad_node_input_is_one_line_and_exit_2(capsys, tmp_path, argv, words):
+    own = tmp_path / "my-server.yaml"  # a server of the user's, with no network preset
+    own.write_text((HARDWARE_DIR / "dgx-a100.yaml").read_text().replace("name: dgx-a100", "name: my-server"))
+    argv = [a.replace("{own}", str(own)) for a in argv]
     with pytest.raises(SystemExit) as exc:
         raise SystemExit(main(["emulate", "--model", "gpt-tiny", *argv]))
     assert exc.value.code == 2

@@ -25,7 +25,7 @@ CASES = [
     model("vocab-one", put("vocab_size", 1), "vocab_size"),
     model("vocab-2-to-40", put("vocab_size", 2**40), "vocab_size"),
     model("ffn-zero", put("ffn_hidden_size", 0), "ffn_hidden_size"),
-    model("family-unknown", put("family", "llama"), "family"),
+    model("family-unknown", put("family", "mamba"), "family"),
     model("precision-fp8", put("precision", "fp8"), "precision"),
     model("dropout-nan", put("dropout", float("nan")), "dropout"),
     model("unknown-key", put("hiden_size", 3), "hiden_size", "unknown key"),

@@ -37,6 +37,7 @@ from mpress.errors import UserError
 from mpress.hardware import load_hardware
 from mpress.static.evaluate import PipelineSetup
 from mpress.static.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
+from mpress.static.ablation import Ablation, ablate
 from mpress.static.profile import Profile
 from mpress.config import output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
@@ -58,8 +59,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "layers", default=None)
     p.add_argument("--fake", action="store_true",
                    help="profile --module on fake tensors even if it fits here (the default for one that does not)")
+    p.add_argument("--ablate", action="store_true",
+                   help="emulate the mpress plan without D2D, with the identity device mapping and with one peer "
+                        "per stage (no striping), and print each one's slowdown")
     add_flag(p, "json")
     p.set_defaults(func=run)
+
+
+def ablation_table(r: PlanResult, ablations: list[Ablation]) -> Table:
+    """Each ablation of the mpress plan: fits, iteration, slowdown, D2D bytes left on the device."""
+    t = Table(title="ablations of the mpress plan (each emulated with one D2D ingredient taken away)")
+    for col in ["variant", "fits", "iteration", "vs plan", "D2D bytes left on the device"]:
+        t.add_column(col, justify="left" if col == "variant" else "right")
+    base = r.evaluation.result.iteration_s
+    t.add_row("the plan", "yes" if r.fits else "no", fmt_seconds(base), "1.000x", "-")
+    for a in ablations:
+        t.add_row(a.name, "yes" if a.fits else "[bold red]no[/]", fmt_seconds(a.iteration_s),
+                  f"{a.iteration_s / base:.3f}x", fmt_bytes(a.unplaced_bytes) if a.unplaced_bytes else "-")
+    return t
 
 
 def profile_for_args(args: argparse.Namespace) -> Profile | None:
@@ -181,14 +198,22 @@ def run(args: argparse.Namespace) -> int:
         with TaskProgress(console, len(Strategy), "planning") as progress:
             results = plan_all(setup, args.swap_in_policy, progress)
     chosen = results[args.strategy]
+    ablations = ablate(setup, results[Strategy.MPRESS.value]) if args.ablate else []
     written = args.out if chosen.fits and args.out else None
     if written:
         chosen.plan.save(written)
     if args.json:
-        print_json({**plan_json(results, args.strategy, shape), "plan_file": written})
+        extra = {"ablations": [{"variant": a.name, "fits": a.fits, "iteration_s": a.iteration_s,
+                                "unplaced_bytes": a.unplaced_bytes} for a in ablations]} if args.ablate else {}
+        print_json({**plan_json(results, args.strategy, shape), "plan_file": written, **extra})
     else:
         console.print(stage_table(chosen))
         console.print(comparison_table(results))
+        if args.ablate:
+            if ablations:
+                console.print(ablation_table(results[Strategy.MPRESS.value], ablations))
+            else:
+                console.print("ablations: the mpress plan swaps nothing to peers, so there is no D2D to take away")
         if (line := cluster_line(chosen.evaluation.setup, chosen.evaluation.result)) is not None:
             console.print(f"{args.strategy} plan on the {line}", markup=False, soft_wrap=True)
     if not any(r.fits for r in results.values()):

@@ -105,6 +105,8 @@ class PlanResult:
     """Pinned host memory all stages need."""
     plan_s: float
     mapping_s: float
+    draft: Draft | None = None
+    """The planner's working state the plan was written from (for `ablation.py`)."""
 
 
 class _Planner(D2DSteps):
@@ -405,7 +407,7 @@ class _Planner(D2DSteps):
         plan = replace(plan, fits=fits)
         return PlanResult(strategy=self.strategy, plan=plan, evaluation=ev, fits=fits, reason=reason,
                           saved_bytes=saved, peers=peers, host_bytes=host,
-                          plan_s=time.perf_counter() - t0, mapping_s=self.mapping_s)
+                          plan_s=time.perf_counter() - t0, mapping_s=self.mapping_s, draft=d)
 
     def _pinned_bytes(self, d: Draft, ev: Evaluation) -> int:
         """Host memory the plan of draft `d` (emulated as `ev`) pins, over all stages."""

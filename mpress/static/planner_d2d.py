@@ -13,7 +13,7 @@ import time
 
 from mpress.actions import UnitId, UnitKind
 from mpress.d2d.static.mapper import map_devices
-from mpress.d2d.static.mapping import MappingProblem, exporter_context_bytes
+from mpress.d2d.static.mapping import Assignment, MappingProblem, assign_spare, exporter_context_bytes
 from mpress.static.evaluate import Evaluation
 from mpress.static.plan_draft import D2D, KEEP, RECOMPUTE, Draft, peer_quota_bytes, quota_payload_bytes
 from mpress.static.stage_memory import recompute_time_s
@@ -51,11 +51,15 @@ class D2DSteps:
             act += (k - 1) * c.param_bytes
         return act
 
-    def _map_d2d(self, d: Draft, peaks: list[int] | None = None) -> bool:
+    def _map_d2d(self, d: Draft, peaks: list[int] | None = None, mapping: list[int] | None = None,
+                 one_peer: bool = False) -> bool:
         """Run the device mapper for the draft's D2D volumes; set mapping, stripes, pools.
         Returns False when spare peer memory is short, or when the pipeline cannot be
         mapped (interleaved): then what found no peer stays on its device (keep), and
-        `d.unplaced_bytes` / `d.unplaced_why` say how much and why."""
+        `d.unplaced_bytes` / `d.unplaced_why` say how much and why. Ablations: `mapping`
+        fixes the stage-to-device map (the best use of spare memory under it is still
+        found); `one_peer` sends each stage's D2D bytes to its largest stripe's peer only,
+        as far as that peer's spare memory takes them (the rest stays on the device)."""
         n_st = self.sched.num_stages
         overflow = [self._d2d_bytes(d, s) for s in range(n_st)]
         if self.sched.num_ranks != n_st:  # interleaved: several stages per device, the mapper maps one each
@@ -80,9 +84,10 @@ class D2DSteps:
         problem = dataclasses.replace(problem, idle_spare_bytes=tuple(
             quota_payload_bytes(b, exporters) for b in problem.idle_spare_bytes))
         t0 = time.perf_counter()
-        res = map_devices(problem, time_budget_s=0.5)
+        a = assign_spare(problem, mapping) if mapping is not None else map_devices(problem, time_budget_s=0.5).assignment
         self.mapping_s += time.perf_counter() - t0
-        a = res.assignment
+        if one_peer:
+            a = _one_peer(a, problem, spare)
         d.stage_to_device = list(a.mapping)
         d.stripes = []
         d.pool_bytes = {}
@@ -166,3 +171,27 @@ class D2DSteps:
                 break
             d, ev = trial, cand
         return d, ev
+
+
+def _one_peer(a: Assignment, problem: MappingProblem, spare: list[int]) -> Assignment:
+    """`a` with each stage's stripes folded onto its largest stripe's device, no more than
+    that device's spare memory (lenders' pools as the mapper saw them) holds in all;
+    what does not fit is unplaced."""
+    room = {s: spare[s] for s in range(len(spare))}  # stage index -> its spare, by the device it maps to
+    left = {a.mapping[s]: room[s] for s in range(len(spare))}
+    for dev, b in enumerate(problem.idle_spare_bytes):
+        if dev not in left:
+            left[dev] = b
+    stripes: dict[int, tuple[tuple[int, int], ...]] = {}
+    unplaced = 0
+    for s, parts in a.stripes.items():
+        total = sum(b for _d, b in parts)
+        if not total:
+            continue
+        dev = max(parts, key=lambda x: x[1])[0]
+        take = min(total, left.get(dev, 0))
+        left[dev] = left.get(dev, 0) - take
+        stripes[s] = ((dev, take),) if take else ()
+        unplaced += total - take
+    return dataclasses.replace(a, stripes=stripes, unplaced_bytes=a.unplaced_bytes + unplaced)
+

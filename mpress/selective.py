@@ -73,6 +73,8 @@ class OpCost:
     """Bytes of its tensor inputs and outputs (0 for a view)."""
     random: bool
     """It draws from the random stream (dropout)."""
+    out_bytes: int = 0
+    """Bytes of its tensor outputs (what caching them holds)."""
     overwritten: bool = False
     """A later operator of the layer writes its output's storage in place."""
     mutates: bool = False
@@ -122,8 +124,9 @@ def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, 
     its input) costs."""
     formula = flop_formula(func._overloadpacket)  # torch's, and the CPU SDPA kernel's it lacks
     flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-    moved = 0 if alias else _nbytes(tensors_in((args, kwargs))) + _nbytes(tensors_in(out))
-    return OpCost(name=str(func), flops=flops, bytes_moved=moved,
+    out_bytes = 0 if alias else _nbytes(tensors_in(out))
+    moved = 0 if alias else _nbytes(tensors_in((args, kwargs))) + out_bytes
+    return OpCost(name=str(func), flops=flops, bytes_moved=moved, out_bytes=out_bytes,
                   random=torch.Tag.nondeterministic_seeded in func.tags, mutates=func._schema.is_mutable)
 
 
@@ -194,12 +197,26 @@ def is_whole(ops: LayerOps, recomputed: Collection[int]) -> bool:
     return all(p in recomputed for p in ops.recomputable())
 
 
+CACHE_FLOPS_PER_BYTE = 256
+"""A matrix product is cached when replaying it would cost at least this many FLOPs per
+byte its output holds: about a GPU's machine balance (V100 139, A100 200, H100 295 FLOP
+per HBM byte), so what is cheaper is replayed like a memory-bound operator. Projections
+(2h FLOPs per output element) are cached; attention scores (2 x head size per element,
+and B x heads x T^2 of them) are replayed, as Megatron's selective recompute does."""
+
+
+def worth_caching(op: OpCost) -> bool:
+    """Whether a product's output is cached rather than replayed (`CACHE_FLOPS_PER_BYTE`)."""
+    return op.flops > 0 and op.flops >= CACHE_FLOPS_PER_BYTE * op.out_bytes
+
+
 def cached_ops(ops: LayerOps, recomputed: Collection[int]) -> frozenset[int]:
     """Ordinals of the operators whose outputs the forward caches when the plan recomputes
     the saved tensors `recomputed`; empty for the whole layer (`is_whole`). Cached: the
-    producer of every other saved tensor and every matrix product that produces no
-    recomputed tensor (a product is never replayed to rebuild cheap tensors: its output
-    is kept instead, which makes selective recompute cheap); the random operators all
+    producer of every other saved tensor and every matrix product worth caching
+    (`worth_caching`) that produces no recomputed tensor (such a product is not replayed
+    to rebuild cheap tensors: its output is kept instead, which makes selective recompute
+    cheap); the random operators all
     together, when none of them is replayed and each can be cached. Never cached: an
     operator writing in place or whose output a later one writes in place (torch
     refuses such a cache entry: `OpCost.cacheable`) and one after the replay's end (its
@@ -209,7 +226,7 @@ def cached_ops(ops: LayerOps, recomputed: Collection[int]) -> frozenset[int]:
     replayed = _replayed_producers(ops, recomputed)
     random = {o for o, op in enumerate(ops.ops) if op.random}
     cached = {o for p, o in enumerate(ops.producers) if o is not None and o not in replayed}
-    cached |= {o for o, op in enumerate(ops.ops) if op.flops > 0 and o not in replayed}
+    cached |= {o for o, op in enumerate(ops.ops) if worth_caching(op) and o not in replayed}
     if replayed & random or not all(ops.ops[o].cacheable for o in random):
         cached -= random  # the random stream is replayed whole, or not at all
     else:

@@ -105,6 +105,11 @@ class LayerOps:
     output_op: int | None = None
     """The operator that last wrote the layer's output storage (None: none of its own)."""
 
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        """The operators' names in order (what the policy checks the forward against)."""
+        return tuple(op.name for op in self.ops)
+
     def recomputable(self) -> list[int]:
         """Positions of the saved tensors an operator of the layer produced."""
         return [p for p, op in enumerate(self.producers) if op is not None]
@@ -321,8 +326,7 @@ def run_recomputed(forward: Any, ops: LayerOps | None, cached: frozenset[int] | 
     outputs of the operators `cached` of its trace `ops`."""
     if cached:
         assert ops is not None
-        names = tuple(op.name for op in ops.ops)
-        kwargs["context_fn"] = functools.partial(selective_contexts, cached, names)
+        kwargs["context_fn"] = functools.partial(selective_contexts, cached, ops.names)
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 

@@ -219,7 +219,7 @@ class SavedTensorRouter:
         self.layers = {layer.name: module.get_submodule(layer.name) for layer in tensors}
         self.layer_names = list(self.layers)
         self.rules = StageRules(plan, tensors, num_microbatches)
-        self._tensors = tensors
+        self._tensors = {layer.name: (i, layer) for i, layer in enumerate(tensors)}  # name -> (index, tensors)
         self._cached: dict[tuple[str, int], frozenset[int]] = {}  # (layer, microbatch) -> cached ops
         for m in range(num_microbatches or 0):  # a set the checkpoint cannot recompute: refused now
             for name in self.layer_names:
@@ -293,7 +293,7 @@ class SavedTensorRouter:
                 self.program.record(Action(self.stage, Kind.RC, microbatch, unit))
             return forward(*a, **k)
 
-        layer = self._tensors[self.layer_names.index(name)]
+        layer = self._tensors[name][1]
         try:
             out = run_recomputed(run, layer.ops, self._cached_ops(name, microbatch), *args, **kwargs)
         except PlanError as exc:  # the forward left its trace: name where
@@ -308,8 +308,7 @@ class SavedTensorRouter:
         the rules recompute a set the checkpoint cannot recompute alone."""
         found = self._cached.get((name, microbatch))
         if found is None:
-            li = self.layer_names.index(name)
-            layer = self._tensors[li]
+            li, layer = self._tensors[name]
             recomputed = self.rules.recompute_set(li, microbatch)
             if recomputed and layer.ops is not None:
                 where = f"stage {self.stage} microbatch {microbatch}"

@@ -126,6 +126,15 @@ class Hardware:
     host_memory_gbps: float | None = field(default=None, metadata={"min": MIN_BANDWIDTH_GBPS})
     """Sustained host DRAM bandwidth, GB/s, shared by every GPU's host copies in both
     directions. None: DRAM never limits host copies (only PCIe does)."""
+    nvme_bytes: int | None = field(default=None, metadata={"gt": 0, "max": MAX_BYTES})
+    """Capacity of the server's local data drives (NVMe; SATA SSDs on a DGX-1) in one
+    array (RAID 0), what ZeRO-Infinity may offload parameters and optimizer states to.
+    None: no local drives to offload to (set with `nvme_read_gbps`)."""
+    nvme_read_gbps: float | None = field(default=None, metadata={"min": MIN_BANDWIDTH_GBPS})
+    """Sustained sequential read bandwidth of that array, GB/s, shared by all GPUs' traffic."""
+    nvme_write_gbps: float | None = field(default=None, metadata={"min": MIN_BANDWIDTH_GBPS})
+    """Sustained sequential write bandwidth of that array, GB/s (drives write slower than
+    they read); None: as `nvme_read_gbps`."""
     pcie_h2d_gbps: float = field(metadata={"min": MIN_BANDWIDTH_GBPS})
     """Nominal host-to-device PCIe bandwidth per GPU, GB/s."""
     pcie_d2h_gbps: float = field(metadata={"min": MIN_BANDWIDTH_GBPS})
@@ -186,6 +195,11 @@ class Hardware:
                 if d in seen:
                     raise ConfigError("", f"pcie_switches[{g}]", f"device {d} is behind two switches")
                 seen.add(d)
+        if (self.nvme_bytes is None) != (self.nvme_read_gbps is None):
+            key = "nvme_read_gbps" if self.nvme_read_gbps is None else "nvme_bytes"
+            raise ConfigError("", key, "nvme_bytes and nvme_read_gbps are given together (or neither)")
+        if self.nvme_write_gbps is not None and self.nvme_bytes is None:
+            raise ConfigError("", "nvme_write_gbps", "needs nvme_bytes and nvme_read_gbps")
         if self.pinnable_host_bytes is not None and self.pinnable_host_bytes > self.host_memory_bytes:
             raise ConfigError("", "pinnable_host_bytes", f"must be at most host_memory_bytes ({self.host_memory_bytes})")
 
@@ -194,6 +208,20 @@ class Hardware:
     def pinnable_bytes(self) -> int:
         """What plans may pin on the host: `pinnable_host_bytes`, else all host memory."""
         return self.host_memory_bytes if self.pinnable_host_bytes is None else self.pinnable_host_bytes
+
+    @property
+    def has_nvme(self) -> bool:
+        """Whether the server states local drives to offload to (`nvme_bytes`)."""
+        return self.nvme_bytes is not None
+
+    def nvme_gbps(self, direction: Literal["read", "write"]) -> float:
+        """Sustained bandwidth of the local drive array in one direction, GB/s (the server
+        must have one: `has_nvme`)."""
+        if self.nvme_read_gbps is None:
+            raise UserError(f"hardware {self.name}: no nvme_bytes / nvme_read_gbps (no local drives stated)")
+        if direction == "write" and self.nvme_write_gbps is not None:
+            return self.nvme_write_gbps
+        return self.nvme_read_gbps
 
     @property
     def usable_memory_bytes(self) -> int:

@@ -25,6 +25,12 @@ Steps (PAPERS.md section 1; one `PipelineSetup` in, one `PlanResult` out):
    per byte with the host swap, and a layer recomputed in part may later be recomputed
    whole when more must go. Every seed is searched with op-level choices and with whole
    layers only, and the emulator picks.
+   D2D is weighed in this step too, wherever stages that fit leave spare memory by the
+   memory model (`_first_step_peers`): a layer goes to peers when the part of its round
+   trip over its device's NVLink that its live interval does not hide is cheaper per byte
+   than the host swap / recompute mix, and while that spare lasts; a tie goes to the mix
+   (peer memory is scarce). The device mapper then places it; what it cannot place goes
+   back and is shed otherwise. Such seeds are tried beside the same seeds without D2D.
 4. Emulate; where a device still overflows (copies in flight, the optimizer's streamed
    chunks), shed the excess and repeat.
 5. D2D rounds (`mpress`, `d2d`): take the compacted layers with the largest emulated
@@ -46,6 +52,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from mpress.d2d.static.ports import nvlink_egress_gbps
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.plan import (
@@ -131,6 +138,12 @@ class _Planner(D2DSteps):
         self.mapping_s = 0.0
         self.in_flight = [m.max_in_flight for m in setup.memory]
         self.writer = PlanWriter(setup, self.strategy, options.swap_in_policy, options.prefetch_lead)
+        self.peer_room = 0
+        """Spare peer memory the current seed's first step may still give D2D, bytes."""
+        self.lenders: list[int] = []
+        """Devices with spare memory before any compaction (the first step's D2D targets)."""
+        self.d2d_order: list[tuple[int, int]] = []
+        """(stage, layer) the first step gave D2D, in order."""
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, d: Draft) -> Evaluation:
@@ -183,6 +196,26 @@ class _Planner(D2DSteps):
             need[dev] = need.get(dev, 0) + m.total_bytes
         copying = [dev for dev, b in need.items() if b > self.capacity]
         return pcie_sharers(self.hw, self.setup.stage_to_device[s], copying)
+
+    def _d2d_roundtrip_s(self, nbytes: int, s: int) -> float:
+        """A D2D swap's round trip for stage s before the mapper has placed it: out and
+        back striped over its device's NVLink to the devices with spare memory
+        (`ports.nvlink_egress_gbps`); inf when none is linked to it."""
+        gbps = nvlink_egress_gbps(self.hw, self.setup.stage_to_device[s], self.lenders)
+        if gbps <= 0:
+            return math.inf
+        return 2 * (self.hw.nvlink_latency_s + nbytes / (gbps * 1e9))
+
+    def _d2d_cost(self, s: int, j: int, live: list[float]) -> float | None:
+        """Exposed seconds of swapping layer j of stage s to peers in every microbatch (the
+        part of the round trip its live interval does not hide), or None when the seed
+        gives no D2D or its peer room cannot hold the layer's microbatches in flight."""
+        layer = self.costs[s].layers[j]
+        if D2D not in self.layer_allowed or not layer.saved_bytes \
+                or layer.saved_bytes * self.in_flight[s] > self.peer_room:
+            return None
+        roundtrip = self._d2d_roundtrip_s(layer.saved_bytes, s)
+        return sum(max(roundtrip - x, 0.0) for x in live)
 
     def _choose(self, s: int, j: int, live: list[float], pcie_used_s: float,
                 pcie_budget_s: float) -> tuple[list[str], float, float]:
@@ -261,6 +294,13 @@ class _Planner(D2DSteps):
                 continue
             techs, overhead, _ = self._choose(s, j, live[j], pcie_used, pcie_budget)
             saving = self._saving(s, j, techs) * k
+            # D2D where its exposed time per byte beats the host swap / recompute mix; on a
+            # tie the mix, which uses no scarce peer memory
+            d2d = self._d2d_cost(s, j, live[j])
+            d2d_saving = self._layer_saving(s, j, D2D) * k
+            if d2d is not None and d2d_saving > 0 and (saving <= 0 or d2d / d2d_saving < overhead / saving * (1 - 1e-3)):
+                candidates.append((d2d / d2d_saving, 1, -j, "d2d", j))
+                continue
             if saving <= 0:
                 continue
             # ties: later layers first (their backward comes first)
@@ -278,7 +318,12 @@ class _Planner(D2DSteps):
             elif what == "whole":
                 shed += (self._layer_saving(s, j, RECOMPUTE) - self._layer_saving(s, j, RECOMPUTE, d.choice(s, j))) * k
                 d.recompute_choice.pop((s, j), None)
-            else:
+            elif what == "d2d" and c.layers[j].saved_bytes * k <= self.peer_room:
+                d.layer_tech[s][j] = [D2D] * self.num_mb
+                self.peer_room -= c.layers[j].saved_bytes * k
+                self.d2d_order.append((s, j))
+                shed += self._layer_saving(s, j, D2D) * k
+            else:  # a layer (or a D2D candidate the peer room no longer holds)
                 # choose again: earlier picks may have used up the stage's PCIe time
                 techs, _, used = self._choose(s, j, live[j], pcie_used, pcie_budget)
                 d.layer_tech[s][j] = techs
@@ -308,6 +353,12 @@ class _Planner(D2DSteps):
         # hides recompute, nor every stall of streamed model data); the emulator picks
         seeds = [(self.allowed, HOST in self.allowed)] if self.strategy is not Strategy.MPRESS else [
             ((HOST, RECOMPUTE), True), ((RECOMPUTE,), True), ((RECOMPUTE,), False)]
+        # where stages that fit leave spare memory, D2D is weighed per tensor from the first
+        # step on (one more seed: the mapper may place less than the model promises, and
+        # peer memory given early is not there for the D2D rounds)
+        peer_bytes, self.lenders = self._first_step_peers() if D2D in self.allowed else (0, [])
+        if peer_bytes and self.strategy is Strategy.MPRESS:
+            seeds = [((*techs, D2D), host) for techs, host in seeds] + seeds
         # each with op-level recompute choices and with whole layers only: choosing per byte
         # is greedy, and a whole layer recomputed can end a fit sooner than several parts
         granularity = (True, False) if self.options.op_level_recompute and RECOMPUTE in self.allowed else (False,)
@@ -316,6 +367,7 @@ class _Planner(D2DSteps):
             self.layer_allowed = layer_techniques
             self.model_data_host = model_data_host
             self.op_level = op_level
+            self.peer_room, self.d2d_order = (peer_bytes if D2D in layer_techniques else 0), []
             d, ev = self._fit(empty.copy(), base, live)
             pins_ok = self._pinned_bytes(d, ev) <= self.hw.pinnable_bytes
             # a seed that fits its devices but pins more than the host can does not fit
@@ -341,6 +393,8 @@ class _Planner(D2DSteps):
                         shed_any |= self.shed(d, s, need, live[s]) > 0
             if self.strategy is Strategy.D2D and shed_any and not self._map_d2d(d) and d.unplaced_why:
                 shed_any = False  # this pipeline cannot be mapped: shedding more would change nothing
+            if self.strategy is Strategy.MPRESS and self.d2d_order:
+                self._place_first_step_d2d(d)
             ev = self.evaluate(d)
             self.progress(f"{self.strategy}: fit round {rnd + 1} ({'+'.join(self.layer_allowed)}), iteration "
                           f"{ev.result.iteration_s:.3f} s, {sum(ev.result.oom)} devices over")

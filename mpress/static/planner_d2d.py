@@ -70,19 +70,8 @@ class D2DSteps:
             d.unplaced_why = (f"cannot go to peers: the device mapper places one stage per device, and "
                               f"{self.sched.name} runs {n_st // self.sched.num_ranks} on each")
             return False
-        if peaks is None:
-            peaks = [m.total_bytes for m in self.setup.memory]
-        # A busy lender keeps room for the contexts its exporters open on it (at most one per
-        # NVLink peer; which stages end up beside it is the mapper's choice, so the most any
-        # device can get), and every lender's pool holds the quotas' slack on top of the
-        # bytes the mapper places (`peer_quota_bytes`): the mapper gets what is left.
-        exporters = sum(1 for b in overflow if b)
-        contexts = max(exporter_context_bytes(self.hw, dev, exporters) for dev in range(self.hw.num_devices))
-        spare = [0 if overflow[s] else quota_payload_bytes(max(self.capacity - peaks[s] - contexts, 0), exporters)
-                 for s in range(n_st)]
-        problem = MappingProblem.from_hardware(self.hw, overflow, spare)
-        problem = dataclasses.replace(problem, idle_spare_bytes=tuple(
-            quota_payload_bytes(b, exporters) for b in problem.idle_spare_bytes))
+        problem = self._peer_problem(overflow, peaks)
+        spare = list(problem.spare_bytes)
         t0 = time.perf_counter()
         a = assign_spare(problem, mapping) if mapping is not None else map_devices(problem, time_budget_s=0.5).assignment
         self.mapping_s += time.perf_counter() - t0
@@ -105,6 +94,52 @@ class D2DSteps:
         d.unplaced_bytes = a.unplaced_bytes
         d.unplaced_why = ""
         return a.unplaced_bytes == 0
+
+    def _peer_problem(self, overflow: list[int], peaks: list[int] | None = None) -> MappingProblem:
+        """The device mapper's problem for per-stage D2D volumes `overflow`, where stage s
+        peaks at `peaks[s]` (default: the memory model's need): a stage that exports
+        lends nothing. A busy lender keeps room for the contexts its exporters open on it
+        (at most one per NVLink peer; which stages end up beside it is the mapper's choice,
+        so the most any device can get), and every lender's pool holds the quotas' slack
+        on top of the bytes the mapper places (`peer_quota_bytes`): the mapper gets what
+        is left."""
+        if peaks is None:
+            peaks = [m.total_bytes for m in self.setup.memory]
+        exporters = sum(1 for b in overflow if b)
+        contexts = max(exporter_context_bytes(self.hw, dev, exporters) for dev in range(self.hw.num_devices))
+        spare = [0 if overflow[s] else quota_payload_bytes(max(self.capacity - peaks[s] - contexts, 0), exporters)
+                 for s in range(len(overflow))]
+        problem = MappingProblem.from_hardware(self.hw, overflow, spare)
+        return dataclasses.replace(problem, idle_spare_bytes=tuple(
+            quota_payload_bytes(b, exporters) for b in problem.idle_spare_bytes))
+
+    def _first_step_peers(self) -> tuple[int, list[int]]:
+        """(bytes, devices) of spare peer memory before any compaction, by the memory
+        model: what stages that fit leave free, less the contexts and quota slack their
+        exporters (the stages that overflow) cost them, and idle devices' memory. This
+        is what the first step may give D2D (the device mapper then places it)."""
+        if self.sched.num_ranks != self.sched.num_stages:  # interleaved: the mapper cannot map it
+            return 0, []
+        need = [m.total_bytes for m in self.setup.memory]
+        problem = self._peer_problem([int(b > self.capacity) for b in need])
+        idle = [dev for dev, b in enumerate(problem.idle_spare_bytes) if b > 0 and dev not in self.setup.stage_to_device]
+        devices = {self.setup.stage_to_device[s] for s, b in enumerate(problem.spare_bytes) if b > 0} | set(idle)
+        return sum(problem.spare_bytes) + sum(problem.idle_spare_bytes[dev] for dev in idle), sorted(devices)
+
+    def _place_first_step_d2d(self, d: Draft) -> None:
+        """Map the D2D layers the first step chose (`d2d_order`); what the mapper cannot
+        place goes back to the device, last chosen first, and the seed's peer room is spent
+        (the next fit round sheds those layers with the other techniques)."""
+        placed = self._map_d2d(d)
+        while not placed and self.d2d_order:
+            unplaced = d.unplaced_bytes
+            while self.d2d_order and unplaced > 0:
+                s, j = self.d2d_order.pop()
+                if D2D in d.layer_tech[s][j]:
+                    d.layer_tech[s][j] = [KEEP] * self.num_mb
+                    unplaced -= self.costs[s].layers[j].saved_bytes * self.in_flight[s]
+            self.peer_room = 0
+            placed = self._map_d2d(d)
 
     @staticmethod
     def _keep_on_device(d: Draft, s: int) -> None:

@@ -16,6 +16,7 @@ from mpress.static.memory import memory_model, stage_costs
 from mpress.static.plan_draft import peer_quota_bytes
 from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
 from mpress.static.planner import (
+    PlannerOptions,
     check_fits_at_all,
     plan_strategy,
 )
@@ -138,6 +139,43 @@ def test_short_lived_expensive_tensor_gets_d2d():
     assert [(q.device, q.quota_bytes) for q in r.plan.stages[0].peer_quotas] == [(lender, peer_quota_bytes(3 * GB))]
     rec = plan_strategy(setup, "recompute")
     assert rec.fits and r.evaluation.result.iteration_s < rec.evaluation.result.iteration_s
+
+
+def test_d2d_is_weighed_per_tensor_from_the_first_step():
+    # The case above without the D2D rounds: stage 1's device has spare memory by the
+    # memory model before anything is compacted, so the first step already weighs x's D2D
+    # swap (7.5 ms each way over NVLink, hidden in its 6..9 s live interval) against its
+    # host swap (exposed: 7.5 s each way over the 0.1 GB/s PCIe) and its recompute (1 s
+    # per microbatch), and takes D2D.
+    setup = toy_setup([layer("x", saved=int(0.75 * GB), fwd=1.0, bwd=2.0, params=int(1.0 * GB))],
+                      [layer("y", fwd=1.0, bwd=2.0)],
+                      toy_hardware(int(3.8 * GB), pcie_gbps=0.1), schedule="gpipe")
+    first_step_only = PlannerOptions(max_d2d_rounds=0)
+    r = plan_strategy(setup, "mpress", first_step_only)
+    assert r.fits, r.reason
+    assert [technique(r.plan, 0, "x.op#0", m) for m in range(4)] == ["d2d"] * 4
+    assert r.peers[0] == [r.plan.stage_to_device[1]]
+    # where the lender has no room for x's four microbatches in flight, the first step
+    # cannot give it D2D, and x is recomputed
+    small = toy_setup([layer("x", saved=int(0.75 * GB), fwd=1.0, bwd=2.0, params=int(1.0 * GB))],
+                      [layer("y", fwd=1.0, bwd=2.0, params=int(1.2 * GB))],
+                      toy_hardware(int(3.8 * GB), pcie_gbps=0.1), schedule="gpipe")
+    r = plan_strategy(small, "mpress", first_step_only)
+    assert r.fits, r.reason
+    assert [technique(r.plan, 0, "x.op#0", m) for m in range(4)] == ["recompute"] * 4
+
+
+def test_first_step_d2d_yields_to_a_host_swap_that_hides():
+    # Peer memory is scarce: where a host swap hides as well (x lives for seconds, PCIe at
+    # 100 GB/s takes 7.5 ms each way), the tie goes to the host, even though stage 1's
+    # device could take x.
+    setup = toy_setup([layer("x", saved=int(0.75 * GB), fwd=1.0, bwd=2.0, params=int(1.0 * GB))],
+                      [layer("y", fwd=1.0, bwd=2.0)],
+                      toy_hardware(int(3.8 * GB), pcie_gbps=100.0), schedule="gpipe")
+    r = plan_strategy(setup, "mpress", PlannerOptions(max_d2d_rounds=0))
+    assert r.fits, r.reason
+    assert [technique(r.plan, 0, "x.op#0", m) for m in range(4)] == ["host"] * 4
+    assert r.peers == [[], []]
 
 
 def test_plans_differ_per_microbatch_where_that_pays():

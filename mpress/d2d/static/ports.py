@@ -27,3 +27,13 @@ def port_gbps_per_device(hw: Hardware) -> tuple[float, ...] | None:
     """`nvlink_port_gbps` for each device (the mapper's `port_gbps`), or None."""
     port = nvlink_port_gbps(hw)
     return None if port is None else (port,) * hw.num_devices
+
+
+def nvlink_egress_gbps(hw: Hardware, device: int, peers: list[int] | None = None) -> float:
+    """What `device` can send over NVLink at once, GB/s: its port on NVSwitch; on a mesh
+    the sum of its links to `peers` (default: every device), each link carrying only its
+    pair's traffic. 0 when it has no NVLink."""
+    port = nvlink_port_gbps(hw)
+    targets = range(hw.num_devices) if peers is None else peers
+    links = sum(hw.nvlink_gbps(device, p) for p in targets if p != device)
+    return min(port, links) if port is not None else links

@@ -1,0 +1,353 @@
+"""The baselines users reach for instead of mpress: DeepSpeed's ZeRO-Offload (Ren et al.,
+ATC'21) and ZeRO-Infinity (Rajbhandari et al., SC'21), planned for the model, microbatch
+and server of a pipeline setup, so `mpress plan` can set them beside the pipelines.
+
+What is modelled, and why this shape:
+
+- **Data parallelism over every GPU of the server.** DeepSpeed runs ZeRO-2/3 as data
+  parallelism (its pipeline engine takes ZeRO-1 at most), so a user with the same 8 GPUs
+  and the same global batch (microbatch size x microbatches per iteration) runs each GPU
+  over its share of the batch: ceil(microbatches / GPUs) micro-steps of the microbatch
+  size with gradient accumulation. The microbatch is the pipeline's, so the profile (the
+  per-layer times and bytes) is the very one the mpress plans are made from.
+- **DeepSpeed activation checkpointing of whole layers**, as both papers train: each
+  block between the first layer (embedding) and the last (head) keeps only its input,
+  and is recomputed in its backward; the first and last layers keep their saved tensors.
+  Without it neither baseline holds the activations of a billion-scale model at all.
+- **zero-offload** (ZeRO-2 + `offload_optimizer: cpu`): fp16 parameters replicated on
+  every GPU; in each micro-step's backward each layer's gradients are reduce-scattered
+  over NVLink and the GPU's 1/N partition goes to the host (from the second micro-step
+  on DeepSpeed brings the partition accumulated so far back to add to it on the GPU,
+  `async_accumulate_grad_in_cpu_via_gpu`); after the last micro-step CPU Adam steps each
+  rank's 1/N of the parameters on the host (fp32 master, moments, fp32 gradients there),
+  the updated fp16 partition is copied to its GPU while the step runs (cpu_adam's tiled
+  `dev_params` copy) and all-gathered over NVLink. Device: fp16 parameters, DeepSpeed's
+  two gradient buckets (`overlap_comm`), one micro-step's checkpoints and the largest
+  layer's working set.
+- **zero-infinity** (ZeRO-3, `offload_param` and `offload_optimizer` to the host,
+  `cpu_checkpointing`): before each layer's forward and again before its backward each
+  GPU copies its 1/N of the layer's fp16 parameters from the host and they are
+  all-gathered over NVLink, the next layer's fetch overlapping this layer's compute;
+  after each layer's backward its gradients are reduce-scattered and each partition goes
+  to the host (accumulated there in fp32 by the CPU); checkpoints go to the host after
+  each forward and come back before the backward; CPU Adam on the host. Device: the
+  layer running and the one prefetched, a gradient bucket, the first/last layers'
+  activations and the largest working set.
+- **zero-infinity-nvme** (where the server states drives, `Hardware.has_nvme`): the same
+  with fp16 parameters and the optimizer states (fp32 master, moments) on the drives:
+  each parameter fetch reads the drives, the step reads and writes the states there;
+  fp32 gradients and checkpoints stay on the host.
+
+Host bytes are bounded by `Hardware.pinnable_bytes` (DeepSpeed pins its offload buffers
+with `pin_memory: true`, the papers' setting), drive bytes by `Hardware.nvme_bytes`.
+Not modelled: DeepSpeed's staging buffers for drive I/O, the CPU's own arithmetic (the
+step is DRAM-bound, `host_adam`), per-copy latencies, loss scaling's overflow checks.
+Times follow `zero_time`'s channel model.
+
+Units: bytes, seconds, GB/s (1e9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpress.errors import UserError
+from mpress.hardware import Hardware
+from mpress.static.data_parallel import ring_wire_bytes
+from mpress.static.evaluate import PipelineSetup
+from mpress.static.host_adam import host_adam_step_s
+from mpress.static.profile import LayerMemory, LayerProfile
+from mpress.static.zero_time import LayerStep, Load, Rates, load_s, pipelined_s, server_rates, with_host_copies
+
+ZERO_OFFLOAD = "zero-offload"
+ZERO_INFINITY = "zero-infinity"
+ZERO_INFINITY_NVME = "zero-infinity-nvme"
+ZERO_VARIANTS = (ZERO_OFFLOAD, ZERO_INFINITY, ZERO_INFINITY_NVME)
+
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's `reduce_bucket_size` default (elements): gradients are reduced in buckets
+of this many elements, each a device buffer of the gradients' dtype."""
+FP32_BYTES = 4
+CPU_ACCUMULATE_BYTES = 2 + 4 + 4
+"""Host DRAM bytes per parameter to add a micro-step's fp16 gradient into the fp32
+partition (read fp16 and fp32, write fp32); the first micro-step writes (2 + 4)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroDeviceMemory:
+    """What one GPU holds at its peak, by category; bytes."""
+
+    param_bytes: int
+    """fp16 parameters: the whole model (zero-offload), or the layer running and the one
+    prefetched (zero-infinity)."""
+    grad_bytes: int
+    """Gradient buckets (and, zero-infinity, the running layer's gradients)."""
+    activation_bytes: int
+    """One micro-step's kept activations: checkpoints (zero-offload) and the first and
+    last layers' saved tensors, the micro-step's input batch and targets."""
+    working_bytes: int
+    """The largest transient of a layer's forward or backward (with its recompute), and,
+    zero-infinity, the checkpoint it has brought back."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.activation_bytes + self.working_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroTimes:
+    """One iteration's time by phase (they run one after another); seconds."""
+
+    compute_s: float
+    """Pure GPU compute of the iteration on one GPU (forward, recompute, backward), for
+    reference: the phases below include it."""
+    forward_s: float
+    """All micro-steps' forward passes, with the copies that did not hide."""
+    backward_s: float
+    """All micro-steps' backward passes (recompute included), likewise."""
+    optimizer_s: float
+    """The CPU Adam step, with the copies that overlap it."""
+    param_update_s: float
+    """After the step: zero-offload's all-gather of the updated fp16 parameters."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaselineResult:
+    """A ZeRO baseline planned for a pipeline setup's model, batch and server."""
+
+    strategy: str
+    """One of `ZERO_VARIANTS`."""
+    fits: bool
+    reason: str
+    """Why it does not fit ("" when it does)."""
+    iteration_s: float
+    """One iteration (the global batch); nan when it cannot be timed."""
+    samples_per_s: float
+    peak_bytes: int
+    """Per GPU (every GPU the same)."""
+    host_bytes: int
+    """Host memory the offload holds (all ranks together)."""
+    nvme_bytes: int
+    """Bytes on the local drives (zero-infinity-nvme), else 0."""
+    host_checkpoint_bytes: int
+    """Of `host_bytes`: activation checkpoints offloaded (zero-infinity)."""
+    memory: ZeroDeviceMemory
+    times: ZeroTimes
+    micro_steps: int
+    """Micro-steps each GPU runs per iteration (gradient accumulation)."""
+
+
+def zero_variants(hardware: Hardware) -> tuple[str, ...]:
+    """The baselines a server supports: the NVMe variant only where it states drives."""
+    return ZERO_VARIANTS if hardware.has_nvme else (ZERO_OFFLOAD, ZERO_INFINITY)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One layer as the baselines run it (one microbatch)."""
+
+    profile: LayerProfile
+    checkpointed: bool
+    checkpoint_bytes: int
+    """Its input, kept (or offloaded) for the recompute; 0 when not checkpointed."""
+
+    @property
+    def num_params(self) -> int:
+        return self.profile.optim_bytes // 8 or self.profile.param_bytes // FP32_BYTES
+
+    @property
+    def memory(self) -> LayerMemory:
+        return self.profile.recompute_memory if self.checkpointed else self.profile.memory
+
+    @property
+    def forward_s(self) -> float:
+        return self.profile.forward_time_s
+
+    @property
+    def backward_s(self) -> float:
+        """Its backward, with the forward replayed first when checkpointed."""
+        return self.profile.backward_time_s + (self.profile.forward_time_s if self.checkpointed else 0.0)
+
+    @property
+    def transient_bytes(self) -> int:
+        m = self.memory
+        return max(m.forward_peak_bytes - m.kept_bytes, m.backward_peak_bytes)
+
+
+def _layers(setup: PipelineSetup) -> list[_Layer]:
+    """The profile's layers, the blocks between the first and the last checkpointed."""
+    layers = setup.profile.layers
+    out = []
+    for i, x in enumerate(layers):
+        ckpt = 0 < i < len(layers) - 1
+        out.append(_Layer(x, ckpt, layers[i - 1].output_bytes if ckpt else 0))
+    return out
+
+
+def plan_zero(setup: PipelineSetup, variant: str) -> BaselineResult:
+    """Plan `variant` (one of `ZERO_VARIANTS`) for the model, global batch and server of
+    `setup` (module docstring). Raises UserError for an unknown variant, the NVMe variant
+    on a server without drives, or a setup replicated over nodes."""
+    if variant not in ZERO_VARIANTS:
+        raise UserError(f"unknown ZeRO baseline {variant!r} (allowed: {', '.join(ZERO_VARIANTS)})")
+    hw = setup.hardware
+    if variant == ZERO_INFINITY_NVME and not hw.has_nvme:
+        raise UserError(f"{variant}: hardware {hw.name} states no local drives (nvme_bytes, nvme_read_gbps)")
+    if setup.data_parallel is not None and setup.data_parallel.degree > 1:
+        raise UserError("the ZeRO baselines are planned for one server, not for replicas on several nodes")
+    layers = _layers(setup)
+    n = hw.num_devices
+    steps = math.ceil(setup.schedule.num_microbatches / n)
+    num_params = sum(x.num_params for x in layers)
+    param_bytes = sum(x.profile.param_bytes for x in layers)
+    memory = _device_memory(setup, layers, variant, num_params)
+    checkpoints = n * sum(x.checkpoint_bytes for x in layers) if variant != ZERO_OFFLOAD else 0
+    host, nvme = _host_and_nvme_bytes(setup, variant, num_params, param_bytes, steps, checkpoints)
+    times = _times(setup, layers, variant, num_params, steps)
+    iteration = (math.nan if times is None else
+                 times.forward_s + times.backward_s + times.optimizer_s + times.param_update_s)
+    reason = _why_not(hw, memory, param_bytes, host, nvme, variant, timed=times is not None)
+    samples = setup.schedule.num_microbatches * setup.microbatch_size
+    return BaselineResult(
+        strategy=variant, fits=not reason, reason=reason, iteration_s=iteration,
+        samples_per_s=samples / iteration if times is not None else math.nan,
+        peak_bytes=memory.total_bytes, host_bytes=host, nvme_bytes=nvme, host_checkpoint_bytes=checkpoints,
+        memory=memory, times=times or ZeroTimes(compute_s=math.nan, forward_s=math.nan, backward_s=math.nan,
+                                                optimizer_s=math.nan, param_update_s=math.nan),
+        micro_steps=steps)
+
+
+def _device_memory(setup: PipelineSetup, layers: list[_Layer], variant: str, num_params: int) -> ZeroDeviceMemory:
+    grad_elem = max(x.profile.grad_bytes // max(x.num_params, 1) for x in layers)
+    bucket = min(REDUCE_BUCKET_ELEMENTS, num_params) * grad_elem
+    batch = setup.profile.input_bytes + setup.profile.target_bytes
+    transient = max(x.transient_bytes for x in layers)
+    if variant == ZERO_OFFLOAD:
+        return ZeroDeviceMemory(
+            param_bytes=sum(x.profile.param_bytes for x in layers),
+            grad_bytes=2 * bucket,  # overlap_comm: one bucket reduces while the next fills
+            activation_bytes=batch + sum(x.memory.kept_bytes for x in layers),
+            working_bytes=transient)
+    # zero-infinity: checkpoints live on the host; only the first and last layers' activations stay
+    kept = sum(x.memory.kept_bytes for x in layers if not x.checkpointed)
+    return ZeroDeviceMemory(
+        param_bytes=2 * max(x.profile.param_bytes for x in layers),
+        grad_bytes=bucket + max(x.profile.grad_bytes for x in layers),
+        activation_bytes=batch + kept,
+        working_bytes=transient + max(x.checkpoint_bytes for x in layers))
+
+
+def _host_and_nvme_bytes(setup: PipelineSetup, variant: str, num_params: int, param_bytes: int,
+                         steps: int, checkpoints: int) -> tuple[int, int]:
+    """Host and drive bytes of the whole server: ZeRO's partitions of all ranks together."""
+    optim = sum(x.optim_bytes for x in setup.profile.layers)
+    master = FP32_BYTES * num_params  # fp32 parameters (master weights) of the CPU step
+    grads32 = FP32_BYTES * num_params  # fp32 gradient partitions the step reads
+    if variant == ZERO_OFFLOAD:
+        accumulate = param_bytes if steps > 1 else 0  # fp16 partitions accumulated between micro-steps
+        return master + optim + grads32 + accumulate, 0
+    if variant == ZERO_INFINITY:
+        return param_bytes + master + optim + grads32 + checkpoints, 0
+    return grads32 + checkpoints, param_bytes + master + optim
+
+
+def _why_not(hw: Hardware, memory: ZeroDeviceMemory, param_bytes: int, host: int, nvme: int, variant: str,
+             *, timed: bool) -> str:
+    usable = hw.usable_memory_bytes
+    gib = 1 << 30
+    if variant == ZERO_OFFLOAD and param_bytes > usable:
+        return (f"fp16 parameters alone ({param_bytes / gib:.1f} GiB) exceed each GPU's usable "
+                f"{usable / gib:.1f} GiB")
+    if memory.total_bytes > usable:
+        return f"each GPU needs {memory.total_bytes / gib:.1f} GiB, usable {usable / gib:.1f} GiB"
+    if host > hw.pinnable_bytes:
+        return f"host needs {host / gib:.0f} GiB, pinnable {hw.pinnable_bytes / gib:.0f} GiB (pinnable_host_bytes)"
+    if hw.nvme_bytes is not None and nvme > hw.nvme_bytes:
+        return f"drives need {nvme / 1e12:.2f} TB, the server has {hw.nvme_bytes / 1e12:.2f} TB (nvme_bytes)"
+    if not timed:
+        return f"hardware {hw.name} states no host_memory_gbps: the CPU optimizer step cannot be timed"
+    return ""
+
+
+def _times(setup: PipelineSetup, layers: list[_Layer], variant: str, num_params: int,
+           steps: int) -> ZeroTimes | None:
+    hw = setup.hardware
+    if hw.host_memory_gbps is None:
+        return None
+    rates = server_rates(hw)
+    n = hw.num_devices
+    compute = steps * sum(x.forward_s + x.backward_s for x in layers)
+    forward = backward = 0.0
+    for k in range(steps):
+        if variant == ZERO_OFFLOAD:
+            fwd = [LayerStep(compute_s=x.forward_s) for x in layers]
+            bwd = [LayerStep(compute_s=x.backward_s, drain=_offload_grad_drain(x, n, k)) for x in reversed(layers)]
+        else:
+            nvme = variant == ZERO_INFINITY_NVME
+            fwd = [LayerStep(compute_s=x.forward_s, fetch=_param_fetch(x, n, nvme),
+                             drain=with_host_copies(Load(d2h=x.checkpoint_bytes), n)) for x in layers]
+            bwd = [LayerStep(compute_s=x.backward_s,
+                             fetch=_param_fetch(x, n, nvme) + with_host_copies(Load(h2d=x.checkpoint_bytes), n),
+                             drain=_infinity_grad_drain(x, n, k)) for x in reversed(layers)]
+        forward += pipelined_s(fwd, rates)
+        backward += pipelined_s(bwd, rates)
+    optimizer, update = _step_s(setup, variant, num_params, rates)
+    return ZeroTimes(compute_s=compute, forward_s=forward, backward_s=backward, optimizer_s=optimizer,
+                     param_update_s=update)
+
+
+def _per_rank(nbytes: int, n: int) -> float:
+    return nbytes / n
+
+
+def _offload_grad_drain(x: _Layer, n: int, micro_step: int) -> Load:
+    """zero-offload, after a layer's backward: reduce-scatter its gradients, send this
+    rank's partition to the host (and, after the first micro-step, bring the accumulated
+    partition back to add to)."""
+    part = _per_rank(x.profile.grad_bytes, n)
+    load = Load(ring=ring_wire_bytes(x.profile.grad_bytes, n, all_reduce=False), d2h=part,
+                h2d=part if micro_step else 0.0)
+    return with_host_copies(load, n)
+
+
+def _param_fetch(x: _Layer, n: int, nvme: bool) -> Load:
+    """zero-infinity, before a layer runs: each rank's 1/N of its fp16 parameters from the
+    host (read from the drives first, NVMe variant) and their all-gather."""
+    load = with_host_copies(Load(h2d=_per_rank(x.profile.param_bytes, n),
+                                 ring=ring_wire_bytes(x.profile.param_bytes, n, all_reduce=False)), n)
+    if nvme:  # the drives' DMA writes the host buffers the copies read
+        load += Load(nvme_read=x.profile.param_bytes, host=x.profile.param_bytes)
+    return load
+
+
+def _infinity_grad_drain(x: _Layer, n: int, micro_step: int) -> Load:
+    """zero-infinity, after a layer's backward: reduce-scatter, partition to the host, where
+    the CPU adds it into the fp32 partition."""
+    load = with_host_copies(Load(ring=ring_wire_bytes(x.profile.grad_bytes, n, all_reduce=False),
+                                 d2h=_per_rank(x.profile.grad_bytes, n)), n)
+    cpu = x.num_params * (CPU_ACCUMULATE_BYTES if micro_step else CPU_ACCUMULATE_BYTES - FP32_BYTES)
+    return load + Load(host=cpu)
+
+
+def _step_s(setup: PipelineSetup, variant: str, num_params: int, rates: Rates) -> tuple[float, float]:
+    """The optimizer step after the last micro-step, and what follows it: (step, update)."""
+    hw = setup.hardware
+    n = hw.num_devices
+    adam = host_adam_step_s(math.ceil(num_params / n), hw, sharers=n)
+    param_bytes = sum(x.param_bytes for x in setup.profile.layers)
+    if variant == ZERO_OFFLOAD:
+        # the updated fp16 partition goes to its GPU tile by tile while the step runs
+        copy = with_host_copies(Load(h2d=_per_rank(param_bytes, n)), n)
+        step = max(adam + load_s(Load(host=copy.host), rates), load_s(copy, rates))
+        gather = load_s(Load(ring=ring_wire_bytes(param_bytes, n, all_reduce=False)), rates)
+        return step, gather
+    if variant == ZERO_INFINITY:
+        return adam, 0.0  # the fp16 copy the step writes is the host's parameter copy
+    # NVMe: the states (fp32 master, moments) stream in and out of the drives during the
+    # step, and the new fp16 parameters are written there
+    states = sum(x.optim_bytes for x in setup.profile.layers) + FP32_BYTES * num_params
+    io = Load(nvme_read=states, nvme_write=states + param_bytes)
+    dram = adam + load_s(Load(host=io.nvme_read + io.nvme_write), rates)
+    drives = io.nvme_read / rates.nvme_read_gbps / 1e9 + io.nvme_write / rates.nvme_write_gbps / 1e9  # type: ignore[operator]
+    return max(dram, drives), 0.0

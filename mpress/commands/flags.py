@@ -91,6 +91,10 @@ FLAGS: dict[str, Flag] = {
     "layers": Flag(("--layers",), dict(metavar="NAMES", help="split points of a --module: comma-separated module "
                                                              "paths or patterns, e.g. 'embed,blocks.*,head'")),
     "hardware": Flag(("--hardware",), dict(metavar="PRESET_OR_YAML", help="hardware preset or YAML path")),
+    "setting": Flag(("--setting",), dict(metavar="NAME_OR_YAML",
+                                         help="a published training setting (configs/settings/, e.g. paper-bert): "
+                                              "its precision replaces the model's, its schedule, stages and "
+                                              "microbatches are the defaults of those flags")),
     "schedule": Flag(("--schedule",), dict(choices=ScheduleName.words(), help="pipeline schedule")),
     "num_stages": Flag(("--num-stages", "--stages"), dict(type=int_arg(1, limits.MAX_STAGES), metavar="N",
                                                           help="pipeline stages")),

@@ -3,13 +3,16 @@
     mpress maxsize --model gpt --hardware dgx1-v100 --schedule 1f1b --num-stages 8 \\
         --microbatch-size 2 --num-microbatches 16
     mpress maxsize --model bert --hardware dgx-a100 --strategy recompute,mpress --json
+    mpress maxsize --setting paper-bert --hardware dgx-a100 --time-budget 60
 
 Models grow as the family's presets do, width and depth together (`maxsize.ShapeRule`).
 Each row says what bounds it: why the next size up does not fit (device memory, pinned
 host, host RAM, peer memory), or the search's --time-budget, or the widest shape tried.
 Flags left unset derive from the hardware: one stage per device (interleaved: one rank
-per device, two stages each), 2 microbatches per rank, microbatch size 1; the line
-`settings: ...` says what was used. --json prints the table's figures as JSON instead of
+per device, two stages each), 2 microbatches per rank, microbatch size 1; `--setting`
+(e.g. paper-bert: the MPress paper's) gives the family, its precision (models are
+trained in it), the pipeline's shape and the hardware instead; the line `settings: ...`
+says what was used and where each value came from. --json prints the table's figures as JSON instead of
 the table.
 """
 
@@ -20,7 +23,15 @@ import argparse
 from rich.table import Table
 
 from mpress.commands.flags import add_command, add_flag, strategies_arg
-from mpress.commands.pipeline_args import DEFAULT_HARDWARE, DEFAULT_SCHEDULE, PipelineShape, resolve_shape
+from mpress.commands.pipeline_args import (
+    DEFAULT_HARDWARE,
+    DEFAULT_SCHEDULE,
+    PipelineShape,
+    add_setting_flag,
+    resolve_shape,
+    setting_from_args,
+)
+from mpress.errors import UserError
 from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
 from mpress.vocabulary import Strategy
@@ -29,14 +40,18 @@ from mpress.ui import TaskProgress, make_console, print_json
 from mpress.units import fmt_bytes, fmt_seconds
 
 FAMILIES = ("gpt", "bert")
+DEFAULT_FAMILY = "gpt"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "maxsize", help="largest model of a family each strategy fits", description=__doc__)
-    add_flag(p, "model", aliases=("--family",), default="gpt", choices=FAMILIES, metavar="FAMILY",
-             help=f"model family whose billion-scale presets are scaled ({', '.join(FAMILIES)}; default: %(default)s)")
-    add_flag(p, "hardware", default=DEFAULT_HARDWARE,
-             help=f"hardware preset ({', '.join(hardware_presets())}) or YAML (default: %(default)s)")
+    add_flag(p, "model", aliases=("--family",), default=None, choices=FAMILIES, metavar="FAMILY",
+             help=f"model family whose billion-scale presets are scaled ({', '.join(FAMILIES)}; default: "
+                  f"the setting's, else {DEFAULT_FAMILY})")
+    add_flag(p, "hardware", default=None,
+             help=f"hardware preset ({', '.join(hardware_presets())}) or YAML (default: the setting's first, "
+                  f"else {DEFAULT_HARDWARE})")
+    add_setting_flag(p)
     add_flag(p, "schedule", help=f"pipeline schedule (default: {DEFAULT_SCHEDULE.value})")
     add_flag(p, "num_stages", help="pipeline stages (default: one per device; interleaved: 2 per rank)")
     add_flag(p, "num_ranks", help="pipeline ranks; interleaved only (default: one per device)")
@@ -77,8 +92,9 @@ def _bound(row: MaxSize) -> str:
     return row.bound.value if row.bound is not None else "-"
 
 
-def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: PipelineShape) -> dict[str, object]:
-    """The table's figures (times in seconds)."""
+def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: PipelineShape,
+                 precision: str | None = None) -> dict[str, object]:
+    """The table's figures (times in seconds). precision: the setting's (None: the presets')."""
     ref = next((r for r in rows if r.strategy == Strategy.MPRESS and r.model), None)
     out = []
     for r in rows:
@@ -91,7 +107,8 @@ def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: Pi
                     "size_over_mpress": r.num_parameters / ref.num_parameters if ref and r.model else None,
                     "bound": r.bound.value if r.bound is not None else None, "bound_detail": r.bound_detail,
                     "plans": r.evaluations})
-    return {"settings": {"model": family, "hardware": hardware.name, "num_devices": hardware.num_devices,
+    return {"settings": {"model": family, "precision": precision, "hardware": hardware.name,
+                         "num_devices": hardware.num_devices,
                          "device_memory_bytes": hardware.device.memory_bytes,
                          "usable_memory_bytes": hardware.usable_memory_bytes,
                          "pinnable_host_bytes": hardware.pinnable_bytes, **shape.settings(),
@@ -100,10 +117,17 @@ def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: Pi
 
 
 def run(args: argparse.Namespace) -> int:
-    hardware = load_hardware(args.hardware, num_devices=args.num_devices, memory_bytes=args.device_memory)
-    shape = resolve_shape(args, hardware, num_layers=None)
+    setting = setting_from_args(args)
+    if setting is not None and args.model not in (None, setting.family):
+        raise UserError(f"--setting {setting.name} trains the {setting.family} family, not --model {args.model}")
+    family = args.model or (setting.family if setting is not None else DEFAULT_FAMILY)
+    precision = setting.precision if setting is not None else None
+    hardware = load_hardware(args.hardware or (setting.hardware[0] if setting is not None else DEFAULT_HARDWARE),
+                             num_devices=args.num_devices, memory_bytes=args.device_memory)
+    shape = resolve_shape(args, hardware, num_layers=None, setting=setting)
     console = make_console(stderr=args.json)
-    console.print(f"settings: model family {args.model}, hardware {hardware.name} ({hardware.num_devices} x "
+    trained = f" in {precision} (the setting {setting.name}'s)" if setting is not None else ""
+    console.print(f"settings: model family {family}{trained}, hardware {hardware.name} ({hardware.num_devices} x "
                   f"{fmt_bytes(hardware.device.memory_bytes)}, {fmt_bytes(hardware.usable_memory_bytes)} usable; "
                   f"{fmt_bytes(hardware.pinnable_bytes)} pinnable host), {shape.describe()}",
                   markup=False, soft_wrap=True)
@@ -112,16 +136,17 @@ def run(args: argparse.Namespace) -> int:
         for strategy in args.strategy:
             progress.update(f"searching {strategy}")
             row = find_max_size(
-                args.model, hardware, strategy, schedule=shape.schedule, num_stages=shape.num_stages,
+                family, hardware, strategy, schedule=shape.schedule, num_stages=shape.num_stages,
                 num_ranks=shape.num_ranks, microbatch_size=shape.microbatch_size,
-                num_microbatches=shape.num_microbatches, time_budget_s=args.time_budget, progress=progress.update)
+                num_microbatches=shape.num_microbatches, precision=precision, time_budget_s=args.time_budget,
+                progress=progress.update)
             rows.append(row)
             progress.advance(f"{strategy}: largest {row.model.name if row.model else 'none'} "
                              f"({row.evaluations} plans)")
-    title = (f"largest {args.model.upper()} on {hardware.name}: {shape.schedule}, {shape.num_stages} stages, "
-             f"{shape.num_microbatches} x {shape.microbatch_size}")
+    title = (f"largest {family.upper()}{f' ({precision})' if precision else ''} on {hardware.name}: "
+             f"{shape.schedule}, {shape.num_stages} stages, {shape.num_microbatches} x {shape.microbatch_size}")
     if args.json:
-        print_json({**maxsize_json(rows, hardware, args.model, shape), "plot": args.plot})
+        print_json({**maxsize_json(rows, hardware, family, shape, precision), "plot": args.plot})
     else:
         console.print(table(rows, title))
         for r in rows:

@@ -4,6 +4,9 @@
 (`add_pipeline_args`) and resolve what is left unset the same way (`resolve_shape`):
 
 - a plan given to `emulate` sets everything it records;
+- `--setting NAME` (`mpress.settings`): its schedule, stages, microbatch size and count
+  are the defaults of those flags, its precision replaces the model's, its first model
+  and first server are the defaults of `--model` and `--hardware`;
 - the schedule defaults to 1f1b;
 - stages: one per device of the hardware (`--num-devices` included), at most one per
   layer of the model; interleaved: ranks = devices (at most half the layers), two stages
@@ -28,6 +31,7 @@ from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.model_config import model_presets
 from mpress.plan import Plan
 from mpress.runtime.train_config import TrainConfig
+from mpress.settings import Setting, load_setting, setting_presets
 from mpress.cluster import Sharding, make_cluster
 from mpress.static.data_parallel import DataParallel, exposed_reduction_s, reduction_busy_s
 from mpress.static.emulator_result import EmulatorResult
@@ -54,6 +58,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                               "or the profile's model)")
     add_flag(p, "hardware", help=f"hardware preset ({', '.join(hardware_presets())}) or YAML "
                                  f"(default: {DEFAULT_HARDWARE})")
+    add_setting_flag(p)
     add_flag(p, "schedule", help=f"pipeline schedule (default: {DEFAULT_SCHEDULE.value})")
     add_flag(p, "num_stages", help="pipeline stages (default: one per device, at most one per layer; "
                                    f"interleaved: {STAGES_PER_RANK} per rank)")
@@ -81,6 +86,20 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "device_memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
 
 
+def add_setting_flag(p: argparse.ArgumentParser) -> None:
+    """`--setting`: a setting preset or YAML (`mpress.settings`)."""
+    add_flag(p, "setting", default=None,
+             help=f"training setting ({', '.join(setting_presets())}) or YAML: its precision replaces the "
+                  "model's; its schedule, stages, microbatch size and count, model and hardware are the "
+                  "defaults of those flags (default: none)")
+
+
+def setting_from_args(args: argparse.Namespace) -> Setting | None:
+    """The `--setting` the command was given (None without one)."""
+    name = getattr(args, "setting", None)
+    return load_setting(name) if name is not None else None
+
+
 @dataclass(frozen=True)
 class PipelineShape:
     """A pipeline's resolved shape, and for each value not given as a flag where it came from."""
@@ -93,6 +112,8 @@ class PipelineShape:
     num_microbatches: int
     sources: dict[str, str] = field(default_factory=dict)
     """Key -> origin of a value no flag gave ("the plan", "2 per rank", ...)."""
+    setting: str | None = None
+    """The `--setting` the values were resolved under (None: none)."""
 
     @property
     def pipeline_ranks(self) -> int:
@@ -101,7 +122,8 @@ class PipelineShape:
     def settings(self) -> dict[str, object]:
         """The values as the train config's keys (for `--json`)."""
         return {"schedule": self.schedule.value, "num_stages": self.num_stages, "num_ranks": self.pipeline_ranks,
-                "microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches}
+                "microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches,
+                "setting": self.setting}
 
     def describe(self) -> str:
         """One line: every value, with the origin of those no flag gave."""
@@ -117,9 +139,11 @@ class PipelineShape:
 
 
 def resolve_shape(args: argparse.Namespace, hardware: Hardware, *, num_layers: int | None,
-                  plan: Plan | None = None, profile: Profile | None = None) -> PipelineShape:
-    """The pipeline's shape: flags, else the plan's, else derived (the module docstring).
-    num_layers: the model's layer count (caps the default stage count), None = no cap."""
+                  plan: Plan | None = None, profile: Profile | None = None,
+                  setting: Setting | None = None) -> PipelineShape:
+    """The pipeline's shape: flags, else the plan's, else the setting's, else derived (the
+    module docstring). num_layers: the model's layer count (caps the default stage
+    count), None = no cap."""
     sources: dict[str, str] = {}
 
     def pick(key: str, from_plan: object, derived: object, origin: str) -> object:
@@ -129,6 +153,9 @@ def resolve_shape(args: argparse.Namespace, hardware: Hardware, *, num_layers: i
         if plan is not None:
             sources[key] = "the plan's"
             return from_plan
+        if setting is not None and hasattr(setting, key):
+            sources[key] = f"the setting {setting.name}'s"
+            return getattr(setting, key)
         sources[key] = origin
         return derived
 
@@ -161,39 +188,51 @@ def resolve_shape(args: argparse.Namespace, hardware: Hardware, *, num_layers: i
     num_microbatches = int(pick("num_microbatches", plan and plan.num_microbatches,  # type: ignore[arg-type]
                                 MICROBATCHES_PER_RANK * pipeline_ranks, f"{MICROBATCHES_PER_RANK} per rank"))
     return PipelineShape(schedule=schedule, num_stages=stages, num_ranks=ranks, microbatch_size=microbatch_size,
-                         num_microbatches=num_microbatches, sources=sources)
+                         num_microbatches=num_microbatches, sources=sources,
+                         setting=setting.name if setting is not None else None)
 
 
-def hardware_from_args(args: argparse.Namespace, plan: Plan | None = None) -> Hardware:
+def hardware_from_args(args: argparse.Namespace, plan: Plan | None = None,
+                       setting: Setting | None = None) -> Hardware:
     """`--hardware` with `--num-devices`/`--device-memory` applied; without `--hardware`, a
-    plan's hardware (device count and memory included), else `DEFAULT_HARDWARE`."""
+    plan's hardware (device count and memory included), else the setting's first, else
+    `DEFAULT_HARDWARE`."""
     memory, devices = args.device_memory, args.num_devices
     if plan is not None and args.hardware is None:
         devices = devices if devices is not None else plan.num_devices
         memory = memory if memory is not None else plan.device_memory_bytes
-    name = args.hardware or (plan.hardware if plan is not None else DEFAULT_HARDWARE)
+    default = setting.hardware[0] if setting is not None else DEFAULT_HARDWARE
+    name = args.hardware or (plan.hardware if plan is not None else default)
     return load_hardware(name, num_devices=devices, memory_bytes=memory)
 
 
 def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
                     profile: Profile | None = None) -> tuple[PipelineSetup, PipelineShape]:
     """The `PipelineSetup` the pipeline flags describe and its resolved shape; flags left
-    unset take the plan's values (when a plan is given) or the derived defaults."""
-    hardware = hardware_from_args(args, plan)
+    unset take the plan's values (when a plan is given), the `--setting`'s, or the derived
+    defaults; a setting's precision replaces the model preset's."""
+    setting = setting_from_args(args)
+    hardware = hardware_from_args(args, plan, setting)
     profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
     if profile is None:
         profile = hf_profile_from_args(args, hardware)
-    model = model_for_profile(args.model or (plan.model if plan is not None else None), profile, DEFAULT_MODEL,
+    if setting is not None and profile is not None:
+        raise UserError(f"--setting {setting.name} sets the precision of a model preset; a profile (--profile, "
+                        "--module, --hf-config) keeps the precision it was made with: give --model instead")
+    model = model_for_profile(args.model or (plan.model if plan is not None else None), profile,
+                              setting.default_model if setting is not None else DEFAULT_MODEL,
                               path=str(args.profile) if args.profile else "profile")
+    if setting is not None:
+        model = setting.apply(model)  # type: ignore[arg-type]  # no profile: a ModelConfig
     num_layers = len(profile.layers) if profile is not None else None
     shape_profile = profile
-    if profile is None and plan is None and args.num_stages is None:
+    if profile is None and plan is None and args.num_stages is None and setting is None:
         from mpress.static.analytic import analytic_profile
 
         # its layer count caps the default stage count; setup_pipeline would make the same
         profile = analytic_profile(model, hardware, args.microbatch_size or DEFAULT_MICROBATCH_SIZE)  # type: ignore[arg-type]
         num_layers = len(profile.layers)
-    shape = resolve_shape(args, hardware, num_layers=num_layers, plan=plan, profile=shape_profile)
+    shape = resolve_shape(args, hardware, num_layers=num_layers, plan=plan, profile=shape_profile, setting=setting)
     # a plan keeps its stages' layers unless --balance asks for another split or another
     # model is named (which the plan check then refuses, naming both)
     own = plan is not None and not args.balance and args.model in (None, plan.model)
@@ -257,14 +296,19 @@ def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:
     hw = setup.hardware
     dp = setup.data_parallel
     nodes = f", {dp.degree} nodes ({dp.sharding})" if dp is not None else ""
-    return (f"settings: model {setup.model.name}, hardware {hw.name} ({hw.num_devices} x "
+    if shape.setting is not None:
+        precision = f" in {getattr(setup.model, 'precision', '?')} (the setting {shape.setting}'s)"
+    else:
+        precision = ""
+    return (f"settings: model {setup.model.name}{precision}, hardware {hw.name} ({hw.num_devices} x "
             f"{fmt_bytes(hw.device.memory_bytes)}){nodes}, {shape.describe()}")
 
 
 def settings_json(setup: PipelineSetup, shape: PipelineShape) -> dict[str, object]:
     """The resolved settings for `--json`, keyed as the train config's keys."""
     hw = setup.hardware
-    return {"model": setup.model.name, "hardware": hw.name, "num_devices": hw.num_devices,
+    return {"model": setup.model.name, "precision": getattr(setup.model, "precision", None),
+            "hardware": hw.name, "num_devices": hw.num_devices,
             "device_memory_bytes": hw.device.memory_bytes, **shape.settings(), "defaults": dict(shape.sources),
             **data_parallel_json(setup)}
 

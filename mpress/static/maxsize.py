@@ -3,7 +3,8 @@
 Models grow the way the family's presets do: width and depth together. The family's
 billion-scale presets set the rule (`ShapeRule`): depth = scale x width^exponent, fitted
 to the presets by least squares in log-log space; heads of the largest preset's head
-size; sequence, vocabulary and precision of the largest preset. The candidates are the
+size; sequence, vocabulary and precision of the largest preset (the precision unless a
+setting overrides it: `family_rule(..., precision=)`, as `--setting` does). The candidates are the
 widths that are multiples of the head size, each at the rule's depth; bigger width means
 more parameters, more bytes per stage and wider activations, so fitting is taken as
 monotone in width: the search doubles the width from the smallest preset's until a size
@@ -91,11 +92,14 @@ def family_ladder(family: str) -> list[ModelConfig]:
     return sorted(configs, key=num_parameters)
 
 
-def family_rule(family: str) -> ShapeRule:
+def family_rule(family: str, precision: str | None = None) -> ShapeRule:
     """`ShapeRule` fitted to the family's billion-scale presets (least squares of log depth
-    on log width; a single width, or one preset: depth in proportion to width)."""
+    on log width; a single width, or one preset: depth in proportion to width).
+    precision: the models' training precision (None: the largest preset's)."""
     ladder = family_ladder(family)
     top = ladder[-1]
+    if precision is not None:
+        top = replace(top, precision=precision)
     xs = [math.log(c.hidden_size) for c in ladder]
     ys = [math.log(c.num_layers) for c in ladder]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -133,13 +137,14 @@ def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
 
 def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: ScheduleName, num_stages: int,
                   microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
-                  time_budget_s: float | None = None,
+                  precision: str | None = None, time_budget_s: float | None = None,
                   progress: Callable[[str], None] | None = None) -> MaxSize:
     """Largest model of `family` that `strategy` fits (see the module docstring).
+    precision: train the family in this precision (None: its presets').
     time_budget_s: stop trying larger sizes after this many seconds (None: no limit)."""
     note = progress or (lambda _m: None)
     quick = PlannerOptions(max_d2d_rounds=0)  # D2D rounds buy speed, not fit: skip while searching
-    rule = family_rule(family)
+    rule = family_rule(family, precision)
     shape = dict(schedule=schedule, num_stages=num_stages, num_ranks=num_ranks, microbatch_size=microbatch_size,
                  num_microbatches=num_microbatches)
     t0 = time.monotonic()

@@ -114,6 +114,8 @@ class UnitKind(enum.Enum):
     ACTIVATIONS = "activations"
     OPTIM = "optim"
     STASH = "stash"
+    GRADS = "grads"
+    PARAMS = "params"
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,12 @@ class UnitId:
     - activations: the saved tensors of `layer` that rule `rule` of `stage` decides in
       the action's microbatch, `{stage}:{layer}.**@r{rule}`;
     - optim: one layer's optimizer states and master weights, `{stage}:optim:{layer}`;
-    - stash: the stashed weight versions rule `rule` moves, `{stage}:stash@r{rule}`.
+    - stash: the stashed weight versions rule `rule` moves, `{stage}:stash@r{rule}`;
+    - grads / params: one layer's gradients going to the host and its updated parameters
+      coming back in the optimizer step of a stage that steps on the host
+      (`optimizer_step: host`), `{stage}:grads:{layer}`, `{stage}:params:{layer}`. The
+      copies run inside that step (`OPT:{stage}:optim:{layer}`): the emulator's tasks name
+      them, a plan's program never lists them.
     """
 
     stage: int
@@ -133,7 +140,8 @@ class UnitId:
     rule: int | None = None
 
     def __post_init__(self) -> None:
-        needs = {UnitKind.ACTIVATIONS: (True, True), UnitKind.OPTIM: (True, False), UnitKind.STASH: (False, True)}
+        needs = {UnitKind.ACTIVATIONS: (True, True), UnitKind.OPTIM: (True, False), UnitKind.STASH: (False, True),
+                 UnitKind.GRADS: (True, False), UnitKind.PARAMS: (True, False)}
         layer, rule = needs[self.kind]
         if (self.layer is not None) != layer or (self.rule is not None) != rule:
             raise ScheduleError(f"a {self.kind.value} unit {'needs' if layer else 'takes no'} layer and "
@@ -142,8 +150,8 @@ class UnitId:
     def __str__(self) -> str:
         if self.kind is UnitKind.ACTIVATIONS:
             return f"{self.stage}:{self.layer}.**@r{self.rule}"
-        if self.kind is UnitKind.OPTIM:
-            return f"{self.stage}:optim:{self.layer}"
+        if self.kind in (UnitKind.OPTIM, UnitKind.GRADS, UnitKind.PARAMS):
+            return f"{self.stage}:{self.kind.value}:{self.layer}"
         return f"{self.stage}:stash@r{self.rule}"
 
     @staticmethod
@@ -153,15 +161,15 @@ class UnitId:
         if not m:
             raise ScheduleError(f"not a unit name: {text!r} (expected e.g. 0:layers.3.**@r1, 0:optim:layers.3, "
                                 "0:stash@r2)")
-        stage, optim_layer, stash_rule, layer, rule = m.groups()
-        if optim_layer is not None:
-            return UnitId(int(stage), UnitKind.OPTIM, layer=optim_layer)
+        stage, data, data_layer, stash_rule, layer, rule = m.groups()
+        if data is not None:
+            return UnitId(int(stage), UnitKind(data), layer=data_layer)
         if stash_rule is not None:
             return UnitId(int(stage), UnitKind.STASH, rule=int(stash_rule))
         return UnitId(int(stage), UnitKind.ACTIVATIONS, layer=layer, rule=int(rule))
 
 
-_UNIT_RE = re.compile(r"^(\d+):(?:optim:(\S*)|stash@r(\d+)|(\S*?)\.\*\*@r(\d+))$")
+_UNIT_RE = re.compile(r"^(\d+):(?:(optim|grads|params):(\S*)|stash@r(\d+)|(\S*?)\.\*\*@r(\d+))$")
 
 
 def F(stage: int, microbatch: int) -> Action:

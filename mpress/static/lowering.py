@@ -8,7 +8,14 @@ Copy-outs give their bytes back at the next release point (the first task of the
 compute action, which waits for them); copy-ins take theirs when issued; a layer's
 backward consumes the copy-ins of its own saved tensors. The optimizer step of a stage
 (OPT), or of one layer's chunk of it (`OPT:{s}:optim:LAYER`), gives back the gradients it
-used, holding the optimizer's temporaries while it runs. A stage output that torch's
+used, holding the optimizer's temporaries while it runs. The step of a layer of a stage
+that steps on the host (`TensorInfo.host_step`) runs on its rank's thread as the runtime
+runs it (`runtime/master_weights.py`), on one copy stream, in order: the layer's
+gradients go device -> host (pinned staging in their dtype; a `{s}:grads:LAYER` copy-out
+that the step waits for), the CPU steps Adam (`compute_s`; nothing of it on the device),
+the layer's gradients are given back, and its updated parameters go host -> device in
+place (a `{s}:params:LAYER` copy-in, which the next layer's gradients queue behind: a
+zero-time task of the next step waits for it). A stage output that torch's
 schedule keeps referenced past its backward (`schedules.held_outputs`: a send's work
 holds it), and the gradient of a stage's input (`schedules.held_input_grads`), go at the
 end of the backward in which the schedule lets their send go (`late_frees`).
@@ -21,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mpress.actions import Action, Kind, Schedule, UnitId
+from mpress.actions import Action, Kind, Schedule, UnitId, UnitKind
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware import Hardware
 from mpress.static.channels import build_channels, host_transfers, nvlink_transfers, peer_transfers
@@ -64,6 +71,9 @@ class TensorInfo:
     recompute: Choice = None
     """A dropped unit: its layer's recompute choice (`stage_memory.Choice`; None: the
     whole layer), which sets its memory and its recompute's time."""
+    host_step: bool = False
+    """The OPT of one layer of a stage that steps on the host (`optimizer_step: host`):
+    `bytes` are its gradients, `compute_s` its CPU Adam step (see the module docstring)."""
 
 
 _COST: dict[Kind, Cost] = {
@@ -168,6 +178,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
     issued_in: dict[tuple[int, int | None, int | None], list[str]] = {}  # (stage, mb, layer) -> copy-ins
     backward_seen: set[int] = set()
     grads_out: set[int] = set()
+    host_params_in: dict[int, str] = {}  # stage -> its host step's last parameters copy-in
 
     def start(task: Task) -> Task:
         nbytes = sum(released.pop(k) for k in pending)
@@ -227,6 +238,16 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + let_go})
             out.append(start(group[0]))
             out.extend(group[1:])
+        elif a.kind is Kind.OPT and a.tensor is not None and tensor_info(a, tensors).host_step:
+            j = _unit_layer(a, c)
+            grads_out.add((a.stage, j))
+            begin, grads, step, params = _host_step(a, c.layers[j], tensor_info(a, tensors), device, hardware,
+                                                    after=host_params_in.get(a.stage))
+            host_params_in[a.stage] = params.action.tensor  # type: ignore[assignment]
+            out.append(start(begin))
+            pending.append(len(out))  # the gradients' copy-out: the CPU step waits for it, frees nothing
+            released[len(out)] = 0
+            out.extend((grads, start(step), params))
         elif a.kind is Kind.OPT:
             if a.tensor is None:
                 layers = [j for j in range(len(c.layers)) if (a.stage, j) not in grads_out]
@@ -258,6 +279,24 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
     for k in pending:  # no release point follows: these give their bytes back when they end
         out[k] = Task(**{**out[k].__dict__, "free_bytes": released.pop(k)})
     return tuple(out), origins
+
+
+def _host_step(action: Action, layer: LayerProfile, info: TensorInfo, device: int, hardware: Hardware, *,
+               after: str | None) -> tuple[Task, Task, Task, Task]:
+    """The tasks of one layer's step on the host (see the module docstring): a zero-time
+    start that waits for the previous layer's parameters copy-in `after` (on the same
+    copy stream as this layer's gradients), the gradients' copy-out, the CPU step, the
+    parameters' copy-in."""
+    unit = UnitId.parse(action.tensor or "")
+    grads = Action(action.stage, Kind.OO, None, str(UnitId(action.stage, UnitKind.GRADS, layer=unit.layer)))
+    params = Action(action.stage, Kind.OI, None, str(UnitId(action.stage, UnitKind.PARAMS, layer=unit.layer)))
+    return (
+        Task(action, consumes=(after,) if after else ()),
+        Task(grads, transfers=host_transfers(hardware, device, "d2h", info.bytes), cost=Cost.OPTIMIZER_OFFLOAD),
+        Task(action, compute_s=info.compute_s, free_bytes=info.bytes),
+        Task(params, transfers=host_transfers(hardware, device, "h2d", layer.param_bytes),
+             cost=Cost.OPTIMIZER_OFFLOAD),
+    )
 
 
 def _choice(action: Action, tensors: dict[str, TensorInfo]) -> Choice:

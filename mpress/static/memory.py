@@ -6,8 +6,10 @@ turns the action lists into the emulator's costed tasks with both.)
 What a pipeline stage holds on its device (all per stage, summed over its layers):
 
 - model states: parameters in the training dtype, Adam's two fp32 states, fp32 master
-  weights under mixed precision, for the whole iteration; gradients (in the parameters'
-  dtype) from the step's first backward of the stage to its optimizer step;
+  weights under mixed precision, for the whole iteration (a stage whose optimizer steps
+  on the host, `optimizer_step: host`, keeps states and masters in host memory: none on
+  its device); gradients (in the parameters' dtype) from the step's first backward of the
+  stage to its optimizer step;
 - stashed weights (PipeDream asynchronous 1F1B): one extra parameter version per
   microbatch in flight beyond the first, as PipeDream keeps the weights each in-flight
   microbatch's forward used until its backward;
@@ -24,6 +26,7 @@ Units: bytes, seconds, GB/s (1e9 bytes/s).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from mpress.actions import Schedule
@@ -163,10 +166,13 @@ def default_stage_to_device(schedule: Schedule, hardware: Hardware) -> list[int]
 
 def memory_model(costs: list[StageCosts], schedule: Schedule, hardware: Hardware,
                  stage_to_device: list[int] | None = None,
-                 data_parallel: DataParallel | None = None) -> list[StageMemory]:
+                 data_parallel: DataParallel | None = None, *,
+                 host_step_stages: Collection[int] = ()) -> list[StageMemory]:
     """Bytes per stage, by category, with no memory compaction. data_parallel: its
     reduction's buffers count as buffers (`data_parallel.reduction_buffer_bytes`; the
-    sharded states are in `costs`, from the sharded profile)."""
+    sharded states are in `costs`, from the sharded profile). host_step_stages: stages
+    whose optimizer steps on the host (`optimizer_step: host`): no optimizer states or
+    master weights on their devices."""
     devices = stage_to_device or default_stage_to_device(schedule, hardware)
     m = schedule.num_microbatches
     out = []
@@ -177,10 +183,11 @@ def memory_model(costs: list[StageCosts], schedule: Schedule, hardware: Hardware
         # a forward's peak includes what the layer keeps (counted in `kept`): only the rest is transient
         transient = max((max(x.memory.forward_peak_bytes - x.memory.kept_bytes, x.memory.backward_peak_bytes)
                          for x in c.layers), default=0)
+        on_host = c.stage in host_step_stages
         out.append(StageMemory(
             stage=c.stage, device=devices[c.stage],
-            param_bytes=c.param_bytes, grad_bytes=c.grad_bytes, optim_bytes=c.optim_bytes,
-            master_bytes=c.master_bytes, stash_bytes=stash,
+            param_bytes=c.param_bytes, grad_bytes=c.grad_bytes, optim_bytes=0 if on_host else c.optim_bytes,
+            master_bytes=0 if on_host else c.master_bytes, stash_bytes=stash,
             buffer_bytes=buffer_bytes(c, m) + reduction_buffer_bytes(c, data_parallel),
             activation_bytes_per_microbatch=kept, max_in_flight=in_flight,
             transient_bytes=transient, capacity_bytes=hardware.usable_memory_bytes,

@@ -9,8 +9,10 @@ buffers), a forward's and a recompute's bytes are activations (a weight version
 PipeDream stashes is parameters), the stage's first backward makes its layers'
 parameter gradients (the rest of a backward's bytes are activations), the optimizer step
 frees the gradients, a copy's bytes are those of what it moves (an optimizer unit:
-optimizer state; stashed weights: parameters; saved tensors: activations) and leave at
-the release point that gives them back. `peak_breakdown` checks that the categories
+optimizer state; stashed weights: parameters; saved tensors: activations; a host step's
+gradients and parameters: those) and leave at the release point that gives them back. A
+stage whose optimizer steps on the host (its step copies `grads` units out) holds no
+optimizer state. `peak_breakdown` checks that the categories
 sum to the walk at every task, so it cannot drift from the lowering unseen.
 
 Units: bytes.
@@ -30,15 +32,22 @@ CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "buff
 PARAMS, GRADS, OPTIM, ACTS, OTHER = CATEGORIES
 
 
+_MOVED = {UnitKind.STASH: PARAMS, UnitKind.PARAMS: PARAMS, UnitKind.GRADS: GRADS, UnitKind.OPTIM: OPTIM}
+
+
+def _unit(task: Task) -> UnitId | None:
+    try:
+        return UnitId.parse(task.action.tensor or "")
+    except MpressError:
+        return None
+
+
 def _moved(task: Task) -> str:
     """The category of what a copy moves."""
-    if task.action.kind in (Kind.OO, Kind.OI):
-        return OPTIM
-    try:
-        unit = UnitId.parse(task.action.tensor or "")
-    except MpressError:
-        return ACTS
-    return PARAMS if unit.kind is UnitKind.STASH else OPTIM if unit.kind is UnitKind.OPTIM else ACTS
+    unit = _unit(task)
+    if unit is not None and unit.kind in _MOVED:
+        return _MOVED[unit.kind]
+    return OPTIM if task.action.kind in (Kind.OO, Kind.OI) else ACTS
 
 
 def rank_breakdown(tasks: Sequence[Task], static_bytes: int, costs: Sequence[StageCosts], *,
@@ -50,6 +59,8 @@ def rank_breakdown(tasks: Sequence[Task], static_bytes: int, costs: Sequence[Sta
     for t in tasks:
         if t.action.kind is Kind.OI:
             offloaded[t.action.stage] += t.alloc_bytes
+    for s in {t.action.stage for t in tasks if (u := _unit(t)) is not None and u.kind is UnitKind.GRADS}:
+        offloaded[s] = costs[s].optim_bytes + costs[s].master_bytes  # stepped on the host
     mem = dict.fromkeys(CATEGORIES, 0)
     mem[PARAMS] = 0 if weight_stashing else sum(costs[s].param_bytes for s in stages)
     mem[OPTIM] = sum(costs[s].optim_bytes + costs[s].master_bytes - offloaded[s] for s in stages)

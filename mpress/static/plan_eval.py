@@ -18,7 +18,7 @@ from mpress.static.lowering import build_program, late_frees, lower_rank_traced
 from mpress.static.memory import memory_model
 from mpress.static.placement import place_by_capacity
 from mpress.static.program import Program
-from mpress.static.rewriter import offloaded_optim_bytes, rewrite, stash_offloaded
+from mpress.static.rewriter import host_step_stages, offloaded_optim_bytes, rewrite, stash_offloaded
 from mpress.vocabulary import SwapInPolicy
 
 
@@ -74,7 +74,7 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
     program = lower(schedule)
     placed_setup = replace(setup, stage_to_device=devices,
                            memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices,
-                                               setup.data_parallel))
+                                               setup.data_parallel, host_step_stages=host_step_stages(plan)))
     return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program),
                       tensors=rw.tensors)
 

@@ -16,7 +16,13 @@ Where each memory action goes (per rank, in its list):
   the memory walk of the rank's list (`placement.py`);
 - optimizer states and master weights: out (OO) after the stage's OPT, back in (OI)
   `prefetch_lead` compute actions before the stage's last backward, so the copy overlaps
-  the last backwards (at the start of the iteration they are on the host).
+  the last backwards (at the start of the iteration they are on the host);
+- a stage whose plan steps its optimizer on the host (`optimizer_step: host`): its OPT
+  becomes one OPT per layer, in layer order, as the runtime steps it. Each runs on the
+  host, its gradients copied out before and its parameters copied back after, inside the
+  action (`lowering.py`): nothing is listed around it, since the runtime issues nothing
+  there (`runtime/optimizer_offload.py` HostOptimizerStep; `master_weights.py` makes the
+  copies in the step). Its states and masters never come to the device.
 
 A *unit* is what one memory action moves (`mpress.actions.UnitId`): the saved tensors of
 one layer that one rule decides in one microbatch (`{s}:LAYER.**@rN`, rule N of the
@@ -39,6 +45,7 @@ from mpress.errors import PlanError
 from mpress.hardware import Hardware
 from mpress.identity import LayerTensors, StageRules
 from mpress.plan import Plan, StagePlan, TensorRule
+from mpress.static.host_adam import host_adam_step_s
 from mpress.static.lowering import TensorInfo
 from mpress.static.memory import StageCosts, optimizer_step_s
 from mpress.static.stage_memory import Choice, freeable_tensors, recompute_choice, recompute_time_s
@@ -117,7 +124,7 @@ class _Stage:
         runs on the host keeps them there for good: nothing streams (its `optim:` rules
         are subsumed)."""
         out = []
-        host_step = self.sp.optimizer_step is OptimizerStep.HOST
+        host_step = _steps_on_host(self.sp)
         for layer in self.costs.layers:
             found = None if host_step else self.rules.model_data_rule("optim", layer.name)
             out.append((layer.name, found[1] if found else None, layer.optim_bytes + layer.master_bytes,
@@ -176,6 +183,9 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                         f"schedule has {schedule.num_stages} x {schedule.num_microbatches}")
     stages = [_Stage(plan.stages[s], costs[s], schedule.num_microbatches) for s in range(schedule.num_stages)]
     tensors: dict[str, TensorInfo] = {}
+    # each rank steps its stages one after the other: the host steps that run at once are
+    # one per rank that has one
+    host_sharers = len({schedule.stage_to_rank[s] for s, sp in enumerate(plan.stages) if _steps_on_host(sp)})
     new_ranks = []
     for actions in schedule.ranks:
         compute_pos = [i for i, a in enumerate(actions) if a.is_compute]
@@ -229,6 +239,8 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                     at = compute_pos[max(k - unit.rule.prefetch_lead, produced + 2)]
                     before.setdefault(at, []).append(
                         Action(a.stage, _IN[unit.rule.technique], m, str(unit.id)))
+            elif a.kind is Kind.OPT and a.tensor is None and _steps_on_host(st.sp):
+                replace[i] = _host_step(st, hardware, host_sharers, tensors)
             elif a.kind is Kind.OPT and a.tensor is None:
                 chunks = st.optim_chunks()
                 if not any(rule for _name, rule, _b, _p in chunks):
@@ -279,14 +291,74 @@ def _stream_optimizer(st: _Stage, chunks: list[tuple[str, TensorRule | None, int
     return out
 
 
+def _host_step(st: _Stage, hardware: Hardware, sharers: int, tensors: dict[str, TensorInfo]) -> list[Action]:
+    """A host-step stage's OPT as one OPT per layer (see the module docstring), each
+    costed with its CPU Adam step while `sharers` ranks step on the host at once."""
+    out = []
+    for layer in st.costs.layers:
+        name = str(UnitId(st.sp.stage, UnitKind.OPTIM, layer=layer.name))
+        tensors[name] = TensorInfo(bytes=layer.grad_bytes, compute_s=host_optimizer_step_s(layer.optim_bytes // 8,
+                                                                                          hardware, sharers),
+                                   host_step=True)
+        out.append(Action(st.sp.stage, Kind.OPT, None, name))
+    return out
+
+
+def host_optimizer_step_s(num_params: int, hardware: Hardware, sharers: int) -> float:
+    """Seconds of the CPU's Adam step over `num_params` parameters while `sharers` ranks
+    step on the host at once (`host_adam.host_adam_step_s`). On hardware that states no
+    host DRAM bandwidth (the cpu-local stand-in), DRAM never limits, as
+    `Hardware.host_memory_gbps` says of None: the step is not costed (its copies are)."""
+    if hardware.host_memory_gbps is None:
+        return 0.0
+    return host_adam_step_s(num_params, hardware, sharers)
+
+
 def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
     """Per stage, optimizer-state + master-weight bytes that live off the device between
-    optimizer steps (they are not part of the stage's static memory)."""
+    optimizer steps (they are not part of the stage's static memory): all of them for a
+    stage stepping on the host."""
     out = []
     for sp, c in zip(plan.stages, costs):
+        if _steps_on_host(sp):
+            out.append(c.optim_bytes + c.master_bytes)
+            continue
         st = _Stage(sp, c, plan.num_microbatches)
         out.append(sum(b for _l, rule, b, _p in st.optim_chunks() if rule))
     return out
+
+
+HOST_MASTER_BYTES_PER_PARAM = 4
+"""A host-step stage's fp32 copy of each parameter, which the CPU's Adam steps (made for
+every parameter, fp32 ones included: `runtime/master_weights.py` HOST_COPY)."""
+
+
+def _steps_on_host(sp: StagePlan) -> bool:
+    return sp.optimizer_step is OptimizerStep.HOST
+
+
+def host_step_stages(plan: Plan) -> frozenset[int]:
+    """The stages whose optimizer the plan steps on the host."""
+    return frozenset(sp.stage for sp in plan.stages if _steps_on_host(sp))
+
+
+def host_step_pinned_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
+    """Per stage, the page-locked host memory a GPU run of `plan` pins for the stage's
+    host optimizer step: one staging buffer per parameter in the parameter's dtype
+    (gradients come in through it, rounded parameters go out), its parameters' bytes; 0
+    for a stage stepping on its device. These are pinned apart from the stage's pool
+    (`StagePlan.pinned_host_bytes`, which the runtime pins to the byte), each through
+    torch's pinned allocator, which may round a buffer up to a power of two. A CPU run
+    pins none (its parameters are host memory already)."""
+    return [c.param_bytes if _steps_on_host(sp) else 0 for sp, c in zip(plan.stages, costs)]
+
+
+def host_step_host_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
+    """Per stage, the pageable host memory its host optimizer step keeps for good: the
+    fp32 copy of every parameter and Adam's two fp32 states (`optimizer_offload.py`
+    HostOptimizerStep); 0 for a stage stepping on its device."""
+    return [c.optim_bytes + HOST_MASTER_BYTES_PER_PARAM * (c.optim_bytes // 8) if _steps_on_host(sp) else 0
+            for sp, c in zip(plan.stages, costs)]
 
 
 def stash_offloaded(schedule: Schedule) -> list[bool]:

@@ -38,6 +38,7 @@ from mpress.hardware import load_hardware
 from mpress.static.evaluate import PipelineSetup
 from mpress.static.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
 from mpress.static.ablation import Ablation, ablate
+from mpress.static.zero import BaselineResult, plan_zero, zero_variants
 from mpress.static.profile import Profile
 from mpress.config import output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
@@ -114,6 +115,14 @@ def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[
     return results
 
 
+def plan_baselines(setup: PipelineSetup) -> dict[str, BaselineResult]:
+    """The ZeRO baselines (`mpress.static.zero`) for the setup's model, batch and server;
+    none for a pipeline replicated over nodes (they are modelled on one server)."""
+    if setup.data_parallel is not None and setup.data_parallel.degree > 1:
+        return {}
+    return {v: plan_zero(setup, v) for v in zero_variants(setup.hardware)}
+
+
 def stage_table(r: PlanResult) -> Table:
     """Per stage: need vs usable memory (what plans fit: nominal less the reserve), planned
     peak, bytes each technique saves and its share."""
@@ -140,10 +149,11 @@ def stage_table(r: PlanResult) -> Table:
     return t
 
 
-def comparison_table(results: dict[str, PlanResult]) -> Table:
-    """Every strategy: fits, emulated iteration, throughput, and time ratio to mpress."""
+def comparison_table(results: dict[str, PlanResult], baselines: dict[str, BaselineResult] | None = None) -> Table:
+    """Every strategy: fits, emulated iteration, throughput, and time ratio to mpress; then
+    the ZeRO baselines (modelled, no plan: "-" for plan time)."""
     ref = results.get(Strategy.MPRESS)
-    t = Table(title="strategies (emulated)")
+    t = Table(title="strategies (emulated; zero-* modelled by mpress.static.zero)")
     for col in ["strategy", "fits", "iteration", "samples/s", "TFLOP/s", "time / mpress", "pinned host",
                 "plan time", "why not"]:
         t.add_column(col, justify="left" if col in ("strategy", "why not") else "right")
@@ -153,12 +163,19 @@ def comparison_table(results: dict[str, PlanResult]) -> Table:
         t.add_row(name, "[green]yes[/]" if r.fits else "[red]no[/]", fmt_seconds(res.iteration_s),
                   f"{res.samples_per_s:.3g}", f"{res.model_tflops:.3g}", f"{ratio:.2f}x",
                   fmt_bytes(r.host_bytes), fmt_seconds(r.plan_s), r.reason)
+    for name, b in (baselines or {}).items():
+        ratio = b.iteration_s / ref.evaluation.result.iteration_s if ref else float("nan")
+        t.add_row(name, "[green]yes[/]" if b.fits else "[red]no[/]", fmt_seconds(b.iteration_s),
+                  f"{b.samples_per_s:.3g}", f"{b.model_tflops:.3g}", f"{ratio:.2f}x", fmt_bytes(b.host_bytes),
+                  "-", b.reason)
     return t
 
 
-def plan_json(results: dict[str, PlanResult], chosen: str, shape: PipelineShape) -> dict[str, object]:
+def plan_json(results: dict[str, PlanResult], chosen: str, shape: PipelineShape,
+              baselines: dict[str, BaselineResult] | None = None) -> dict[str, object]:
     """The figures of `stage_table` (the chosen strategy) and `comparison_table` (bytes
-    as integers, times in seconds)."""
+    as integers, times in seconds); `baselines`: the ZeRO rows, with their per-GPU peak,
+    host and drive bytes and time by phase."""
     r = results[chosen]
     setup, res = r.evaluation.setup, r.evaluation.result
     stages = [{"stage": sp.stage, "device": sp.device, "need_bytes": sp.need_bytes,
@@ -175,9 +192,17 @@ def plan_json(results: dict[str, PlanResult], chosen: str, shape: PipelineShape)
                            "samples_per_s": xres.samples_per_s, "model_tflops": xres.model_tflops,
                            "time_over_mpress": xres.iteration_s / ref.evaluation.result.iteration_s if ref else None,
                            "pinned_host_bytes": x.host_bytes, "plan_s": x.plan_s, "why_not": x.reason})
+    zero = [{"strategy": name, "fits": b.fits, "iteration_s": b.iteration_s, "samples_per_s": b.samples_per_s,
+             "model_tflops": b.model_tflops,
+             "time_over_mpress": b.iteration_s / ref.evaluation.result.iteration_s if ref else None,
+             "peak_bytes": b.peak_bytes, "host_bytes": b.host_bytes, "nvme_bytes": b.nvme_bytes,
+             "micro_steps": b.micro_steps, "why_not": b.reason,
+             "times": {k: getattr(b.times, k) for k in ("compute_s", "forward_s", "backward_s", "optimizer_s",
+                                                        "param_update_s")}}
+            for name, b in (baselines or {}).items()]
     return {"settings": {**settings_json(setup, shape), "strategy": chosen,
                          "swap_in_policy": str(r.plan.swap_in_policy)},
-            "stages": stages, "strategies": strategies}
+            "stages": stages, "strategies": strategies, "baselines": zero}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         with TaskProgress(console, len(Strategy), "planning") as progress:
             results = plan_all(setup, args.swap_in_policy, progress)
     chosen = results[args.strategy]
+    baselines = plan_baselines(setup)
     ablations = ablate(setup, results[Strategy.MPRESS.value]) if args.ablate else []
     written = args.out if chosen.fits and args.out else None
     if written:
@@ -205,10 +231,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         extra = {"ablations": [{"variant": a.name, "fits": a.fits, "iteration_s": a.iteration_s,
                                 "unplaced_bytes": a.unplaced_bytes} for a in ablations]} if args.ablate else {}
-        print_json({**plan_json(results, args.strategy, shape), "plan_file": written, **extra})
+        print_json({**plan_json(results, args.strategy, shape, baselines), "plan_file": written, **extra})
     else:
         console.print(stage_table(chosen))
-        console.print(comparison_table(results))
+        console.print(comparison_table(results, baselines))
         if args.ablate:
             if ablations:
                 console.print(ablation_table(results[Strategy.MPRESS.value], ablations))

@@ -124,6 +124,9 @@ class BaselineResult:
     iteration_s: float
     """One iteration (the global batch); nan when it cannot be timed."""
     samples_per_s: float
+    model_tflops: float
+    """Model FLOPs (without recompute) per second, in 1e12, the whole server (as the
+    emulator's `EmulatorResult.model_tflops`)."""
     peak_bytes: int
     """Per GPU (every GPU the same)."""
     host_bytes: int
@@ -209,9 +212,11 @@ def plan_zero(setup: PipelineSetup, variant: str) -> BaselineResult:
                  times.forward_s + times.backward_s + times.optimizer_s + times.param_update_s)
     reason = _why_not(hw, memory, param_bytes, host, nvme, variant, timed=times is not None)
     samples = setup.schedule.num_microbatches * setup.microbatch_size
+    flops = setup.schedule.num_microbatches * sum(x.forward_flops + x.backward_flops for x in setup.profile.layers)
     return BaselineResult(
         strategy=variant, fits=not reason, reason=reason, iteration_s=iteration,
         samples_per_s=samples / iteration if times is not None else math.nan,
+        model_tflops=flops / iteration / 1e12 if times is not None else math.nan,
         peak_bytes=memory.total_bytes, host_bytes=host, nvme_bytes=nvme, host_checkpoint_bytes=checkpoints,
         memory=memory, times=times or ZeroTimes(compute_s=math.nan, forward_s=math.nan, backward_s=math.nan,
                                                 optimizer_s=math.nan, param_update_s=math.nan),

@@ -19,7 +19,8 @@ What is modelled, and why this shape:
   over NVLink and the GPU's 1/N partition goes to the host (from the second micro-step
   on DeepSpeed brings the partition accumulated so far back to add to it on the GPU,
   `async_accumulate_grad_in_cpu_via_gpu`); after the last micro-step CPU Adam steps each
-  rank's 1/N of the parameters on the host (fp32 master, moments, fp32 gradients there),
+  rank's 1/N of the parameters on the host (fp32 master, moments, fp32 gradients there:
+  the last micro-step sends its partition as fp32),
   the updated fp16 partition is copied to its GPU while the step runs (cpu_adam's tiled
   `dev_params` copy) and all-gathered over NVLink. Device: fp16 parameters, DeepSpeed's
   two gradient buckets (`overlap_comm`), one micro-step's checkpoints and the largest
@@ -82,7 +83,8 @@ class ZeroDeviceMemory:
     """fp16 parameters: the whole model (zero-offload), or the layer running and the one
     prefetched (zero-infinity)."""
     grad_bytes: int
-    """Gradient buckets (and, zero-infinity, the running layer's gradients)."""
+    """Gradient buckets; zero-offload also its staging buffer for the host accumulation
+    (the largest parameter's, fp32), zero-infinity the running layer's gradients."""
     activation_bytes: int
     """One micro-step's kept activations: checkpoints (zero-offload) and the first and
     last layers' saved tensors, the micro-step's input batch and targets."""
@@ -229,9 +231,11 @@ def _device_memory(setup: PipelineSetup, layers: list[_Layer], variant: str, num
     batch = setup.profile.input_bytes + setup.profile.target_bytes
     transient = max(x.transient_bytes for x in layers)
     if variant == ZERO_OFFLOAD:
+        # DeepSpeed's temp_grad_buffer_for_gpu_offload: the largest parameter's gradient, fp32 at the boundary
+        staging = max(x.profile.largest_param_bytes for x in layers)
         return ZeroDeviceMemory(
             param_bytes=sum(x.profile.param_bytes for x in layers),
-            grad_bytes=2 * bucket,  # overlap_comm: one bucket reduces while the next fills
+            grad_bytes=2 * bucket + staging,  # overlap_comm: one bucket reduces while the next fills
             activation_bytes=batch + sum(x.memory.kept_bytes for x in layers),
             working_bytes=transient)
     # zero-infinity: checkpoints live on the host; only the first and last layers' activations stay
@@ -287,7 +291,8 @@ def _times(setup: PipelineSetup, layers: list[_Layer], variant: str, num_params:
     for k in range(steps):
         if variant == ZERO_OFFLOAD:
             fwd = [LayerStep(compute_s=x.forward_s) for x in layers]
-            bwd = [LayerStep(compute_s=x.backward_s, drain=_offload_grad_drain(x, n, k)) for x in reversed(layers)]
+            bwd = [LayerStep(compute_s=x.backward_s, drain=_offload_grad_drain(x, n, k, last=k == steps - 1))
+                   for x in reversed(layers)]
         else:
             nvme = variant == ZERO_INFINITY_NVME
             fwd = [LayerStep(compute_s=x.forward_s, fetch=_param_fetch(x, n, nvme),
@@ -306,12 +311,15 @@ def _per_rank(nbytes: int, n: int) -> float:
     return nbytes / n
 
 
-def _offload_grad_drain(x: _Layer, n: int, micro_step: int) -> Load:
-    """zero-offload, after a layer's backward: reduce-scatter its gradients, send this
-    rank's partition to the host (and, after the first micro-step, bring the accumulated
-    partition back to add to)."""
+def _offload_grad_drain(x: _Layer, n: int, micro_step: int, *, last: bool) -> Load:
+    """zero-offload, after a layer's backward: reduce-scatter its gradients and, after the
+    first micro-step, bring the partition accumulated on the host back to add to; then
+    send the partition to the host, in fp32 into the step's gradients on the last
+    micro-step (DeepSpeed's `async_inplace_copy_grad_to_fp32_buffer_from_gpu` casts it on
+    the GPU first), in its own dtype into the accumulation buffer before."""
     part = _per_rank(x.profile.grad_bytes, n)
-    load = Load(ring=ring_wire_bytes(x.profile.grad_bytes, n, all_reduce=False), d2h=part,
+    out = _per_rank(FP32_BYTES * x.num_params, n) if last else part
+    load = Load(ring=ring_wire_bytes(x.profile.grad_bytes, n, all_reduce=False), d2h=out,
                 h2d=part if micro_step else 0.0)
     return with_host_copies(load, n)
 

@@ -7,7 +7,9 @@
 
 Models grow as the family's presets do, width and depth together (`maxsize.ShapeRule`).
 Each row says what bounds it: why the next size up does not fit (device memory, pinned
-host, host RAM, peer memory), or the search's --time-budget, or the widest shape tried.
+host, host RAM, peer memory, drives), or the search's --time-budget, or the widest shape
+tried. The ZeRO baselines (zero-offload, zero-infinity, and zero-infinity-nvme where the
+server states drives) are searched beside the planner's strategies.
 Flags left unset derive from the hardware: one stage per device (interleaved: one rank
 per device, two stages each), 2 microbatches per rank, microbatch size 1; `--setting`
 (e.g. paper-bert: the MPress paper's) gives the family, its precision (models are
@@ -22,7 +24,7 @@ import argparse
 
 from rich.table import Table
 
-from mpress.commands.flags import add_command, add_flag, strategies_arg
+from mpress.commands.flags import add_command, add_flag
 from mpress.commands.pipeline_args import (
     DEFAULT_HARDWARE,
     DEFAULT_SCHEDULE,
@@ -34,6 +36,7 @@ from mpress.commands.pipeline_args import (
 from mpress.errors import UserError
 from mpress.hardware import Hardware, hardware_presets, load_hardware
 from mpress.static.maxsize import MaxSize, find_max_size
+from mpress.static.zero import ZERO_VARIANTS, zero_variants
 from mpress.vocabulary import Strategy
 from mpress.config import int_arg, output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
@@ -57,9 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "num_ranks", help="pipeline ranks; interleaved only (default: one per device)")
     add_flag(p, "microbatch_size", help="samples per microbatch (default: 1)")
     add_flag(p, "num_microbatches", help="microbatches per iteration (default: 2 per pipeline rank)")
-    add_flag(p, "strategy", aliases=("--strategies",), type=strategies_arg, choices=None, metavar="NAMES",
-             default=list(Strategy.words()),
-             help=f"comma-separated strategies to search ({', '.join(Strategy.words())}; default: all)")
+    add_flag(p, "strategy", aliases=("--strategies",), type=searchable_arg, choices=None, metavar="NAMES",
+             default=None,
+             help=f"comma-separated strategies to search ({', '.join(SEARCHABLE)}; default: all, the NVMe "
+                  "baseline where the server states drives)")
     add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
     add_flag(p, "device_memory", default=None, help="override device memory, e.g. 2GB (cpu-local)")
     p.add_argument("--time-budget", type=int_arg(0, 10**6), default=None, metavar="SECONDS",
@@ -70,6 +74,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+SEARCHABLE = (*Strategy.words(), *ZERO_VARIANTS)
+"""What maxsize searches: the planner's strategies and the ZeRO baselines."""
+
+
+def searchable_arg(text: str) -> list[str]:
+    """argparse `type=` for a comma-separated list of `SEARCHABLE` names (at least one)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SEARCHABLE]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown strategy {unknown[0] if unknown else '(none)'!r} "
+                                         f"(allowed: {', '.join(SEARCHABLE)}, comma-separated)")
+    return names
+
+
+searchable_arg.__name__ = "strategies"
+
+
 def table(rows: list[MaxSize], title: str) -> Table:
     ref = next((r for r in rows if r.strategy == Strategy.MPRESS and r.model), None)
     t = Table(title=title)
@@ -77,13 +98,12 @@ def table(rows: list[MaxSize], title: str) -> Table:
                 "size / mpress", "bound", "plans"]:
         t.add_column(col, justify="left" if col in ("strategy", "largest model") else "right")
     for r in rows:
-        if r.model is None or r.result is None:
+        if r.model is None:
             t.add_row(r.strategy, "[red]nothing fits[/]", "-", "-", "-", "-", "-", "-", _bound(r),
                       str(r.evaluations))
             continue
-        res = r.result.evaluation.result
         t.add_row(r.strategy, r.model.name, f"{r.num_parameters / 1e9:.2f} B", str(r.model.num_layers),
-                  str(r.model.hidden_size), fmt_seconds(res.iteration_s), f"{res.samples_per_s:.3g}",
+                  str(r.model.hidden_size), fmt_seconds(r.iteration_s), f"{r.samples_per_s:.3g}",
                   f"{r.num_parameters / ref.num_parameters:.2f}x" if ref else "-", _bound(r), str(r.evaluations))
     return t
 
@@ -98,12 +118,12 @@ def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: Pi
     ref = next((r for r in rows if r.strategy == Strategy.MPRESS and r.model), None)
     out = []
     for r in rows:
-        res = r.result.evaluation.result if r.result is not None else None
         out.append({"strategy": r.strategy, "largest_model": r.model.name if r.model else None,
                     "num_parameters": r.num_parameters if r.model else None,
                     "num_layers": r.model.num_layers if r.model else None,
                     "hidden_size": r.model.hidden_size if r.model else None,
-                    "iteration_s": res.iteration_s if res else None, "samples_per_s": res.samples_per_s if res else None,
+                    "iteration_s": r.iteration_s if r.model else None,
+                    "samples_per_s": r.samples_per_s if r.model else None,
                     "size_over_mpress": r.num_parameters / ref.num_parameters if ref and r.model else None,
                     "bound": r.bound.value if r.bound is not None else None, "bound_detail": r.bound_detail,
                     "plans": r.evaluations})
@@ -131,9 +151,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{fmt_bytes(hardware.device.memory_bytes)}, {fmt_bytes(hardware.usable_memory_bytes)} usable; "
                   f"{fmt_bytes(hardware.pinnable_bytes)} pinnable host), {shape.describe()}",
                   markup=False, soft_wrap=True)
+    strategies = args.strategy or [*Strategy.words(), *zero_variants(hardware)]
     rows = []
-    with TaskProgress(console, len(args.strategy), "searching") as progress:
-        for strategy in args.strategy:
+    with TaskProgress(console, len(strategies), "searching") as progress:
+        for strategy in strategies:
             progress.update(f"searching {strategy}")
             row = find_max_size(
                 family, hardware, strategy, schedule=shape.schedule, num_stages=shape.num_stages,

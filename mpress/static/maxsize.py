@@ -13,6 +13,8 @@ does not fit, then bisects.
 A size fits when the strategy's plan fits (`PlanResult.fits`): every device's emulated
 peak within its usable memory (`Hardware.usable_memory_bytes`: nominal less the reserve)
 and the pinned host buffers within what the server can pin (`Hardware.pinnable_bytes`).
+The ZeRO baselines (`mpress.static.zero.ZERO_VARIANTS`) are searched the same way, a
+size fitting when `plan_zero`'s result does (GPU peak, pinned host, drives).
 What bounds the answer (`Bound`) is why the smallest size that fails failed; or the
 search's time budget; or the largest shape searched.
 """
@@ -36,6 +38,7 @@ from mpress.static.planner import (
     minimum_need_bytes,
     plan_strategy,
 )
+from mpress.static.zero import ZERO_VARIANTS, BaselineResult, plan_zero
 from mpress.vocabulary import ScheduleName, Word
 
 
@@ -50,6 +53,8 @@ class Bound(Word):
     """The host-swap buffers exceed the host's memory (a preset that states no pinnable limit)."""
     PEER_MEMORY = "peer memory"
     """D2D data finds no spare peer memory over NVLink."""
+    DRIVES = "drives"
+    """The data ZeRO-Infinity puts on the local drives exceeds their capacity."""
     PIPELINE_DEPTH = "pipeline depth"
     """The rule's depth is too shallow for the pipeline's stages (small widths only)."""
     TIME = "time"
@@ -117,13 +122,28 @@ class MaxSize:
     model: ModelConfig | None
     num_parameters: int
     result: PlanResult | None
-    """The strategy's plan for that model, with the full search."""
+    """The strategy's plan for that model, with the full search (None for a ZeRO baseline)."""
     evaluations: int
     """Plans made during the search."""
     bound: Bound | None = None
     """What keeps the next size up from fitting (None: a row not found by the search)."""
     bound_detail: str = ""
     """The next size up and why it does not fit (the planner's reason)."""
+    baseline: BaselineResult | None = None
+    """A ZeRO baseline's result for that model (None for a planner strategy)."""
+
+    @property
+    def iteration_s(self) -> float:
+        """The largest model's iteration (nan when nothing fits)."""
+        if self.result is not None:
+            return self.result.evaluation.result.iteration_s
+        return self.baseline.iteration_s if self.baseline is not None else math.nan
+
+    @property
+    def samples_per_s(self) -> float:
+        if self.result is not None:
+            return self.result.evaluation.result.samples_per_s
+        return self.baseline.samples_per_s if self.baseline is not None else math.nan
 
 
 def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
@@ -135,14 +155,31 @@ def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
     return Bound.PEER_MEMORY if "D2D" in result.reason else Bound.DEVICE_MEMORY
 
 
+def zero_bound(hardware: Hardware, result: BaselineResult) -> Bound:
+    """Why a ZeRO baseline that does not fit fails, as a `Bound` (checked in the order
+    `plan_zero` gives its reason)."""
+    if result.peak_bytes > hardware.usable_memory_bytes:
+        return Bound.DEVICE_MEMORY
+    if result.host_bytes > hardware.pinnable_bytes:
+        return Bound.PINNED_HOST if hardware.pinnable_host_bytes is not None else Bound.HOST_RAM
+    if hardware.nvme_bytes is not None and result.nvme_bytes > hardware.nvme_bytes:
+        return Bound.DRIVES
+    raise UserError(f"{result.strategy} on {hardware.name}: {result.reason}")
+
+
 def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: ScheduleName, num_stages: int,
                   microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
                   precision: str | None = None, time_budget_s: float | None = None,
                   progress: Callable[[str], None] | None = None) -> MaxSize:
-    """Largest model of `family` that `strategy` fits (see the module docstring).
+    """Largest model of `family` that `strategy` (a planner strategy or a ZeRO variant)
+    fits (see the module docstring).
     precision: train the family in this precision (None: its presets').
     time_budget_s: stop trying larger sizes after this many seconds (None: no limit)."""
     note = progress or (lambda _m: None)
+    zero = strategy in ZERO_VARIANTS
+    if zero and hardware.host_memory_gbps is None:
+        raise UserError(f"{strategy}: hardware {hardware.name} states no host_memory_gbps, so its CPU optimizer "
+                        "step cannot be timed")
     quick = PlannerOptions(max_d2d_rounds=0)  # D2D rounds buy speed, not fit: skip while searching
     rule = family_rule(family, precision)
     shape = dict(schedule=schedule, num_stages=num_stages, num_ranks=num_ranks, microbatch_size=microbatch_size,
@@ -160,6 +197,13 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
             why[i] = (Bound.PIPELINE_DEPTH, f"{cfg.name}: {cfg.num_layers} blocks for {num_stages} stages")
             return False
         setup = setup_pipeline(cfg, hardware, **shape)
+        if zero:
+            count += 1
+            base = plan_zero(setup, strategy)
+            note(f"{strategy}: {cfg.name} {'fits' if base.fits else 'does not fit'}")
+            if not base.fits:
+                why[i] = (zero_bound(hardware, base), f"{cfg.name}: {base.reason}")
+            return base.fits
         floor = max(minimum_need_bytes(setup))
         if floor > hardware.usable_memory_bytes:
             why[i] = (Bound.DEVICE_MEMORY, f"{cfg.name}: a stage needs {floor} bytes no technique can move, "
@@ -208,6 +252,9 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
                        bound=bound, bound_detail=detail)
     model = rule.model(lo * rule.head_dim)
     setup = setup_pipeline(model, hardware, **shape)
+    if zero:
+        return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model), result=None,
+                       evaluations=count, bound=bound, bound_detail=detail, baseline=plan_zero(setup, strategy))
     result = plan_strategy(setup, strategy)
     count += 1
     if not result.fits:  # the full search never loses the fit the quick one found; if it did, keep that

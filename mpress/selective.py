@@ -44,6 +44,7 @@ storage object (`untyped_storage()._cdata`): fake and meta storages all sit at a
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -104,6 +105,10 @@ class LayerOps:
     """Per saved tensor: its storage's bytes, 0 when an earlier saved tensor had the storage."""
     output_op: int | None = None
     """The operator that last wrote the layer's output storage (None: none of its own)."""
+    saved_shapes: tuple[tuple[int, ...], ...] = ()
+    """Per saved tensor: its shape (as `producers`)."""
+    input_shape: tuple[int, ...] = ()
+    """The shape of the layer's first tensor argument (its hidden states)."""
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
@@ -262,13 +267,39 @@ def check_closed(ops: LayerOps, recomputed: Collection[int], names: Sequence[str
     return closed
 
 
+def attention_core(ops: LayerOps) -> frozenset[int]:
+    """The saved tensors (positions) of the layer's attention core as Megatron-LM's selective
+    recompute drops them (Korthikanti et al. 2022, section 4.1: the softmax output, the
+    attention dropout's mask and output, 5as/h of the layer's sbh(34 + 5as/h) bytes): those
+    an operator of the layer that is no matrix product produced whose two last dimensions
+    are both a sequence length (a dimension of the layer's input other than its last, the
+    hidden size) and that are not as large as the input (hidden states per token, when the
+    sequence length is the hidden size). Empty for a layer that saves none (SDPA/flash
+    attention, an MLP)."""
+    lengths = {d for d in ops.input_shape[:-1] if d > 1}
+    return frozenset(p for p, (o, shape) in enumerate(zip(ops.producers, ops.saved_shapes))
+                     if o is not None and ops.ops[o].flops == 0 and len(shape) >= 2
+                     and shape[-1] == shape[-2] and shape[-1] in lengths
+                     and math.prod(shape) != math.prod(ops.input_shape))
+
+
+def attention_core_set(ops: LayerOps) -> frozenset[int]:
+    """The closed set (`closed_set`) recomputing the attention core (`attention_core`): what
+    the checkpoint really recomputes when a plan drops it; empty when the layer has no such
+    core or the closed set is the whole layer."""
+    core = attention_core(ops)
+    closed = closed_set(ops, core) if core else frozenset()
+    return frozenset() if is_whole(ops, closed) else closed
+
+
 def recompute_menu(ops: LayerOps, limit: int = 3) -> list[frozenset[int]]:
     """The selective recompute choices a profile offers for one layer (each a closed set
-    of saved-tensor positions, short of the whole layer), cheapest per freed byte first:
-    the saved tensors of each producer that is no matrix product form a group; groups
-    are added in order of bytes moved per byte freed, each prefix closed (`closed_set`),
-    and of the distinct closed prefixes at most `limit` are kept, spread evenly, the last
-    holding every group."""
+    of saved-tensor positions, short of the whole layer), by bytes freed: the saved
+    tensors of each producer that is no matrix product form a group; groups are added in
+    order of bytes moved per byte freed, each prefix closed (`closed_set`), and of the
+    distinct closed prefixes at most `limit` are kept, spread evenly, the last holding
+    every group; besides them, the attention core's set (`attention_core_set`, Megatron-LM's
+    selective recompute), when the layer has one."""
     groups: dict[int, set[int]] = {}
     for p, o in enumerate(ops.producers):
         if o is not None and ops.ops[o].flops == 0:
@@ -286,6 +317,9 @@ def recompute_menu(ops: LayerOps, limit: int = 3) -> list[frozenset[int]]:
     if len(prefixes) > limit:
         step = len(prefixes) / limit
         prefixes = [prefixes[min(len(prefixes) - 1, round((i + 1) * step) - 1)] for i in range(limit)]
+    core = attention_core_set(ops)
+    if core and core not in prefixes:
+        prefixes = sorted([*prefixes, core], key=lambda c: sum(ops.saved_bytes[p] for p in c))
     return prefixes
 
 
@@ -338,12 +372,14 @@ def trace_layer_ops(layer: torch.nn.Module, args: tuple[Any, ...], *, loss_fn: A
     trace = OpTrace()
     producers: list[int | None] = []
     sizes: list[int] = []
+    shapes: list[tuple[int, ...]] = []
     seen: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_id(t)
         if key not in params:
             producers.append(trace.producer(t))
+            shapes.append(tuple(t.shape))
             sizes.append(0 if key in seen else t.untyped_storage().nbytes())
             seen.add(key)
         return t
@@ -355,5 +391,7 @@ def trace_layer_ops(layer: torch.nn.Module, args: tuple[Any, ...], *, loss_fn: A
         output_op = trace.writer(out) if isinstance(out, torch.Tensor) else None
         if loss_fn is not None:
             loss_fn(out)
+    first = next(iter(tensors_in(args)), None)
     return LayerOps(ops=tuple(trace.ops), producers=tuple(producers), last_op=trace.last_saved_op,
-                    saved_bytes=tuple(sizes), output_op=output_op)
+                    saved_bytes=tuple(sizes), output_op=output_op, saved_shapes=tuple(shapes),
+                    input_shape=tuple(first.shape) if first is not None else ())

@@ -96,3 +96,6 @@ class Strategy(Word):
     D2D = "d2d"
     MPRESS = "mpress"
     """All three, the cheapest per tensor."""
+    MEGATRON_SELECTIVE = "megatron-selective"
+    """Megatron-LM's selective recompute: every layer's attention core recomputed, all
+    else kept (`mpress/static/megatron.py`)."""

@@ -40,7 +40,8 @@ Steps (PAPERS.md section 1; one `PipelineSetup` in, one `PlanResult` out):
    step gains nothing. Ties prefer the technique that does not use scarce peer memory.
 
 Strategies: `none`, `recompute` (recompute only: cannot touch model data), `host-swap`
-(host swap only), `d2d` (D2D only) and `mpress` (all three), from the same code.
+(host swap only), `d2d` (D2D only) and `mpress` (all three), from the same code;
+`megatron-selective` (Megatron-LM's selective recompute, a fixed policy: `megatron.py`).
 Units: bytes, seconds.
 """
 
@@ -61,6 +62,7 @@ from mpress.plan import (
 from mpress.static.channels import host_roundtrip_s, pcie_sharers
 from mpress.static.evaluate import Evaluation, PipelineSetup
 from mpress.static.liveness import layer_live_intervals, stage_times
+from mpress.static.megatron import megatron_draft
 from mpress.static.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan_eval import evaluate_plan
 from mpress.static.planner_d2d import D2DSteps
@@ -70,7 +72,7 @@ from mpress.vocabulary import Strategy, SwapInPolicy, Technique
 
 _ALLOWED: dict[Strategy, tuple[Technique, ...]] = {
     Strategy.NONE: (), Strategy.RECOMPUTE: (RECOMPUTE,), Strategy.HOST_SWAP: (HOST,), Strategy.D2D: (D2D,),
-    Strategy.MPRESS: (HOST, RECOMPUTE, D2D),
+    Strategy.MPRESS: (HOST, RECOMPUTE, D2D), Strategy.MEGATRON_SELECTIVE: (RECOMPUTE,),
 }
 
 
@@ -346,6 +348,9 @@ class _Planner(D2DSteps):
         base = self.evaluate(empty)
         if self.strategy is Strategy.NONE:
             return self.result(empty, base, t0)
+        if self.strategy is Strategy.MEGATRON_SELECTIVE:  # a fixed policy: no search
+            d = megatron_draft(self.costs, empty)
+            return self.result(d, self.evaluate(d), t0)
         times = stage_times(base.result, n_st, self.num_mb)
         live = [layer_live_intervals(times[s], self.costs[s]) for s in range(n_st)]
         # mpress seeds its search with the mixed assignment and recompute-first ones, with

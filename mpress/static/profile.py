@@ -111,6 +111,9 @@ class RecomputeOption:
     """The replay's time on the profile's device (`recompute_options.replay_time_s`)."""
     memory: LayerMemory = field(default_factory=lambda: LayerMemory())
     """What the layer holds with this choice (the memory probe, run as the runtime runs it)."""
+    attention_core: bool = False
+    """It recomputes the layer's attention core as Megatron-LM's selective recompute does
+    (`mpress.selective.attention_core_set`)."""
 
 
 @dataclass(kw_only=True, frozen=True)

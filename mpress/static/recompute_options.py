@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from mpress.hardware import Hardware
-from mpress.selective import LayerOps, OpCost, cached_ops, replay_cost
+from mpress.selective import LayerOps, OpCost, attention_core_set, cached_ops, replay_cost
 from mpress.static.memory_probe import Probed
 from mpress.static.profile import RecomputeOption, SavedTensor
 
@@ -63,9 +63,11 @@ def recompute_options(saved: Sequence[SavedTensor], probed: Probed, hardware: Ha
     if not aligned(saved, probed.ops):
         return []
     out = []
+    core = attention_core_set(probed.ops)
     for tensors, memory in probed.options:
         cached = cached_ops(probed.ops, tensors)
         flops, moved = replay_cost(probed.ops, cached)
         out.append(RecomputeOption(tensors=sorted(tensors), flops=flops, bytes_moved=moved,
-                                   time_s=replay_time_s(probed.ops, cached, hardware, precision), memory=memory))
+                                   time_s=replay_time_s(probed.ops, cached, hardware, precision), memory=memory,
+                                   attention_core=bool(core) and tensors == core))
     return out

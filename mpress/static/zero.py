@@ -20,11 +20,11 @@ What is modelled, and why this shape:
   on DeepSpeed brings the partition accumulated so far back to add to it on the GPU,
   `async_accumulate_grad_in_cpu_via_gpu`); after the last micro-step CPU Adam steps each
   rank's 1/N of the parameters on the host (fp32 master, moments, fp32 gradients there:
-  the last micro-step sends its partition as fp32),
-  the updated fp16 partition is copied to its GPU while the step runs (cpu_adam's tiled
-  `dev_params` copy) and all-gathered over NVLink. Device: fp16 parameters, DeepSpeed's
-  two gradient buckets (`overlap_comm`), one micro-step's checkpoints and the largest
-  layer's working set.
+  the last micro-step sends its partition as fp32); then the updated partition is cast
+  to fp16, copied to its GPU and all-gathered over NVLink (`stage_1_and_2.py`'s step:
+  cpu_adam's overlapped `dev_params` copy is disabled there). Device: fp16 parameters,
+  DeepSpeed's two gradient buckets (`overlap_comm`) and accumulation staging buffer, one
+  micro-step's checkpoints and the largest layer's working set.
 - **zero-infinity** (ZeRO-3, `offload_param` and `offload_optimizer` to the host,
   `cpu_checkpointing`): before each layer's forward and again before its backward each
   GPU copies its 1/N of the layer's fp16 parameters from the host and they are
@@ -109,9 +109,11 @@ class ZeroTimes:
     backward_s: float
     """All micro-steps' backward passes (recompute included), likewise."""
     optimizer_s: float
-    """The CPU Adam step, with the copies that overlap it."""
+    """The CPU Adam step and the cast of its fp32 parameters to fp16 (with the drives'
+    traffic that overlaps it, NVMe variant)."""
     param_update_s: float
-    """After the step: zero-offload's all-gather of the updated fp16 parameters."""
+    """After the step: zero-offload's copy of each updated fp16 partition to its GPU and
+    their all-gather."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,18 +351,21 @@ def _step_s(setup: PipelineSetup, variant: str, num_params: int, rates: Rates) -
     n = hw.num_devices
     adam = host_adam_step_s(math.ceil(num_params / n), hw, sharers=n)
     param_bytes = sum(x.param_bytes for x in setup.profile.layers)
+    # after the step DeepSpeed casts the fp32 partition into the fp16 one (`copy_`; the
+    # cast reads the fp32 parameters again; `host_adam` counts the fp16 write)
+    cast = Load(host=FP32_BYTES * num_params)
     if variant == ZERO_OFFLOAD:
-        # the updated fp16 partition goes to its GPU tile by tile while the step runs
-        copy = with_host_copies(Load(h2d=_per_rank(param_bytes, n)), n)
-        step = max(adam + load_s(Load(host=copy.host), rates), load_s(copy, rates))
+        # stage 2 copies the cast partition to its GPU (torch casts on the CPU first), then
+        # all-gathers it; nothing overlaps either
+        copy = with_host_copies(Load(h2d=_per_rank(param_bytes, n)), n) + cast
         gather = load_s(Load(ring=ring_wire_bytes(param_bytes, n, all_reduce=False)), rates)
-        return step, gather
+        return adam, load_s(copy, rates) + gather
     if variant == ZERO_INFINITY:
-        return adam, 0.0  # the fp16 copy the step writes is the host's parameter copy
+        return adam + load_s(cast, rates), 0.0  # the host's fp16 partition is the parameters' home
     # NVMe: the states (fp32 master, moments) stream in and out of the drives during the
     # step, and the new fp16 parameters are written there
     states = sum(x.optim_bytes for x in setup.profile.layers) + FP32_BYTES * num_params
     io = Load(nvme_read=states, nvme_write=states + param_bytes)
-    dram = adam + load_s(Load(host=io.nvme_read + io.nvme_write), rates)
+    dram = adam + load_s(cast + Load(host=io.nvme_read + io.nvme_write), rates)
     drives = io.nvme_read / rates.nvme_read_gbps / 1e9 + io.nvme_write / rates.nvme_write_gbps / 1e9  # type: ignore[operator]
     return max(dram, drives), 0.0

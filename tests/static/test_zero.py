@@ -10,6 +10,7 @@ from mpress.errors import UserError
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
 from mpress.static.evaluate import setup_pipeline
+from mpress.static.host_adam import host_adam_step_s
 from mpress.static.zero import ZERO_VARIANTS, plan_zero, zero_variants
 
 
@@ -122,3 +123,11 @@ def test_unknown_variant_is_one_line():
 def test_a_server_without_host_bandwidth_cannot_time_the_cpu_optimizer():
     r = plan_zero(_setup("gpt-tiny", hardware="cpu-local", m=8), "zero-offload")
     assert not r.fits and "host_memory_gbps" in r.reason
+
+
+def test_the_cpu_step_is_host_adams_over_each_ranks_share():
+    s = _setup()
+    n = s.hardware.num_devices
+    r = plan_zero(s, "zero-offload")
+    assert r.times.optimizer_s == pytest.approx(host_adam_step_s(-(-_params(s) // n), s.hardware, sharers=n))
+    assert r.times.param_update_s > 0  # the cast partition's copy to its GPU and the all-gather

@@ -30,7 +30,8 @@ from mpress.config import from_dict, load_yaml, to_dict, write_text_atomic
 from mpress.errors import ProfileError, UserError
 from mpress.model_config import ModelConfig, load_model_config, model_presets
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
+"""3: layers offer the attention-core recompute choice (`RecomputeOption.attention_core`)."""
 
 
 @dataclass(kw_only=True, frozen=True)

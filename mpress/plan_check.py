@@ -60,7 +60,8 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
                shape: Shape | None = None, ranges: Sequence[tuple[int, int]] | None = None,
                world_size: int | None = None, num_layers: int | None = None,
                stage_layers: Mapping[int, Sequence[str]] | None = None,
-               stage_tensors: Mapping[int, Sequence[str]] | None = None, runtime: bool = False) -> None:
+               stage_tensors: Mapping[int, Sequence[str]] | None = None, runtime: bool = False,
+               host_step_bytes: Mapping[int, tuple[int, int]] | None = None) -> None:
     """Refuse a plan that does not belong to what it is used with (one-line `PlanError`
     naming `source`, the plan's key and what is allowed).
 
@@ -69,6 +70,10 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
         quota names exists, stripes and quotas only to NVLink neighbours of the stage's
         device; the pinned pools fit the host memory, each device's peer pools (and the
         quotas exporters hold in it) its usable memory.
+    host_step_bytes: with `hardware`, per stage whose optimizer steps on the host, the
+        (pinned, pageable) host bytes its step keeps (staging buffers apart from the
+        pool; fp32 copies and Adam states): with the pools, the pinned ones must fit what
+        the hardware can pin, and all of them its host memory.
     shape: the pipeline's schedule, stage count, microbatch count and size (at run time
         a PipeDream plan runs as 1F1B). ranges: each stage's layer range [start, end).
     world_size: the ranks of the job; each rank's stages on one device of its own.
@@ -101,6 +106,8 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
                                                           f"{hardware.name!r} (device count, memory or topology differ)")
         _check_devices(plan, source, hardware)
         _check_pools(plan, source, hardware)
+        if host_step_bytes:
+            _check_host_steps(plan, source, hardware, host_step_bytes)
     if ranges is not None:
         for sp, (start, end) in zip(plan.stages, ranges):
             if (sp.first_layer, sp.end_layer) != (start, end):
@@ -204,6 +211,25 @@ def _check_pools(plan: Plan, source: str, hardware: Hardware) -> None:
             _b, s, k = max(held)
             raise refusal(source, f"stages[{s}].peer_quotas[{k}].quota_bytes",
                           f"quotas on device {d}'s peer pool total {fmt_bytes(total)}, more than its memory: {allowed}")
+
+
+def _check_host_steps(plan: Plan, source: str, hardware: Hardware,
+                      host_step_bytes: Mapping[int, tuple[int, int]]) -> None:
+    """The host optimizer steps' buffers, with the pinned pools, within the host."""
+    pools = sum(sp.pinned_host_bytes for sp in plan.stages)
+    pinned = sum(p for p, _h in host_step_bytes.values())
+    pageable = sum(h for _p, h in host_step_bytes.values())
+    big = max(host_step_bytes, key=lambda s: sum(host_step_bytes[s]))
+    key = f"stages[{big}].optimizer_step"
+    if pools + pinned > hardware.pinnable_bytes:
+        raise refusal(source, key, f"the host optimizer steps' pinned staging buffers ({fmt_bytes(pinned)}) and the "
+                                   f"pinned pools ({fmt_bytes(pools)}) need {fmt_bytes(pools + pinned)}; "
+                                   f"{hardware.name} can pin {fmt_bytes(hardware.pinnable_bytes)}")
+    if pools + pinned + pageable > hardware.host_memory_bytes:
+        raise refusal(source, key, f"the host optimizer steps keep {fmt_bytes(pageable)} of fp32 copies and Adam "
+                                   f"states and {fmt_bytes(pinned)} of pinned staging, the pools pin "
+                                   f"{fmt_bytes(pools)}: {fmt_bytes(pools + pinned + pageable)} of "
+                                   f"{hardware.name}'s {fmt_bytes(hardware.host_memory_bytes)} of host memory")
 
 
 def _check_names(plan: Plan, source: str, stage_tensors: Mapping[int, Sequence[str]],

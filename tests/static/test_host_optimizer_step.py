@@ -26,14 +26,15 @@ from mpress.actions import Kind, UnitId, UnitKind
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
 from mpress.models.transformer import build_stage
-from mpress.plan import Plan, StagePlan, TensorRule
+from mpress.errors import PlanError
+from mpress.plan import Plan, StagePlan, TensorRule, hardware_fingerprint
 from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
 from mpress.static.channels import pcie_down, pcie_up
 from mpress.static.evaluate import setup_pipeline
 from mpress.static.host_adam import host_adam_step_s
 from mpress.static.memory_breakdown import OPTIM, peak_breakdown
-from mpress.static.plan_eval import complete_plan
+from mpress.static.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.rewriter import host_step_host_bytes, host_step_pinned_bytes, offloaded_optim_bytes
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES
 
@@ -54,7 +55,7 @@ def plan_and_eval(host_step: tuple[int, ...] = (), hardware=CPU_LOCAL, rules=Non
                         optimizer_step="host" if s in host_step else "device")
               for s, (a, b) in enumerate(RANGES[2])]
     plan = Plan(strategy="test", model=CFG.name, model_fingerprint=CFG.fingerprint(), profile_fingerprint="test",
-                hardware=hardware.name, hardware_fingerprint="test", num_devices=2,
+                hardware=hardware.name, hardware_fingerprint=hardware_fingerprint(hardware), num_devices=2,
                 device_memory_bytes=hardware.device.memory_bytes, schedule=schedule, num_stages=2, num_ranks=2,
                 num_microbatches=NUM_MICROBATCHES, microbatch_size=MICROBATCH_SIZE, stage_to_device=[0, 1],
                 stages=stages, fits=True)
@@ -227,3 +228,22 @@ def test_pinned_and_pageable_host_bytes_are_what_the_runtime_allocates(pin_reque
     assert pageable[0] == host
     # the plan's pool is only what its swaps need: the staging buffers are pinned apart
     assert plan.stages[0].pinned_host_bytes == 0
+
+
+def test_the_plan_check_counts_the_host_steps_host_memory():
+    """Pools and staging buffers within what the server can pin; those and the pageable
+    copies and states within its host memory (`check_plan_for_setup`, as `mpress emulate`
+    and training start-up check a plan)."""
+    setup, plan, _ev = plan_and_eval(host_step=(0,))
+    check_plan_for_setup(plan, setup)
+    staging = host_step_pinned_bytes(plan, setup.costs)[0]
+    pageable = host_step_host_bytes(plan, setup.costs)[0]
+    for hw, says in [(dataclasses.replace(CPU_LOCAL, pinnable_host_bytes=staging - 1), "can pin"),
+                     (dataclasses.replace(CPU_LOCAL, host_memory_bytes=staging + pageable - 1), "host memory")]:
+        tight = dataclasses.replace(setup, hardware=hw)
+        with pytest.raises(PlanError, match=rf"stages\[0\]\.optimizer_step: .*{says}") as err:
+            check_plan_for_setup(dataclasses.replace(plan, hardware_fingerprint=hardware_fingerprint(hw)), tight)
+        assert "\n" not in str(err.value)
+    roomy = dataclasses.replace(CPU_LOCAL, pinnable_host_bytes=staging, host_memory_bytes=staging + pageable)
+    check_plan_for_setup(dataclasses.replace(plan, hardware_fingerprint=hardware_fingerprint(roomy)),
+                         dataclasses.replace(setup, hardware=roomy))

@@ -23,12 +23,12 @@ commands print it, and `--json` carries it as `settings`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from mpress.commands.flags import add_flag
 from mpress.errors import UserError
 from mpress.hardware import Hardware, hardware_presets, load_hardware
-from mpress.model_config import model_presets
+from mpress.model_config import DTYPE_BYTES, ModelConfig, model_presets
 from mpress.plan import Plan
 from mpress.runtime.train_config import TrainConfig
 from mpress.settings import Setting, load_setting, setting_presets
@@ -192,6 +192,21 @@ def resolve_shape(args: argparse.Namespace, hardware: Hardware, *, num_layers: i
                          setting=setting.name if setting is not None else None)
 
 
+def check_plan_precision(plan: Plan, model: ModelConfig) -> None:
+    """A plan made under a `--setting` for this preset in another precision, given without
+    the setting, is refused naming the settings that train the family in that precision
+    (the plan check would only say that the fingerprints differ)."""
+    if plan.model_fingerprint == model.fingerprint():
+        return
+    for precision in DTYPE_BYTES:
+        if precision != model.precision and replace(model, precision=precision).fingerprint() == plan.model_fingerprint:
+            names = [n for n in setting_presets()
+                     if (st := load_setting(n)).family == model.family and st.precision == precision]
+            hint = f"give --setting {' or '.join(names)}" if names else "give a --setting in that precision"
+            raise UserError(f"the plan was made for {model.name} in {precision}, not in the preset's "
+                            f"{model.precision} (under a --setting): {hint}")
+
+
 def hardware_from_args(args: argparse.Namespace, plan: Plan | None = None,
                        setting: Setting | None = None) -> Hardware:
     """`--hardware` with `--num-devices`/`--device-memory` applied; without `--hardware`, a
@@ -224,6 +239,8 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
                               path=str(args.profile) if args.profile else "profile")
     if setting is not None:
         model = setting.apply(model)  # type: ignore[arg-type]  # no profile: a ModelConfig
+    elif plan is not None and isinstance(model, ModelConfig):
+        check_plan_precision(plan, model)
     num_layers = len(profile.layers) if profile is not None else None
     shape_profile = profile
     if profile is None and plan is None and args.num_stages is None and setting is None:

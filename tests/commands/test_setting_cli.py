@@ -87,3 +87,14 @@ def test_maxsize_searches_the_family_in_the_settings_precision(capsys):
     assert row["largest_model"] == fp32.model.name and fp32.model.precision == "fp32"
     assert fp16.model.precision == "fp16"
     assert fp32.num_parameters < fp16.num_parameters  # fp32 activations and weights take more memory
+
+
+def test_a_plan_made_under_a_setting_is_emulated_with_it_and_refused_without(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    assert main(["plan", *BERT, "--num-microbatches", "8", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["emulate", str(plan), "--setting", "paper-bert"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("settings: "))
+    assert "in fp32 (the setting paper-bert's)" in line and "num_microbatches 8 (the plan's)" in line
+    code = main(["emulate", str(plan)])
+    one_line_error(code, capsys.readouterr().err, "made for bert-0.35b in fp32", "--setting paper-bert")

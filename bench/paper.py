@@ -247,11 +247,26 @@ def ablation_table(servers: list[Server]) -> Table:
                 if a is None:
                     cells.append("no D2D" if c.mpress.fits else "-")
                 else:
-                    cells.append(f"{fmt_seconds(a.iteration_s)} ({a.iteration_s / base:.3f}x)"
+                    left = f", {fmt_bytes(a.unplaced_bytes)} left on device" if a.unplaced_bytes else ""
+                    cells.append(f"{fmt_seconds(a.iteration_s)} ({a.iteration_s / base:.3f}x{left})"
                                  + ("" if a.fits else " [red]OOM[/]"))
             t.add_row(sv.hardware.name, c.model,
                       fmt_seconds(base) if c.mpress.fits else "no fit", fmt_bytes(d2d), *cells)
     return t
+
+
+def d2d_lines(servers: list[Server]) -> list[str]:
+    """Per case whose mpress plan uses D2D: each stage's device and the peers its stripes
+    go to (what the ablations take away)."""
+    lines = []
+    for sv in servers:
+        for c in sv.cases:
+            if not c.ablations:
+                continue
+            stages = [f"s{sp.stage}@{sp.device}" + (f"->{','.join(map(str, peers))}" if peers else "")
+                      for sp, peers in zip(c.mpress.plan.stages, c.mpress.peers)]
+            lines.append(f"{sv.hardware.name} {c.model}: mpress stage@device->D2D peers: {' '.join(stages)}")
+    return lines
 
 
 # ---- JSON ---------------------------------------------------------------------------
@@ -269,6 +284,8 @@ def to_json(servers: list[Server], budget_s: float, elapsed_s: float) -> dict[st
                            "saved_bytes": saved_by_technique(c.mpress), "pinned_host_bytes": c.mpress.host_bytes},
                 "baselines": {n: {"fits": baseline_iteration(c, n)[0], "iteration_s": baseline_iteration(c, n)[1],
                                   "speedup": speedup(c, n)} for n in baseline_names(sv.hardware)},
+                "stage_to_device": [sp.device for sp in c.mpress.plan.stages],
+                "d2d_peers": [list(p) for p in c.mpress.peers],
                 "ablations": [{"variant": a.name, "fits": a.fits, "iteration_s": a.iteration_s,
                                "slowdown": a.iteration_s / c.mpress.evaluation.result.iteration_s,
                                "unplaced_bytes": a.unplaced_bytes} for a in c.ablations],
@@ -344,6 +361,8 @@ def main() -> None:
     for table in (demand_table(servers), saved_table(servers), maxsize_table(servers, args.time_budget),
                   speedup_table(servers), ablation_table(servers)):
         console.print(table)
+    for line in d2d_lines(servers):
+        console.print(line, markup=False, soft_wrap=True)
     for sv in servers:
         for r in sv.maxsize:
             if r.bound_detail:

@@ -161,7 +161,9 @@ class PipelineJob:
             self.schedule = SCHEDULES[spec.schedule](self.stages[0], spec.num_microbatches, loss_fn=loss_fn)
         # Adam steps the fp32 parameters themselves, fp32 masters of half-precision ones, or
         # host copies for stages the plan steps on the host; one optimizer over all of
-        # them in parameter order, so checkpoints read the same whatever the plan.
+        # them in parameter order, so checkpoints read the same whatever the plan. torch's
+        # default Adam (one tensor at a time on host copies; static/host_step_time.py costs
+        # that): fused=True would change the last bits the bit-for-bit tests compare.
         params = {name: p for m in self.modules for name, p in m.named_parameters()}
         host = [name for m, st in zip(self.modules, self.stages)
                 if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step is OptimizerStep.HOST

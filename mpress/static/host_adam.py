@@ -1,6 +1,6 @@
 """Time of an Adam step run by the host CPU over parameters kept in host memory (DeepSpeed's
-`DeepSpeedCPUAdam`, as ZeRO-Offload and ZeRO-Infinity run it; a pipeline stage's
-`optimizer_step: host`).
+`DeepSpeedCPUAdam`, as ZeRO-Offload and ZeRO-Infinity run it). A pipeline stage's
+`optimizer_step: host` runs torch's Adam instead: `host_step_time.py`.
 
 The step is bound by host DRAM, not by the CPU's arithmetic: DeepSpeed's vectorised step
 (`csrc/includes/cpu_adam.h`, `Step_AVX`) streams, per parameter, loads of the fp32 gradient,

@@ -45,7 +45,7 @@ from mpress.errors import PlanError
 from mpress.hardware import Hardware
 from mpress.identity import LayerTensors, StageRules
 from mpress.plan import Plan, StagePlan, TensorRule
-from mpress.static.host_adam import host_adam_step_s
+from mpress.static.host_step_time import host_step_s
 from mpress.static.lowering import TensorInfo
 from mpress.static.memory import StageCosts, optimizer_step_s
 from mpress.static.stage_memory import Choice, freeable_tensors, recompute_choice, recompute_time_s
@@ -297,21 +297,21 @@ def _host_step(st: _Stage, hardware: Hardware, sharers: int, tensors: dict[str, 
     out = []
     for layer in st.costs.layers:
         name = str(UnitId(st.sp.stage, UnitKind.OPTIM, layer=layer.name))
-        tensors[name] = TensorInfo(bytes=layer.grad_bytes, compute_s=host_optimizer_step_s(layer.optim_bytes // 8,
-                                                                                          hardware, sharers),
-                                   host_step=True)
+        step_s = host_optimizer_step_s(layer.optim_bytes // 8, layer.param_bytes, hardware, sharers)
+        tensors[name] = TensorInfo(bytes=layer.grad_bytes, compute_s=step_s, host_step=True)
         out.append(Action(st.sp.stage, Kind.OPT, None, name))
     return out
 
 
-def host_optimizer_step_s(num_params: int, hardware: Hardware, sharers: int) -> float:
-    """Seconds of the CPU's Adam step over `num_params` parameters while `sharers` ranks
-    step on the host at once (`host_adam.host_adam_step_s`). On hardware that states no
+def host_optimizer_step_s(num_params: int, param_bytes: int, hardware: Hardware, sharers: int) -> float:
+    """Seconds of the CPU's step over `num_params` parameters (`param_bytes` in all) while
+    `sharers` ranks step on the host at once: torch's Adam one tensor at a time and the
+    runtime's copies around it (`host_step_time.host_step_s`). On hardware that states no
     host DRAM bandwidth (the cpu-local stand-in), DRAM never limits, as
     `Hardware.host_memory_gbps` says of None: the step is not costed (its copies are)."""
     if hardware.host_memory_gbps is None:
         return 0.0
-    return host_adam_step_s(num_params, hardware, sharers)
+    return host_step_s(num_params, param_bytes, hardware, sharers)
 
 
 def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:

@@ -8,7 +8,8 @@ layer's step copies its gradients device -> host through a pinned staging buffer
 parameters' dtype, runs Adam on the CPU and copies the rounded parameters back, one
 layer after the other on one stream. So the emulated device holds no optimizer bytes, the
 stage's step is one `OPT:{s}:optim:LAYER` per layer whose tasks are the gradients' d2h
-copy, the CPU step (`host_adam.host_adam_step_s`) and the parameters' h2d copy, and what
+copy, the CPU step (`host_step_time.host_step_s`: torch's Adam one tensor at a time and
+the runtime's copies around it) and the parameters' h2d copy, and what
 it pins is the staging buffers, outside the plan's pinned pool.
 
 gpt-tiny (bf16: fp32 masters) in 2 stages on cpu-local. cpu-local states no host DRAM
@@ -32,7 +33,7 @@ from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
 from mpress.static.channels import pcie_down, pcie_up
 from mpress.static.evaluate import setup_pipeline
-from mpress.static.host_adam import host_adam_step_s
+from mpress.static.host_step_time import host_step_s
 from mpress.static.memory_breakdown import OPTIM, peak_breakdown
 from mpress.static.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.rewriter import host_step_host_bytes, host_step_pinned_bytes, offloaded_optim_bytes
@@ -141,7 +142,7 @@ def test_each_layer_copies_its_gradients_out_steps_on_the_cpu_and_copies_its_par
         assert {(x.channel, x.bytes) for x in h2d.transfers} >= {(pcie_down(hw, 0), layer.param_bytes)}
         assert d2h.alloc_bytes == h2d.alloc_bytes == 0  # staged through host buffers; in place on the device
         # Adam on the CPU, with nothing of it on the device; the layer's gradients go when it ends
-        assert cpu.compute_s == pytest.approx(host_adam_step_s(layer.optim_bytes // 8, hw, 1))
+        assert cpu.compute_s == pytest.approx(host_step_s(layer.optim_bytes // 8, layer.param_bytes, hw, 1))
         assert (cpu.transient_bytes, cpu.free_bytes) == (0, layer.grad_bytes)
         # one stream, in order: gradients out, the step, parameters back, then the next layer
         assert d2h_e <= cpu_s and cpu_e <= h2d_s
@@ -165,7 +166,7 @@ def test_the_iteration_grows_with_the_copies_when_pcie_halves():
     grown = moved / (CPU_LOCAL.pcie_gbps("d2h") * 1e9)
     assert host_slow.result.iteration_s - host.result.iteration_s == pytest.approx(grown, rel=1e-6)
     # and the CPU step is on the path: the host step is slower than the device's here
-    cpu_s = host_adam_step_s(setup.costs[0].optim_bytes // 8, CPU_LOCAL)
+    cpu_s = host_step_s(setup.costs[0].optim_bytes // 8, setup.costs[0].param_bytes, CPU_LOCAL)
     assert host.result.iteration_s > dev.result.iteration_s
     assert sum(t.compute_s for t, _s, _e in host_tasks(host)) == pytest.approx(cpu_s)
 
@@ -173,9 +174,9 @@ def test_the_iteration_grows_with_the_copies_when_pcie_halves():
 def test_stages_stepping_on_the_host_at_once_share_its_memory_bandwidth():
     setup, _p, one = plan_and_eval(host_step=(0,))
     _s, _p, both = plan_and_eval(host_step=(0, 1))
-    n0 = setup.costs[0].optim_bytes // 8
-    assert sum(t.compute_s for t, _s, _e in host_tasks(one)) == pytest.approx(host_adam_step_s(n0, CPU_LOCAL, 1))
-    assert sum(t.compute_s for t, _s, _e in host_tasks(both)) == pytest.approx(host_adam_step_s(n0, CPU_LOCAL, 2))
+    n0, b0 = setup.costs[0].optim_bytes // 8, setup.costs[0].param_bytes
+    assert sum(t.compute_s for t, _s, _e in host_tasks(one)) == pytest.approx(host_step_s(n0, b0, CPU_LOCAL, 1))
+    assert sum(t.compute_s for t, _s, _e in host_tasks(both)) == pytest.approx(host_step_s(n0, b0, CPU_LOCAL, 2))
 
 
 def test_hardware_without_a_host_memory_bandwidth_still_plans():

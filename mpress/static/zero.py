@@ -68,7 +68,9 @@ ZERO_VARIANTS = (ZERO_OFFLOAD, ZERO_INFINITY, ZERO_INFINITY_NVME)
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's `reduce_bucket_size` default (elements): gradients are reduced in buckets
-of this many elements, each a device buffer of the gradients' dtype."""
+of this many elements, each a device buffer of the gradients' dtype allocated at its full
+size (`torch.empty(reduce_bucket_size)` in stage_1_and_2.py and stage3.py), even for a
+model with fewer parameters."""
 FP32_BYTES = 4
 CPU_ACCUMULATE_BYTES = 2 + 4 + 4
 """Host DRAM bytes per parameter to add a micro-step's fp16 gradient into the fp32
@@ -229,7 +231,7 @@ def plan_zero(setup: PipelineSetup, variant: str) -> BaselineResult:
 
 def _device_memory(setup: PipelineSetup, layers: list[_Layer], variant: str, num_params: int) -> ZeroDeviceMemory:
     grad_elem = max(x.profile.grad_bytes // max(x.num_params, 1) for x in layers)
-    bucket = min(REDUCE_BUCKET_ELEMENTS, num_params) * grad_elem
+    bucket = REDUCE_BUCKET_ELEMENTS * grad_elem  # allocated whole, however small the model
     batch = setup.profile.input_bytes + setup.profile.target_bytes
     transient = max(x.transient_bytes for x in layers)
     if variant == ZERO_OFFLOAD:

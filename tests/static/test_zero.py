@@ -11,7 +11,7 @@ from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
 from mpress.static.evaluate import setup_pipeline
 from mpress.static.host_adam import host_adam_step_s
-from mpress.static.zero import ZERO_VARIANTS, plan_zero, zero_variants
+from mpress.static.zero import REDUCE_BUCKET_ELEMENTS, ZERO_VARIANTS, plan_zero, zero_variants
 
 
 def _setup(model="gpt-5.3b", hardware="dgx1-v100", mb=2, m=16, hw=None):
@@ -121,7 +121,9 @@ def test_unknown_variant_is_one_line():
 
 
 def test_a_server_without_host_bandwidth_cannot_time_the_cpu_optimizer():
-    r = plan_zero(_setup("gpt-tiny", hardware="cpu-local", m=8), "zero-offload")
+    # a GPU server that states no host DRAM bandwidth (cpu-local's 2 GiB cannot hold DeepSpeed's buckets)
+    hw = replace(load_hardware("dgx-a100"), host_memory_gbps=None)
+    r = plan_zero(_setup("bert-0.64b", hw=hw), "zero-offload")
     assert not r.fits and "host_memory_gbps" in r.reason
 
 
@@ -131,3 +133,13 @@ def test_the_cpu_step_is_host_adams_over_each_ranks_share():
     r = plan_zero(s, "zero-offload")
     assert r.times.optimizer_s == pytest.approx(host_adam_step_s(-(-_params(s) // n), s.hardware, sharers=n))
     assert r.times.param_update_s > 0  # the cast partition's copy to its GPU and the all-gather
+
+
+@pytest.mark.parametrize(("variant", "buckets"), [("zero-offload", 2), ("zero-infinity", 1)])
+def test_gradient_buckets_are_deepspeeds_full_reduce_bucket_size_even_for_a_smaller_model(variant, buckets):
+    # stage_1_and_2.py and stage3.py allocate torch.empty(reduce_bucket_size, dtype=model dtype) per bucket
+    # (two under overlap_comm, stage 2), whatever the model's size
+    s = _setup("bert-0.35b", "dgx-a100")
+    assert _params(s) < REDUCE_BUCKET_ELEMENTS
+    r = plan_zero(s, variant)
+    assert r.memory.grad_bytes >= buckets * REDUCE_BUCKET_ELEMENTS * 2

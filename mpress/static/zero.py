@@ -86,7 +86,7 @@ class ZeroDeviceMemory:
     prefetched (zero-infinity)."""
     grad_bytes: int
     """Gradient buckets; zero-offload also its staging buffer for the host accumulation
-    (the largest parameter's, fp32), zero-infinity the running layer's gradients."""
+    (the largest parameter's, in the model's dtype), zero-infinity the running layer's gradients."""
     activation_bytes: int
     """One micro-step's kept activations: checkpoints (zero-offload) and the first and
     last layers' saved tensors, the micro-step's input batch and targets."""
@@ -235,8 +235,9 @@ def _device_memory(setup: PipelineSetup, layers: list[_Layer], variant: str, num
     batch = setup.profile.input_bytes + setup.profile.target_bytes
     transient = max(x.transient_bytes for x in layers)
     if variant == ZERO_OFFLOAD:
-        # DeepSpeed's temp_grad_buffer_for_gpu_offload: the largest parameter's gradient, fp32 at the boundary
-        staging = max(x.profile.largest_param_bytes for x in layers)
+        # DeepSpeed's temp_grad_buffer_for_gpu_offload: the largest parameter's numel in the model's dtype
+        # (stage_1_and_2.py, dtype=self.dtype); the profile states the largest parameter in fp32 bytes
+        staging = max(x.profile.largest_param_bytes for x in layers) // FP32_BYTES * grad_elem
         return ZeroDeviceMemory(
             param_bytes=sum(x.profile.param_bytes for x in layers),
             grad_bytes=2 * bucket + staging,  # overlap_comm: one bucket reduces while the next fills

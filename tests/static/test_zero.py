@@ -143,3 +143,11 @@ def test_gradient_buckets_are_deepspeeds_full_reduce_bucket_size_even_for_a_smal
     assert _params(s) < REDUCE_BUCKET_ELEMENTS
     r = plan_zero(s, variant)
     assert r.memory.grad_bytes >= buckets * REDUCE_BUCKET_ELEMENTS * 2
+
+
+def test_offload_gpu_staging_buffer_is_the_largest_parameter_in_the_model_dtype():
+    # stage_1_and_2.py: temp_grad_buffer_for_gpu_offload = torch.zeros(largest_param_numel, dtype=self.dtype), fp16 here
+    s = _setup()
+    largest_numel = max(x.largest_param_bytes for x in s.profile.layers) // 4  # the profile counts it in fp32
+    r = plan_zero(s, "zero-offload")
+    assert r.memory.grad_bytes == 2 * REDUCE_BUCKET_ELEMENTS * 2 + largest_numel * 2

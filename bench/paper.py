@@ -25,6 +25,13 @@ the largest preset each strategy of table c fits (by parameters): the distinct p
 larger than mpress's, at most --max-models of them (mpress's, the smallest, then those
 most strategies pick); --models overrides the pick.
 
+The default run takes about 5 minutes on the 2-core development machine (280 s alone,
+366 s beside other work); no search reached its 60 s budget there, and the largest
+planning of a case is under 20 s. The emulated PipeDream window keeps one fill/drain
+bubble that PipeDream's steady state (no flush) does not have: with 16 microbatches on 8
+stages its iterations are up to (S-1)/(M+S-1) = 30% longer than the steady state's
+(`schedules.pipedream`), which table d's Bert ratios inherit.
+
 Usage: PYTHONPATH=. python3 bench/paper.py [--settings paper-bert,paper-gpt] [--hardware dgx1-v100,dgx-a100]
        [--models bert-4b,gpt-20.4b] [--max-models 3] [--time-budget 60] [--quick] [--json]
 """

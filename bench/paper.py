@@ -21,9 +21,9 @@ computed in this run by the static half:
      mapping, one peer per stage) and the slowdown of each.
 
 Models (tables a, b, d, e): per setting and server, the paper's preset sizes that matter,
-the largest preset each strategy of table c fits (by parameters): the distinct picks no
-larger than mpress's, at most --max-models of them (mpress's, the smallest, then those
-most strategies pick); --models overrides the pick.
+the largest preset each strategy of table c (but none) fits, by parameters: the distinct
+picks no larger than mpress's, at most --max-models of them (mpress's, then those most
+strategies pick, ties to the smaller); --models overrides the pick.
 
 The default run takes about 5 minutes on the 2-core development machine (280 s alone,
 366 s beside other work); no search reached its 60 s budget there, and the largest
@@ -99,28 +99,27 @@ def searched_names(hw: Hardware) -> list[str]:
 
 
 def pick_models(setting: Setting, rows: list[MaxSize], limit: int) -> list[str]:
-    """Per strategy the largest preset of the setting no larger than its largest model;
-    the distinct picks up to mpress's, at most `limit` (mpress's, the smallest, then the
-    ones most strategies pick), smallest first."""
+    """Per strategy other than none, the largest preset of the setting no larger than the
+    strategy's largest model (the size at which it stops fitting); of these picks, the
+    ones no larger than mpress's, at most `limit`: mpress's, then those most strategies
+    pick (ties: the smaller, where more baselines fit); smallest first."""
     sizes = {m: num_parameters(load_model_config(m)) for m in setting.models}
     votes: dict[str, int] = {}
     mine = None
     for r in rows:
-        fitting = [m for m in setting.models if r.model is not None and sizes[m] <= r.num_parameters]
+        if r.strategy == Strategy.NONE.value or r.model is None:
+            continue
+        fitting = [m for m in setting.models if sizes[m] <= r.num_parameters]
         if not fitting:
             continue
         pick = max(fitting, key=sizes.__getitem__)
         votes[pick] = votes.get(pick, 0) + 1
         if r.strategy == Strategy.MPRESS.value:
             mine = pick
-    picks = sorted(votes, key=sizes.__getitem__)
-    if mine is not None:
-        picks = [m for m in picks if sizes[m] <= sizes[mine]]
-    if len(picks) <= limit:
-        return picks
-    keep = list(dict.fromkeys([picks[-1], picks[0]]))[:limit]  # mpress's (the largest) first
-    rest = sorted(picks[1:-1], key=lambda m: (-votes[m], -sizes[m]))
-    return sorted(keep + rest[:max(0, limit - len(keep))], key=sizes.__getitem__)
+    picks = [m for m in votes if mine is None or sizes[m] <= sizes[mine]]
+    ranked = ([mine] if mine is not None else []) + sorted(
+        (m for m in picks if m != mine), key=lambda m: (-votes[m], sizes[m]))
+    return sorted(ranked[:limit], key=sizes.__getitem__)
 
 
 def make_setup(setting: Setting, model: str, hw: Hardware) -> PipelineSetup:

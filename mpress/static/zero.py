@@ -40,7 +40,10 @@ What is modelled, and why this shape:
   fp32 gradients and checkpoints stay on the host.
 
 Host bytes are bounded by `Hardware.pinnable_bytes` (DeepSpeed pins its offload buffers
-with `pin_memory: true`, the papers' setting), drive bytes by `Hardware.nvme_bytes`.
+with `pin_memory: true`, the papers' setting), drive bytes by `Hardware.nvme_bytes`. Besides
+the step's fp32 states, DeepSpeed pins 2 B/param more: zero-offload an fp16 copy of each
+partition the step casts into (`param_buffer_of_bit16_for_cpu_offload_groups`), ZeRO-3 the
+gradient partitions in the model's dtype (`grad_partitions_flat_buffer`).
 Not modelled: DeepSpeed's staging buffers for drive I/O, the CPU's own arithmetic (the
 step is DRAM-bound, `host_adam`), per-copy latencies, loss scaling's overflow checks.
 Times follow `zero_time`'s channel model.
@@ -260,9 +263,15 @@ def _host_and_nvme_bytes(setup: PipelineSetup, variant: str, num_params: int, pa
     grads32 = FP32_BYTES * num_params  # fp32 gradient partitions the step reads
     if variant == ZERO_OFFLOAD:
         accumulate = param_bytes if steps > 1 else 0  # fp16 partitions accumulated between micro-steps
-        return master + optim + grads32 + accumulate, 0
+        # stage_1_and_2.py pins an fp16 copy of each partition that the step casts into and copies to the GPU
+        # (param_buffer_of_bit16_for_cpu_offload_groups)
+        cast16 = param_bytes
+        return master + optim + grads32 + accumulate + cast16, 0
+    # stage3.py keeps the gradient partitions in the model's dtype on the host, pinned
+    # (grad_partitions_flat_buffer; grad_accum_dtype defaults to the model's)
+    grads16 = param_bytes
     if variant == ZERO_INFINITY:
-        return param_bytes + master + optim + grads32 + checkpoints, 0
+        return param_bytes + master + optim + grads32 + grads16 + checkpoints, 0
     return grads32 + checkpoints, param_bytes + master + optim
 
 

@@ -29,15 +29,16 @@ def test_variants_follow_the_hardware():
     assert zero_variants(load_hardware("cpu-local")) == ("zero-offload", "zero-infinity")
 
 
-def test_offload_device_holds_the_whole_fp16_model_and_host_16_bytes_per_param():
+def test_offload_device_holds_the_whole_fp16_model_and_host_the_step_and_its_pinned_buffers():
     s = _setup()
     r = plan_zero(s, "zero-offload")
     n = _params(s)
     assert r.fits, r.reason
     assert r.memory.param_bytes == sum(x.param_bytes for x in s.profile.layers) == 2 * n
     assert r.peak_bytes >= r.memory.param_bytes + r.memory.activation_bytes
-    # fp32 master, Adam's two moments and fp32 gradients (4 + 8 + 4 B), + fp16 accumulation (2 micro-steps)
-    assert r.host_bytes == 16 * n + 2 * n
+    # fp32 master, Adam's two moments and fp32 gradients (4 + 8 + 4 B), + fp16 accumulation (2 micro-steps),
+    # + the pinned fp16 copy of each partition the step casts into (param_buffer_of_bit16_for_cpu_offload_groups)
+    assert r.host_bytes == 16 * n + 2 * n + 2 * n
     assert r.nvme_bytes == 0
 
 
@@ -48,8 +49,9 @@ def test_infinity_device_holds_a_layer_or_two_and_the_host_everything():
     largest = max(x.param_bytes for x in s.profile.layers)
     assert r.memory.param_bytes == 2 * largest  # the layer running and the one prefetched
     assert r.peak_bytes < plan_zero(s, "zero-offload").peak_bytes
-    # fp16 params + fp32 master + moments + fp32 grads (2 + 4 + 8 + 4 B), and the checkpoints of all ranks
-    assert r.host_bytes == 18 * n + r.host_checkpoint_bytes
+    # fp16 params + fp32 master + moments + fp32 grads (2 + 4 + 8 + 4 B), the pinned fp16 gradient partitions
+    # (stage3.py's grad_partitions_flat_buffer, 2 B), and the checkpoints of all ranks
+    assert r.host_bytes == 20 * n + r.host_checkpoint_bytes
     assert r.host_checkpoint_bytes > 0
 
 
@@ -64,7 +66,7 @@ def test_fp16_params_over_the_device_do_not_fit_offload_but_fit_infinity():
 
 def test_host_over_pinnable_does_not_fit_and_says_so():
     hw = load_hardware("dgx1-v100")
-    s = _setup(hw=replace(hw, pinnable_host_bytes=50 << 30))  # 50 GiB < 18 B x 5.3e9
+    s = _setup(hw=replace(hw, pinnable_host_bytes=50 << 30))  # 50 GiB < 20 B x 5.3e9
     r = plan_zero(s, "zero-infinity")
     assert not r.fits and "pinnable" in r.reason
 

@@ -37,14 +37,15 @@ The trace (`trace_layer_ops`): one forward of the layer under a `TorchDispatchMo
 that lists the operators the selective policy sees (torch's `SAC_IGNORED_OPS` left out,
 as the policy leaves them out) with what re-running each costs: matrix-product FLOPs
 (torch's flop counter formulas) and bytes read and written (views move nothing), so
-the hardware model can turn both into time (`op_time_s`). Storage identity is the
-storage object (`untyped_storage()._cdata`): fake and meta storages all sit at address 0.
+the hardware model can turn both into time (`op_time_s`), and which earlier operator
+wrote each input (`OpCost.reads`: the layer's dataflow, by which `attention_core` tells
+the attention core by where it sits). Storage identity is the storage object
+(`untyped_storage()._cdata`): fake and meta storages all sit at address 0.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -81,6 +82,11 @@ class OpCost:
     mutates: bool = False
     """It writes an input in place (`relu_`, `div_`): torch bumps the version of its
     output only after the selective policy cached it, so the cache entry reads as changed."""
+    reads: tuple[int | None, ...] = ()
+    """Per tensor input: the ordinal of the layer's operator that last wrote its storage
+    (None: none did, as for a parameter or the layer's input). The layer's dataflow."""
+    out_shape: tuple[int, ...] = ()
+    """The shape of its first tensor output (() when it has none)."""
 
     @property
     def cacheable(self) -> bool:
@@ -129,15 +135,18 @@ def _nbytes(values: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in values)
 
 
-def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, alias: bool) -> OpCost:
+def op_cost(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, alias: bool,
+            reads: tuple[int | None, ...] = ()) -> OpCost:
     """What re-running `func(*args, **kwargs)` (which returned `out`; `alias`: a view of
-    its input) costs."""
+    its input; `reads`: `OpCost.reads`) costs."""
     formula = flop_formula(func._overloadpacket)  # torch's, and the CPU SDPA kernel's it lacks
     flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
     out_bytes = 0 if alias else _nbytes(tensors_in(out))
     moved = 0 if alias else _nbytes(tensors_in((args, kwargs))) + out_bytes
+    first = next(iter(tensors_in(out)), None)
     return OpCost(name=str(func), flops=flops, bytes_moved=moved, out_bytes=out_bytes,
-                  random=torch.Tag.nondeterministic_seeded in func.tags, mutates=func._schema.is_mutable)
+                  random=torch.Tag.nondeterministic_seeded in func.tags, mutates=func._schema.is_mutable,
+                  reads=reads, out_shape=tuple(first.shape) if first is not None else ())
 
 
 class OpTrace(TorchDispatchMode):
@@ -178,12 +187,14 @@ class OpTrace(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.active and func not in SAC_IGNORED_OPS:
             ordinal = len(self.ops)
-            inputs = {storage_id(t) for t in tensors_in((args, kwargs))}
+            read = tensors_in((args, kwargs))
+            inputs = {storage_id(t) for t in read}
             outputs = tensors_in(out)
             # a view's storage is its base's, and so is an out-of-place op's output that
             # aliases its input (`_unsafe_view`): they write nothing; in-place ops write
             alias = func.is_view or (not func._schema.is_mutable and all(storage_id(t) in inputs for t in outputs))
-            self.ops.append(op_cost(func, args, kwargs, out, alias))
+            reads = tuple(self._writer.get(storage_id(t)) for t in read)  # before this op's writes
+            self.ops.append(op_cost(func, args, kwargs, out, alias, reads))
             if not alias:
                 mutates = func._schema.is_mutable
                 for t in outputs:
@@ -267,20 +278,55 @@ def check_closed(ops: LayerOps, recomputed: Collection[int], names: Sequence[str
     return closed
 
 
+def _of_activations(op: OpCost) -> bool:
+    """A matrix product of two tensors the layer computed (q @ k^T, probs @ v), not a
+    projection (one operand a parameter, which no operator of the layer wrote)."""
+    return op.flops > 0 and bool(op.reads) and all(r is not None for r in op.reads)
+
+
+def _core_ops(ops: LayerOps, scores: int) -> set[int]:
+    """The operators between the product `scores` (q @ k^T) and the products of
+    activations its output reaches through operators that are no matrix product (probs @
+    v): those downstream of `scores` and upstream of such a product, by the trace's
+    dataflow (`OpCost.reads`). Empty when its output reaches no such product."""
+    reached = {scores}  # reached from `scores` through operators that are no matrix product
+    ends: list[int] = []  # the products of activations reached (probs @ v)
+    for o in range(scores + 1, len(ops.ops)):
+        op = ops.ops[o]
+        if not any(r in reached for r in op.reads):
+            continue
+        if op.flops == 0:
+            reached.add(o)
+        elif _of_activations(op):
+            ends.append(o)
+    core: set[int] = set()
+    stack = [r for o in ends for r in ops.ops[o].reads if r in reached and r != scores]
+    while stack:  # back from probs @ v, staying within what `scores` reaches
+        o = stack.pop()
+        if o not in core:
+            core.add(o)
+            stack += [r for r in ops.ops[o].reads if r in reached and r != scores]
+    return core
+
+
 def attention_core(ops: LayerOps) -> frozenset[int]:
     """The saved tensors (positions) of the layer's attention core as Megatron-LM's selective
     recompute drops them (Korthikanti et al. 2022, section 4.1: the softmax output, the
     attention dropout's mask and output, 5as/h of the layer's sbh(34 + 5as/h) bytes): those
-    an operator of the layer that is no matrix product produced whose two last dimensions
-    are both a sequence length (a dimension of the layer's input other than its last, the
-    hidden size) and that are not as large as the input (hidden states per token, when the
-    sequence length is the hidden size). Empty for a layer that saves none (SDPA/flash
-    attention, an MLP)."""
+    produced by the operators between q @ k^T and probs @ v (`_core_ops`), where q @ k^T is
+    a product of two activations (`_of_activations`) whose output's two last dimensions are
+    both a sequence length (a dimension of the layer's input other than its last, the
+    hidden size). Told by where the operators sit, not by the saved tensors' shapes, which
+    can look alike: q, k, v's copies are (b a, s, h/a), s x s when s = h/a, and the dropout
+    masks of the block (b, s, h) are s x s when s = h. Empty for a layer that saves none
+    (SDPA/flash attention, an MLP)."""
     lengths = {d for d in ops.input_shape[:-1] if d > 1}
-    return frozenset(p for p, (o, shape) in enumerate(zip(ops.producers, ops.saved_shapes))
-                     if o is not None and ops.ops[o].flops == 0 and len(shape) >= 2
-                     and shape[-1] == shape[-2] and shape[-1] in lengths
-                     and math.prod(shape) != math.prod(ops.input_shape))
+    core: set[int] = set()
+    for o, op in enumerate(ops.ops):
+        shape = op.out_shape
+        if _of_activations(op) and len(shape) >= 2 and shape[-1] == shape[-2] and shape[-1] in lengths:
+            core |= _core_ops(ops, o)
+    return frozenset(p for p, o in enumerate(ops.producers) if o in core)
 
 
 def attention_core_set(ops: LayerOps) -> frozenset[int]:

@@ -59,7 +59,9 @@ def _core(layer, seq_len: int) -> set[int]:
     return {p for p, t in enumerate(layer.saved) if t.op in (SOFTMAX, DROPOUT) and t.shape[-2:] == [seq_len, seq_len]}
 
 
-@pytest.mark.parametrize("cfg", [SMALL_FP16, load_model_config("gpt-tiny")], ids=["fp16", "gpt-tiny"])
+@pytest.mark.parametrize("cfg", [SMALL_FP16, load_model_config("gpt-tiny"),
+                                 ModelConfig(**{**load_model_config("gpt-tiny").__dict__, "seq_len": 16})],
+                         ids=["fp16", "gpt-tiny", "gpt-tiny-s=h/a"])
 def test_every_block_recomputes_the_attention_core_and_keeps_the_rest(cfg):
     """Each block's choice holds the attention core and, besides it, only the other
     dropout masks (the checkpoint replays random operators all together: replaying the
@@ -150,13 +152,34 @@ def test_attention_without_saved_scores_is_kept():
     assert [sp.rules for sp in result.plan.stages] == [[], []]
 
 
-@pytest.mark.parametrize("seq_len", [64, 32])
-def test_the_attention_core_is_told_by_shape_also_when_the_sequence_is_as_long_as_the_width(seq_len):
-    """`selective.attention_core` on a traced block (h = 64): the three (s, s) tensors, not
-    the (b, s, h) dropout masks, also when s = h makes their last two dimensions alike."""
-    cfg = ModelConfig(**{**load_model_config("gpt-tiny").__dict__, "seq_len": seq_len})
+@pytest.mark.parametrize(("seq_len", "num_heads"), [(64, 4), (32, 4), (16, 4), (64, 1)],
+                         ids=["s=h", "s=h/2", "s=h/a", "s=h=h/a"])
+def test_the_attention_core_is_told_by_where_it_sits_whatever_the_shapes(seq_len, num_heads):
+    """`selective.attention_core` on a traced block (h = 64): the softmax output and the
+    attention dropout's mask and output (the last saved as probs @ v's operand), also when
+    the sequence length equals the width (s = h: the (b, s, h) dropout masks look alike) or
+    the head size (s = h/a: q, k, v's (b a, s, h/a) copies and the score tensors hold as
+    many elements as the layer's input, b a s s = b s h), or both (one head)."""
+    cfg = ModelConfig(**{**load_model_config("gpt-tiny").__dict__, "seq_len": seq_len, "num_heads": num_heads})
     block = build_stage(cfg, 1, 2, seed=0).layers[0]
     ops = trace_layer_ops(block, (torch.randn(2, seq_len, cfg.hidden_size, requires_grad=True),))
     core = attention_core(ops)
-    assert sorted(ops.saved_shapes[p] for p in core) == [(2, 4, seq_len, seq_len)] * 2 + [(8, seq_len, seq_len)]
+    assert sorted(ops.saved_shapes[p] for p in core) == ([(2, num_heads, seq_len, seq_len)] * 2
+                                                         + [(2 * num_heads, seq_len, seq_len)])
+    assert sorted(ops.ops[ops.producers[p]].name for p in core) == sorted([SOFTMAX, DROPOUT, DROPOUT])
     assert attention_core_set(ops) in recompute_menu(ops)
+
+
+def test_a_llama_core_is_its_softmax_not_its_rotary_tensors_when_the_head_is_as_long_as_the_sequence():
+    """Llama (eager attention, no dropout) with s = h/a: rotary embedding saves (b, a, s,
+    h/a) tensors, s x s like the scores; the core is the softmax's output only (saved by
+    the softmax and, as a (b a, s, s) view, by probs @ v)."""
+    base = load_model_config("llama-tiny")
+    seq_len = base.hidden_size // base.num_heads
+    cfg = ModelConfig(**{**base.__dict__, "seq_len": seq_len})
+    block = build_stage(cfg, 1, 2, seed=0).layers[0]
+    ops = trace_layer_ops(block, (torch.randn(2, seq_len, cfg.hidden_size, requires_grad=True),))
+    core = attention_core(ops)
+    assert sorted(ops.saved_shapes[p] for p in core) == sorted([(2, cfg.num_heads, seq_len, seq_len),
+                                                                (2 * cfg.num_heads, seq_len, seq_len)])
+    assert {ops.ops[ops.producers[p]].name for p in core} == {SOFTMAX}

@@ -228,12 +228,12 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     defaults; a setting's precision replaces the model preset's."""
     setting = setting_from_args(args)
     hardware = hardware_from_args(args, plan, setting)
+    if setting is not None and (profile is not None or args.profile or getattr(args, "hf_config", None)):
+        raise UserError(f"--setting {setting.name} sets the precision of a model preset; a profile (--profile, "
+                        "--module, --hf-config) keeps the precision it was made with: give --model instead")
     profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
     if profile is None:
         profile = hf_profile_from_args(args, hardware)
-    if setting is not None and profile is not None:
-        raise UserError(f"--setting {setting.name} sets the precision of a model preset; a profile (--profile, "
-                        "--module, --hf-config) keeps the precision it was made with: give --model instead")
     model = model_for_profile(args.model or (plan.model if plan is not None else None), profile,
                               setting.default_model if setting is not None else DEFAULT_MODEL,
                               path=str(args.profile) if args.profile else "profile")

@@ -98,3 +98,8 @@ def test_a_plan_made_under_a_setting_is_emulated_with_it_and_refused_without(tmp
     assert "in fp32 (the setting paper-bert's)" in line and "num_microbatches 8 (the plan's)" in line
     code = main(["emulate", str(plan)])
     one_line_error(code, capsys.readouterr().err, "made for bert-0.35b in fp32", "--setting paper-bert")
+
+
+def test_an_hf_config_with_a_setting_is_one_line_and_exit_2(capsys):
+    code = main(["emulate", "--setting", "paper-gpt", "--hf-config", "gpt2-tiny"])
+    one_line_error(code, capsys.readouterr().err, "--setting paper-gpt", "--hf-config")

@@ -35,9 +35,12 @@ What is modelled, and why this shape:
   layer running and the one prefetched, a gradient bucket, the first/last layers'
   activations and the largest working set.
 - **zero-infinity-nvme** (where the server states drives, `Hardware.has_nvme`): the same
-  with fp16 parameters and the optimizer states (fp32 master, moments) on the drives:
-  each parameter fetch reads the drives, the step reads and writes the states there;
-  fp32 gradients and checkpoints stay on the host.
+  with fp16 parameters, the optimizer states (fp32 master, moments) and the fp32
+  gradients on the drives: each parameter fetch reads the drives, the last micro-step's
+  backward writes the fp32 gradient partitions there, and the step reads states and
+  gradients and writes the states back one sub-group after another, the drives and the
+  CPU taking turns (DeepSpeed's default, unpipelined swapper); the gradient partitions in
+  the model's dtype and the checkpoints stay on the host.
 
 Host bytes are bounded by `Hardware.pinnable_bytes` (DeepSpeed pins its offload buffers
 with `pin_memory: true`, the papers' setting), drive bytes by `Hardware.nvme_bytes`. Besides
@@ -114,8 +117,8 @@ class ZeroTimes:
     backward_s: float
     """All micro-steps' backward passes (recompute included), likewise."""
     optimizer_s: float
-    """The CPU Adam step and the cast of its fp32 parameters to fp16 (with the drives'
-    traffic that overlaps it, NVMe variant)."""
+    """The CPU Adam step and the cast of its fp32 parameters to fp16 (and, NVMe variant,
+    the drives' reads and writes it takes turns with)."""
     param_update_s: float
     """After the step: zero-offload's copy of each updated fp16 partition to its GPU and
     their all-gather."""
@@ -272,7 +275,8 @@ def _host_and_nvme_bytes(setup: PipelineSetup, variant: str, num_params: int, pa
     grads16 = param_bytes
     if variant == ZERO_INFINITY:
         return param_bytes + master + optim + grads32 + grads16 + checkpoints, 0
-    return grads32 + checkpoints, param_bytes + master + optim
+    # NVMe: the optimizer swapper also keeps the fp32 gradients on the drives (swap_out_gradients)
+    return grads16 + checkpoints, param_bytes + master + optim + grads32
 
 
 def _why_not(hw: Hardware, memory: ZeroDeviceMemory, param_bytes: int, host: int, nvme: int, variant: str,
@@ -313,7 +317,8 @@ def _times(setup: PipelineSetup, layers: list[_Layer], variant: str, num_params:
                              drain=with_host_copies(Load(d2h=x.checkpoint_bytes), n)) for x in layers]
             bwd = [LayerStep(compute_s=x.backward_s,
                              fetch=_param_fetch(x, n, nvme) + with_host_copies(Load(h2d=x.checkpoint_bytes), n),
-                             drain=_infinity_grad_drain(x, n, k)) for x in reversed(layers)]
+                             drain=_infinity_grad_drain(x, n, k, to_drives=nvme and k == steps - 1))
+                   for x in reversed(layers)]
         forward += pipelined_s(fwd, rates)
         backward += pipelined_s(bwd, rates)
     optimizer, update = _step_s(setup, variant, num_params, rates)
@@ -348,13 +353,20 @@ def _param_fetch(x: _Layer, n: int, nvme: bool) -> Load:
     return load
 
 
-def _infinity_grad_drain(x: _Layer, n: int, micro_step: int) -> Load:
+def _infinity_grad_drain(x: _Layer, n: int, micro_step: int, *, to_drives: bool) -> Load:
     """zero-infinity, after a layer's backward: reduce-scatter, partition to the host, where
-    the CPU adds it into the fp32 partition."""
+    the CPU adds it into the fp32 partition. `to_drives` (NVMe variant, last micro-step):
+    the fp32 partitions are then written to the drives (stage3.py's
+    `_swap_out_offload_fp32_gradients` at the accumulation boundary; the drives' DMA reads
+    the host buffers)."""
     load = with_host_copies(Load(ring=ring_wire_bytes(x.profile.grad_bytes, n, all_reduce=False),
                                  d2h=_per_rank(x.profile.grad_bytes, n)), n)
     cpu = x.num_params * (CPU_ACCUMULATE_BYTES if micro_step else CPU_ACCUMULATE_BYTES - FP32_BYTES)
-    return load + Load(host=cpu)
+    load += Load(host=cpu)
+    if to_drives:
+        grads32 = FP32_BYTES * x.num_params
+        load += Load(nvme_write=grads32, host=grads32)
+    return load
 
 
 def _step_s(setup: PipelineSetup, variant: str, num_params: int, rates: Rates) -> tuple[float, float]:
@@ -374,10 +386,13 @@ def _step_s(setup: PipelineSetup, variant: str, num_params: int, rates: Rates) -
         return adam, load_s(copy, rates) + gather
     if variant == ZERO_INFINITY:
         return adam + load_s(cast, rates), 0.0  # the host's fp16 partition is the parameters' home
-    # NVMe: the states (fp32 master, moments) stream in and out of the drives during the
-    # step, and the new fp16 parameters are written there
+    # NVMe: DeepSpeed's default optimizer swapper (PartitionedOptimizerSwapper; offload_optimizer's
+    # pipeline_read/pipeline_write default False) reads each sub-group's states (fp32 master,
+    # moments) and fp32 gradients from the drives, waits, steps it, writes the states back and
+    # waits, then the next sub-group: drives and CPU take turns. The new fp16 parameters are
+    # written to the drives too.
     states = sum(x.optim_bytes for x in setup.profile.layers) + FP32_BYTES * num_params
-    io = Load(nvme_read=states, nvme_write=states + param_bytes)
+    io = Load(nvme_read=states + FP32_BYTES * num_params, nvme_write=states + param_bytes)
     dram = adam + load_s(cast + Load(host=io.nvme_read + io.nvme_write), rates)
     drives = io.nvme_read / rates.nvme_read_gbps / 1e9 + io.nvme_write / rates.nvme_write_gbps / 1e9  # type: ignore[operator]
-    return max(dram, drives), 0.0
+    return dram + drives, 0.0

@@ -76,7 +76,12 @@ def test_nvme_over_the_drives_does_not_fit_and_says_so():
     s = _setup(hw=replace(hw, nvme_bytes=10 << 30))
     r = plan_zero(s, "zero-infinity-nvme")
     assert not r.fits and "nvme_bytes" in r.reason
-    assert r.nvme_bytes == 14 * _params(s)  # fp16 params, fp32 master and moments
+    n = _params(s)
+    # fp16 params, fp32 master and moments, and the fp32 gradients the boundary swaps out
+    # (stage3.py _swap_out_offload_fp32_gradients -> the optimizer swapper's swap_out_gradients)
+    assert r.nvme_bytes == 18 * n
+    # the host keeps the gradient partitions in the model's dtype (grad_partitions_flat_buffer) and the checkpoints
+    assert r.host_bytes == 2 * n + r.host_checkpoint_bytes
 
 
 def test_halving_pcie_makes_infinity_slower():
@@ -153,3 +158,27 @@ def test_offload_gpu_staging_buffer_is_the_largest_parameter_in_the_model_dtype(
     largest_numel = max(x.largest_param_bytes for x in s.profile.layers) // 4  # the profile counts it in fp32
     r = plan_zero(s, "zero-offload")
     assert r.memory.grad_bytes == 2 * REDUCE_BUCKET_ELEMENTS * 2 + largest_numel * 2
+
+
+@pytest.mark.parametrize("hardware", ["dgx1-v100", "dgx-a100"])
+def test_nvme_step_reads_states_and_gradients_then_writes_in_turn_not_overlapped(hardware):
+    """DeepSpeed's default optimizer swapper (PartitionedOptimizerSwapper: offload_optimizer's
+    pipeline_read and pipeline_write default False) reads a sub-group's fp32 parameters,
+    moments and gradients, steps it, writes it back, then the next: the step is the drives'
+    time plus the CPU's, not the longer of the two."""
+    s = _setup(hardware=hardware)
+    hw, n = s.hardware, _params(s)
+    r = plan_zero(s, "zero-infinity-nvme")
+    read = (4 + 8 + 4) * n  # fp32 master, moments, fp32 gradients
+    write = (4 + 8) * n + 2 * n  # fp32 master and moments back, and the new fp16 parameters
+    drives = read / (hw.nvme_gbps("read") * 1e9) + write / (hw.nvme_gbps("write") * 1e9)
+    cpu = host_adam_step_s(-(-n // hw.num_devices), hw, sharers=hw.num_devices)
+    assert r.times.optimizer_s >= drives + cpu
+
+
+def test_nvme_boundary_writes_the_fp32_gradients_to_the_drives_during_the_backward():
+    hw = load_hardware("dgx-a100")
+    slow = replace(hw, nvme_write_gbps=hw.nvme_gbps("write") / 20)
+    fast_r, slow_r = plan_zero(_setup(hw=hw), "zero-infinity-nvme"), plan_zero(_setup(hw=slow), "zero-infinity-nvme")
+    assert slow_r.times.backward_s > fast_r.times.backward_s
+    assert plan_zero(_setup(hw=slow), "zero-infinity").times.backward_s == plan_zero(_setup(hw=hw), "zero-infinity").times.backward_s

@@ -146,11 +146,22 @@ def run(args: argparse.Namespace) -> int:
                              num_devices=args.num_devices, memory_bytes=args.device_memory)
     shape = resolve_shape(args, hardware, num_layers=None, setting=setting)
     console = make_console(stderr=args.json)
-    trained = f" in {precision} (the setting {setting.name}'s)" if setting is not None else ""
-    console.print(f"settings: model family {family}{trained}, hardware {hardware.name} ({hardware.num_devices} x "
-                  f"{fmt_bytes(hardware.device.memory_bytes)}, {fmt_bytes(hardware.usable_memory_bytes)} usable; "
-                  f"{fmt_bytes(hardware.pinnable_bytes)} pinnable host), {shape.describe()}",
-                  markup=False, soft_wrap=True)
+    if setting is not None:  # which of family, hardware and precision are the setting's
+        origin = f"the setting {setting.name}'s"
+        shape.sources["precision"] = origin
+        if args.model is None:
+            shape.sources["model"] = origin
+        if args.hardware is None:
+            shape.sources["hardware"] = origin
+
+    def v(key: str, text: str) -> str:
+        return f"{text} ({shape.sources[key]})" if key in shape.sources else text
+
+    trained = f", {v('precision', f'precision {precision}')}" if precision is not None else ""
+    server = (f"hardware {hardware.name} ({hardware.num_devices} x {fmt_bytes(hardware.device.memory_bytes)}, "
+              f"{fmt_bytes(hardware.usable_memory_bytes)} usable; {fmt_bytes(hardware.pinnable_bytes)} pinnable host)")
+    console.print(f"settings: {v('model', f'model family {family}')}{trained}, {v('hardware', server)}, "
+                  f"{shape.describe()}", markup=False, soft_wrap=True)
     strategies = args.strategy or [*Strategy.words(), *zero_variants(hardware)]
     rows = []
     with TaskProgress(console, len(strategies), "searching") as progress:

@@ -250,6 +250,13 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
         profile = analytic_profile(model, hardware, args.microbatch_size or DEFAULT_MICROBATCH_SIZE)  # type: ignore[arg-type]
         num_layers = len(profile.layers)
     shape = resolve_shape(args, hardware, num_layers=num_layers, plan=plan, profile=shape_profile, setting=setting)
+    if setting is not None:  # the settings line says which of model, hardware and precision are the setting's
+        origin = f"the setting {setting.name}'s"
+        shape.sources["precision"] = origin
+        if plan is None and args.model is None:
+            shape.sources["model"] = origin
+        if plan is None and args.hardware is None:
+            shape.sources["hardware"] = origin
     # a plan keeps its stages' layers unless --balance asks for another split or another
     # model is named (which the plan check then refuses, naming both)
     own = plan is not None and not args.balance and args.model in (None, plan.model)
@@ -313,12 +320,15 @@ def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:
     hw = setup.hardware
     dp = setup.data_parallel
     nodes = f", {dp.degree} nodes ({dp.sharding})" if dp is not None else ""
-    if shape.setting is not None:
-        precision = f" in {getattr(setup.model, 'precision', '?')} (the setting {shape.setting}'s)"
-    else:
-        precision = ""
-    return (f"settings: model {setup.model.name}{precision}, hardware {hw.name} ({hw.num_devices} x "
-            f"{fmt_bytes(hw.device.memory_bytes)}){nodes}, {shape.describe()}")
+
+    def v(key: str, text: str) -> str:  # model, hardware and precision carry an origin under a --setting only
+        return f"{text} ({shape.sources[key]})" if key in shape.sources else text
+
+    precision = getattr(setup.model, "precision", None)
+    trained = f", {v('precision', f'precision {precision}')}" if "precision" in shape.sources else ""
+    return (f"settings: {v('model', f'model {setup.model.name}')}{trained}, "
+            f"{v('hardware', f'hardware {hw.name} ({hw.num_devices} x {fmt_bytes(hw.device.memory_bytes)})')}"
+            f"{nodes}, {shape.describe()}")
 
 
 def settings_json(setup: PipelineSetup, shape: PipelineShape) -> dict[str, object]:

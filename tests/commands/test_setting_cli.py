@@ -29,7 +29,7 @@ def test_emulate_takes_shape_and_precision_from_the_setting(capsys):
     assert (s["schedule"], s["num_stages"], s["microbatch_size"], s["num_microbatches"]) == ("pipedream", 8, 12, 16)
     assert s["precision"] == "fp32" and s["setting"] == "paper-bert"
     assert s["defaults"] == {k: FROM_SETTING for k in ("schedule", "num_stages", "microbatch_size",
-                                                       "num_microbatches")}
+                                                       "num_microbatches", "precision")}
     setting = load_setting("paper-bert")
     expected = setup_pipeline(setting.apply(load_model_config("bert-0.35b")), load_hardware("dgx-a100"),
                               schedule="pipedream", num_stages=8, microbatch_size=12, num_microbatches=16)
@@ -40,7 +40,7 @@ def test_emulate_takes_shape_and_precision_from_the_setting(capsys):
 def test_explicit_flags_win_over_the_setting_and_the_line_says_whose_values(capsys):
     assert main(["emulate", *BERT, "--schedule", "1f1b", "--num-microbatches", "8"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("settings: "))
-    assert "model bert-0.35b in fp32 (the setting paper-bert's)" in line
+    assert f"model bert-0.35b, precision fp32 ({FROM_SETTING}), hardware dgx-a100 (8 x " in line
     assert "schedule 1f1b," in line and "num_microbatches 8," in line
     assert f"num_stages 8 ({FROM_SETTING})" in line and f"microbatch_size 12 ({FROM_SETTING})" in line
 
@@ -49,6 +49,12 @@ def test_the_settings_first_model_and_server_are_the_defaults(capsys):
     s = _json(["emulate", "--setting", "paper-gpt", "--json"], capsys)["settings"]
     gpt = load_setting("paper-gpt")
     assert (s["model"], s["hardware"], s["precision"]) == (gpt.models[0], gpt.hardware[0], "fp16")
+    assert {s["defaults"][k] for k in ("model", "hardware", "precision")} == {"the setting paper-gpt's"}
+    assert main(["emulate", "--setting", "paper-gpt"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("settings: "))
+    assert line.startswith(f"settings: model {gpt.models[0]} (the setting paper-gpt's), precision fp16 (the setting "
+                           f"paper-gpt's), hardware {gpt.hardware[0]} (8 x ")
+    assert ") (the setting paper-gpt's), schedule 1f1b (the setting paper-gpt's)" in line
     assert (s["schedule"], s["microbatch_size"]) == ("1f1b", 2)
 
 
@@ -74,11 +80,17 @@ def test_a_profile_with_a_setting_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_maxsize_searches_the_family_in_the_settings_precision(capsys):
-    doc = _json(["maxsize", "--setting", "paper-bert", "--hardware", "dgx-a100", "--strategy", "none", "--json"],
-                capsys)
+    assert main(["maxsize", "--setting", "paper-bert", "--hardware", "dgx-a100", "--strategy", "none", "--json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
     s = doc["settings"]
     assert (s["model"], s["precision"], s["schedule"], s["num_stages"], s["microbatch_size"],
             s["num_microbatches"]) == ("bert", "fp32", "pipedream", 8, 12, 16)
+    assert set(s["defaults"]) == {"model", "precision", "schedule", "num_stages", "microbatch_size",
+                                  "num_microbatches"}  # not the hardware: --hardware was given
+    line = next(x for x in err.splitlines() if x.startswith("settings: "))
+    assert line.startswith(f"settings: model family bert ({FROM_SETTING}), precision fp32 ({FROM_SETTING}), "
+                           "hardware dgx-a100 (8 x ")
     row = doc["strategies"][0]
     shape = dict(schedule="pipedream", num_stages=8, microbatch_size=12, num_microbatches=16)
     hw = load_hardware("dgx-a100")
@@ -95,7 +107,7 @@ def test_a_plan_made_under_a_setting_is_emulated_with_it_and_refused_without(tmp
     capsys.readouterr()
     assert main(["emulate", str(plan), "--setting", "paper-bert"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("settings: "))
-    assert "in fp32 (the setting paper-bert's)" in line and "num_microbatches 8 (the plan's)" in line
+    assert "precision fp32 (the setting paper-bert's)" in line and "num_microbatches 8 (the plan's)" in line
     code = main(["emulate", str(plan)])
     one_line_error(code, capsys.readouterr().err, "made for bert-0.35b in fp32", "--setting paper-bert")
 

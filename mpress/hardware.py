@@ -125,7 +125,9 @@ class Hardware:
     training processes need unpinned. None: all of `host_memory_bytes` (see `pinnable_bytes`)."""
     host_memory_gbps: float | None = field(default=None, metadata={"min": MIN_BANDWIDTH_GBPS})
     """Sustained host DRAM bandwidth, GB/s, shared by every GPU's host copies in both
-    directions. None: DRAM never limits host copies (only PCIe does)."""
+    directions, and by the CPU optimizer steps (a plan's `optimizer_step: host`, the ZeRO
+    baselines). None: DRAM never limits host copies (only PCIe does), and a CPU step
+    cannot be timed (such plans are refused)."""
     nvme_bytes: int | None = field(default=None, metadata={"gt": 0, "max": MAX_BYTES})
     """Capacity of the server's local data drives (NVMe; SATA SSDs on a DGX-1) in one
     array (RAID 0), what ZeRO-Infinity may offload parameters and optimizer states to.

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpress.actions import Action, Kind, Schedule, UnitId, UnitKind
-from mpress.errors import PlanError
+from mpress.errors import PlanError, UserError
 from mpress.hardware import Hardware
 from mpress.identity import LayerTensors, StageRules
 from mpress.plan import Plan, StagePlan, TensorRule
@@ -293,25 +293,19 @@ def _stream_optimizer(st: _Stage, chunks: list[tuple[str, TensorRule | None, int
 
 def _host_step(st: _Stage, hardware: Hardware, sharers: int, tensors: dict[str, TensorInfo]) -> list[Action]:
     """A host-step stage's OPT as one OPT per layer (see the module docstring), each
-    costed with its CPU Adam step while `sharers` ranks step on the host at once."""
+    costed with its CPU Adam step while `sharers` ranks step on the host at once
+    (`host_step_time.host_step_s`). Hardware that states no host DRAM bandwidth (a server
+    `mpress topo` detected) cannot time that step: UserError."""
+    if hardware.host_memory_gbps is None:
+        raise UserError(f"stages[{st.sp.stage}].optimizer_step: host: hardware {hardware.name} states no "
+                        f"host_memory_gbps, which times the CPU's optimizer step; give it (GB/s) in the hardware file")
     out = []
     for layer in st.costs.layers:
         name = str(UnitId(st.sp.stage, UnitKind.OPTIM, layer=layer.name))
-        step_s = host_optimizer_step_s(layer.optim_bytes // 8, layer.param_bytes, hardware, sharers)
+        step_s = host_step_s(layer.optim_bytes // 8, layer.param_bytes, hardware, sharers)
         tensors[name] = TensorInfo(bytes=layer.grad_bytes, compute_s=step_s, host_step=True)
         out.append(Action(st.sp.stage, Kind.OPT, None, name))
     return out
-
-
-def host_optimizer_step_s(num_params: int, param_bytes: int, hardware: Hardware, sharers: int) -> float:
-    """Seconds of the CPU's step over `num_params` parameters (`param_bytes` in all) while
-    `sharers` ranks step on the host at once: torch's Adam one tensor at a time and the
-    runtime's copies around it (`host_step_time.host_step_s`). On hardware that states no
-    host DRAM bandwidth (the cpu-local stand-in), DRAM never limits, as
-    `Hardware.host_memory_gbps` says of None: the step is not costed (its copies are)."""
-    if hardware.host_memory_gbps is None:
-        return 0.0
-    return host_step_s(num_params, param_bytes, hardware, sharers)
 
 
 def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:

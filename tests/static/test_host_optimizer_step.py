@@ -12,8 +12,8 @@ copy, the CPU step (`host_step_time.host_step_s`: torch's Adam one tensor at a t
 the runtime's copies around it) and the parameters' h2d copy, and what
 it pins is the staging buffers, outside the plan's pinned pool.
 
-gpt-tiny (bf16: fp32 masters) in 2 stages on cpu-local. cpu-local states no host DRAM
-bandwidth, which the CPU step is costed by; the tests give it an assumed 20 GB/s.
+gpt-tiny (bf16: fp32 masters) in 2 stages on cpu-local, whose host DRAM bandwidth (which
+the CPU step is costed by) the tests state apart from the preset's (assumed as well).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from mpress.actions import Kind, UnitId, UnitKind
+from mpress.errors import PlanError, UserError
 from mpress.hardware import load_hardware
 from mpress.model_config import load_model_config
 from mpress.models.transformer import build_stage
-from mpress.errors import PlanError
 from mpress.plan import Plan, StagePlan, TensorRule, hardware_fingerprint
 from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
@@ -36,7 +36,11 @@ from mpress.static.evaluate import setup_pipeline
 from mpress.static.host_step_time import host_step_s
 from mpress.static.memory_breakdown import OPTIM, peak_breakdown
 from mpress.static.plan_eval import check_plan_for_setup, complete_plan
-from mpress.static.rewriter import host_step_host_bytes, host_step_pinned_bytes, offloaded_optim_bytes
+from mpress.static.rewriter import (
+    host_step_host_bytes,
+    host_step_pinned_bytes,
+    offloaded_optim_bytes,
+)
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES
 
 NUM_MICROBATCHES = 4
@@ -179,14 +183,25 @@ def test_stages_stepping_on_the_host_at_once_share_its_memory_bandwidth():
     assert sum(t.compute_s for t, _s, _e in host_tasks(both)) == pytest.approx(host_step_s(n0, b0, CPU_LOCAL, 2))
 
 
-def test_hardware_without_a_host_memory_bandwidth_still_plans():
-    """cpu-local as shipped states no host DRAM bandwidth: the copies are costed, the CPU
-    step is not (DRAM never limits there, as `Hardware.host_memory_gbps` says of None)."""
-    plain = load_hardware("cpu-local", num_devices=2, memory_bytes=1 << 30)
-    _s, _p, ev = plan_and_eval(host_step=(0,), hardware=plain)
-    tasks = host_tasks(ev)
-    assert all(t.compute_s == 0 for t, _s, _e in tasks if t.action.kind is Kind.OPT)
-    assert any(t.action.kind is Kind.OO for t, _s, _e in tasks)
+def test_a_host_step_on_hardware_without_a_host_memory_bandwidth_is_refused_in_one_line():
+    """A server `mpress topo` detects states no host DRAM bandwidth, which times the CPU
+    step: a plan stepping on the host there cannot be emulated (it would cost the step
+    nothing), so it is refused naming the stage, the hardware and the key."""
+    unknown = dataclasses.replace(CPU_LOCAL, name="detected", host_memory_gbps=None)
+    with pytest.raises(UserError, match=r"stages\[0\]\.optimizer_step.*detected.*host_memory_gbps") as err:
+        plan_and_eval(host_step=(0,), hardware=unknown)
+    assert "\n" not in str(err.value)
+    plan_and_eval(hardware=unknown)  # a plan stepping on its devices does not need it
+
+
+def test_cpu_local_as_shipped_times_the_host_step():
+    """cpu-local states an assumed host DRAM bandwidth, so its host-step plans emulate."""
+    shipped = load_hardware("cpu-local", num_devices=2, memory_bytes=1 << 30)
+    assert shipped.host_memory_gbps is not None
+    setup, _p, ev = plan_and_eval(host_step=(0,), hardware=shipped)
+    cpu_s = host_step_s(setup.costs[0].optim_bytes // 8, setup.costs[0].param_bytes, shipped)
+    assert cpu_s > 0
+    assert sum(t.compute_s for t, _s, _e in host_tasks(ev)) == pytest.approx(cpu_s)
 
 
 # ---- host memory: what the runtime pins and what it keeps pageable --------------------------------

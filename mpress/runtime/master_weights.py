@@ -14,7 +14,8 @@ and `step()` is one optimizer step over them:
 
     1. gradients in: each copy's `.grad` = its parameter's gradient, upcast to fp32
        (host copies: copied device -> host first, through a pinned staging buffer in the
-       parameter's dtype, so PCIe carries half the bytes under mixed precision);
+       parameter's dtype, so PCIe carries half the bytes under mixed precision; a stage's
+       staging buffers are views of one slab, pinned once to its alignment: `slabs`);
     2. `optimizer.step()` on the copies (on the CPU for host copies);
     3. parameters out: each parameter = its copy, rounded to the parameter's dtype
        (host copies: rounded on the host, then copied host -> device);
@@ -40,13 +41,14 @@ offload); they must be back before `step`, `state_dict` or `load_state_dict`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mpress.errors import SwapError, UserError
+from mpress.runtime.memory.host_pool import PinnedHostPool
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 """Builds the optimizer over the tensors it steps (e.g. `lambda ts: torch.optim.Adam(ts)`)."""
@@ -72,8 +74,8 @@ class _Entry:
     target: torch.Tensor
     """What the optimizer steps: `param` (PARAM) or an fp32 copy (leaf, no autograd)."""
     staging: torch.Tensor | None = None
-    """HOST_COPY of a parameter on an accelerator: pinned host buffer in the parameter's
-    dtype that gradients come into and rounded parameters go out from."""
+    """HOST_COPY of a parameter on an accelerator: host buffer in the parameter's dtype
+    that gradients come into and rounded parameters go out from (a view of a pinned slab)."""
     released: bool = False
     """DEVICE_MASTER only: its storage is away (`release`) until `restore`."""
 
@@ -89,10 +91,15 @@ class MasterWeights:
     make_optimizer: builds the optimizer over `tensors()`.
     host: names of parameters whose step runs on the host (`optimizer_step: host`).
     A host copy of a parameter on CUDA gets a pinned staging buffer in the parameter's
-    dtype (what crosses PCIe); its fp32 master is pageable host memory."""
+    dtype (what crosses PCIe); its fp32 master is pageable host memory.
+    slabs: `host` grouped by the pinned slab their staging buffers share (the trainer: one
+    per stage, as the static half counts them); host parameters in no group share one
+    more. A slab is a `PinnedHostPool`, pinned in place to its alignment, not through
+    torch's pinned allocator, which rounds each allocation up to a power of two. `close()`
+    unpins them."""
 
     def __init__(self, params: dict[str, nn.Parameter], make_optimizer: OptimizerFactory, *,
-                 host: Collection[str] = ()) -> None:
+                 host: Collection[str] = (), slabs: Sequence[Collection[str]] = ()) -> None:
         unknown = sorted(set(host) - set(params))
         if unknown:
             raise UserError(f"host optimizer step for unknown parameters: {', '.join(unknown[:3])}")
@@ -100,7 +107,35 @@ class MasterWeights:
         with torch.no_grad():
             for name, p in params.items():
                 self._entries[name] = _make_entry(name, p, on_host=name in host)
+        self.slabs: list[PinnedHostPool] = [slab for group in _slab_groups(host, slabs)
+                                            if (slab := self._stage_through_slab(group)) is not None]
+        """The pinned slabs the staging buffers are views of (none without an accelerator)."""
         self.optimizer = make_optimizer([e.target for e in self._entries.values()])
+
+    def _stage_through_slab(self, names: list[str]) -> PinnedHostPool | None:
+        """Give the host copies of accelerator parameters among `names` staging buffers
+        carved from one new pinned slab, packed by element size, largest first (every
+        buffer then starts on a multiple of its own, so the slab holds exactly their
+        bytes); None when none needs one."""
+        entries = sorted((e for n in names if _on_accelerator((e := self._entries[n]).param)),
+                         key=lambda e: -e.param.element_size())
+        if not entries:
+            return None
+        total = sum(e.param.numel() * e.param.element_size() for e in entries)
+        slab = PinnedHostPool(total, pin_memory=True, device=entries[0].param.device)
+        block = slab.allocate(slab.capacity_bytes, owner="host-step staging buffers")
+        offset = 0
+        for e in entries:
+            nbytes = e.param.numel() * e.param.element_size()
+            e.staging = block.strided(e.param.dtype, tuple(e.param.shape), _contiguous_stride(e.param.shape),
+                                      offset, nbytes)
+            offset += nbytes
+        return slab
+
+    def close(self) -> None:
+        """Unpin the staging slabs (idempotent); no copy may still use them."""
+        for slab in self.slabs:
+            slab.close()
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -269,9 +304,32 @@ def _make_entry(name: str, p: nn.Parameter, *, on_host: bool) -> _Entry:
         # fp32 master stays on the host, where the CPU's optimizer steps it: pageable.
         target = torch.empty(p.shape, dtype=MASTER_DTYPE)
         target.copy_(p.detach())
-        staging = torch.empty(p.shape, dtype=p.dtype, pin_memory=True) if _on_accelerator(p) else None
-        return _Entry(name=name, param=p, kind=Kind.HOST_COPY, target=target, staging=staging)
+        # an accelerator parameter's staging buffer: a view of its slab (`_stage_through_slab`)
+        return _Entry(name=name, param=p, kind=Kind.HOST_COPY, target=target)
     if p.dtype == MASTER_DTYPE:
         return _Entry(name=name, param=p, kind=Kind.PARAM, target=p)
     target = p.detach().to(MASTER_DTYPE, copy=True)
     return _Entry(name=name, param=p, kind=Kind.DEVICE_MASTER, target=target)
+
+
+def _slab_groups(host: Collection[str], slabs: Sequence[Collection[str]]) -> list[list[str]]:
+    """`host` by slab: the groups of `slabs`, then the host parameters in none of them."""
+    seen: set[str] = set()
+    groups = []
+    for group in slabs:
+        names = list(group)
+        for name in names:
+            if name not in host or name in seen:
+                raise UserError(f"staging slabs: {name} is not stepped on the host, or is in two slabs")
+            seen.add(name)
+        groups.append(names)
+    rest = [n for n in host if n not in seen]
+    return groups + [rest] if rest else groups
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, out = 1, []
+    for d in reversed(shape):
+        out.append(stride)
+        stride *= max(int(d), 1)
+    return tuple(reversed(out))

@@ -165,11 +165,12 @@ class PipelineJob:
         # default Adam (one tensor at a time on host copies; static/host_step_time.py costs
         # that): fused=True would change the last bits the bit-for-bit tests compare.
         params = {name: p for m in self.modules for name, p in m.named_parameters()}
-        host = [name for m, st in zip(self.modules, self.stages)
-                if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step is OptimizerStep.HOST
-                for name, _p in m.named_parameters()]
+        slabs = [[name for name, _p in m.named_parameters()] for m, st in zip(self.modules, self.stages)
+                 if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step is OptimizerStep.HOST]
+        host = [name for slab in slabs for name in slab]  # staging: one pinned slab per stage
         self.masters = MasterWeights(params, lambda tensors: torch.optim.Adam(
-            tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay), host=host)
+            tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay), host=host,
+            slabs=slabs)
         self.optimizer = self.masters.optimizer
         self.offloads: dict[int, OptimizerOffload] = {}
         self.host_steps: list[HostOptimizerStep] = []
@@ -397,6 +398,7 @@ class PipelineJob:
     def close(self) -> None:
         for rt in self.runtimes:
             rt.close()
+        self.masters.close()
         if self.peers is not None:
             self.peers.close(barrier=True)
 

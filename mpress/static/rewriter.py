@@ -338,13 +338,15 @@ def host_step_stages(plan: Plan) -> frozenset[int]:
 
 def host_step_pinned_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
     """Per stage, the page-locked host memory a GPU run of `plan` pins for the stage's
-    host optimizer step: one staging buffer per parameter in the parameter's dtype
-    (gradients come in through it, rounded parameters go out), its parameters' bytes; 0
-    for a stage stepping on its device. These are pinned apart from the stage's pool
-    (`StagePlan.pinned_host_bytes`, which the runtime pins to the byte), each through
-    torch's pinned allocator, which may round a buffer up to a power of two. A CPU run
-    pins none (its parameters are host memory already)."""
-    return [c.param_bytes if _steps_on_host(sp) else 0 for sp, c in zip(plan.stages, costs)]
+    host optimizer step: a staging buffer per parameter in the parameter's dtype
+    (gradients come in through it, rounded parameters go out), all of them views of one
+    slab of the stage's parameter bytes, pinned in place up to the pool alignment
+    (`runtime/master_weights.py` slabs, a `PinnedHostPool`; torch's pinned allocator
+    would round each allocation up to a power of two); 0 for a stage stepping on its
+    device. The slab is pinned apart from the stage's pool (`StagePlan.pinned_host_bytes`).
+    A CPU run pins none (its parameters are host memory already)."""
+    return [round_up(c.param_bytes, ALIGNMENT_BYTES) if _steps_on_host(sp) else 0
+            for sp, c in zip(plan.stages, costs)]
 
 
 def host_step_host_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:

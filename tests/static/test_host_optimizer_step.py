@@ -41,6 +41,8 @@ from mpress.static.rewriter import (
     host_step_pinned_bytes,
     offloaded_optim_bytes,
 )
+from mpress.units import ALIGNMENT_BYTES, round_up
+from tests.runtime.memory.test_host_pool import FakeCudart
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES
 
 NUM_MICROBATCHES = 4
@@ -207,32 +209,41 @@ def test_cpu_local_as_shipped_times_the_host_step():
 # ---- host memory: what the runtime pins and what it keeps pageable --------------------------------
 
 @pytest.fixture
-def pin_requests(monkeypatch):
-    """Bytes of every buffer asked to be pinned with `torch.empty(..., pin_memory=True)`
-    (made unpinned: no CUDA here), as tests/runtime/test_master_pinning.py records them."""
-    asked: list[int] = []
+def pinning(monkeypatch):
+    """What a run on a GPU page-locks, here without CUDA: every `cudaHostRegister` (a fake
+    CUDA runtime records it) and every buffer asked of torch's pinned allocator
+    (`torch.empty(..., pin_memory=True)`, made unpinned), by bytes."""
+    cudart = FakeCudart()
+    torch_pinned: list[int] = []
     real_empty = torch.empty
 
     def empty(*args, pin_memory: bool = False, **kwargs):
         t = real_empty(*args, **kwargs)
         if pin_memory:
-            asked.append(t.untyped_storage().nbytes())
+            torch_pinned.append(t.untyped_storage().nbytes())
         return t
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(master_weights, "_on_accelerator", lambda p: True)  # as on a GPU
-    return asked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    return cudart, torch_pinned
 
 
-def test_pinned_and_pageable_host_bytes_are_what_the_runtime_allocates(pin_requests):
+def test_pinned_and_pageable_host_bytes_are_what_the_runtime_allocates(pinning):
+    cudart, torch_pinned = pinning
     setup, plan, _ev = plan_and_eval(host_step=(0,))
     pinned, pageable = host_step_pinned_bytes(plan, setup.costs), host_step_host_bytes(plan, setup.costs)
     assert pinned[1] == pageable[1] == 0  # the device stage keeps its optimizer on its device
     # the runtime: stage 0's parameters stepped on the host (the trainer's MasterWeights)
     module = build_stage(CFG, *RANGES[2][0], seed=0)
     params = dict(module.named_parameters())
-    mw = MasterWeights(params, lambda ts: torch.optim.Adam(ts), host=list(params))
-    assert pinned[0] == sum(pin_requests)  # the staging buffers, parameters' dtype
+    mw = MasterWeights(params, lambda ts: torch.optim.Adam(ts), host=list(params), slabs=[list(params)])
+    # one slab for the stage's staging buffers (parameters' dtype), pinned in place to the
+    # pool's alignment, not per buffer through torch's power-of-two pinned allocator
+    assert torch_pinned == []
+    assert list(cudart.registered.values()) == [pinned[0]]
+    assert pinned[0] == round_up(setup.costs[0].param_bytes, ALIGNMENT_BYTES)
     for name in params:  # Adam makes its states at its first step (on the host copies)
         mw.target(name).grad = torch.zeros_like(mw.target(name))
     mw.optimizer.step()
@@ -244,6 +255,14 @@ def test_pinned_and_pageable_host_bytes_are_what_the_runtime_allocates(pin_reque
     assert pageable[0] == host
     # the plan's pool is only what its swaps need: the staging buffers are pinned apart
     assert plan.stages[0].pinned_host_bytes == 0
+    mw.close()
+    assert cudart.registered == {}
+
+
+def test_two_host_step_stages_pin_a_slab_each():
+    setup, plan, _ev = plan_and_eval(host_step=(0, 1))
+    assert host_step_pinned_bytes(plan, setup.costs) == [round_up(c.param_bytes, ALIGNMENT_BYTES)
+                                                        for c in setup.costs]
 
 
 def test_the_plan_check_counts_the_host_steps_host_memory():

@@ -22,6 +22,7 @@ from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
 from mpress.static.host_adam import HOST_ADAM_BYTES_PER_PARAM
 from mpress.static.host_step_time import host_step_bytes, host_step_s
+from tests.runtime.memory.test_host_pool import FakeCudart
 from tests.support.tiny_pipeline import MODEL, RANGES
 
 
@@ -64,9 +65,10 @@ class _Event:
 
 @pytest.fixture
 def as_on_a_gpu(monkeypatch):
-    """Host copies get their staging buffers (unpinned: no CUDA here), as on a GPU run."""
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    """Host copies get their staging buffers (pinned by a fake CUDA runtime: no CUDA
+    here), as on a GPU run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     monkeypatch.setattr(master_weights, "_on_accelerator", lambda p: True)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)

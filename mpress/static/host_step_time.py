@@ -26,6 +26,16 @@ the staging buffer itself) and the rounding of the updated fp32 copy into the st
 buffer (`staging.copy_(master)`: r 4, w p). The DMA copies of the staging buffers across
 PCIe are the step's transfers (`lowering._host_step`), not counted here.
 
+The count assumes the temporaries' pages are resident. With glibc's default malloc, a
+temporary above its mmap threshold (32 MiB at most: any large layer's tensor) is mapped
+fresh at every step and unmapped after it, and the first touch of each page faults; on
+the development box (2 threads, 20M fp32 parameters in one tensor) torch's Adam step took
+69 ms by default (134 B/param at the measured copy bandwidth) and 22 ms (66 B/param,
+under the 72 counted) with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ raised so
+freed memory is reused. Those faults are not modelled: run such jobs with an allocator
+that keeps freed memory (those variables, jemalloc or tcmalloc), or expect about twice
+this time.
+
 Units: bytes, seconds, GB/s (1e9 bytes/s).
 """
 

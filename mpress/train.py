@@ -57,7 +57,7 @@ from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.data_parallel import make_replicas, replica_control_group
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec
-from mpress.ui import TaskProgress, make_console
+from mpress.ui import TaskProgress, make_console, say_line
 from mpress.units import fmt_bytes
 
 
@@ -84,7 +84,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     payload = broadcast(payload, control)
     if isinstance(payload, UserError):  # the same on every rank: rank 0 says it once
         if rank == 0:
-            print(f"mpress.train: error: {payload}", file=sys.stderr)
+            say_line(f"mpress.train: error: {payload}")
         return 2
     start: StartPlan = payload  # type: ignore[assignment]
     plan, ranges = start.plan, start.ranges
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(resolve_backend(cfg), timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except UserError as exc:
         if rank == 0:
-            print(f"mpress.train: error: {exc}", file=sys.stderr)
+            say_line(f"mpress.train: error: {exc}")
         return 2
     watch: RankWatch | None = None
     try:
@@ -234,7 +234,7 @@ def _stop(watch: RankWatch | None, line: str, kind: str, code: int, *, others_fi
     """This rank failed: its one line (or, when another rank's failure caused it, a line
     naming that rank: `RankWatch.fail`), the others told and waited for, then leave."""
     if watch is None:  # failed before the watch started
-        print(line, file=sys.stderr)
+        say_line(line)
         return code
     if not watch.fail(line, kind, others_first_s=others_first_s):
         time.sleep(STOP_WAIT_S)  # the watch is stopping this rank for another's failure: it prints and exits

@@ -32,6 +32,17 @@ def make_console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=None if interactive else PIPE_WIDTH, highlight=False)
 
 
+def say_line(line: str, stream: Any = None) -> None:
+    """Write `line` and its newline to `stream` (default stderr) in one write, flushed.
+    Ranks under torchrun share one stderr, unbuffered (PYTHONUNBUFFERED, as mpress's own
+    launcher sets it too): `print` writes the text and the newline in two calls, and two
+    ranks' lines then run together ("...failed (SwapError)mpress.train: rank 3: ...").
+    One short write to a pipe is atomic (POSIX, up to PIPE_BUF bytes)."""
+    stream = stream or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def _elapsed(seconds: float) -> str:
     minutes, sec = divmod(int(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{sec:02d}"

@@ -32,7 +32,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from mpress.d2d.runtime.liveness import ProcessId
+from mpress.ui import say_line
 
 POLL_INTERVAL_S = 0.5
 """How often each rank looks at the store and at its machine's processes."""
@@ -252,7 +252,7 @@ class RankWatch:
         self._store.add("stopped", 1)
 
     def _say(self, line: str) -> None:
-        print(line, file=self._err or sys.stderr, flush=True)
+        say_line(line, self._err)
 
 
 def start_rank_watch(group: dist.ProcessGroup | None, *, rank: int, world: int) -> RankWatch:

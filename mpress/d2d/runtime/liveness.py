@@ -9,6 +9,8 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from mpress.ui import say_line
+
 LAUNCHER_PID_ENV = "MPRESS_LAUNCHER_PID"
 """The pid of the `mpress train` process that started this rank (set by the launcher)."""
 
@@ -72,5 +74,5 @@ def die_with_parent() -> None:
         return
     expected = os.environ.get(LAUNCHER_PID_ENV)
     if expected and expected.isdigit() and os.getppid() != int(expected):
-        print(f"mpress.train: the launcher (pid {expected}) is gone; not starting", file=sys.stderr, flush=True)
+        say_line(f"mpress.train: the launcher (pid {expected}) is gone; not starting")
         os._exit(1)

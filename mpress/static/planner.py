@@ -144,8 +144,6 @@ class _Planner(D2DSteps):
         """Spare peer memory the current seed's first step may still give D2D, bytes."""
         self.lenders: list[int] = []
         """Devices with spare memory before any compaction (the first step's D2D targets)."""
-        self.d2d_order: list[tuple[int, int]] = []
-        """(stage, layer) the first step gave D2D, in order."""
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, d: Draft) -> Evaluation:
@@ -323,7 +321,6 @@ class _Planner(D2DSteps):
             elif what == "d2d" and c.layers[j].saved_bytes * k <= self.peer_room:
                 d.layer_tech[s][j] = [D2D] * self.num_mb
                 self.peer_room -= c.layers[j].saved_bytes * k
-                self.d2d_order.append((s, j))
                 shed += self._layer_saving(s, j, D2D) * k
             else:  # a layer (or a D2D candidate the peer room no longer holds)
                 # choose again: earlier picks may have used up the stage's PCIe time
@@ -372,7 +369,7 @@ class _Planner(D2DSteps):
             self.layer_allowed = layer_techniques
             self.model_data_host = model_data_host
             self.op_level = op_level
-            self.peer_room, self.d2d_order = (peer_bytes if D2D in layer_techniques else 0), []
+            self.peer_room = peer_bytes if D2D in layer_techniques else 0
             d, ev = self._fit(empty.copy(), base, live)
             pins_ok = self._pinned_bytes(d, ev) <= self.hw.pinnable_bytes
             # a seed that fits its devices but pins more than the host can does not fit
@@ -398,7 +395,7 @@ class _Planner(D2DSteps):
                         shed_any |= self.shed(d, s, need, live[s]) > 0
             if self.strategy is Strategy.D2D and shed_any and not self._map_d2d(d) and d.unplaced_why:
                 shed_any = False  # this pipeline cannot be mapped: shedding more would change nothing
-            if self.strategy is Strategy.MPRESS and self.d2d_order:
+            if self.strategy is Strategy.MPRESS and D2D in self.layer_allowed:
                 self._place_first_step_d2d(d)
             ev = self.evaluate(d)
             self.progress(f"{self.strategy}: fit round {rnd + 1} ({'+'.join(self.layer_allowed)}), iteration "

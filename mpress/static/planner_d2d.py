@@ -91,6 +91,8 @@ class D2DSteps:
                     d.pool_bytes[dev] = d.pool_bytes.get(dev, 0) + peer_quota_bytes(b)
             if overflow[s] and not total:  # no peer can take any of it: it stays on the device
                 self._keep_on_device(d, s)
+            elif overflow[s] > total:  # peers take part of it: the rest stays on the device
+                self._keep_part_on_device(d, s, overflow[s] - total)
         d.unplaced_bytes = a.unplaced_bytes
         d.unplaced_why = ""
         return a.unplaced_bytes == 0
@@ -127,19 +129,28 @@ class D2DSteps:
         return sum(problem.spare_bytes) + sum(problem.idle_spare_bytes[dev] for dev in idle), sorted(devices)
 
     def _place_first_step_d2d(self, d: Draft) -> None:
-        """Map the D2D layers the first step chose (`d2d_order`); what the mapper cannot
-        place goes back to the device, last chosen first, and the seed's peer room is spent
-        (the next fit round sheds those layers with the other techniques)."""
-        placed = self._map_d2d(d)
-        while not placed and self.d2d_order:
-            unplaced = d.unplaced_bytes
-            while self.d2d_order and unplaced > 0:
-                s, j = self.d2d_order.pop()
-                if D2D in d.layer_tech[s][j]:
-                    d.layer_tech[s][j] = [KEEP] * self.num_mb
-                    unplaced -= self.costs[s].layers[j].saved_bytes * self.in_flight[s]
+        """Map the D2D layers the first step chose; what the mapper cannot place stays on
+        the device (`_map_d2d`), the rest is mapped again, and the seed's peer room is
+        spent (the next fit round sheds those layers with the other techniques)."""
+        while not self._map_d2d(d):  # each failure keeps some data on its device: this ends
             self.peer_room = 0
-            placed = self._map_d2d(d)
+
+    def _keep_part_on_device(self, d: Draft, s: int, nbytes: int) -> None:
+        """At least `nbytes` of stage s's D2D data become keep, its last layers first (then
+        stashed weights, then optimizer data), so what is left fits the stripes the mapper
+        placed (their quotas hold the placed bytes)."""
+        c, k = self.costs[s], self.in_flight[s]
+        for j in reversed(range(len(c.layers))):
+            if nbytes <= 0:
+                return
+            if D2D in d.layer_tech[s][j]:
+                d.layer_tech[s][j] = [KEEP if t == D2D else t for t in d.layer_tech[s][j]]
+                nbytes -= c.layers[j].saved_bytes * k
+        if nbytes > 0 and d.stash[s] == D2D:
+            d.stash[s] = KEEP
+            nbytes -= (k - 1) * c.param_bytes
+        if nbytes > 0 and d.optim[s] == D2D:
+            d.optim[s] = KEEP
 
     @staticmethod
     def _keep_on_device(d: Draft, s: int) -> None:

@@ -85,3 +85,19 @@ def test_recompute_maxsize_is_bounded_by_device_memory():
 def test_time_budget_bounds_the_search():
     row = find_max_size("gpt", DGX1, "recompute", time_budget_s=0.0, **SHAPE)
     assert row.bound is Bound.TIME
+
+
+def test_d2d_short_of_peer_memory_is_bound_by_peer_memory():
+    # the d2d strategy on a model whose overflow exceeds what peers can lend: what no peer
+    # takes stays on its device and overflows it, but the cause is the peers' memory
+    from mpress.hardware import load_hardware
+    from mpress.model_config import load_model_config
+    from mpress.static.evaluate import setup_pipeline
+    from mpress.static.maxsize import Bound, plan_bound
+    from mpress.static.planner import plan_strategy
+    hw = load_hardware("dgx1-v100")
+    setup = setup_pipeline(load_model_config("gpt-10.3b"), hw, schedule="1f1b", num_stages=8,
+                           microbatch_size=2, num_microbatches=16)
+    result = plan_strategy(setup, "d2d")
+    assert not result.fits and result.draft.unplaced_bytes > 0
+    assert plan_bound(hw, result) is Bound.PEER_MEMORY

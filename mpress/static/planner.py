@@ -53,7 +53,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from mpress.d2d.static.ports import nvlink_egress_gbps
 from mpress.errors import UserError
 from mpress.hardware import Hardware
 from mpress.plan import (
@@ -196,26 +195,6 @@ class _Planner(D2DSteps):
             need[dev] = need.get(dev, 0) + m.total_bytes
         copying = [dev for dev, b in need.items() if b > self.capacity]
         return pcie_sharers(self.hw, self.setup.stage_to_device[s], copying)
-
-    def _d2d_roundtrip_s(self, nbytes: int, s: int) -> float:
-        """A D2D swap's round trip for stage s before the mapper has placed it: out and
-        back striped over its device's NVLink to the devices with spare memory
-        (`ports.nvlink_egress_gbps`); inf when none is linked to it."""
-        gbps = nvlink_egress_gbps(self.hw, self.setup.stage_to_device[s], self.lenders)
-        if gbps <= 0:
-            return math.inf
-        return 2 * (self.hw.nvlink_latency_s + nbytes / (gbps * 1e9))
-
-    def _d2d_cost(self, s: int, j: int, live: list[float]) -> float | None:
-        """Exposed seconds of swapping layer j of stage s to peers in every microbatch (the
-        part of the round trip its live interval does not hide), or None when the seed
-        gives no D2D or its peer room cannot hold the layer's microbatches in flight."""
-        layer = self.costs[s].layers[j]
-        if D2D not in self.layer_allowed or not layer.saved_bytes \
-                or layer.saved_bytes * self.in_flight[s] > self.peer_room:
-            return None
-        roundtrip = self._d2d_roundtrip_s(layer.saved_bytes, s)
-        return sum(max(roundtrip - x, 0.0) for x in live)
 
     def _choose(self, s: int, j: int, live: list[float], pcie_used_s: float,
                 pcie_budget_s: float) -> tuple[list[str], float, float]:

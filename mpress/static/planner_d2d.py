@@ -1,6 +1,8 @@
-"""The planner's D2D steps (PAPERS.md section 1, step 5): which data goes to peers, the
-device mapping that gives it spare peer memory over NVLink, and the rounds that move the
-costliest compacted layers to peers while the emulated iteration gets faster.
+"""The planner's D2D steps (PAPERS.md section 1, steps 3 and 5): what a D2D swap costs
+before the mapper has placed it and how much spare peer memory the first step may give
+out, which data goes to peers, the device mapping that gives it spare peer memory over
+NVLink, and the rounds that move the costliest compacted layers to peers while the
+emulated iteration gets faster.
 
 `D2DSteps` is a mixin of the planner (`planner.py`): it reads the planner's setup, costs,
 capacity, options and `evaluate`, and records the mapper's time in `mapping_s`.
@@ -9,10 +11,12 @@ capacity, options and `evaluate`, and records the mapper's time in `mapping_s`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from mpress.actions import UnitId, UnitKind
 from mpress.d2d.static.mapper import map_devices
+from mpress.d2d.static.ports import nvlink_egress_gbps
 from mpress.d2d.static.mapping import Assignment, MappingProblem, assign_spare, exporter_context_bytes
 from mpress.static.evaluate import Evaluation
 from mpress.static.plan_draft import D2D, KEEP, RECOMPUTE, Draft, peer_quota_bytes, quota_payload_bytes
@@ -40,6 +44,26 @@ class D2DSteps:
                 d.layer_tech[s][j] = [D2D] * self.num_mb
                 shed += c.layers[j].saved_bytes * k
         return shed
+
+    def _d2d_roundtrip_s(self, nbytes: int, s: int) -> float:
+        """A D2D swap's round trip for stage s before the mapper has placed it: out and
+        back striped over its device's NVLink to the devices with spare memory
+        (`ports.nvlink_egress_gbps`); inf when none is linked to it."""
+        gbps = nvlink_egress_gbps(self.hw, self.setup.stage_to_device[s], self.lenders)
+        if gbps <= 0:
+            return math.inf
+        return 2 * (self.hw.nvlink_latency_s + nbytes / (gbps * 1e9))
+
+    def _d2d_cost(self, s: int, j: int, live: list[float]) -> float | None:
+        """Exposed seconds of swapping layer j of stage s to peers in every microbatch (the
+        part of the round trip its live interval does not hide), or None when the seed
+        gives no D2D or its peer room cannot hold the layer's microbatches in flight."""
+        layer = self.costs[s].layers[j]
+        if D2D not in self.layer_allowed or not layer.saved_bytes \
+                or layer.saved_bytes * self.in_flight[s] > self.peer_room:
+            return None
+        roundtrip = self._d2d_roundtrip_s(layer.saved_bytes, s)
+        return sum(max(roundtrip - x, 0.0) for x in live)
 
     def _d2d_bytes(self, d: Draft, s: int) -> int:
         """Peer-pool bytes stage s needs: its D2D data at the stage's peak."""

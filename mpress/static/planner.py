@@ -297,9 +297,9 @@ class _Planner(D2DSteps):
             elif what == "whole":
                 shed += (self._layer_saving(s, j, RECOMPUTE) - self._layer_saving(s, j, RECOMPUTE, d.choice(s, j))) * k
                 d.recompute_choice.pop((s, j), None)
-            elif what == "d2d" and c.layers[j].saved_bytes * k <= self.peer_room:
+            elif what == "d2d" and self._layer_peer_bytes(s, j) <= self.peer_room:
                 d.layer_tech[s][j] = [D2D] * self.num_mb
-                self.peer_room -= c.layers[j].saved_bytes * k
+                self.peer_room -= self._layer_peer_bytes(s, j)
                 shed += self._layer_saving(s, j, D2D) * k
             else:  # a layer (or a D2D candidate the peer room no longer holds)
                 # choose again: earlier picks may have used up the stage's PCIe time

@@ -42,7 +42,7 @@ class D2DSteps:
                 break
             if all(t == KEEP for t in d.layer_tech[s][j]) and c.layers[j].saved_bytes:
                 d.layer_tech[s][j] = [D2D] * self.num_mb
-                shed += c.layers[j].saved_bytes * k
+                shed += self._layer_peer_bytes(s, j)
         return shed
 
     def _d2d_roundtrip_s(self, nbytes: int, s: int) -> float:
@@ -60,15 +60,20 @@ class D2DSteps:
         gives no D2D or its peer room cannot hold the layer's microbatches in flight."""
         layer = self.costs[s].layers[j]
         if D2D not in self.layer_allowed or not layer.saved_bytes \
-                or layer.saved_bytes * self.in_flight[s] > self.peer_room:
+                or self._layer_peer_bytes(s, j) > self.peer_room:
             return None
         roundtrip = self._d2d_roundtrip_s(layer.saved_bytes, s)
         return sum(max(roundtrip - x, 0.0) for x in live)
 
+    def _layer_peer_bytes(self, s: int, j: int) -> int:
+        """Peer-pool bytes layer j of stage s takes when it goes to peers: what it saves,
+        in every microbatch in flight at the stage's peak."""
+        return self.costs[s].layers[j].saved_bytes * self.in_flight[s]
+
     def _d2d_bytes(self, d: Draft, s: int) -> int:
         """Peer-pool bytes stage s needs: its D2D data at the stage's peak."""
         c, k = self.costs[s], self.in_flight[s]
-        act = sum(c.layers[j].saved_bytes for j in range(len(c.layers)) if D2D in d.layer_tech[s][j]) * k
+        act = sum(self._layer_peer_bytes(s, j) for j in range(len(c.layers)) if D2D in d.layer_tech[s][j])
         if d.optim[s] == D2D:
             act += c.optim_bytes + c.master_bytes
         if d.stash[s] == D2D:
@@ -169,7 +174,7 @@ class D2DSteps:
                 return
             if D2D in d.layer_tech[s][j]:
                 d.layer_tech[s][j] = [KEEP if t == D2D else t for t in d.layer_tech[s][j]]
-                nbytes -= c.layers[j].saved_bytes * k
+                nbytes -= self._layer_peer_bytes(s, j)
         if nbytes > 0 and d.stash[s] == D2D:
             d.stash[s] = KEEP
             nbytes -= (k - 1) * c.param_bytes
@@ -215,7 +220,7 @@ class D2DSteps:
             chosen: list[tuple[int, int]] = []
             per_stage: dict[int, int] = {}
             for _o, s, j in (x for x in self._overhead_by_layer(ev, d) if x[0] > 0):
-                need = self.costs[s].layers[j].saved_bytes * self.in_flight[s]
+                need = self._layer_peer_bytes(s, j)
                 if need > room or per_stage.get(s, 0) >= self.options.d2d_layers_per_round:
                     continue
                 chosen.append((s, j))

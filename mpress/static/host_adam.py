@@ -31,11 +31,21 @@ def host_adam_step_s(num_params: int, hardware: Hardware, sharers: int = 1) -> f
     Raises UserError when the hardware states no `host_memory_gbps` (the step's only rate)."""
     if num_params < 0:
         raise ValueError(f"num_params must be >= 0, got {num_params}")
+    return host_dram_s(num_params * HOST_ADAM_BYTES_PER_PARAM, hardware, sharers)
+
+
+def host_dram_s(nbytes: int, hardware: Hardware, sharers: int = 1) -> float:
+    """Seconds a host (CPU) optimizer step that reads and writes `nbytes` of host DRAM
+    takes while `sharers` processes (this one included) step at once, each getting
+    1/sharers of `host_memory_gbps`: the one rate of every CPU step, DeepSpeed's cpu_adam
+    (`host_adam_step_s`) and torch's Adam as the runtime runs it (`host_step_time`).
+
+    Raises UserError when the hardware states no `host_memory_gbps`."""
     if sharers < 1:
         raise ValueError(f"sharers must be >= 1, got {sharers}")
-    if num_params == 0:
+    if nbytes == 0:
         return 0.0
     if hardware.host_memory_gbps is None:
         raise UserError(f"hardware {hardware.name}: host_memory_gbps is not set; a host (CPU) optimizer "
                         f"step needs the host DRAM bandwidth (GB/s)")
-    return num_params * HOST_ADAM_BYTES_PER_PARAM * sharers / (hardware.host_memory_gbps * 1e9)
+    return nbytes * sharers / (hardware.host_memory_gbps * 1e9)

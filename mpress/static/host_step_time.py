@@ -41,8 +41,8 @@ Units: bytes, seconds, GB/s (1e9 bytes/s).
 
 from __future__ import annotations
 
-from mpress.errors import UserError
 from mpress.hardware import Hardware
+from mpress.static.host_adam import host_dram_s
 
 MASTER_BYTES = 4
 """fp32: what torch's Adam steps on the host (the master copy, its gradient and states)."""
@@ -67,15 +67,7 @@ def host_step_bytes(num_params: int, param_bytes: int) -> int:
 def host_step_s(num_params: int, param_bytes: int, hardware: Hardware, sharers: int = 1) -> float:
     """Seconds of one host step over `num_params` parameters (`param_bytes` in all) while
     `sharers` ranks (this one included) step on the host at once, each getting 1/sharers of
-    the host DRAM bandwidth.
+    the host DRAM bandwidth (`host_adam.host_dram_s`).
 
     Raises UserError when the hardware states no `host_memory_gbps` (the step's only rate)."""
-    if sharers < 1:
-        raise ValueError(f"sharers must be >= 1, got {sharers}")
-    nbytes = host_step_bytes(num_params, param_bytes)
-    if nbytes == 0:
-        return 0.0
-    if hardware.host_memory_gbps is None:
-        raise UserError(f"hardware {hardware.name} states no host_memory_gbps: a plan's optimizer_step: host "
-                        f"is timed by the host DRAM bandwidth (GB/s); give it in the hardware file")
-    return nbytes * sharers / (hardware.host_memory_gbps * 1e9)
+    return host_dram_s(host_step_bytes(num_params, param_bytes), hardware, sharers)

@@ -44,8 +44,8 @@ from rich.table import Table
 
 from mpress.d2d.runtime.peer_pool import setup_peer_pools
 from mpress.d2d.runtime.peer_store import PeerStore
-from mpress.identity import TensorKey
-from mpress.plan import Plan, StagePlan, Stripe, TensorRule
+from mpress.contract.identity import TensorKey
+from mpress.contract.plan import Plan, StagePlan, Stripe, TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine

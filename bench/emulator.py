@@ -22,13 +22,13 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
-from mpress.hardware import load_hardware
-from mpress.model_config import load_model_config
-from mpress.plan import TensorRule
-from mpress.static.emulator import emulate
-from mpress.static.evaluate import evaluate, setup_pipeline
-from mpress.static.plan_eval import evaluate_plan
-from mpress.static.planner import plan_strategy
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import TensorRule
+from mpress.static.emulate.emulator import emulate
+from mpress.static.plan.evaluate import evaluate, setup_pipeline
+from mpress.static.plan.plan_eval import evaluate_plan
+from mpress.static.plan.planner import plan_strategy
 
 
 def main() -> None:

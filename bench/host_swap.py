@@ -41,7 +41,7 @@ silently.
 
 Memory: the peak above what was live when the step started (parameters, gradients,
 inputs). On CUDA `torch.cuda.max_memory_allocated`, on every timed step. On CPU every
-byte on the stand-in device as the runtime counts a CPU rank (`mpress.live_bytes.
+byte on the stand-in device as the runtime counts a CPU rank (`mpress.contract.live_bytes.
 LiveBytes`; the pinned pool is host memory), on one more step per variant after the
 timed rounds (untimed: its dispatch hook would slow the timed steps); save_on_cpu is not
 measured on CPU, where its host copies cannot be told from device bytes. Bytes moved per
@@ -77,7 +77,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mpress.errors import UserError
-from mpress.model_config import ModelConfig, load_model_config
+from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.models import build_stage
 from mpress.models.transformer import check_layer_range
 

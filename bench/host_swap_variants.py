@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpress.actions import Action, Kind, UnitId, UnitKind, format_actions
-from mpress.live_bytes import LiveBytes
-from mpress.model_config import ModelConfig
+from mpress.contract.actions import Action, Kind, UnitId, UnitKind, format_actions
+from mpress.contract.live_bytes import LiveBytes
+from mpress.config.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
-from mpress.plan import StagePlan, TensorRule
+from mpress.contract.plan import StagePlan, TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.program import RankProgram
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine, SwapStats
-from mpress.units import ALIGNMENT_BYTES
+from mpress.config.units import ALIGNMENT_BYTES
 
 POOL_SLACK = 1.25
 """Pinned pool over the census's activation bytes (alignment, blocks of a step still

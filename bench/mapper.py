@@ -22,8 +22,8 @@ from rich.table import Table
 
 from mpress.d2d.static.mapper import map_devices
 from mpress.d2d.static.mapping import MapperResult, MappingProblem, mapping_value
-from mpress.hardware import load_hardware
-from mpress.units import fmt_bytes, fmt_seconds
+from mpress.hardware.server import load_hardware
+from mpress.config.units import fmt_bytes, fmt_seconds
 from tests.support.mapper import brute_force, mesh16  # test fixtures, not package code: needs PYTHONPATH=.
 
 GB = 10**9

@@ -4,7 +4,7 @@ Runs every shipped train config (`configs/train/*.yaml`) through the documented 
 (`python -m torch.distributed.run ... -m mpress.train`) for a few steps on CPU ranks, and
 the main job (`gpt-tiny-mixed`) once more with `plan: none`, and prints per rank: the
 emulator's predicted peak of the same program, the measured peak (every byte on the
-rank's stand-in device, `mpress.live_bytes`), their ratio, and the configured
+rank's stand-in device, `mpress.contract.live_bytes`), their ratio, and the configured
 `device_memory` budget. A run that goes over its budget stops with the out-of-memory
 error; that is a result too (the plain run of the main job must). Exit status 1 when a
 measured peak is above its prediction.
@@ -26,7 +26,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from mpress.units import fmt_bytes, parse_bytes
+from mpress.config.units import fmt_bytes, parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_JOB = "gpt-tiny-mixed"

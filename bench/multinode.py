@@ -4,7 +4,7 @@ For each model and server (dgx-a100, hgx-h100, with their InfiniBand NICs from
 configs/clusters/): plan the `mpress` strategy for one 8-stage 1F1B pipeline on one node
 (16 microbatches of 1), then emulate that plan replicated on N nodes with data
 parallelism across them (DDP: each stage's gradients all-reduced over its GPU's NIC in
-25 MB buckets, overlapped with the stage's last backward; `mpress.static.data_parallel`).
+25 MB buckets, overlapped with the stage's last backward; `mpress.static.emulate.dp_reduction`).
 Under DDP every replica holds what one server holds plus DDP's buckets (a copy of the
 gradients), whatever N > 1: one plan for one node, one for every N > 1; with --sharding
 fsdp (sharded states free memory, more the more nodes) every node count is planned
@@ -27,14 +27,15 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from mpress.cluster import Sharding, make_cluster
-from mpress.hardware import load_hardware
-from mpress.model_config import load_model_config
-from mpress.static.data_parallel import DataParallel, exposed_reduction_s, reduction_busy_s
-from mpress.static.evaluate import PipelineSetup, setup_pipeline
-from mpress.static.plan_eval import evaluate_plan
-from mpress.static.planner import plan_strategy
-from mpress.units import fmt_seconds
+from mpress.hardware.cluster import Sharding, make_cluster
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import load_model_config
+from mpress.static.emulate.dp_reduction import exposed_reduction_s, reduction_busy_s
+from mpress.static.memory.data_parallel import DataParallel
+from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
+from mpress.static.plan.plan_eval import evaluate_plan
+from mpress.static.plan.planner import plan_strategy
+from mpress.config.units import fmt_seconds
 
 STAGES, MICROBATCHES, MICROBATCH_SIZE = 8, 16, 1
 

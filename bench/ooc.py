@@ -38,20 +38,20 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from mpress.hardware import load_hardware
+from mpress.hardware.server import load_hardware
 from mpress.launcher.job import start_job
-from mpress.model_config import load_model_config
+from mpress.config.model_config import load_model_config
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import DataConfig
 from mpress.runtime.trainer import JobSpec
-from mpress.static.evaluate import evaluate
-from mpress.static.measured import measure_model_profile
-from mpress.static.ooc_model import OocModel, ooc_setup, single_device, with_host_link
-from mpress.static.ooc_point import POLICIES, plan_host_swap
-from mpress.static.plan_eval import complete_plan
-from mpress.static.planner import plan_strategy
-from mpress.units import fmt_bytes
-from mpress.vocabulary import Strategy
+from mpress.static.plan.evaluate import evaluate
+from mpress.static.profile.measured import measure_model_profile
+from mpress.static.studies.ooc_model import OocModel, ooc_setup, single_device, with_host_link
+from mpress.static.studies.ooc_point import POLICIES, plan_host_swap
+from mpress.static.plan.plan_eval import complete_plan
+from mpress.static.plan.planner import plan_strategy
+from mpress.config.units import fmt_bytes
+from mpress.config.vocabulary import Strategy
 
 THREADS = 1
 """Torch threads for the profile and every run (the profile's times are this machine's)."""

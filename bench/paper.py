@@ -45,18 +45,18 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
-from mpress.hardware import Hardware, load_hardware
-from mpress.model_config import load_model_config
+from mpress.hardware.server import Hardware, load_hardware
+from mpress.config.model_config import load_model_config
 from mpress.models import num_parameters
-from mpress.settings import Setting, load_setting
-from mpress.static.ablation import Ablation, ablate
-from mpress.static.evaluate import PipelineSetup, setup_pipeline
-from mpress.static.maxsize import MaxSize, find_max_size
-from mpress.static.planner import PlanResult, plan_strategy
-from mpress.static.zero import BaselineResult, plan_zero, zero_variants
+from mpress.config.settings import Setting, load_setting
+from mpress.static.studies.ablation import Ablation, ablate
+from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
+from mpress.static.studies.maxsize import MaxSize, find_max_size
+from mpress.static.plan.planner import PlanResult, plan_strategy
+from mpress.static.baselines.zero import BaselineResult, plan_zero, zero_variants
 from mpress.ui import TaskProgress, make_console, print_json
-from mpress.units import fmt_bytes, fmt_seconds
-from mpress.vocabulary import Strategy, Technique
+from mpress.config.units import fmt_bytes, fmt_seconds
+from mpress.config.vocabulary import Strategy, Technique
 
 COMPACTING = (Technique.RECOMPUTE, Technique.HOST, Technique.D2D)
 

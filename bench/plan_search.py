@@ -26,11 +26,11 @@ from rich.console import Console
 from rich.table import Table
 
 from mpress.errors import UserError
-from mpress.hardware import Hardware, load_hardware
-from mpress.model_config import load_model_config, model_presets
-from mpress.static.evaluate import setup_pipeline
-from mpress.static.planner import PlannerOptions, plan_strategy
-from mpress.vocabulary import Strategy
+from mpress.hardware.server import Hardware, load_hardware
+from mpress.config.model_config import load_model_config, model_presets
+from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.planner import PlannerOptions, plan_strategy
+from mpress.config.vocabulary import Strategy
 
 
 def billion_presets() -> list[str]:

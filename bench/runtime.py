@@ -16,7 +16,7 @@ Every variant but the last is a plan written here (rules only), so each gets the
 its rules make, as `mpress plan` would write it (the static rewriter's action lists),
 and pools sized for that program: pinned pools for what it holds at once, D2D quotas
 for half of that per peer (the planner's quota slack on top); the plan's pinned figure
-includes its fragmentation headroom (`mpress.static.host_memory`). Jobs are started as the launcher starts them
+includes its fragmentation headroom (`mpress.static.emulate.host_memory`). Jobs are started as the launcher starts them
 (`start_job`: peer pools first when a plan uses them).
 The variants run in interleaved rounds of a few steps each, so load drift on the machine
 hits them alike. Per variant: median step time, its ratio to plain, and the largest
@@ -46,18 +46,18 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
-from mpress.actions import Kind
-from mpress.hardware import load_hardware
+from mpress.contract.actions import Kind
+from mpress.hardware.server import load_hardware
 from mpress.launcher.job import start_job
-from mpress.model_config import ModelConfig
+from mpress.config.model_config import ModelConfig
 from mpress.models import layer_names
-from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
+from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec
-from mpress.static.evaluate import setup_pipeline
-from mpress.static.plan_draft import peer_quota_bytes
-from mpress.static.plan_eval import complete_plan
+from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.plan_draft import peer_quota_bytes
+from mpress.static.plan.plan_eval import complete_plan
 
 WORLD = 4
 STEPS_PER_ROUND = 4

@@ -52,7 +52,7 @@ from mpress.tiling.graph import from_sequential
 from mpress.tiling.memory import LiveBytes, cuda_peak_bytes
 from mpress.tiling.networks import vgg16
 from mpress.tiling.planner import OutOfMemory, TilingPlan, search, step_cost
-from mpress.units import fmt_bytes, parse_bytes
+from mpress.config.units import fmt_bytes, parse_bytes
 
 SEGMENT_COUNTS = [2, 3, 4, 6, 8, 12, 16, 31]
 """checkpoint_sequential segment counts tried (VGG-16 has 31 feature layers)."""

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_swap_variants import build_variants, make_batch, take_census  # noqa: E402
 
 from mpress.errors import UserError  # noqa: E402
-from mpress.identity import TensorKey  # noqa: E402
-from mpress.model_config import load_model_config  # noqa: E402
+from mpress.contract.identity import TensorKey  # noqa: E402
+from mpress.config.model_config import load_model_config  # noqa: E402
 from mpress.models import build_stage  # noqa: E402
 from mpress.runtime.memory.host_pool import PinnedHostPool  # noqa: E402
 from mpress.runtime.memory.manager import MemoryManager  # noqa: E402

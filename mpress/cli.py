@@ -46,8 +46,8 @@ train config's keys (--num-stages, --num-microbatches, --microbatch-size,
 def _epilog() -> str:
     """Presets and exit status, listed from the config directories."""
     from mpress.commands.flags import EXIT_STATUS
-    from mpress.hardware import hardware_presets
-    from mpress.model_config import model_presets
+    from mpress.config.presets import hardware_presets
+    from mpress.config.model_config import model_presets
     from mpress.runtime.train_config import train_presets
 
     width = 88

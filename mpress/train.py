@@ -6,7 +6,7 @@ torchrun they are started as
     python3 -m torch.distributed.run --nproc-per-node 4 -m mpress.train \\
         --config configs/train/gpt-tiny-mixed.yaml [--steps 10 --optimizer.lr 1e-3 ...]
 
-(`--<dotted.key> VALUE`: overrides of the config's keys, mpress/overrides.py).
+(`--<dotted.key> VALUE`: overrides of the config's keys, mpress/config/overrides.py).
 
 One stage per rank (GPipe, 1F1B), or several (interleaved 1F1B), with torch.distributed.pipelining's schedules. The config names
 the plan: a file from `mpress plan`, `auto` (rank 0 plans at start-up for the config's
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mpress.config import write_text_atomic
+from mpress.config.loader import write_text_atomic
 from mpress.d2d.runtime.liveness import die_with_parent
 from mpress.errors import UserError
 from mpress.launcher import run_trace
@@ -51,14 +51,14 @@ from mpress.launcher.job import start_job
 from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
-from mpress.overrides import parse_override_args
+from mpress.config.overrides import parse_override_args
 from mpress.models.user import UserModel
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.data_parallel import make_replicas, replica_control_group
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec
 from mpress.ui import TaskProgress, make_console, say_line
-from mpress.units import fmt_bytes
+from mpress.config.units import fmt_bytes
 
 
 def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: RankWatch | None = None) -> int:
@@ -191,7 +191,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
 
 def main(argv: list[str] | None = None) -> int:
     """One rank: `--config CFG [--<dotted.key> VALUE ...]` (the overrides `mpress train`
-    checked before it launched this rank; mpress/overrides.py)."""
+    checked before it launched this rank; mpress/config/overrides.py)."""
     die_with_parent()  # no rank outlives its launcher (mpress train, torchrun's agent)
     parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="training config: configs/train/<name>.yaml or a name")

@@ -29,12 +29,12 @@ from mpress.commands.pipeline_args import (
     setup_from_args,
 )
 from mpress.errors import PlanError, UserError
-from mpress.plan import Plan
-from mpress.static.evaluate import Evaluation, evaluate
-from mpress.static.plan_eval import check_plan_for_setup, evaluate_plan
-from mpress.config import output_path_arg
+from mpress.contract.plan import Plan
+from mpress.static.plan.evaluate import Evaluation, evaluate
+from mpress.static.plan.plan_eval import check_plan_for_setup, evaluate_plan
+from mpress.config.loader import output_path_arg
 from mpress.ui import make_console, print_json
-from mpress.units import fmt_bytes, fmt_seconds
+from mpress.config.units import fmt_bytes, fmt_seconds
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(line, markup=False, soft_wrap=True)
     written: dict[str, str] = {}
     if args.trace:
-        from mpress.static.trace import write_trace
+        from mpress.static.emulate.trace import write_trace
         names = setup.profile.layer_names()
         write_trace(ev.result, args.trace, layer_names=[names[a:b] for a, b in setup.ranges])
         written["trace"] = args.trace
@@ -187,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
     strategy = plan.strategy if plan is not None else "no compaction"
     what = f"{setup.model.name} on {setup.hardware.name}, {setup.schedule.name}, {strategy}"
     if args.plot:
-        from mpress.static.memory_breakdown import peak_breakdown
-        from mpress.static.plots import plot_memory
+        from mpress.static.emulate.breakdown import peak_breakdown
+        from mpress.static.studies.plots import plot_memory
         breakdown = peak_breakdown(ev.result, setup.costs, weight_stashing=setup.schedule.weight_stashing)
         plot_memory(ev.result, args.plot, title=f"memory of {what}, iteration {fmt_seconds(ev.result.iteration_s)}",
                     breakdown=breakdown)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if args.map:
         if plan is None:
             raise UserError("--map: needs a plan (mpress emulate PLAN --map map.png); without one every layer is kept")
-        from mpress.static.technique_map import plot_technique_map, technique_map
+        from mpress.static.studies.technique_map import plot_technique_map, technique_map
         plot_technique_map(technique_map(plan, setup), args.map, title=f"techniques of {what}")
         written["map"] = args.map
         console.print(f"technique map written to {args.map}")

@@ -16,12 +16,12 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from mpress import limits
-from mpress.cluster import MAX_NODES, Sharding
-from mpress.config import int_arg
+from mpress.config import limits
+from mpress.hardware.cluster import MAX_NODES, Sharding
+from mpress.config.loader import int_arg
 from mpress.errors import UserError
-from mpress.units import parse_bytes
-from mpress.vocabulary import ScheduleName, Strategy, SwapInPolicy
+from mpress.config.units import parse_bytes
+from mpress.config.vocabulary import ScheduleName, Strategy, SwapInPolicy
 
 EXIT_STATUS = """\
 exit status:

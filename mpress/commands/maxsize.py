@@ -34,13 +34,14 @@ from mpress.commands.pipeline_args import (
     setting_from_args,
 )
 from mpress.errors import UserError
-from mpress.hardware import Hardware, hardware_presets, load_hardware
-from mpress.static.maxsize import MaxSize, find_max_size
-from mpress.static.zero import ZERO_VARIANTS, zero_variants
-from mpress.vocabulary import Strategy
-from mpress.config import int_arg, output_path_arg
+from mpress.hardware.server import Hardware, load_hardware
+from mpress.config.presets import hardware_presets
+from mpress.static.studies.maxsize import MaxSize, find_max_size
+from mpress.static.baselines.zero import ZERO_VARIANTS, zero_variants
+from mpress.config.vocabulary import Strategy
+from mpress.config.loader import int_arg, output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
-from mpress.units import fmt_bytes, fmt_seconds
+from mpress.config.units import fmt_bytes, fmt_seconds
 
 FAMILIES = ("gpt", "bert")
 DEFAULT_FAMILY = "gpt"
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             if r.bound_detail:
                 console.print(f"{r.strategy}: bound by {_bound(r)}: {r.bound_detail}", markup=False, soft_wrap=True)
     if args.plot:
-        from mpress.static.plots import plot_maxsize
+        from mpress.static.studies.plots import plot_maxsize
         plot_maxsize(rows, args.plot, title)
         console.print(f"bar chart written to {args.plot}")
     return 0

@@ -28,16 +28,17 @@ from collections.abc import Callable
 
 from rich.table import Table
 
-from mpress import limits
+from mpress.config import limits
 from mpress.commands.flags import add_command, add_flag, bytes_arg
-from mpress.config import int_arg, output_path_arg
+from mpress.config.loader import int_arg, output_path_arg
 from mpress.errors import UserError
-from mpress.hardware import Hardware, hardware_presets
+from mpress.hardware.server import Hardware
+from mpress.config.presets import hardware_presets
 from mpress.models.user_module import parse_layers
-from mpress.static.ooc_model import DEFAULT_IMAGE_SIZE, OocModel, host_link_gbps, load_ooc_model, \
+from mpress.static.studies.ooc_model import DEFAULT_IMAGE_SIZE, OocModel, host_link_gbps, load_ooc_model, \
     load_single_device, model_choices
-from mpress.static.ooc_point import POLICIES, OocPoint, PolicyRun, evaluate_point
-from mpress.static.ooc_sweeps import (
+from mpress.static.studies.ooc_point import POLICIES, OocPoint, PolicyRun, evaluate_point
+from mpress.static.studies.ooc_sweeps import (
     DEFAULT_BANDWIDTHS_GBPS,
     BandwidthPoint,
     bandwidth_sweep,
@@ -52,7 +53,7 @@ from mpress.static.ooc_sweeps import (
 )
 from mpress.tiling.networks import NETWORKS
 from mpress.ui import TaskProgress, make_console, print_json
-from mpress.units import fmt_bytes, fmt_seconds
+from mpress.config.units import fmt_bytes, fmt_seconds
 
 DEFAULT_HARDWARE = "hgx-h100"
 DEFAULT_MODEL = "vgg16"
@@ -220,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(batch_table(model, points))
         if args.plot:
-            from mpress.static.ooc_sweeps import plot_batch_sweep
+            from mpress.static.studies.ooc_sweeps import plot_batch_sweep
             plot_batch_sweep(points, args.plot, f"{model.name} on one {hardware.device.name}")
     elif args.sweep == "bandwidth":
         batch = args.batch_size or _default_batch(model, hardware, sources)
@@ -233,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             console.print(bandwidth_table(model, rows))
         if args.plot:
-            from mpress.static.ooc_sweeps import plot_bandwidth_sweep
+            from mpress.static.studies.ooc_sweeps import plot_bandwidth_sweep
             plot_bandwidth_sweep(rows, args.plot, f"{model.name}, batch {batch}, on one {hardware.device.name}")
     else:
         batch = args.batch_size or _default_batch(model, hardware, sources)

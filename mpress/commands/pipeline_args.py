@@ -4,7 +4,7 @@
 (`add_pipeline_args`) and resolve what is left unset the same way (`resolve_shape`):
 
 - a plan given to `emulate` sets everything it records;
-- `--setting NAME` (`mpress.settings`): its schedule, stages, microbatch size and count
+- `--setting NAME` (`mpress.config.settings`): its schedule, stages, microbatch size and count
   are the defaults of those flags, its precision replaces the model's, its first model
   and first server are the defaults of `--model` and `--hardware`;
 - the schedule defaults to 1f1b;
@@ -27,18 +27,20 @@ from dataclasses import dataclass, field, fields, replace
 
 from mpress.commands.flags import add_flag
 from mpress.errors import UserError
-from mpress.hardware import Hardware, hardware_presets, load_hardware
-from mpress.model_config import DTYPE_BYTES, ModelConfig, model_presets
-from mpress.plan import Plan
+from mpress.hardware.server import Hardware, load_hardware
+from mpress.config.presets import hardware_presets
+from mpress.config.model_config import DTYPE_BYTES, ModelConfig, model_presets
+from mpress.contract.plan import Plan
 from mpress.runtime.train_config import TrainConfig
-from mpress.settings import Setting, load_setting, setting_presets
-from mpress.cluster import Sharding, make_cluster
-from mpress.static.data_parallel import DataParallel, exposed_reduction_s, reduction_busy_s
-from mpress.static.emulator_result import EmulatorResult
-from mpress.static.evaluate import PipelineSetup, setup_pipeline
-from mpress.static.profile import Profile, model_for_profile
-from mpress.units import fmt_bytes, fmt_seconds
-from mpress.vocabulary import ScheduleName
+from mpress.config.settings import Setting, load_setting, setting_presets
+from mpress.hardware.cluster import Sharding, make_cluster
+from mpress.static.emulate.dp_reduction import exposed_reduction_s, reduction_busy_s
+from mpress.static.memory.data_parallel import DataParallel
+from mpress.static.emulate.emulator_result import EmulatorResult
+from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
+from mpress.static.profile.profile import Profile, model_for_profile
+from mpress.config.units import fmt_bytes, fmt_seconds
+from mpress.config.vocabulary import ScheduleName
 
 DEFAULT_MODEL = "gpt-20.4b"
 DEFAULT_HARDWARE = "dgx1-v100"
@@ -87,7 +89,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_setting_flag(p: argparse.ArgumentParser) -> None:
-    """`--setting`: a setting preset or YAML (`mpress.settings`)."""
+    """`--setting`: a setting preset or YAML (`mpress.config.settings`)."""
     add_flag(p, "setting", default=None,
              help=f"training setting ({', '.join(setting_presets())}) or YAML: its precision replaces the "
                   "model's; its schedule, stages, microbatch size and count, model and hardware are the "
@@ -244,7 +246,7 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     num_layers = len(profile.layers) if profile is not None else None
     shape_profile = profile
     if profile is None and plan is None and args.num_stages is None and setting is None:
-        from mpress.static.analytic import analytic_profile
+        from mpress.static.profile.analytic import analytic_profile
 
         # its layer count caps the default stage count; setup_pipeline would make the same
         profile = analytic_profile(model, hardware, args.microbatch_size or DEFAULT_MICROBATCH_SIZE)  # type: ignore[arg-type]
@@ -308,7 +310,7 @@ def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profil
     if args.profile or getattr(args, "module", None) or args.model:
         raise UserError("give --hf-config (profiled now) or --model, --module or --profile, not both")
     from mpress.models.user_module import parse_layers
-    from mpress.static.fake_profile import profile_hf_model
+    from mpress.static.profile.fake_profile import profile_hf_model
 
     return profile_hf_model(name, microbatch_size=args.microbatch_size or DEFAULT_MICROBATCH_SIZE,
                             hardware=hardware, fake=None, seq_len=args.seq_len,

@@ -34,16 +34,16 @@ from mpress.commands.pipeline_args import (
     setup_from_args,
 )
 from mpress.errors import UserError
-from mpress.hardware import load_hardware
-from mpress.static.evaluate import PipelineSetup
-from mpress.static.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
-from mpress.static.ablation import Ablation, ablate
-from mpress.static.zero import BaselineResult, plan_zero, zero_variants
-from mpress.static.profile import Profile
-from mpress.config import output_path_arg
+from mpress.hardware.server import load_hardware
+from mpress.static.plan.evaluate import PipelineSetup
+from mpress.static.plan.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
+from mpress.static.studies.ablation import Ablation, ablate
+from mpress.static.baselines.zero import BaselineResult, plan_zero, zero_variants
+from mpress.static.profile.profile import Profile
+from mpress.config.loader import output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
-from mpress.units import fmt_bytes, fmt_seconds
-from mpress.vocabulary import Strategy, SwapInPolicy, Technique
+from mpress.config.units import fmt_bytes, fmt_seconds
+from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,7 +91,7 @@ def profile_for_args(args: argparse.Namespace) -> Profile | None:
     if args.module and args.profile:
         raise UserError("give --module (profiled now) or --profile (made before), not both")
     if args.module:
-        from mpress.static.fake_profile import profile_user_module
+        from mpress.static.profile.fake_profile import profile_user_module
         from mpress.models.user_module import parse_layers
 
         hardware = load_hardware(args.hardware or DEFAULT_HARDWARE)
@@ -116,7 +116,7 @@ def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[
 
 
 def plan_baselines(setup: PipelineSetup) -> dict[str, BaselineResult]:
-    """The ZeRO baselines (`mpress.static.zero`) for the setup's model, batch and server;
+    """The ZeRO baselines (`mpress.static.baselines.zero`) for the setup's model, batch and server;
     none for a pipeline replicated over nodes (they are modelled on one server)."""
     if setup.data_parallel is not None and setup.data_parallel.degree > 1:
         return {}
@@ -153,7 +153,7 @@ def comparison_table(results: dict[str, PlanResult], baselines: dict[str, Baseli
     """Every strategy: fits, emulated iteration, throughput, and time ratio to mpress; then
     the ZeRO baselines (modelled, no plan: "-" for plan time)."""
     ref = results.get(Strategy.MPRESS)
-    t = Table(title="strategies (emulated; zero-* modelled by mpress.static.zero)")
+    t = Table(title="strategies (emulated; zero-* modelled by mpress.static.baselines.zero)")
     for col in ["strategy", "fits", "iteration", "samples/s", "TFLOP/s", "time / mpress", "pinned host",
                 "plan time", "why not"]:
         t.add_column(col, justify="left" if col in ("strategy", "why not") else "right")

@@ -4,7 +4,7 @@ Measured (default): runs the reference model of a preset (`--model`) or a user m
 (`--module package.module:factory`, imported with the current directory importable) on
 the local device in training mode and records times (medians and spread of `--iters`
 steps), FLOPs and every tensor saved for backward. A model that does not fit this machine,
-or any model with `--fake`, is profiled on fake tensors (`mpress.static.fake_profile`):
+or any model with `--fake`, is profiled on fake tensors (`mpress.static.profile.fake_profile`):
 the same saved tensors and FLOPs, nothing allocated, times from hardware preset
 `--hardware`. Analytic (`--analytic --hardware H`): closed-form costs of a GPT/BERT preset.
 Prints one row per layer and totals; `--out` writes the profile (YAML, or JSON for .json).
@@ -23,13 +23,14 @@ from rich.table import Table
 from mpress.commands.flags import EXIT_STATUS, add_command, add_flag
 from mpress.commands.pipeline_args import DEFAULT_HARDWARE, DEFAULT_MICROBATCH_SIZE
 from mpress.errors import UserError
-from mpress.hardware import hardware_presets, load_hardware
-from mpress.model_config import load_model_config, model_presets
-from mpress.static.profile import Profile
-from mpress import limits
-from mpress.config import int_arg, output_path_arg
+from mpress.hardware.server import load_hardware
+from mpress.config.presets import hardware_presets
+from mpress.config.model_config import load_model_config, model_presets
+from mpress.static.profile.profile import Profile
+from mpress.config import limits
+from mpress.config.loader import int_arg, output_path_arg
 from mpress.ui import TaskProgress, make_console
-from mpress.units import fmt_bytes
+from mpress.config.units import fmt_bytes
 
 EPILOG = """\
 Examples:
@@ -115,15 +116,15 @@ def make_profile(args: argparse.Namespace) -> Profile:
         cfg = load_model_config(args.model)
         batch = args.microbatch_size or DEFAULT_MICROBATCH_SIZE
         if args.analytic:
-            from mpress.static.analytic import analytic_profile
+            from mpress.static.profile.analytic import analytic_profile
 
             return analytic_profile(cfg, hardware, batch)
-        from mpress.static.fake_profile import profile_model
+        from mpress.static.profile.fake_profile import profile_model
 
         return profile_model(cfg, batch, hardware=hardware, fake=fake, device=args.device,
                              warmup=args.warmup, iters=args.iters)
 
-    from mpress.static.fake_profile import profile_hf_model, profile_user_module
+    from mpress.static.profile.fake_profile import profile_hf_model, profile_user_module
     from mpress.models.user_module import parse_layers
 
     if args.hf_config:

@@ -24,10 +24,10 @@ from mpress.errors import TilingError, UserError
 from mpress.tiling.graph import from_sequential
 from mpress.tiling.networks import NETWORKS
 from mpress.tiling.planner import TilingPlan, plan_fixed, plan_for_budget, step_cost
-from mpress import limits
-from mpress.config import int_arg
+from mpress.config import limits
+from mpress.config.loader import int_arg
 from mpress.ui import make_console
-from mpress.units import fmt_bytes
+from mpress.config.units import fmt_bytes
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -21,10 +21,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from mpress.commands.flags import EXIT_STATUS, HelpFormatter, add_flag
-from mpress.config import to_dict
-from mpress.hardware import Hardware, hardware_presets, load_hardware
+from mpress.config.loader import to_dict
+from mpress.hardware.server import Hardware, load_hardware
+from mpress.config.presets import hardware_presets
 from mpress.ui import make_console, print_json
-from mpress.units import fmt_bytes
+from mpress.config.units import fmt_bytes
 
 EPILOG = """\
 examples:

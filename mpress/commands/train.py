@@ -19,12 +19,12 @@ import torch
 
 from mpress.commands.flags import HelpFormatter, add_flag
 from mpress.errors import UserError
-from mpress.cluster import MAX_NODES
-from mpress.config import int_arg
+from mpress.hardware.cluster import MAX_NODES
+from mpress.config.loader import int_arg
 from mpress.launcher.launch import LaunchSpec, Nodes, launch
 from mpress.launcher.startup import pool_override
-from mpress.overrides import parse_override_args
-from mpress.plan import Plan
+from mpress.config.overrides import parse_override_args
+from mpress.contract.plan import Plan
 from mpress.runtime.train_config import (
     PLAN_AUTO,
     PLAN_NONE,
@@ -35,7 +35,7 @@ from mpress.runtime.train_config import (
     resolve_backend,
     train_presets,
 )
-from mpress.vocabulary import ScheduleName
+from mpress.config.vocabulary import ScheduleName
 
 DEFAULT_CPU_RANKS = 4
 """Ranks of a CPU run whose config sets no num_stages: the shipped CPU examples' four."""

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from mpress.config import to_dict
+from mpress.config.loader import to_dict
 from mpress.errors import ConfigError
 from mpress.launcher.checkpoint_manifest import (
     MANIFEST,
@@ -59,7 +59,7 @@ from mpress.launcher.checkpoint_manifest import (
     write_manifest,
 )
 from mpress.launcher.control import broadcast
-from mpress.plan import fingerprint
+from mpress.contract.plan import fingerprint
 from mpress.runtime.train_config import TrainConfig
 from mpress.runtime.trainer import PipelineJob
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from mpress.config import check_output_path, to_dict
+from mpress.config.loader import check_output_path, to_dict
 from mpress.errors import ConfigError
-from mpress.model_config import ModelConfig
+from mpress.config.model_config import ModelConfig
 from mpress.runtime.train_config import TrainConfig, model_config
 
 MANIFEST = "manifest.json"
@@ -192,7 +192,7 @@ def publish(tmp: Path, final: Path) -> None:
 def check_checkpoint_dir(cfg: TrainConfig) -> None:
     """Start-up check of `checkpoint.dir`, before any training: a directory that can be
     made and written (the rule every output path of a config follows,
-    `mpress.config.output_path_problem`), and under `checkpoint.resume` its newest
+    `mpress.config.loader.output_path_problem`), and under `checkpoint.resume` its newest
     complete step must be this run's (`identity`). Every failure is one `ConfigError`.
     Reads only: safe to call on every rank at once."""
     if cfg.checkpoint.dir is None:

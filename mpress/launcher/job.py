@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from mpress.d2d.runtime.peer_pool import setup_peer_pools
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 from mpress.runtime.trainer import JobSpec, PipelineJob
 
 

@@ -48,7 +48,7 @@ from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV
 from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
 from mpress.launcher.rank_watch import STOP_WAIT_S
 from mpress.launcher.verdict import RankEnd, diagnose
-from mpress.overrides import Override, override_argv
+from mpress.config.overrides import Override, override_argv
 
 POLL_S = 0.1
 """How often the launcher looks at its ranks."""

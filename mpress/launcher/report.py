@@ -7,9 +7,9 @@ import torch
 from rich.table import Table
 
 from mpress.d2d.runtime.peer_pool import PeerPools
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 from mpress.runtime.trainer import PipelineJob
-from mpress.units import fmt_bytes, fmt_seconds
+from mpress.config.units import fmt_bytes, fmt_seconds
 
 
 def rank_report(job: PipelineJob, plan: Plan | None, *, predicted_bytes: int, measured_bytes: int,

@@ -3,7 +3,7 @@
 - `trace:` in the train config: one step's compute actions, the memory actions issued
   between and inside them, the swap copies and the waits for them, each CPU device's
   live bytes, and the pipeline's sends as flow arrows, in the layout, names and
-  arguments of `mpress emulate --trace` (`mpress.trace_format`), so the predicted and
+  arguments of `mpress emulate --trace` (`mpress.contract.trace_format`), so the predicted and
   the executed iteration read side by side in ui.perfetto.dev. Each rank records its own
   step (`start` before it, `collect` after) and rank 0 writes the gathered records
   (`write`). Times are each rank's `time.perf_counter()` (one clock for all processes of
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from mpress.actions import Action
+from mpress.contract.actions import Action
 from mpress.errors import ConfigError
 from mpress.runtime.train_config import TrainConfig, resolve_backend
 from mpress.runtime.trainer import PipelineJob
-from mpress.trace_format import COMPUTE, TraceBuilder, action_args, action_name, send_target, unit_args, write_trace_doc
+from mpress.contract.trace_format import COMPUTE, TraceBuilder, action_args, action_name, send_target, unit_args, write_trace_doc
 
 SNAPSHOT_MAX_ENTRIES = 200_000
 """Allocator events a memory snapshot keeps (the newest; several kB each)."""

@@ -13,25 +13,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mpress.cluster import Sharding, make_cluster
+from mpress.hardware.cluster import Sharding, make_cluster
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
 from mpress.errors import PlanError, TopologyError, UserError
-from mpress.hardware import Hardware, load_hardware
+from mpress.hardware.server import Hardware, load_hardware
 from mpress.launcher.devices import cuda_bus_ids, cuda_index_of
-from mpress.model_config import ModelConfig
+from mpress.config.model_config import ModelConfig
 from mpress.models.user import UserModel
-from mpress.plan import Plan
-from mpress.plan_check import Shape, check_plan, refusal
+from mpress.contract.plan import Plan
+from mpress.contract.plan_check import Shape, check_plan, refusal
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
-from mpress.static.analytic import analytic_profile
-from mpress.static.data_parallel import DataParallel
-from mpress.static.evaluate import PipelineSetup, evaluate, setup_pipeline
-from mpress.static.fake_profile import fake_profile
-from mpress.static.plan_eval import check_plan_for_setup, complete_plan
-from mpress.static.profile import Profile
-from mpress.static.planner import PlannerOptions, check_fits_at_all, plan_strategy
-from mpress.units import MAX_BYTES
-from mpress.vocabulary import ScheduleName
+from mpress.static.profile.analytic import analytic_profile
+from mpress.static.memory.data_parallel import DataParallel
+from mpress.static.plan.evaluate import PipelineSetup, evaluate, setup_pipeline
+from mpress.static.profile.fake_profile import fake_profile
+from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
+from mpress.static.profile.profile import Profile
+from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
+from mpress.config.units import MAX_BYTES
+from mpress.config.vocabulary import ScheduleName
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
     stage, rank or microbatch count, a rank's stages on two devices -- or to the model,
     the hardware or the profile: every device named must exist, every rule must name a
     layer or saved tensor of its stage, pools must fit the host and the devices
-    (`mpress.plan_check.check_plan`, the check `mpress emulate` makes too).
+    (`mpress.contract.plan_check.check_plan`, the check `mpress emulate` makes too).
     """
     source = cfg.plan
     plan = Plan.load(source)

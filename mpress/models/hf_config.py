@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpress.errors import UserError
-from mpress.hardware import CONFIG_DIR
+from mpress.config.presets import CONFIG_DIR
 from mpress.models.hf_layers import HFChain, build_chain, find_layout, layout_from_patterns
 from mpress.models.user_module import module_fingerprint
 

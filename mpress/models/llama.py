@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpress.model_config import ModelConfig
+from mpress.config.model_config import ModelConfig
 from mpress.models.dropout import Dropout
 
 

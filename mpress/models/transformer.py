@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpress.errors import UserError
-from mpress.model_config import ModelConfig
+from mpress.config.model_config import ModelConfig
 from mpress.models import llama
 from mpress.models.dropout import Dropout
 

@@ -4,7 +4,7 @@ layer boundaries by torch.distributed.pipelining's own `pipeline()`.
 The factory (`package.module:factory`, the contract of `mpress.models.user_module`, the
 same the profiler calls) returns the module, an example input of ONE microbatch and
 optionally a loss (output -> scalar). Its layers (the units stages are made of,
-`mpress.identity`) are the ones the module names itself (`layer_names()`,
+`mpress.contract.identity`) are the ones the module names itself (`layer_names()`,
 `nn.Sequential`, a chain of children) or the ones the user names by pattern (`layers:
 ["embed", "blocks.*", "head"]`, `mpress.models.user_module.select_layers`).
 
@@ -13,7 +13,7 @@ layers, glue code between them, a CPU scalar) cannot be cut by running children 
 loop; `pipeline()` traces the forward (torch.export) and splits its graph at the first
 call of each stage's first layer, passing whatever crosses a boundary. Its stage modules
 keep the whole model's module paths (`blocks.2.l1`), so the tensors they save are named
-exactly as in the eager model the profiler ran (`mpress.identity.SavedTensorNamer`), and
+exactly as in the eager model the profiler ran (`mpress.contract.identity.SavedTensorNamer`), and
 a plan made from that profile matches them. Plain pipelining and mpress run the same
 split modules, so `torch.equal` between them is meaningful.
 
@@ -32,7 +32,7 @@ from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from mpress.errors import ConfigError, UserError
-from mpress.identity import layer_paths, side_effect_free
+from mpress.contract.identity import layer_paths, side_effect_free
 from mpress.models.user_module import (
     UserModule,
     import_factory,
@@ -233,7 +233,7 @@ class UserModel:
 
 def load_user_model(spec: str, *, layers: Sequence[str] | None = None, seed: int = 0) -> UserModel:
     """Call the factory `spec` under `seed` and find its layers (`layers` patterns, else
-    the module's own: `mpress.identity.layer_paths`). One line (`UserError`) on any problem."""
+    the module's own: `mpress.contract.identity.layer_paths`). One line (`UserError`) on any problem."""
     torch.manual_seed(seed)
     user = load_user_factory(spec)
     module = user.module

@@ -8,7 +8,7 @@ The factory's module is imported with the current directory importable (first on
 
 Layers (`select_layers`): the split points a user names as module paths of
 `named_modules()`, with `*` standing for one name segment (`blocks.*` is `blocks.0`,
-`blocks.1`, ..., not `blocks.0.fc1`); without names, `mpress.identity.layer_paths` finds
+`blocks.1`, ..., not `blocks.0.fc1`); without names, `mpress.contract.identity.layer_paths` finds
 them (a `layer_names()` method, `nn.Sequential` children, children a forward chains, or
 the whole module). A model whose forward is not a plain chain of its children (residual
 streams, a `ModuleList` looped over) is split only where it is named.

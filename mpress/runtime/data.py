@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from mpress.errors import UserError
-from mpress.model_config import ModelConfig
+from mpress.config.model_config import ModelConfig
 from mpress.runtime.train_config import DataConfig
 
 Objective = Literal["causal", "masked"]

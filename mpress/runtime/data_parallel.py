@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
-from mpress.cluster import DDP_GRADIENT_AS_BUCKET_VIEW
+from mpress.hardware.cluster import DDP_GRADIENT_AS_BUCKET_VIEW
 
 DP, PP = "dp", "pp"
 """The mesh's dimension names."""

@@ -27,14 +27,14 @@ from typing import Any
 
 from torch import nn
 
-from mpress.actions import Action, UnitId, UnitKind
-from mpress.actions import Kind as ActionKind
+from mpress.contract.actions import Action, UnitId, UnitKind
+from mpress.contract.actions import Kind as ActionKind
 from mpress.errors import PlanError
-from mpress.identity import TensorKey
+from mpress.contract.identity import TensorKey
 from mpress.runtime.master_weights import Kind, MasterWeights
 from mpress.runtime.memory.manager import Category, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
-from mpress.vocabulary import OptimizerStep, Technique
+from mpress.config.vocabulary import OptimizerStep, Technique
 
 OFFLOADED_STATES = ("exp_avg", "exp_avg_sq")
 MASTER = "master"

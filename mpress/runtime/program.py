@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mpress.actions import Action, Kind
+from mpress.contract.actions import Action, Kind
 from mpress.errors import PlanError
-from mpress.live_bytes import LiveBytes
+from mpress.contract.live_bytes import LiveBytes
 
 INSIDE_FORWARD = frozenset({Kind.SO, Kind.DO, Kind.DR})
 """Memory actions the list puts right after F(s, m): run inside that forward."""

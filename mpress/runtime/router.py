@@ -3,9 +3,9 @@ about a stage's activations.
 
 Around each microbatch's forward (and, on the last stage, the loss computed after it) the
 router installs `torch.autograd.graph.saved_tensors_hooks`; a `SavedTensorNamer`
-(`mpress.identity`, the naming the profilers use) names each saved tensor, the stage's
+(`mpress.contract.identity`, the naming the profilers use) names each saved tensor, the stage's
 `StageRules` (the rewriter's reading of the plan) give the rule deciding it, and the
-tensor's *unit* (`mpress.actions.UnitId`: its layer and that rule) is looked up in the
+tensor's *unit* (`mpress.contract.actions.UnitId`: its layer and that rule) is looked up in the
 program (`RankProgram.compacted`): only the units the program compacts in this
 microbatch are moved, by the action it names there:
 
@@ -16,7 +16,7 @@ microbatch are moved, by the action it names there:
   copy back; the unpack hook in backward takes the tensor from the fetched group;
 - DR: the layer's forward runs under non-reentrant `torch.utils.checkpoint` (RNG state
   preserved, so dropout masks repeat), whole, or, when the rules recompute only some of
-  what it saves, with the operators producing the rest cached (`mpress.selective`); its
+  what it saves, with the operators producing the rest cached (`mpress.contract.selective`); its
   RC is recorded when the backward recomputes it;
 - anything else is kept (the pack hook returns the tensor).
 
@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpress.actions import Action, Kind, UnitId, UnitKind
+from mpress.contract.actions import Action, Kind, UnitId, UnitKind
 from mpress.errors import PlanError, SwapError
-from mpress.identity import SavedName, SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
-from mpress.plan import StagePlan
-from mpress.selective import cached_ops, check_closed, run_recomputed
+from mpress.contract.identity import SavedName, SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
+from mpress.contract.plan import StagePlan
+from mpress.contract.selective import cached_ops, check_closed, run_recomputed
 from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
 
@@ -304,7 +304,7 @@ class SavedTensorRouter:
 
     def _cached_ops(self, name: str, microbatch: int) -> frozenset[int]:
         """The operators of layer `name` whose outputs its checkpoint caches in `microbatch`
-        (`mpress.selective`: empty when the rules recompute all it saves); `PlanError` when
+        (`mpress.contract.selective`: empty when the rules recompute all it saves); `PlanError` when
         the rules recompute a set the checkpoint cannot recompute alone."""
         found = self._cached.get((name, microbatch))
         if found is None:

@@ -22,19 +22,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from mpress.actions import Action, Kind
+from mpress.contract.actions import Action, Kind
 from mpress.errors import PlanError, SwapError
-from mpress.identity import MODEL_DATA_KINDS, layer_paths
-from mpress.live_bytes import LiveBytes
-from mpress.plan import Plan
-from mpress.plan_check import check_plan
+from mpress.contract.identity import MODEL_DATA_KINDS, layer_paths
+from mpress.contract.live_bytes import LiveBytes
+from mpress.contract.plan import Plan
+from mpress.contract.plan_check import check_plan
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.program import RankProgram
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.runtime.swap.store import PeerStores
-from mpress.vocabulary import OptimizerStep, Technique
+from mpress.config.vocabulary import OptimizerStep, Technique
 
 @dataclass
 class StageStats:

@@ -2,7 +2,7 @@
 
 A `TrainConfig` names a model, a pipeline schedule, a memory plan and the data, and
 carries the optimizer, checkpoint and logging settings. YAML is only storage: the file
-is loaded by `mpress.config.from_dict`, which rejects unknown keys, wrong types and
+is loaded by `mpress.config.loader.from_dict`, which rejects unknown keys, wrong types and
 out-of-range values naming the file and the key; `load_train_config` adds the rules that
 involve several fields or the file system (plan file present, model preset known, ...).
 
@@ -27,11 +27,11 @@ from typing import Literal
 
 import torch
 
-from mpress.config import check_output_path, from_dict, load_yaml
+from mpress.config.loader import check_output_path, from_dict, load_yaml
 from mpress.errors import ConfigError, UserError
-from mpress.cluster import MAX_NODES as MAX_REPLICAS
-from mpress.hardware import CONFIG_DIR, HARDWARE_DIR, resolve_config
-from mpress.limits import (
+from mpress.hardware.cluster import MAX_NODES as MAX_REPLICAS
+from mpress.config.presets import CONFIG_DIR, HARDWARE_DIR, resolve_config
+from mpress.config.limits import (
     MAX_BRANCHING,
     MAX_MICROBATCH_SIZE,
     MAX_MICROBATCHES,
@@ -39,13 +39,13 @@ from mpress.limits import (
     MAX_STAGES,
     MAX_STEPS,
 )
-from mpress.model_config import ModelConfig, load_model_config
+from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.models.hf_config import hf_presets
 from mpress.models.hf_model import check_hf_model, load_hf_model
 from mpress.models.user import UserModel, check_user_module, load_user_model
-from mpress.overrides import apply_overrides
-from mpress.units import parse_bytes
-from mpress.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
+from mpress.config.overrides import apply_overrides
+from mpress.config.units import parse_bytes
+from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
 
 TRAIN_DIR = CONFIG_DIR / "train"
 
@@ -265,7 +265,7 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
     """Load a training config: a preset name (configs/train/<name>.yaml) or a YAML path.
 
     overrides: (dotted key, raw value) pairs set in the file's mapping before it is typed
-    (`mpress.overrides`: `--steps 10 --optimizer.lr 1e-3`); checked as the file's own values.
+    (`mpress.config.overrides`: `--steps 10 --optimizer.lr 1e-3`); checked as the file's own values.
 
     Returns the config with relative paths made absolute (relative to the file's
     directory). Raises `ConfigError` (naming the file and key) for unknown keys, wrong

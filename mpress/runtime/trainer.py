@@ -24,16 +24,16 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from mpress.actions import Action, Kind
+from mpress.contract.actions import Action, Kind
 from mpress.errors import PlanError, SwapError, UserError
-from mpress.identity import layer_paths
-from mpress.live_bytes import LiveBytes
-from mpress.model_config import ModelConfig
+from mpress.contract.identity import layer_paths
+from mpress.contract.live_bytes import LiveBytes
+from mpress.config.model_config import ModelConfig
 from mpress.models import build_stage, lm_loss
 from mpress.models.transformer import TORCH_DTYPES
 from mpress.models.user import UserModel
-from mpress.plan import Plan
-from mpress.plan_check import Shape, check_plan
+from mpress.contract.plan import Plan
+from mpress.contract.plan_check import Shape, check_plan
 from mpress.runtime.data_parallel import replicate_stages
 from mpress.runtime.job_state import Chunk, load_state, save_state
 from mpress.runtime.master_weights import Kind as MasterKind
@@ -43,7 +43,7 @@ from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.stage import MpressStage, wrap_stage
 from mpress.runtime.swap.store import PeerStores
 from mpress.runtime.tied_grads import TiedGrads
-from mpress.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
+from mpress.config.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
 
 SCHEDULES = {ScheduleName.GPIPE: ScheduleGPipe, ScheduleName.ONE_F_ONE_B: Schedule1F1B}
 """torch's schedules for one stage per rank (interleaved 1F1B takes several)."""
@@ -127,7 +127,7 @@ class PipelineJob:
         self.peers = peers
         self.live = LiveBytes(rank=self.rank, capacity_bytes=spec.device_capacity_bytes) \
             if device.type == "cpu" else None
-        """CPU: every storage on the rank's stand-in device (see `mpress.live_bytes`)."""
+        """CPU: every storage on the rank's stand-in device (see `mpress.contract.live_bytes`)."""
         self.program = RankProgram(plan.program(self.rank), rank=self.rank, live=self.live) \
             if plan is not None else None
         self.spans: list[Span] = self.program.spans if self.program is not None else []
@@ -162,7 +162,7 @@ class PipelineJob:
         # Adam steps the fp32 parameters themselves, fp32 masters of half-precision ones, or
         # host copies for stages the plan steps on the host; one optimizer over all of
         # them in parameter order, so checkpoints read the same whatever the plan. torch's
-        # default Adam (one tensor at a time on host copies; static/host_step_time.py costs
+        # default Adam (one tensor at a time on host copies; static/emulate/host_step_time.py costs
         # that): fused=True would change the last bits the bit-for-bit tests compare.
         params = {name: p for m in self.modules for name, p in m.named_parameters()}
         slabs = [[name for name, _p in m.named_parameters()] for m, st in zip(self.modules, self.stages)

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: per-rank F/B action lists for one training iteration.
 
 Every builder is a pure function of the pipeline shape and returns a
-`mpress.actions.Schedule`. Stage `s` runs on rank `s` except in the interleaved
+`mpress.contract.actions.Schedule`. Stage `s` runs on rank `s` except in the interleaved
 schedule, where it runs on rank `s % num_ranks`. Each rank's list holds the forward
 (`{s}F{m}`) and backward (`{s}B{m}`) of every microbatch of each of its stages and
 ends with one optimizer step (`{s}OPT`) per stage, after the rank's last backward.
@@ -23,9 +23,9 @@ Families (S = num_stages, M = num_microbatches, r = rank):
 from __future__ import annotations
 
 
-from mpress.actions import Action, Kind, Schedule, warmup_order
+from mpress.contract.actions import Action, Kind, Schedule, warmup_order
 from mpress.errors import ScheduleError
-from mpress.vocabulary import ScheduleName
+from mpress.config.vocabulary import ScheduleName
 
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mpress.tiling.graph import Graph, OpNode
-from mpress.live_bytes import LiveBytes
+from mpress.contract.live_bytes import LiveBytes
 from mpress.tiling.ops import characterise_module
 
 

@@ -1,6 +1,6 @@
 """Measuring peak memory the same way for every contender: live tensor bytes.
 
-On CPU there is no allocator statistic, so `LiveBytes` (`mpress.live_bytes`, the one the
+On CPU there is no allocator statistic, so `LiveBytes` (`mpress.contract.live_bytes`, the one the
 runtime counts a CPU rank with) sees every operator that runs while it watches,
 autograd's backward included, and counts the storages operators create until they die.
 Outputs that alias an input (views, in-place and `out=` operators) add nothing. Memory
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from mpress.live_bytes import LiveBytes
+from mpress.contract.live_bytes import LiveBytes
 
 __all__ = ["LiveBytes", "cuda_peak_bytes", "live_peak_bytes"]
 

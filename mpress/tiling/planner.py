@@ -49,7 +49,7 @@ from mpress.tiling.tiles import (
     split,
     tile_dim,
 )
-from mpress.units import fmt_bytes
+from mpress.config.units import fmt_bytes
 
 MAX_TILES = 1024
 """Most tiles per dimension the search considers."""

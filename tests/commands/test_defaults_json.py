@@ -10,14 +10,14 @@ import json
 import pytest
 
 from mpress.cli import main
-from mpress.hardware import load_hardware
-from mpress.model_config import load_model_config
-from mpress.plan import Plan
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import Plan
 from mpress.runtime.train_config import TrainConfig
-from mpress.static.evaluate import evaluate, setup_pipeline
-from mpress.static.profile import Profile
-from mpress.units import fmt_bytes
-from mpress.vocabulary import Strategy
+from mpress.static.plan.evaluate import evaluate, setup_pipeline
+from mpress.static.profile.profile import Profile
+from mpress.config.units import fmt_bytes
+from mpress.config.vocabulary import Strategy
 
 TINY = ["--model", "gpt-tiny", "--hardware", "cpu-local"]
 

@@ -4,13 +4,14 @@ import json
 
 import pytest
 
-from mpress.actions import Action, Kind
+from mpress.contract.actions import Action, Kind
 from mpress.cli import main
-from mpress.hardware import HARDWARE_DIR, load_hardware
-from mpress.model_config import load_model_config
-from mpress.plan import Plan
-from mpress.static.evaluate import evaluate, setup_pipeline
-from mpress.static.profile import Profile
+from mpress.hardware.server import load_hardware
+from mpress.config.presets import HARDWARE_DIR
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import Plan
+from mpress.static.plan.evaluate import evaluate, setup_pipeline
+from mpress.static.profile.profile import Profile
 from tests.support.traces import events_without_args, format_errors, overlaps
 
 

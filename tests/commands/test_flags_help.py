@@ -12,8 +12,8 @@ import json
 import pytest
 
 from mpress.cli import SUBCOMMANDS, build_parser, main
-from mpress.hardware import hardware_presets
-from mpress.model_config import model_presets
+from mpress.config.presets import hardware_presets
+from mpress.config.model_config import model_presets
 from mpress.runtime.train_config import TrainConfig, train_presets
 
 OLD_SPELLINGS = {  # old flag -> the flag named as the train config's key (or the concept's one name)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from mpress.cli import main
-from mpress.hardware import load_hardware
-from mpress.static.maxsize import find_max_size
+from mpress.hardware.server import load_hardware
+from mpress.static.studies.maxsize import find_max_size
 from tests.support.documented import one_line_error
 
 SHAPE = ["--num-stages", "8", "--microbatch-size", "2", "--num-microbatches", "16"]

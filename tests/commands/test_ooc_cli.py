@@ -6,9 +6,9 @@ import json
 import pytest
 
 from mpress.cli import main
-from mpress.hardware import load_hardware
-from mpress.static.ooc_model import load_ooc_model, single_device
-from mpress.static.ooc_sweeps import footprint_bytes
+from mpress.hardware.server import load_hardware
+from mpress.static.studies.ooc_model import load_ooc_model, single_device
+from mpress.static.studies.ooc_sweeps import footprint_bytes
 from tests.support.user_model import SKIPNET
 
 PNG = b"\x89PNG\r\n\x1a\n"

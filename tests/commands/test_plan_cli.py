@@ -4,8 +4,9 @@ import pytest
 import yaml
 
 from mpress.cli import main
-from mpress.hardware import HARDWARE_DIR, load_hardware
-from mpress.plan import Plan
+from mpress.hardware.server import load_hardware
+from mpress.config.presets import HARDWARE_DIR
+from mpress.contract.plan import Plan
 
 
 @pytest.fixture(scope="module")

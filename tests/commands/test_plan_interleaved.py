@@ -5,7 +5,7 @@ one stripe"), the written plan passes the plan check and emulates."""
 from __future__ import annotations
 
 from mpress.cli import main
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 
 
 def test_plan_interleaved_writes_a_plan_that_checks_and_emulates(tmp_path, capsys):

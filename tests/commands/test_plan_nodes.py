@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mpress.cli import main
-from mpress.hardware import HARDWARE_DIR
+from mpress.config.presets import HARDWARE_DIR
 
 
 def test_plan_on_four_dgx_a100_plans_and_prints_the_cluster_throughput(capsys):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mpress.plan import Plan
-from mpress.static.profile import Profile
+from mpress.contract.plan import Plan
+from mpress.static.profile.profile import Profile
 from tests.support import user_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def test_fake_profile_on_request(user_dir, profile_file):
     assert r.returncode == 0, r.stderr
     prof = Profile.load(user_dir / "fake.yaml")
     assert prof.source == "fake" and prof.device == "cpu-local"
-    def saved(p):  # (`held` of the host scalar differs: see tests/static/test_fake_profile.py)
+    def saved(p):  # (`held` of the host scalar differs: see tests/static/profile/test_fake_profile.py)
         return [[(t.id, t.bytes, t.shape, t.dtype, t.input) for t in x.saved] for x in p.layers]
     assert saved(prof) == saved(Profile.load(profile_file))
 

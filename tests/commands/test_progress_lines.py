@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from mpress.cli import main
-from mpress.vocabulary import Strategy
+from mpress.config.vocabulary import Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "gpt-tiny", "--hardware", "cpu-local", "--device-memory", "3MB", "--num-stages", "2"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 from mpress.cli import main
-from mpress.hardware import load_hardware
-from mpress.model_config import load_model_config
-from mpress.settings import load_setting
-from mpress.static.evaluate import setup_pipeline
-from mpress.static.maxsize import find_max_size
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import load_model_config
+from mpress.config.settings import load_setting
+from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.studies.maxsize import find_max_size
 from tests.support.documented import one_line_error
 
 BERT = ["--setting", "paper-bert", "--model", "bert-0.35b", "--hardware", "dgx-a100"]

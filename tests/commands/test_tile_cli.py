@@ -6,7 +6,7 @@ from mpress.cli import main
 from mpress.tiling.graph import from_sequential
 from mpress.tiling.networks import vgg16
 from mpress.tiling.peak import PeakModel
-from mpress.units import fmt_bytes
+from mpress.config.units import fmt_bytes
 
 
 def test_tile_prints_segments_tile_sizes_and_predicted_peak(capsys):

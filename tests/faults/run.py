@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from mpress.d2d.runtime.transport import SHM_DIR, run_prefix
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 from tests.support.plans import d2d_rule, pipeline_plan
 
 ROOT = Path(__file__).resolve().parents[2]

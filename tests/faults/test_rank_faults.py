@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from tests.faults.run import WORLD, TrainRun, d2d_plan, run_segments, tiny_config, wait_until_gone
 from tests.support.plans import d2d_rule, pipeline_plan
 

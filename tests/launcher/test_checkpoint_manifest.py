@@ -31,7 +31,7 @@ from mpress.launcher.checkpoint_manifest import (
     temp_folder,
     write_manifest,
 )
-from mpress.model_config import load_model_config
+from mpress.config.model_config import load_model_config
 from mpress.runtime.train_config import CheckpointConfig, TrainConfig
 from tests.support.plans import one_line
 

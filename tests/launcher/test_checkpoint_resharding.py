@@ -19,8 +19,8 @@ import yaml
 
 from mpress.launcher.checkpoint import read_step
 from mpress.launcher.checkpoint_manifest import TEMP_PREFIX
-from mpress.model_config import load_model_config
-from mpress.plan import TensorRule
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import TensorRule
 from tests.launcher.test_train_launcher import ROOT, launch, losses
 from tests.support.compare import assert_masters_equal, assert_states_equal
 from tests.support.plans import pipeline_plan

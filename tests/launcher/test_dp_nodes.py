@@ -15,7 +15,7 @@ import time
 import pytest
 
 from mpress.launcher.startup import plan_for
-from mpress.model_config import load_model_config
+from mpress.config.model_config import load_model_config
 from mpress.runtime.train_config import load_train_config
 from tests.faults.run import TrainRun, run_segments, tiny_config, wait_until_gone
 from tests.support.documented import run_documented
@@ -97,7 +97,7 @@ def test_bad_node_flags_are_one_line_naming_the_flag(tmp_path, flags, message):
 
 def test_a_plan_for_replicas_counts_ddps_buckets():
     # plan: none's predicted peaks, one replica and two: DDP's buckets hold a copy of the
-    # stage's gradients for the whole run (mpress.cluster.DDP_GRADIENT_AS_BUCKET_VIEW)
+    # stage's gradients for the whole run (mpress.hardware.cluster.DDP_GRADIENT_AS_BUCKET_VIEW)
     peaks = {dp: plan_for(load_train_config("gpt-tiny-plain", [("dp", str(dp))]), load_model_config("gpt-tiny"),
                           4, 4).predicted_peak_bytes for dp in (1, 2)}
     assert all(two > one for one, two in zip(peaks[1], peaks[2])), peaks

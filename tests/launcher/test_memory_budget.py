@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from mpress.units import parse_bytes
+from mpress.config.units import parse_bytes
 from tests.launcher.test_train_launcher import ROOT, launch
 
 pytestmark = pytest.mark.slow

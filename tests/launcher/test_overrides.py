@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from mpress.errors import ConfigError
-from mpress.overrides import apply_overrides, override_argv, parse_override_args
+from mpress.config.overrides import apply_overrides, override_argv, parse_override_args
 from mpress.runtime.train_config import TrainConfig, load_train_config
 
 

@@ -18,7 +18,7 @@ from mpress.cli import main
 from mpress.errors import UserError
 from mpress.launcher.startup import load_checked_plan, plan_for
 from mpress.runtime.train_config import TRAIN_DIR, check_world_size, load_train_config, model_config
-from mpress.vocabulary import ScheduleName
+from mpress.config.vocabulary import ScheduleName
 from tests.support.plans import one_line
 
 ROOT = Path(__file__).resolve().parents[2]

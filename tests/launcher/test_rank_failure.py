@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from tests.launcher.test_train_launcher import base_config, launch
 from tests.support.plans import pipeline_plan
 

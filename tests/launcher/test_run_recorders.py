@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mpress.launcher import run_trace
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from mpress.runtime.train_config import TrainConfig
 from tests.launcher.test_train_launcher import base_config, launch
 from tests.support.plans import pipeline_plan

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mpress.launcher import run_trace
-from mpress.model_config import load_model_config
-from mpress.plan import Plan, TensorRule
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import Plan, TensorRule
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.plans import pipeline_plan
 from tests.support.spawn import spawn

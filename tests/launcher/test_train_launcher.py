@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from mpress.launcher.checkpoint import read_step
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from tests.support.compare import assert_states_equal
 from tests.support.plans import pipeline_plan
 

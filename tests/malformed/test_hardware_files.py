@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpress.hardware import HARDWARE_DIR
+from mpress.config.presets import HARDWARE_DIR
 from tests.malformed.cases import Case, check, laughs, mutated, params, put
 
 DGX1 = (HARDWARE_DIR / "dgx1-v100.yaml").read_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpress.model_config import MODELS_DIR
+from mpress.config.model_config import MODELS_DIR
 from tests.malformed.cases import Case, check, mutated, params, put
 
 TINY = (MODELS_DIR / "gpt-tiny.yaml").read_text()

@@ -1,8 +1,8 @@
 """Malformed plan files through `mpress emulate PLAN` (and one through `mpress train`).
 
 Schema and number checks are `from_dict`'s; content checks (rules that match nothing,
-devices the hardware lacks, pools beyond the host) are mpress/plan.py and
-mpress/plan_check.py's: the cases they do not catch yet are strict xfails."""
+devices the hardware lacks, pools beyond the host) are mpress/contract/plan.py and
+mpress/contract/plan_check.py's: the cases they do not catch yet are strict xfails."""
 
 from __future__ import annotations
 

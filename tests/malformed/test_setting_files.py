@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpress.settings import SETTINGS_DIR
+from mpress.config.settings import SETTINGS_DIR
 from tests.malformed.cases import Case, check, laughs, mutated, params, put
 
 PAPER = (SETTINGS_DIR / "paper-gpt.yaml").read_text()

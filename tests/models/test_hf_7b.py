@@ -18,10 +18,10 @@ import time
 import pytest
 import yaml
 
-from mpress.hardware import load_hardware
+from mpress.hardware.server import load_hardware
 from mpress.models.hf_config import HF_CONFIG_DIR
-from mpress.static.fake_profile import profile_hf_model
-from mpress.static.profile import Profile
+from mpress.static.profile.fake_profile import profile_hf_model
+from mpress.static.profile.profile import Profile
 from tests.support.documented import run_documented
 
 pytest.importorskip("transformers")

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from mpress.errors import ConfigError, UserError
-from mpress.hardware import load_hardware
+from mpress.hardware.server import load_hardware
 from mpress.models.hf_config import batch, resolve_hf
 from mpress.models.hf_model import load_hf_model
 from mpress.runtime.train_config import load_train_config, model_config
-from mpress.static.fake_profile import fake_profile, profile_hf_model
+from mpress.static.profile.fake_profile import fake_profile, profile_hf_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from mpress.errors import ConfigError
-from mpress.model_config import MODELS_DIR, load_model_config, model_presets
+from mpress.config.model_config import MODELS_DIR, load_model_config, model_presets
 from mpress.models.llama import apply_rotary, rotary_tables
 from mpress.models.transformer import (
     build_model,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpress.errors import UserError
-from mpress.model_config import load_model_config, model_presets
+from mpress.config.model_config import load_model_config, model_presets
 from mpress.models.transformer import (
     build_model,
     build_stage,

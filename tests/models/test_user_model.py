@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mpress.errors import UserError
-from mpress.identity import inspect_stage
+from mpress.contract.identity import inspect_stage
 from mpress.models.user import load_user_model
 from mpress.models.user_module import select_layers
 

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpress.model_config import load_model_config
-from mpress.plan import PeerQuota, Plan, TensorRule
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import PeerQuota, Plan, TensorRule
 from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
-from mpress.units import ALIGNMENT_BYTES
+from mpress.config.units import ALIGNMENT_BYTES
 from tests.support.compare import assert_identical
 from tests.support.plans import d2d_rule, pipeline_plan
 from tests.support.spawn import spawn

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mpress.errors import UserError
-from mpress.model_config import load_model_config
+from mpress.config.model_config import load_model_config
 from mpress.models import build_model, lm_loss
 from mpress.runtime.data import (
     IGNORE_INDEX,

@@ -15,8 +15,8 @@ import torch
 from mpress.errors import UserError
 from mpress.launcher.checkpoint import Checkpoints
 from mpress.launcher.job import start_job
-from mpress.model_config import load_model_config
-from mpress.plan import Plan, TensorRule
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import Plan, TensorRule
 from mpress.runtime.data_parallel import make_replicas
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config
 from mpress.runtime.trainer import JobSpec

@@ -2,7 +2,7 @@
 predicted: 2 CPU (gloo) ranks train gpt-tiny under each plan, execute its program action
 for action, and measure (every byte on each rank's stand-in device, over the steps) at
 most the stage's predicted peak and at least 99% of it. The prediction counts no Adam
-states or masters on a host-step stage's device (`tests/static/test_host_optimizer_step.py`);
+states or masters on a host-step stage's device (`tests/static/plan/test_host_optimizer_step.py`);
 one that did would be above the measured peak by 12 bytes per parameter of the stage
 (bf16; 8 under fp32)."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mpress.launcher.job import start_job
-from mpress.model_config import load_model_config
-from mpress.plan import Plan
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import Plan
 from mpress.runtime.trainer import JobSpec
 from tests.support.jobs import run_steps
 from tests.support.plans import pipeline_plan

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from mpress.launcher.checkpoint import Checkpoints
-from mpress.live_bytes import LiveBytes, tensors_in
-from mpress.model_config import load_model_config
-from mpress.plan import TensorRule
+from mpress.contract.live_bytes import LiveBytes, tensors_in
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import TensorRule
 from mpress.runtime.train_config import CheckpointConfig, TrainConfig
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_masters_equal, assert_states_equal

@@ -14,7 +14,7 @@ import torch
 
 from mpress.launcher.job import start_job
 from mpress.launcher.startup import plan_for
-from mpress.plan import Plan, StagePlan, TensorRule
+from mpress.contract.plan import Plan, StagePlan, TensorRule
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec

@@ -18,7 +18,7 @@ from torch import nn
 from mpress.errors import UserError
 from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
-from mpress.units import ALIGNMENT_BYTES, round_up
+from mpress.config.units import ALIGNMENT_BYTES, round_up
 from tests.runtime.memory.test_host_pool import FakeCudart
 
 SHAPES = {"w": (512, 257), "b": (257,)}

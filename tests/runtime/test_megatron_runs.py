@@ -4,11 +4,11 @@ plain pipelining bit for bit and runs the program the plan lists."""
 
 from __future__ import annotations
 
-from mpress.hardware import load_hardware
-from mpress.model_config import load_model_config
-from mpress.static.evaluate import setup_pipeline
-from mpress.static.planner import plan_strategy
-from mpress.vocabulary import Strategy, Technique
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import load_model_config
+from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.planner import plan_strategy
+from mpress.config.vocabulary import Strategy, Technique
 from tests.runtime.test_pipeline_runs import assert_ran_as_planned, run_jobs
 from tests.support.compare import assert_identical
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS

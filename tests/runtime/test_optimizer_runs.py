@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from mpress.actions import Kind
+from mpress.contract.actions import Kind
 from mpress.errors import ConfigError
-from mpress.model_config import ModelConfig, load_model_config
-from mpress.plan import Plan, StagePlan, Stripe, TensorRule
+from mpress.config.model_config import ModelConfig, load_model_config
+from mpress.contract.plan import Plan, StagePlan, Stripe, TensorRule
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
 from tests.support.plans import pipeline_plan

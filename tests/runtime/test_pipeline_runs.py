@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpress.errors import PlanError
-from mpress.model_config import load_model_config
-from mpress.plan import Plan, Stripe, TensorRule
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import Plan, Stripe, TensorRule
 from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
@@ -105,7 +105,7 @@ def assert_ran_as_planned(plan: Plan, ranks: list[dict]) -> None:
 def test_plan_for_another_model_is_refused():
     plan = pipeline_plan("1f1b", 1, 2, {})
     bad = Plan(**{**plan.__dict__, "model_fingerprint": "0" * 16})
-    from mpress.plan_check import Shape, check_plan
+    from mpress.contract.plan_check import Shape, check_plan
     # what wrap_stage and PipelineJob give the one plan check
     with pytest.raises(PlanError, match="made for model 'gpt-tiny', not this one"):
         check_plan(bad, model_fingerprint=load_model_config(MODEL).fingerprint(), runtime=True)
@@ -240,7 +240,7 @@ def test_a_failing_swap_worker_stops_every_rank_with_the_tensor_named():
 
 
 def test_plan_for_another_schedule_or_microbatching_is_refused():
-    from mpress.plan_check import Shape, check_plan
+    from mpress.contract.plan_check import Shape, check_plan
     shape = Shape("1f1b", 2, 4, 2)  # what a 1F1B job of 2 stages, 4 microbatches of 2 gives the check
     check_plan(pipeline_plan("1f1b", 2, 4, {}), shape=shape, runtime=True)
     with pytest.raises(PlanError, match="made for gpipe, 2 stages, 4 x 2 microbatches; this pipeline is 1f1b"):

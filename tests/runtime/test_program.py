@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from mpress.actions import Action, Kind, format_actions, parse_actions
+from mpress.contract.actions import Action, Kind, format_actions, parse_actions
 from mpress.errors import PlanError
-from mpress.live_bytes import LiveBytes
+from mpress.contract.live_bytes import LiveBytes
 from mpress.runtime.program import RankProgram
 
 LIST = ("0F0 0SO0:0:a.**@r0 0DR0:0:b.**@r1 0F1 0SO1:0:a.**@r0 0DR1:0:b.**@r1 0SI0:0:a.**@r0 0B0 "

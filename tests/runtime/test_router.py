@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from mpress.actions import Action, B, F, Kind, format_actions, parse_actions
+from mpress.contract.actions import Action, B, F, Kind, format_actions, parse_actions
 from mpress.d2d.runtime.peer_pool import setup_peer_pools
 from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.errors import PlanError
-from mpress.live_bytes import LiveBytes
-from mpress.model_config import load_model_config
+from mpress.contract.live_bytes import LiveBytes
+from mpress.config.model_config import load_model_config
 from mpress.models import build_stage, example_batch
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine

@@ -8,17 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpress.actions import Kind
+from mpress.contract.actions import Kind
 from mpress.errors import PlanError
-from mpress.identity import StageRules, inspect_stage
-from mpress.model_config import load_model_config
+from mpress.contract.identity import StageRules, inspect_stage
+from mpress.config.model_config import load_model_config
 from mpress.models import build_stage, example_batch, lm_loss
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from mpress.runtime.program import RankProgram
 from mpress.runtime.router import SavedTensorRouter
-from mpress.selective import closed_set
-from mpress.static.stage_memory import WHOLE
-from tests.test_identity import _plan, _rewritten, _run_program, profile_of
+from mpress.contract.selective import closed_set
+from mpress.static.memory.stage_memory import WHOLE
+from tests.contract.test_identity import _plan, _rewritten, _run_program, profile_of
 
 CFG = load_model_config("gpt-tiny")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mpress.errors import PlanError
-from mpress.model_config import load_model_config
+from mpress.config.model_config import load_model_config
 from mpress.models import build_stage
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from mpress.runtime.stage import wrap_stage
 from tests.support.plans import pipeline_plan
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL

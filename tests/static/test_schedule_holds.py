@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 
-from mpress.actions import format_actions
-from mpress.hardware import load_hardware
-from mpress.static.lowering import LateFrees, late_frees, lower_rank
-from mpress.static.memory import stage_costs
-from mpress.static.profile import LayerMemory, LayerProfile, Profile
+from mpress.contract.actions import format_actions
+from mpress.hardware.server import load_hardware
+from mpress.static.emulate.lowering import LateFrees, late_frees, lower_rank
+from mpress.static.memory.stage_costs import stage_costs
+from mpress.static.profile.profile import LayerMemory, LayerProfile, Profile
 from mpress.static.schedules import build_schedule, held_input_grads, held_outputs
 
 DGX1 = load_hardware("dgx1-v100")

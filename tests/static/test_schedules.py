@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpress.actions import Action, Kind, Schedule, parse_actions
+from mpress.contract.actions import Action, Kind, Schedule, parse_actions
 from mpress.errors import ScheduleError, UserError
 from mpress.static.schedules import (
     build_schedule,

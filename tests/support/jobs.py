@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from mpress.actions import format_actions
-from mpress.plan import Plan
+from mpress.contract.actions import format_actions
+from mpress.contract.plan import Plan
 
 
 def run_steps(job, plan: Plan | None, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpress.identity import TensorKey
+from mpress.contract.identity import TensorKey
 
 
 def key(name: str, microbatch: int | None = 0, *, rank: int = 0, stage: int = 0) -> TensorKey:

@@ -10,7 +10,7 @@ from mpress.d2d.runtime.liveness import ProcessId
 from mpress.d2d.runtime.peer_pool import PeerPools
 from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.d2d.runtime.stripe_table import StripeEntry
-from mpress.units import ALIGNMENT_BYTES
+from mpress.config.units import ALIGNMENT_BYTES
 
 KiB, MiB = 1 << 10, 1 << 20
 

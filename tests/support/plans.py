@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from mpress.hardware import load_hardware
-from mpress.model_config import ModelConfig, load_model_config
-from mpress.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
-from mpress.static.analytic import analytic_profile
-from mpress.static.evaluate import setup_pipeline
-from mpress.static.plan_eval import complete_plan
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import ModelConfig, load_model_config
+from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
+from mpress.static.profile.analytic import analytic_profile
+from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.plan_eval import complete_plan
 from tests.support.tiny_pipeline import (
     MICROBATCH_SIZE,
     MODEL,

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mpress.actions import Schedule, format_actions
-from mpress.hardware import Hardware, load_hardware
-from mpress.model_config import load_model_config
-from mpress.plan import Plan, StagePlan, TensorRule
-from mpress.static.emulator import EmulatorResult
-from mpress.static.evaluate import Evaluation, PipelineSetup, evaluate
-from mpress.static.memory import memory_model, stage_costs
-from mpress.static.plan_eval import evaluate_plan
-from mpress.static.profile import LayerMemory, LayerProfile, Profile, SavedTensor
-from mpress.static.program import Program, walk_peaks
-from mpress.static.rewriter import Rewritten, rewrite
+from mpress.contract.actions import Schedule, format_actions
+from mpress.hardware.server import Hardware, load_hardware
+from mpress.config.model_config import load_model_config
+from mpress.contract.plan import Plan, StagePlan, TensorRule
+from mpress.static.emulate.emulator import EmulatorResult
+from mpress.static.plan.evaluate import Evaluation, PipelineSetup, evaluate
+from mpress.static.memory.model import memory_model
+from mpress.static.memory.stage_costs import stage_costs
+from mpress.static.plan.plan_eval import evaluate_plan
+from mpress.static.profile.profile import LayerMemory, LayerProfile, Profile, SavedTensor
+from mpress.static.emulate.program import Program, walk_peaks
+from mpress.static.plan.rewriter import Rewritten, rewrite
 from mpress.static.schedules import build_schedule
 
 MB = 10**6

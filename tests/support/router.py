@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mpress.actions import Action, B, F, Kind
+from mpress.contract.actions import Action, B, F, Kind
 from mpress.models import lm_loss
-from mpress.plan import StagePlan, TensorRule
+from mpress.contract.plan import StagePlan, TensorRule
 from mpress.runtime.program import RankProgram
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 
 
 @dataclass

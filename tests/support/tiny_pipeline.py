@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mpress.model_config import load_model_config
+from mpress.config.model_config import load_model_config
 
 MODEL = "gpt-tiny"  # 6 layers: embed, layers.0-3, head; dropout 0.1
 STEPS = 3

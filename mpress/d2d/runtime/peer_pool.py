@@ -44,10 +44,10 @@ from mpress.d2d.runtime.transport import (
     release_segments,
 )
 from mpress.errors import PlanError, SwapError, TopologyError
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 from mpress.runtime.memory.block_pool import Block, BlockPool
-from mpress.units import ALIGNMENT_BYTES
-from mpress.vocabulary import Technique
+from mpress.config.units import ALIGNMENT_BYTES
+from mpress.config.vocabulary import Technique
 
 _LEDGER_FIELDS = 3  # per quota: bytes in use (aligned blocks), high-water mark, tensor bytes held
 

@@ -26,13 +26,14 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from mpress.d2d.runtime.stripe_table import StripeState, StripeTable
 from mpress.d2d.static.striping import DEFAULT_MIN_STRIPE_BYTES, StripeSpreader
 from mpress.errors import SwapError
+from mpress.runtime.memory.block_pool import BlockPool
 from mpress.runtime.memory.manager import Residency
 from mpress.runtime.swap.store import (
     Batch,
@@ -46,8 +47,19 @@ from mpress.runtime.swap.store import (
     segments,
 )
 
-if TYPE_CHECKING:  # the pools build their stores (`PeerPools.store_for`)
-    from mpress.d2d.runtime.peer_pool import PeerPools
+
+
+class PoolQuotas(Protocol):
+    """What a store needs of the job's peer pools: `peer_pool.PeerPools`, which builds the
+    stores (`PeerPools.store_for`), so this module does not import it back."""
+
+    def quota(self, stage: int, device: int) -> BlockPool:
+        """Stage `stage`'s quota on device `device`'s pool (raises when the plan gave none)."""
+        ...
+
+    def check_peer(self, device: int) -> None:
+        """Raise SwapError if the process holding device `device`'s pool is gone."""
+        ...
 
 Weights = tuple[tuple[int, float], ...]
 """(peer device, fraction) per stripe, as a D2D rule gives them."""
@@ -63,7 +75,7 @@ class PeerStore(SwapStore):
     residency = Residency.PEER
     kind = "d2d"
 
-    def __init__(self, pools: PeerPools, stage: int, device: torch.device, weights: Sequence[tuple[int, float]], *,
+    def __init__(self, pools: PoolQuotas, stage: int, device: torch.device, weights: Sequence[tuple[int, float]], *,
                  min_stripe_bytes: int = DEFAULT_MIN_STRIPE_BYTES, check_interval_s: float = 0.5) -> None:
         super().__init__(device)
         self.pools = pools

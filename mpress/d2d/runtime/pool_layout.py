@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpress.errors import PlanError
-from mpress.plan import Plan
-from mpress.units import ALIGNMENT_BYTES, round_up
-from mpress.vocabulary import Technique
+from mpress.contract.plan import Plan
+from mpress.config.units import ALIGNMENT_BYTES, round_up
+from mpress.config.vocabulary import Technique
 
 
 @dataclass(frozen=True)

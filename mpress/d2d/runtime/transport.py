@@ -45,7 +45,7 @@ import torch
 
 from mpress.d2d.runtime.liveness import ProcessId
 from mpress.errors import SwapError
-from mpress.units import ALIGNMENT_BYTES
+from mpress.config.units import ALIGNMENT_BYTES
 
 
 class PoolTransport(abc.ABC):

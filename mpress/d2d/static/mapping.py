@@ -27,7 +27,7 @@ from mpress.d2d.static.maxflow import (
 )
 from mpress.d2d.static.ports import port_gbps_per_device
 from mpress.errors import PlanError
-from mpress.hardware import DEFAULT_PEER_CONTEXT_BYTES, Hardware
+from mpress.hardware.server import DEFAULT_PEER_CONTEXT_BYTES, Hardware
 
 MAX_CUT_STAGES = 12
 """Above this many overflowing stages the cut tables (2^stages rows) are too big: the

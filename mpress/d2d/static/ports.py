@@ -1,6 +1,6 @@
 """Per-GPU NVLink ports: the one model of what a GPU can send and receive over NVLink at
 once, shared by the device mapper (`mapping.MappingProblem.from_hardware`) and the
-emulator's channels (`mpress.static.channels`).
+emulator's channels (`mpress.static.emulate.channels`).
 
 - NVSwitch: each GPU's links end at the switches, so every peer it talks to shares them:
   one port per GPU and direction (egress, ingress) at links x per-link rate x efficiency.
@@ -13,7 +13,7 @@ Units: GB/s (1e9 bytes/s) per direction.
 
 from __future__ import annotations
 
-from mpress.hardware import Hardware
+from mpress.hardware.server import Hardware
 
 
 def nvlink_port_gbps(hw: Hardware) -> float | None:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 
 from mpress.errors import PlanError
-from mpress.units import ALIGNMENT_BYTES
+from mpress.config.units import ALIGNMENT_BYTES
 
 DEFAULT_MIN_STRIPE_BYTES = 1 << 20
 """Smallest stripe worth its own copy (NVLink copies reach full rate around 1 MiB)."""

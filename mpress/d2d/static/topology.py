@@ -2,7 +2,7 @@
 
 `detect_local_hardware()` asks NVML (package `nvidia-ml-py`, module `pynvml`, imported
 lazily) for the GPUs of this machine, their NVLink links and PCIe layout, and builds a
-`mpress.hardware.Hardware` from them. On a machine without NVIDIA GPUs (no driver, no
+`mpress.hardware.server.Hardware` from them. On a machine without NVIDIA GPUs (no driver, no
 library, zero devices) it returns `(None, reason)` instead of raising, so callers can
 say why there is nothing to show.
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mpress.errors import TopologyError
-from mpress.gpu_reserve import gpu_reserve
-from mpress.hardware import DeviceSpec, Hardware
+from mpress.hardware.gpu_reserve import gpu_reserve
+from mpress.hardware.server import DeviceSpec, Hardware
 
 DETECTED_COMPUTE_EFFICIENCY = 0.4
 """Default compute efficiency of a detected machine: an assumption (not measured), in the
@@ -283,7 +283,7 @@ def _detect(nvml: Any, count: int, compute_efficiency: float,
     pcie_gbps, pcie_note = _pcie_gbps(nvml, handles[0])
     if pcie_note:
         notes.append(pcie_note)
-    # what a plan leaves free: the same causes as the presets' reserves (mpress.gpu_reserve)
+    # what a plan leaves free: the same causes as the presets' reserves (mpress.hardware.gpu_reserve)
     memory_bytes = min(g.memory_bytes for g in gpus)
     reserve = gpu_reserve(memory_bytes=memory_bytes,
                           cuda_total_bytes=min(g.cuda_total_bytes or g.memory_bytes for g in gpus),

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mpress.errors import SwapError, UserError
-from mpress.units import ALIGNMENT_BYTES, round_up
+from mpress.config.units import ALIGNMENT_BYTES, round_up
 
 _MIN_ALIGNMENT_BYTES = 16
 """Largest element size torch has (complex128); smaller alignments break dtype views."""

@@ -16,7 +16,7 @@ import torch
 
 from mpress.errors import UserError
 from mpress.runtime.memory.block_pool import BlockPool, check_alignment
-from mpress.units import ALIGNMENT_BYTES, round_up
+from mpress.config.units import ALIGNMENT_BYTES, round_up
 
 
 class PinnedHostPool(BlockPool):

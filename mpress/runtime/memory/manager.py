@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mpress.errors import SwapError
-from mpress.identity import TensorKey
+from mpress.contract.identity import TensorKey
 
 
 class Residency(enum.Enum):

@@ -58,7 +58,7 @@ import torch
 
 from mpress.errors import SwapError
 from mpress.runtime.memory.host_pool import PinnedHostPool
-from mpress.identity import TensorKey
+from mpress.contract.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 from mpress.runtime.swap.record import (
     SwapHandle,

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from mpress.errors import SwapError
-from mpress.identity import TensorKey
+from mpress.contract.identity import TensorKey
 from mpress.runtime.swap.layout import Layout
 from mpress.runtime.swap.store import Batch, Placement
-from mpress.units import ALIGNMENT_BYTES, round_up
+from mpress.config.units import ALIGNMENT_BYTES, round_up
 
 
 class SwapState(enum.Enum):

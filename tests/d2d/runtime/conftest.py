@@ -15,7 +15,7 @@ import gc
 import pytest
 
 from mpress.d2d.runtime.peer_pool import PeerPools, setup_peer_pools
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 from tests.support.tensors import CPU
 
 

@@ -17,12 +17,12 @@ from mpress.d2d.runtime.pool_layout import plan_quotas
 from mpress.d2d.runtime.transport import SharedMemoryTransport
 from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.errors import PlanError, SwapError, TopologyError
-from mpress.hardware import load_hardware
-from mpress.model_config import load_model_config
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import load_model_config
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
-from mpress.static.evaluate import setup_pipeline
-from mpress.static.planner import PlannerOptions, plan_strategy
+from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.planner import PlannerOptions, plan_strategy
 from tests.support.keys import key
 from tests.support.plans import d2d_plan, three_stage_d2d_plan
 from tests.support.spawn import spawn

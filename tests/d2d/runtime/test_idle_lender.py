@@ -22,7 +22,7 @@ from mpress.d2d.runtime.peer_pool import PeerPools, setup_peer_pools
 from mpress.d2d.runtime.pool_layout import plan_quotas, pool_holders
 from mpress.d2d.runtime.transport import CudaIpcTransport, SharedMemoryTransport
 from mpress.errors import SwapError
-from mpress.plan import Plan
+from mpress.contract.plan import Plan
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
 from tests.support.keys import key

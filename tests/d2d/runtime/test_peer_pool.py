@@ -14,7 +14,7 @@ from mpress.d2d.runtime.liveness import ProcessId
 from mpress.d2d.runtime.peer_pool import setup_peer_pools
 from mpress.d2d.runtime.pool_layout import plan_quotas
 from mpress.errors import PlanError, SwapError
-from mpress.units import ALIGNMENT_BYTES
+from mpress.config.units import ALIGNMENT_BYTES
 from tests.support.peers import KiB, MiB, exited_process, kill_rank, round_up
 from tests.support.plans import d2d_plan, three_stage_d2d_plan
 from tests.support.tensors import CPU

@@ -13,8 +13,8 @@ from mpress.d2d.runtime.peer_pool import PeerPools
 from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.d2d.runtime.stripe_table import StripeState
 from mpress.errors import SwapError
-from mpress.identity import TensorKey
-from mpress.plan import Plan
+from mpress.contract.identity import TensorKey
+from mpress.contract.plan import Plan
 from mpress.runtime.memory.manager import MemoryManager, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapState
 from tests.support.keys import key

@@ -7,7 +7,7 @@ import pytest
 
 from mpress.d2d.runtime.pool_layout import Quota, plan_quotas
 from mpress.errors import PlanError
-from mpress.units import ALIGNMENT_BYTES
+from mpress.config.units import ALIGNMENT_BYTES
 from tests.support.peers import KiB
 from tests.support.plans import d2d_plan
 

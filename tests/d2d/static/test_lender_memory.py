@@ -10,7 +10,7 @@ import pytest
 
 from mpress.d2d.static.mapper import map_devices
 from mpress.d2d.static.mapping import PEER_CONTEXT_BYTES, Assignment, MappingProblem
-from mpress.hardware import Hardware, load_hardware
+from mpress.hardware.server import Hardware, load_hardware
 
 
 def lent_bytes(a: Assignment, num_devices: int) -> list[int]:

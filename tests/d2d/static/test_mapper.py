@@ -19,7 +19,7 @@ from mpress.d2d.static.mapper import map_devices
 from mpress.d2d.static.mapping import MappingProblem, assign_spare, mapping_value
 from mpress.d2d.static.maxflow import SwapNetwork, solve_by_flow, solve_concave, stage_levels
 from mpress.errors import PlanError, UserError
-from mpress.hardware import load_hardware
+from mpress.hardware.server import load_hardware
 from tests.support.mapper import brute_force, mesh16
 
 GB = 10**9

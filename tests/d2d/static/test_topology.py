@@ -20,7 +20,8 @@ from mpress.d2d.static.topology import (
     nvlink_gbps_per_link_for_version,
 )
 from mpress.errors import TopologyError
-from mpress.hardware import HARDWARE_DIR, load_hardware
+from mpress.hardware.server import load_hardware
+from mpress.config.presets import HARDWARE_DIR
 from tests.support.hardware import DGX1_LINKS  # the matrix as typed in from nvidia-smi topo -m
 
 # A DGX-1-like machine written out by hand: each GPU's own bus id (NVML's 8-digit domain)
@@ -224,7 +225,7 @@ def test_detect_fake_nvswitch_matches_preset() -> None:
 
 
 def test_a_detected_gpu_reserves_what_its_preset_does() -> None:
-    """`hardware: detect` holds back the same causes as the presets (mpress.gpu_reserve):
+    """`hardware: detect` holds back the same causes as the presets (mpress.hardware.gpu_reserve):
     with what NVML says the driver keeps (memory info v2) and the compute capability, a
     DGX A100 detected reserves exactly what the dgx-a100 preset reserves (before: 512 MiB
     and 5%, leaving NCCL's buffers and the driver's share out)."""

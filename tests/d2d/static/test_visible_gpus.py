@@ -13,7 +13,7 @@ import torch
 
 from mpress.d2d.static.topology import detect_local_hardware, normalize_bus_id
 from mpress.errors import PlanError, TopologyError
-from mpress.hardware import load_hardware
+from mpress.hardware.server import load_hardware
 from mpress.launcher import startup
 from mpress.launcher.devices import cuda_bus_ids
 from mpress.runtime.train_config import TrainConfig

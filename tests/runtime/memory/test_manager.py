@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpress.errors import SwapError
-from mpress.identity import TensorKey
+from mpress.contract.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 from tests.support import keys
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from mpress.errors import SwapError
 from mpress.runtime.memory.host_pool import PinnedHostPool
-from mpress.identity import TensorKey
+from mpress.contract.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapState
 from mpress.runtime.swap.store import issue_copies

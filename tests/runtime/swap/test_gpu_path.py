@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from mpress.actions import Action, Kind, UnitId, UnitKind, parse_actions
+from mpress.contract.actions import Action, Kind, UnitId, UnitKind, parse_actions
 from mpress.errors import SwapError
-from mpress.plan import TensorRule
+from mpress.contract.plan import TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
@@ -332,7 +332,7 @@ def test_cuda_a_cpu_tensor_saved_under_a_host_rule_is_left_alone():
 def test_cuda_the_profile_counts_no_device_bytes_for_a_cpu_tensor_a_layer_saves():
     """Item 11, the plan-time half: profiled on the GPU, the CPU scalar is named (so names
     agree with the router's) but holds no device bytes, so no plan moves it."""
-    from mpress.static.measured import measure_profile
+    from mpress.static.profile.measured import measure_profile
 
     profile = measure_profile(ScalesByACpuScalar(), torch.randn(4, 16), model_name="scales", fingerprint="t",
                               microbatch_size=4, device="cuda", warmup=0, iters=1)

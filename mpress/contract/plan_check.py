@@ -1,0 +1,280 @@
+"""The one check of a plan against what it is used with, for both halves.
+
+Each caller passes what it knows and gets a one-line `PlanError` when the plan does not
+belong to it. The line names the plan file, the plan's key (`stages[2].rules[5].tensor`,
+`stage_to_device[3]`, `num_ranks`, ...) and what is allowed:
+
+- `mpress emulate PLAN` and the planner (`mpress.static.plan.plan_eval.check_plan_for_setup`):
+  the model, the hardware, the pipeline's shape and layer ranges, and the profile's layer
+  names and saved-tensor ids per stage;
+- training start-up, on rank 0 before any rank builds a stage
+  (`mpress.launcher.startup.plan_for`): the job (model, schedule, stages, ranks,
+  microbatches, the model's layer count), then all the above;
+- the runtime (`wrap_stage`, `PipelineJob`): the model's fingerprint, the job's shape
+  and world size, the layers of the stages it builds, and `runtime=True`, which also
+  refuses what torch's pipelining cannot execute.
+
+Rules are read by the identity module's `StageRules`, the resolver both halves use: a
+rule must name something of its stage (a saved tensor of one of its layers, or, for
+`optim:`/`stash:` rules, one of its layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mpress.errors import PlanError
+from mpress.hardware.server import Hardware
+from mpress.contract.identity import MODEL_DATA_KINDS, StageRules
+from mpress.config.model_config import ModelConfig
+from mpress.contract.plan import Plan, hardware_fingerprint
+from mpress.config.units import fmt_bytes
+from mpress.config.vocabulary import ScheduleName
+
+RUNS_AS = {ScheduleName.PIPEDREAM: ScheduleName.ONE_F_ONE_B}
+"""Planned schedules torch's pipelining runs as another: PipeDream's asynchronous 1F1B
+runs as synchronous 1F1B (same order, no weight stashing)."""
+
+_LISTED = 8
+"""Names a message lists before it says how many more there are."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A pipeline's shape: what a plan's microbatch selectors and action lists refer to."""
+
+    schedule: ScheduleName
+    num_stages: int
+    num_microbatches: int
+    microbatch_size: int
+
+
+def refusal(source: str, key: str, problem: str) -> PlanError:
+    """The one-line error for a plan: `SOURCE: KEY: PROBLEM` (as `ConfigError` reads)."""
+    return PlanError(f"{source}: {key}: {problem}")
+
+
+def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = None,
+               model_fingerprint: str | None = None, hardware: Hardware | None = None,
+               shape: Shape | None = None, ranges: Sequence[tuple[int, int]] | None = None,
+               world_size: int | None = None, num_layers: int | None = None,
+               stage_layers: Mapping[int, Sequence[str]] | None = None,
+               stage_tensors: Mapping[int, Sequence[str]] | None = None, runtime: bool = False,
+               host_step_bytes: Mapping[int, tuple[int, int]] | None = None) -> None:
+    """Refuse a plan that does not belong to what it is used with (one-line `PlanError`
+    naming `source`, the plan's key and what is allowed).
+
+    model / model_fingerprint: the plan must have been made for this model.
+    hardware: same device count and topology; every device a stage, a stripe or a peer
+        quota names exists, stripes and quotas only to NVLink neighbours of the stage's
+        device; the pinned pools fit the host memory, each device's peer pools (and the
+        quotas exporters hold in it) its usable memory.
+    host_step_bytes: with `hardware`, per stage whose optimizer steps on the host, the
+        (pinned, pageable) host bytes its step keeps (staging buffers apart from the
+        pool; fp32 copies and Adam states): with the pools, the pinned ones must fit what
+        the hardware can pin, and all of them its host memory.
+    shape: the pipeline's schedule, stage count, microbatch count and size (at run time
+        a PipeDream plan runs as 1F1B). ranges: each stage's layer range [start, end).
+    world_size: the ranks of the job; each rank's stages on one device of its own.
+    num_layers: the model's layer count (the last stage must end there).
+    stage_layers / stage_tensors: per stage (of those the caller has), its layer names and
+        saved-tensor ids; every rule must name something the stage has (model-data rules
+        are checked where layer names are given, others where tensor ids are), and a
+        stage must hold as many layers as the plan gives it.
+    runtime: the plan is about to run on torch's pipelining: rules that need weight
+        stashing (`stash:`) are refused, as its schedules are synchronous.
+    """
+    if model is not None:
+        model_fingerprint = model.fingerprint()
+    if model_fingerprint is not None and plan.model_fingerprint != model_fingerprint:
+        name = f"{model.name!r}" if model is not None else "this one"
+        raise refusal(source, "model_fingerprint", f"made for model {plan.model!r}, not {name} (fingerprints differ: "
+                                                   f"the plan's {plan.model_fingerprint}, this model's "
+                                                   f"{model_fingerprint}); plan again for this model")
+    if shape is not None:
+        _check_shape(plan, source, shape, runtime)
+    if world_size is not None:
+        _check_ranks(plan, source, world_size)
+    if num_layers is not None and plan.stages[-1].end_layer != num_layers:
+        last = plan.num_stages - 1
+        raise refusal(source, f"stages[{last}].end_layer", f"must be {num_layers}: the last stage ends at the "
+                                                           f"model's last layer (the model has {num_layers} layers)")
+    if hardware is not None:
+        if plan.hardware_fingerprint != hardware_fingerprint(hardware):
+            raise refusal(source, "hardware_fingerprint", f"made for hardware {plan.hardware!r}, not "
+                                                          f"{hardware.name!r} (device count, memory or topology differ)")
+        _check_devices(plan, source, hardware)
+        _check_pools(plan, source, hardware)
+        if host_step_bytes:
+            _check_host_steps(plan, source, hardware, host_step_bytes)
+    if ranges is not None:
+        for sp, (start, end) in zip(plan.stages, ranges):
+            if (sp.first_layer, sp.end_layer) != (start, end):
+                raise refusal(source, f"stages[{sp.stage}].{'first_layer' if sp.first_layer != start else 'end_layer'}",
+                              f"stage {sp.stage} holds layers {sp.first_layer}..{sp.end_layer - 1} in the plan but "
+                              f"{start}..{end - 1} in this partition")
+    if stage_layers is not None or stage_tensors is not None:
+        _check_names(plan, source, stage_tensors or {}, stage_layers or {})
+    if runtime:
+        _check_executable(plan, source)
+
+
+def _check_shape(plan: Plan, source: str, shape: Shape, runtime: bool) -> None:
+    schedule = RUNS_AS.get(plan.schedule, plan.schedule) if runtime else plan.schedule
+    fields = {"schedule": (schedule, shape.schedule), "num_stages": (plan.num_stages, shape.num_stages),
+              "num_microbatches": (plan.num_microbatches, shape.num_microbatches),
+              "microbatch_size": (plan.microbatch_size, shape.microbatch_size)}
+    for key, (planned, given) in fields.items():
+        if planned != given:
+            raise refusal(source, key, f"made for {plan.schedule}, {plan.num_stages} stages, {plan.num_microbatches} "
+                                       f"x {plan.microbatch_size} microbatches; this pipeline is {shape.schedule}, "
+                                       f"{shape.num_stages} stages, {shape.num_microbatches} x {shape.microbatch_size}")
+
+
+def _check_ranks(plan: Plan, source: str, world_size: int) -> None:
+    """The job's ranks: as many as the plan's, each rank's stages on one device, no
+    device shared by two ranks (a rank trains on one device, and no two on one GPU)."""
+    if plan.num_ranks != world_size:
+        raise refusal(source, "num_ranks", f"made for {plan.num_ranks} ranks, this job has {world_size}")
+    owner: dict[int, int] = {}
+    for s, device in enumerate(plan.stage_to_device):
+        rank = plan.rank_of_stage(s)
+        first = plan.stage_to_device[rank]
+        if device != first:
+            raise refusal(source, f"stage_to_device[{s}]", f"must be {first}: stage {s} runs on rank {rank}, whose "
+                                                           f"stage {rank} is on device {first} (a rank has one device)")
+        if owner.setdefault(device, rank) != rank:
+            raise refusal(source, f"stage_to_device[{s}]", f"device {device} is rank {owner[device]}'s already "
+                                                           f"(stage {s} runs on rank {rank}); one rank per device")
+
+
+def _listing(names: Sequence[object]) -> str:
+    shown = ", ".join(str(n) for n in names[:_LISTED])
+    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "") if names else "none"
+
+
+def _neighbours(hardware: Hardware, device: int) -> str:
+    return _listing([e for e in range(hardware.num_devices) if e != device and hardware.links(device, e)])
+
+
+def _check_devices(plan: Plan, source: str, hardware: Hardware) -> None:
+    """Every device the plan names exists; stripes and quotas go to NVLink neighbours."""
+    n = hardware.num_devices
+    for s, d in enumerate(plan.stage_to_device):
+        if not 0 <= d < n:
+            raise refusal(source, f"stage_to_device[{s}]", f"stage {s} is mapped to device {d}; {hardware.name} has "
+                                                           f"devices 0..{n - 1}")
+    for sp in plan.stages:
+        for r, rule in enumerate(sp.rules):
+            for k, stripe in enumerate(rule.stripes):
+                _require_neighbour(source, f"stages[{sp.stage}].rules[{r}].stripes[{k}].device", hardware, sp.device,
+                                   stripe.device, f"stage {sp.stage} rule {r} ({rule.tensor}) stripes to")
+        for k, quota in enumerate(sp.peer_quotas):
+            _require_neighbour(source, f"stages[{sp.stage}].peer_quotas[{k}].device", hardware, sp.device,
+                               quota.device, f"stage {sp.stage} holds a quota on")
+
+
+def _require_neighbour(source: str, key: str, hardware: Hardware, device: int, peer: int, what: str) -> None:
+    """Refuse (naming `key`) a peer device that does not exist or has no NVLink to `device`."""
+    if not 0 <= peer < hardware.num_devices or hardware.links(device, peer) == 0:
+        raise refusal(source, key, f"{what} device {peer}, which is not an NVLink neighbour of device {device} "
+                                   f"(its neighbours on {hardware.name}: {_neighbours(hardware, device)})")
+
+
+def _check_pools(plan: Plan, source: str, hardware: Hardware) -> None:
+    """Pinned pools within the host memory; per device, its peer pools and, apart, the
+    quotas exporters hold in it (an idle device's pool is their sum) within its usable
+    memory."""
+    host = sum(sp.pinned_host_bytes for sp in plan.stages)
+    if host > hardware.pinnable_bytes:
+        big = max(plan.stages, key=lambda sp: sp.pinned_host_bytes)
+        raise refusal(source, f"stages[{big.stage}].pinned_host_bytes",
+                      f"pinned host pools need {fmt_bytes(host)} ({fmt_bytes(big.pinned_host_bytes)} for stage "
+                      f"{big.stage}); {hardware.name} can pin {fmt_bytes(hardware.pinnable_bytes)} of its "
+                      f"{fmt_bytes(hardware.host_memory_bytes)} of host memory")
+    usable = hardware.usable_memory_bytes
+    allowed = (f"a {hardware.name} device has {fmt_bytes(usable)} usable "
+               f"({fmt_bytes(hardware.device.memory_bytes)} less its reserve)")
+    for d, nbytes in plan.peer_pool_bytes_by_device().items():
+        if nbytes > usable:
+            big = max((sp for sp in plan.stages if sp.device == d), key=lambda sp: sp.peer_pool_bytes)
+            raise refusal(source, f"stages[{big.stage}].peer_pool_bytes",
+                          f"device {d} peer pool of {fmt_bytes(nbytes)} exceeds its memory: {allowed}")
+    quotas: dict[int, list[tuple[int, int, int]]] = {}
+    for sp in plan.stages:
+        for k, quota in enumerate(sp.peer_quotas):
+            quotas.setdefault(quota.device, []).append((quota.quota_bytes, sp.stage, k))
+    for d, held in quotas.items():
+        total = sum(b for b, _s, _k in held)
+        if total > usable:
+            _b, s, k = max(held)
+            raise refusal(source, f"stages[{s}].peer_quotas[{k}].quota_bytes",
+                          f"quotas on device {d}'s peer pool total {fmt_bytes(total)}, more than its memory: {allowed}")
+
+
+def _check_host_steps(plan: Plan, source: str, hardware: Hardware,
+                      host_step_bytes: Mapping[int, tuple[int, int]]) -> None:
+    """The host optimizer steps' buffers, with the pinned pools, within the host."""
+    pools = sum(sp.pinned_host_bytes for sp in plan.stages)
+    pinned = sum(p for p, _h in host_step_bytes.values())
+    pageable = sum(h for _p, h in host_step_bytes.values())
+    big = max(host_step_bytes, key=lambda s: sum(host_step_bytes[s]))
+    key = f"stages[{big}].optimizer_step"
+    if pools + pinned > hardware.pinnable_bytes:
+        raise refusal(source, key, f"the host optimizer steps' pinned staging buffers ({fmt_bytes(pinned)}) and the "
+                                   f"pinned pools ({fmt_bytes(pools)}) need {fmt_bytes(pools + pinned)}; "
+                                   f"{hardware.name} can pin {fmt_bytes(hardware.pinnable_bytes)}")
+    if pools + pinned + pageable > hardware.host_memory_bytes:
+        raise refusal(source, key, f"the host optimizer steps keep {fmt_bytes(pageable)} of fp32 copies and Adam "
+                                   f"states and {fmt_bytes(pinned)} of pinned staging, the pools pin "
+                                   f"{fmt_bytes(pools)}: {fmt_bytes(pools + pinned + pageable)} of "
+                                   f"{hardware.name}'s {fmt_bytes(hardware.host_memory_bytes)} of host memory")
+
+
+def _check_names(plan: Plan, source: str, stage_tensors: Mapping[int, Sequence[str]],
+                 stage_layers: Mapping[int, Sequence[str]]) -> None:
+    """Every rule of a stage the caller knows names something there, as `StageRules`
+    reads rules: a saved tensor (activation rules, where tensor ids are given) or a layer's
+    model data (`optim:`/`stash:` rules, where layer names are given)."""
+    for sp in plan.stages:
+        tensors = stage_tensors.get(sp.stage)
+        layers = stage_layers.get(sp.stage)
+        if layers is not None and len(layers) != sp.end_layer - sp.first_layer:
+            raise refusal(source, f"stages[{sp.stage}].end_layer",
+                          f"stage {sp.stage} holds layers {sp.first_layer}..{sp.end_layer - 1} in the plan, the stage "
+                          f"module holds {len(layers)} layers ({_listing(layers)})")
+        rules = StageRules(sp, [])
+        named: set[int] = set()
+        for t in tensors or ():
+            named.update(rules.candidates(t))
+        for layer in layers or ():
+            for kind in MODEL_DATA_KINDS:
+                named.update(rules.candidates(f"{kind}:{layer}"))
+        for r, rule in enumerate(sp.rules):
+            if r in named:
+                continue
+            model_data = rule.tensor.partition(":")[0] in MODEL_DATA_KINDS
+            if model_data and layers is not None:
+                raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
+                              f"stage {sp.stage} rule {r} names {rule.tensor!r}, which the profile does not have in "
+                              f"that stage: it matches none of its layers {_listing(layers)} (optim:LAYER, "
+                              "stash:LAYER, or a glob such as optim:*)")
+            if not model_data and tensors is not None:
+                where = f"layers {_listing(layers)}" if layers is not None else \
+                    f"modules {_listing(sorted({t.split('#', 1)[0] for t in tensors}))}"
+                example = f", e.g. {tensors[0]} or {(layers or [tensors[0].split('#', 1)[0]])[0]}.**" if tensors else ""
+                raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
+                              f"stage {sp.stage} rule {r} names {rule.tensor!r}, which the profile does not have in "
+                              f"that stage: it matches no tensor saved in its {where} (MODULE#INDEX or "
+                              f"LAYER.**{example})")
+
+
+def _check_executable(plan: Plan, source: str) -> None:
+    for sp in plan.stages:
+        for r, rule in enumerate(sp.rules):
+            if rule.tensor.startswith("stash:"):
+                raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
+                              f"stage {sp.stage} rule {r} ({rule.tensor}) moves stashed weight versions, which only "
+                              "PipeDream's asynchronous schedule keeps; torch's pipelining runs synchronously, so "
+                              "this rule cannot run (plan for 1f1b instead)")

@@ -1,0 +1,142 @@
+"""Several identical servers: `num_nodes` x one `Hardware`, and the inter-node network.
+
+A `Cluster` is a separate concept from the single-server `Hardware`: the server model
+stays as it is (devices, host, PCIe, NVLink), and what joins servers, the compute NICs
+of each node, comes from `configs/clusters/<hardware name>.yaml` (a `NetworkSpec`, with
+its sources) or any YAML path. Data parallelism runs across the nodes: the pipeline of
+one node is replicated on every node, and GPU i of each node reaches GPU i of the others
+through its NIC (`nic_of_device`), as on a rail-optimised fabric; GPUs that share a NIC
+share its bandwidth.
+
+Shared by the static half (the emulator's inter-node channels, the planner's sharded
+states) and, later, the runtime's launcher, so it lives outside both.
+
+Units: seconds, GB/s with GB = 1e9 bytes, per direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpress.config.loader import from_dict, load_yaml
+from mpress.errors import ConfigError, UserError
+from mpress.hardware.server import Hardware
+from mpress.config.presets import CONFIG_DIR
+from mpress.config.limits import MAX_DEVICES, MAX_LATENCY_S, MIN_BANDWIDTH_GBPS
+from mpress.config.vocabulary import Word
+
+CLUSTER_DIR = CONFIG_DIR / "clusters"
+MAX_NODES = 4096
+"""Most nodes a cluster may have (a bound on input, not a scaling claim)."""
+
+
+DDP_GRADIENT_AS_BUCKET_VIEW = False
+"""`gradient_as_bucket_view` of the DDP that replicates a stage (shared by both halves:
+the runtime passes it, the emulator counts from it). False, torch's default: DDP's
+buckets hold a copy of every gradient, the stage's gradient bytes again for the wrapped
+module's lifetime; True would make the gradients views into the buckets (no copy)."""
+
+
+class Sharding(Word):
+    """How data-parallel replicas hold a stage's model states (shared by both halves).
+
+    ddp: every replica holds all of them; gradients are all-reduced (torch DDP).
+    fsdp: optimizer states and fp32 master weights (or, without mixed precision, a copy
+        of the parameters) are sharded over the replicas; gradients are reduce-scattered
+        and the updated parameters all-gathered (torch FSDP2 `fully_shard`, ZeRO-2 like).
+    """
+
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
+@dataclass(kw_only=True, frozen=True)
+class NetworkSpec:
+    """The compute NICs of one node, as a cluster YAML gives them."""
+
+    hardware: str
+    """The server preset these NICs belong to (`configs/hardware/<name>.yaml`)."""
+    num_nics: int = field(metadata={"min": 1, "max": MAX_DEVICES})
+    """Compute NICs per node (storage NICs are not modelled)."""
+    nic_gbps: float = field(metadata={"min": MIN_BANDWIDTH_GBPS})
+    """Nominal bandwidth of one NIC per direction, GB/s (200 Gb/s HDR = 25)."""
+    nic_of_device: list[int] = field(default_factory=list)
+    """The NIC each GPU's inter-node traffic leaves by (index = device); empty: device d
+    uses NIC d x num_nics // num_devices."""
+    efficiency: float = field(default=0.9, metadata={"gt": 0, "max": 1})
+    """Achieved fraction of the nominal NIC bandwidth."""
+    hop_latency_s: float = field(default=5e-6, metadata={"min": 0, "max": MAX_LATENCY_S})
+    """Fixed cost of one step of a ring collective between two nodes."""
+    source: str = ""
+    """Where the nominal figures come from (datasheet citation)."""
+
+    def __post_init__(self) -> None:
+        for d, nic in enumerate(self.nic_of_device):
+            if not 0 <= nic < self.num_nics:
+                raise ConfigError("", f"nic_of_device[{d}]", f"NIC {nic} out of range 0..{self.num_nics - 1}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cluster:
+    """`num_nodes` identical servers joined by their compute NICs."""
+
+    num_nodes: int = field(metadata={"min": 1, "max": MAX_NODES})
+    """Servers; each runs one replica of the pipeline."""
+    hardware: Hardware
+    """One server."""
+    network: NetworkSpec
+    """Its compute NICs."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_nodes <= MAX_NODES:
+            raise UserError(f"--nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
+        mapped = len(self.network.nic_of_device)
+        if mapped and mapped != self.hardware.num_devices:
+            raise UserError(f"network of {self.network.hardware}: nic_of_device names {mapped} devices, hardware "
+                            f"{self.hardware.name} has {self.hardware.num_devices} (give one NIC per device)")
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_nodes} x {self.hardware.name}"
+
+    def nic(self, device: int) -> int:
+        """The NIC `device` sends and receives inter-node traffic by."""
+        if self.network.nic_of_device:
+            return self.network.nic_of_device[device]
+        return device * self.network.num_nics // self.hardware.num_devices
+
+    @property
+    def nic_gbps(self) -> float:
+        """Effective bandwidth of one NIC per direction, GB/s."""
+        return self.network.nic_gbps * self.network.efficiency
+
+
+def cluster_presets() -> list[str]:
+    """Hardware presets that have a network preset (and so can run on several nodes)."""
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+
+
+def load_network(name_or_path: str | Path) -> NetworkSpec:
+    """A network preset (`configs/clusters/<hardware name>.yaml`) or YAML path."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise UserError(f"{p}: no such file")
+        path = p
+    else:
+        path = CLUSTER_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise UserError(f"hardware {name_or_path!r} has no network preset for several nodes (presets: "
+                            f"{', '.join(cluster_presets())}; or give a network YAML in {CLUSTER_DIR.name}/'s format)")
+    return from_dict(NetworkSpec, load_yaml(path), str(path))
+
+
+def make_cluster(hardware: Hardware, num_nodes: int, network: str | Path | None = None) -> Cluster:
+    """`num_nodes` x `hardware`, joined by `network` (default: the preset named as the
+    hardware). A network written for another server is refused."""
+    spec = load_network(network if network is not None else hardware.name)
+    if spec.hardware != hardware.name:
+        raise UserError(f"network {network or hardware.name}: its NICs belong to hardware {spec.hardware!r}, "
+                        f"not {hardware.name!r}")
+    return Cluster(num_nodes=num_nodes, hardware=hardware, network=spec)

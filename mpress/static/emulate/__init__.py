@@ -1,0 +1,1 @@
+"""Emulation: a program of costed tasks lowered from the per-rank action lists, its dependencies and copy channels, the discrete-event simulation and its result, liveness, trace, host-step time and the data-parallel reduction."""

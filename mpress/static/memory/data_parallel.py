@@ -1,0 +1,66 @@
+"""Data parallelism across nodes as the memory model sees it: the replicas (`DataParallel`),
+what sharding (FSDP) changes in a stage's model states (`shard_profile`) and the buffers
+the reduction holds on the device (`reduction_buffer_bytes`). How the reduction runs and
+what it costs in time is the emulator's (`mpress/static/emulate/dp_reduction.py`, whose
+docstring describes ddp and fsdp as modelled).
+
+Units: bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from mpress.hardware.cluster import DDP_GRADIENT_AS_BUCKET_VIEW, Cluster, Sharding
+from mpress.static.memory.stage_costs import StageCosts
+from mpress.static.profile.profile import Profile
+
+DDP_BUCKET_BYTES = 25 * (1 << 20)
+"""torch DDP's default `bucket_cap_mb=25` (its first bucket, 1 MiB, is not modelled)."""
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel:
+    """Replicas of the pipeline across the nodes of `cluster`."""
+
+    cluster: Cluster
+    sharding: Sharding = Sharding.DDP
+    """How replicas hold model states and reduce gradients (`mpress.hardware.cluster.Sharding`)."""
+    bucket_bytes: int = field(default=DDP_BUCKET_BYTES)
+    """ddp: gradient bytes per all-reduce bucket."""
+
+    @property
+    def degree(self) -> int:
+        """Replicas: one per node."""
+        return self.cluster.num_nodes
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding is Sharding.FSDP and self.degree > 1
+
+
+def shard_profile(profile: Profile, dp: DataParallel) -> Profile:
+    """The profile one device sees under `dp`: with fsdp, each layer's optimizer states,
+    master weights and largest optimizer tensor are 1/dp (rounded up); otherwise the
+    profile itself."""
+    if not dp.sharded:
+        return profile
+    n = dp.degree
+    layers = [replace(x, optim_bytes=-(-x.optim_bytes // n), master_bytes=-(-x.master_bytes // n),
+                      largest_param_bytes=-(-x.largest_param_bytes // n)) for x in profile.layers]
+    return replace(profile, layers=layers)
+
+
+def reduction_buffer_bytes(costs: StageCosts, dp: DataParallel | None) -> int:
+    """Device bytes a stage holds for the whole iteration because of `dp` (> 1), beyond
+    its (sharded) model states: ddp, its buckets, a copy of the stage's gradients (none
+    when they are views into them, `cluster.DDP_GRADIENT_AS_BUCKET_VIEW`); fsdp, one
+    layer's reduce-scatter input (its unsharded gradients) and output (their shard), and,
+    without master weights, its 1/dp shard of the parameters beside the unsharded ones."""
+    if dp is None or dp.degree == 1:
+        return 0
+    if not dp.sharded:
+        return 0 if DDP_GRADIENT_AS_BUCKET_VIEW else costs.grad_bytes
+    n = dp.degree
+    largest = max((x.grad_bytes for x in costs.layers), default=0)
+    shard_copy = 0 if costs.master_bytes else -(-costs.param_bytes // n)
+    return largest + -(-largest // n) + shard_copy

@@ -1,0 +1,178 @@
+"""A stage's device memory, layer by layer: what each layer's forward and backward of one
+microbatch takes and gives back, composed from the layers' probed memory
+(`LayerMemory`) and the way torch's pipelining holds a stage's tensors.
+
+The emulator's layer tasks take these figures (`lowering.py`); the runtime does what they
+say, so a CPU run's counted bytes follow them. The rules, for layer j of a stage with
+layers 0..n-1 (a layer's memory follows its recompute choice, `layer_memory`: a
+recomputed layer uses its `recompute_memory`, one recomputed in part the memory of that
+`recompute_options` entry; either checkpoint keeps its input):
+
+- forward of j: takes what it keeps (its saved tensors and its output) and, at its peak,
+  its transients; at its end the previous layer's output is given back when nothing holds
+  it (j does not save its input, j-1 does not save its output, and it is not the stage's
+  input, which torch's receive buffer or the input batch holds);
+- a swapped-out unit's bytes leave at the next compute action of the rank (its release
+  point) and come back when its swap-in is issued; the bytes a swap frees leave out the
+  stage's input (swapping it frees nothing) and an input its producer also keeps;
+- backward of j (last layer first): takes the gradient of its input (and, in the step's
+  first backward, the parameters' gradients) and, at its peak, its transients; at its end
+  it gives back what its forward kept (its output excepted when the next layer held it),
+  its saved input, and the gradient it consumed; the stage's output (held by the
+  pipeline until the microbatch's backward is over) goes when the backward ends; the
+  gradient of the stage's input stays: the send that carries it back holds it, and the
+  lowering gives it back when torch's schedule lets that send go
+  (`schedules.held_input_grads`).
+
+Units: bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mpress.errors import PlanError
+from mpress.static.profile.profile import LayerMemory, LayerProfile, SavedTensor
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What one layer's forward or backward of one microbatch does to device memory:
+    takes `alloc_bytes` when it starts, holds `transient_bytes` more while it runs, gives
+    back `free_bytes` when it ends."""
+
+    alloc_bytes: int
+    transient_bytes: int
+    free_bytes: int
+
+
+WHOLE = -1
+"""A recompute choice: the whole layer is recomputed."""
+
+Choice = int | None
+"""What a layer does with its saved tensors in one microbatch: None keeps them (or swaps
+some: swaps are units of their own), `WHOLE` recomputes the layer, k >= 0 recomputes the
+tensors of its `recompute_options[k]` and keeps the rest."""
+
+
+def layer_memory(layer: LayerProfile, choice: Choice) -> LayerMemory:
+    """What `layer` holds under recompute choice `choice`."""
+    if choice is None:
+        return layer.memory
+    if choice == WHOLE:
+        return layer.recompute_memory
+    return layer.recompute_options[choice].memory
+
+
+def recompute_choice(layer: LayerProfile, recomputed: frozenset[int], where: str) -> Choice:
+    """The choice a plan's rules make for `layer` by recomputing the saved tensors at
+    `recomputed` (positions): None for none, `WHOLE` when they hold every tensor an
+    operator of the layer produced (the runtime then checkpoints it whole), else the
+    `recompute_options` entry with exactly those tensors; anything else is a `PlanError`
+    (in `where`) naming the choices the profile measured."""
+    if not recomputed:
+        return None
+    producible = {p for p, t in enumerate(layer.saved) if t.op_index >= 0}
+    if producible <= recomputed and (producible or len(recomputed) == len(layer.saved)):
+        return WHOLE
+    wanted = sorted(recomputed & producible)
+    for k, option in enumerate(layer.recompute_options):
+        if option.tensors == wanted:
+            return k
+    kept = [layer.saved[p].id for p in sorted(producible - recomputed)]
+    shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    what = f"keeping {shown}" if kept else f"in part ({len(recomputed)} of its {len(layer.saved)} saved tensors)"
+    sizes = ", ".join(str(len(producible) - len(o.tensors)) for o in layer.recompute_options)
+    raise PlanError(
+        f"{where}: {layer.name} recomputed {what} is not a choice its profile measured: recompute all of "
+        f"{layer.name}.**" + (f", or keep exactly what one of its {len(layer.recompute_options)} recompute_options "
+                              f"keeps ({sizes} tensors)" if sizes else ""))
+
+
+def recompute_time_s(layer: LayerProfile, choice: Choice) -> float:
+    """What recomputing under `choice` takes in the backward (0 for None)."""
+    if choice is None:
+        return 0.0
+    return layer.forward_time_s if choice == WHOLE else layer.recompute_options[choice].time_s
+
+
+
+def forward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Choice]) -> list[StepMemory]:
+    """The forward of one microbatch, one step per layer in order."""
+    out = []
+    for j, layer in enumerate(layers):
+        mem = layer_memory(layer, recomputed[j])
+        freed = 0
+        if j > 0 and not mem.saves_input:
+            prev = layer_memory(layers[j - 1], recomputed[j - 1])
+            if not prev.saves_output:
+                freed = prev.output_bytes
+        out.append(StepMemory(alloc_bytes=mem.kept_bytes, transient_bytes=max(mem.forward_peak_bytes - mem.kept_bytes, 0),
+                              free_bytes=freed))
+    return out
+
+
+def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Choice], *,
+                   first_backward: bool, output_held: bool = False) -> list[StepMemory]:
+    """The backward of one microbatch, one step per layer, last layer first.
+
+    first_backward: the step's first backward of this stage (it makes the parameters'
+    gradients). The last layer's incoming gradient (torch's receive buffer) is not given
+    back, nor is the gradient of the stage's input (the send carrying it holds it; see
+    the module docstring). A stage that ends the model keeps its loss (`loss_bytes` of its last
+    layer) until the step ends (torch's schedule and the trainer hold the losses), and
+    the loss's seed gradient, which `torch.autograd.backward` makes, lives until the
+    whole backward returns.
+    output_held: something else (a send) holds the stage's output beyond the backward:
+    not given back here (see `lowering.py`).
+    """
+    n = len(layers)
+    out: list[StepMemory] = []
+    last = layer_memory(layers[n - 1], recomputed[n - 1])
+    loss = last.loss_bytes
+    for j in range(n - 1, -1, -1):
+        mem = layer_memory(layers[j], recomputed[j])
+        alloc = mem.input_grad_bytes + (layers[j].grad_bytes if first_backward else 0)
+        # what its forward kept, but the output the next layer's backward gives back (its
+        # saved input) or, for the last layer, the stage's output, which goes at the end
+        freed = mem.kept_bytes - (0 if mem.saves_output and j < n - 1 else mem.output_bytes)
+        if j == n - 1:
+            alloc += loss  # the seed
+            freed -= loss  # the loss stays
+        if j > 0 and mem.saves_input and not layer_memory(layers[j - 1], recomputed[j - 1]).saves_output:
+            freed += layer_memory(layers[j - 1], recomputed[j - 1]).output_bytes  # the input it saved
+        if j < n - 1:
+            freed += layer_memory(layers[j + 1], recomputed[j + 1]).input_grad_bytes  # the gradient it consumed
+        if j == 0:
+            freed += loss  # the seed
+            if not output_held:
+                freed += last.output_bytes  # the stage's output, held until the backward ends
+        out.append(StepMemory(alloc_bytes=alloc, transient_bytes=max(mem.backward_peak_bytes - alloc, 0),
+                              free_bytes=freed))
+    return out
+
+
+def freeable_tensors(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
+                     recomputed: Sequence[Choice]) -> list[SavedTensor]:
+    """The tensors among `tensors` (saved by layer `layer` of the stage) whose storage
+    swapping them out frees: all but the stage's input (the receive buffer or the input
+    batch holds it), an input whose producer keeps it too, storages held elsewhere (the
+    loss's targets) and storages counted before (0 bytes)."""
+    out = []
+    for t in tensors:
+        if t.held or t.bytes == 0:
+            continue
+        if t.input:
+            if layer == 0:
+                continue
+            if layer_memory(layers[layer - 1], recomputed[layer - 1]).saves_output:
+                continue
+        out.append(t)
+    return out
+
+
+def freeable_bytes(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],
+                   recomputed: Sequence[Choice]) -> int:
+    """Bytes swapping `tensors` out frees (`freeable_tensors`)."""
+    return sum(t.bytes for t in freeable_tensors(layers, layer, tensors, recomputed))

@@ -1,0 +1,1 @@
+"""Planning: partition into stages, the planner's search (and its D2D steps), the draft a plan is built in, the rewriter that turns plan + schedule into each rank's program, and evaluation of a plan."""

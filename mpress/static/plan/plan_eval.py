@@ -1,0 +1,102 @@
+"""Evaluate a plan: check it belongs to a pipeline, rewrite, lower, emulate.
+
+Shared by the planner (every candidate) and `mpress emulate plan.yaml`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mpress.contract.actions import Schedule, format_actions
+from mpress.errors import PlanError
+from mpress.contract.plan import Plan
+from mpress.contract.plan_check import Shape, check_plan
+from mpress.static.emulate.emulator import emulate
+from mpress.static.plan.evaluate import Evaluation, PipelineSetup
+from mpress.static.emulate.host_memory import pinned_bytes
+from mpress.static.emulate.lowering import build_program, late_frees, lower_rank_traced
+from mpress.static.memory.model import memory_model
+from mpress.static.emulate.placement import place_by_capacity
+from mpress.static.emulate.program import Program
+from mpress.static.plan.rewriter import (
+    host_step_host_bytes,
+    host_step_pinned_bytes,
+    host_step_stages,
+    offloaded_optim_bytes,
+    rewrite,
+    stash_offloaded,
+)
+from mpress.config.vocabulary import SwapInPolicy
+
+
+def check_plan_for_setup(plan: Plan, setup: PipelineSetup, source: str = "plan") -> None:
+    """Refuse a plan made for another model, hardware, pipeline shape or profile (all that
+    a pipeline setup knows, given to the one plan check)."""
+    sched = setup.schedule
+    pinned, pageable = host_step_pinned_bytes(plan, setup.costs), host_step_host_bytes(plan, setup.costs)
+    check_plan(plan, source=source, model=setup.model, hardware=setup.hardware,
+               shape=Shape(sched.name, sched.num_stages, sched.num_microbatches, setup.microbatch_size),
+               ranges=setup.ranges,
+               stage_tensors={c.stage: [t.id for t in c.saved] for c in setup.costs},
+               stage_layers={c.stage: [x.name for x in c.layers] for c in setup.costs},
+               host_step_bytes={s: (p, h) for s, (p, h) in enumerate(zip(pinned, pageable)) if p or h})
+
+
+def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
+    """Emulate one iteration of `setup` under `plan` (its stage-to-device map included):
+    the program its rules make here (swap-ins placed by its policy), which must be the one
+    the plan carries when it carries one."""
+    rw = rewrite(plan, setup.schedule, setup.costs, setup.hardware)
+    offloaded = offloaded_optim_bytes(plan, setup.costs)
+    if setup.schedule.weight_stashing:  # the live weights stay when the stashed versions go
+        offloaded = [o - (c.param_bytes if gone else 0)
+                     for o, c, gone in zip(offloaded, setup.costs, stash_offloaded(rw.schedule))]
+    pools = [0] * setup.hardware.num_devices
+    for device, nbytes in plan.peer_pool_bytes_by_device().items():
+        pools[device] = nbytes
+    devices = list(plan.stage_to_device)
+
+    def lower(schedule: Schedule) -> Program:
+        return build_program(setup.profile, setup.ranges, schedule, setup.hardware,
+                             microbatch_size=setup.microbatch_size, stage_to_device=devices, tensors=rw.tensors,
+                             offloaded_bytes=offloaded, pool_bytes=pools, data_parallel=setup.data_parallel)
+
+    schedule = rw.schedule
+    if plan.swap_in_policy is SwapInPolicy.CAPACITY:
+        static = lower(schedule).static_bytes
+        placed = []
+        for r, actions in enumerate(schedule.ranks):
+            tasks, origins = lower_rank_traced(actions, costs=setup.costs, devices=devices, hardware=setup.hardware,
+                                               tensors=rw.tensors, weight_stashing=schedule.weight_stashing,
+                                               late=late_frees(schedule, setup.costs))
+            placed.append(place_by_capacity(actions, tasks, origins, static_bytes=static[r],
+                                            capacity_bytes=setup.hardware.usable_memory_bytes))
+        schedule = schedule.with_ranks(placed)
+    if plan.actions:  # the program the plan carries is the one its rules make here
+        for r, (carried, made) in enumerate(zip(plan.actions, schedule.ranks)):
+            if carried != format_actions(list(made)):
+                have, want = carried.split(), format_actions(list(made)).split()
+                i = next((k for k, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
+                raise PlanError(f"plan: rank {r}'s program differs from what its rules make on this pipeline at "
+                                f"action {i} ({have[i] if i < len(have) else 'end'} where the rules give "
+                                f"{want[i] if i < len(want) else 'end'}); re-plan, or drop `actions` to re-derive it")
+    program = lower(schedule)
+    placed_setup = replace(setup, stage_to_device=devices,
+                           memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices,
+                                               setup.data_parallel, host_step_stages=host_step_stages(plan)))
+    return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program),
+                      tensors=rw.tensors)
+
+
+def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
+    """`plan` with what a plan written by hand leaves out, and its evaluation: the program
+    its rules make on `setup` (`actions`, checked against the carried one when there is
+    one), each stage's pinned pool sized for that program where it gives none, and each
+    stage's predicted peak (its device's emulated peak) where it gives none."""
+    ev = evaluate_plan(setup, plan)
+    pinned = pinned_bytes(ev.schedule, ev.tensors)
+    peaks = ev.result.peak_bytes
+    stages = [replace(sp, pinned_host_bytes=sp.pinned_host_bytes or pinned[sp.stage],
+                      predicted_peak_bytes=sp.predicted_peak_bytes or peaks[sp.device]) for sp in plan.stages]
+    actions = plan.actions or [format_actions(list(r)) for r in ev.schedule.ranks]
+    return replace(plan, stages=stages, actions=actions), ev

@@ -1,0 +1,1 @@
+"""Profile: what one microbatch of a model costs, layer by layer. The `Profile` type and its sources: analytic (GPT/BERT/Llama), fake-tensor and measured profilers, the memory probe, op-level recompute options."""

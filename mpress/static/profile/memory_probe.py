@@ -1,0 +1,196 @@
+"""The memory probe: what one layer's forward and backward of one microbatch hold on the
+device, counted by `LiveBytes` (every storage an operator creates), the way the runtime
+counts a CPU stand-in's device.
+
+A layer runs alone on an input made before (so the input is not counted), then its
+backward from a gradient made before. The probe runs on any device: the real one for the
+measured profiler, the meta device for the analytic one (operators create storages of
+the right sizes there without computing, so a 20B-parameter model's layers are probed in
+milliseconds). It records (`mpress.static.profile.profile.LayerMemory`):
+
+- kept_bytes: live after the forward minus before: what the layer keeps for its backward
+  and its output (the caller holds the output; for the last layer with a loss, the
+  module's output too, which the pipeline keeps until the microbatch's backward);
+- forward_peak_bytes: the highest live bytes above the start during the forward;
+- saves_input / saves_output: whether autograd saved the layer's input (resp. output)
+  storage, which then lives until this layer's backward;
+- backward_peak_bytes: the highest live bytes above the start of the backward (the
+  start includes what the forward kept and the incoming gradient);
+- input_grad_bytes: the gradient of the input the backward hands to the layer before;
+- loss_bytes: with a loss, the loss's bytes (its seed gradient is as large);
+- and, beside it, the parameters' gradients the first backward of a step creates.
+
+`mpress/static/memory/stage_memory.py` composes these into a stage's memory curve. Units: bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpress.contract.identity import side_effect_free
+from mpress.contract.live_bytes import LiveBytes, tensors_in
+from mpress.contract.selective import LayerOps, cached_ops, recompute_menu, run_recomputed, trace_layer_ops
+from mpress.static.profile.profile import LayerMemory
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def _nbytes(values: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors_in(values):
+        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
+                loss_fn: LossFn | None = None) -> tuple[LayerMemory, int]:
+    """Probe `layer` on `args` (one microbatch, on the layer's device; floating inputs that
+    should carry gradients must require them). With `loss_fn(output) -> scalar`, the loss
+    is part of the layer (the last layer of a model). The layer's parameters must not have
+    gradients; none are left behind. Random streams and buffers are left as they were.
+    Returns the layer's memory and the bytes of the parameter gradients its backward made."""
+    tracker = LiveBytes(rank=0)
+    for t in tensors_in(args):
+        tracker.adopt(t, "input")
+    for p in layer.parameters():
+        tracker.adopt(p, "parameter")
+    for b in layer.buffers():
+        tracker.adopt(b, "buffer")
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage()._cdata)
+        return t
+
+    inputs = {t.untyped_storage()._cdata for t in tensors_in(args)}
+    devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
+    buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+    with torch.random.fork_rng(devices=devices), tracker.watch():
+        start = tracker.live_bytes
+        tracker.reset_peak()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = layer(*args)
+            root = loss_fn(output) if loss_fn is not None else output
+        kept = tracker.live_bytes - start
+        forward_peak = tracker.peak_bytes - start
+        outputs = {t.untyped_storage()._cdata for t in tensors_in(output)}
+        output_bytes = _nbytes(output)
+        loss_bytes = _nbytes(root) if loss_fn is not None else 0
+        roots = [t for t in tensors_in(root) if t.requires_grad]
+        # the incoming gradient is a receive buffer made before the backward; a loss's
+        # seed is made by the backward itself, as at run time
+        grads = [torch.ones_like(t) for t in roots] if loss_fn is None else None
+        backward_start = tracker.live_bytes
+        tracker.reset_peak()
+        if roots:
+            torch.autograd.backward(roots, grads)
+        del output, root, roots, grads
+        backward_peak = tracker.peak_bytes - backward_start
+        input_grads = sum(t.grad.untyped_storage().nbytes() for t in tensors_in(args)
+                          if isinstance(t, torch.Tensor) and t.grad is not None)
+        param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
+    for t in tensors_in(args):
+        t.grad = None
+    layer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for b, value in buffers:
+            b.copy_(value)
+    return LayerMemory(kept_bytes=kept, forward_peak_bytes=forward_peak, saves_input=bool(saved & inputs),
+                       saves_output=bool(saved & outputs), backward_peak_bytes=backward_peak,
+                       input_grad_bytes=input_grads, output_bytes=output_bytes, loss_bytes=loss_bytes), param_grads
+
+
+class _Checkpointed(nn.Module):
+    """A layer run as the runtime runs a recomputed one (`mpress.contract.selective.run_recomputed`:
+    non-reentrant checkpoint, random state preserved, the operators `cached` cached)."""
+
+    def __init__(self, layer: nn.Module, ops: LayerOps | None = None, cached: frozenset[int] | None = None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.ops = ops
+        self.cached = cached
+
+    def forward(self, *args: Any) -> Any:
+        return run_recomputed(self.layer, self.ops, self.cached, *args)
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What `probe` found for one layer."""
+
+    plain: LayerMemory
+    """It keeps what it saves."""
+    recomputed: LayerMemory
+    """The whole layer is recomputed (its checkpoint keeps its input)."""
+    param_grad_bytes: int
+    """Its parameters' gradients."""
+    ops: LayerOps
+    """Its forward's operators and the producers of what it saves (`mpress.contract.selective`)."""
+    options: list[tuple[frozenset[int], LayerMemory]]
+    """Op-level recompute choices (`selective.recompute_menu`) and the memory of each,
+    those that keep less than the plain layer."""
+
+
+def probe(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | None = None) -> Probed:
+    """The layer's memory when it keeps what it saves, when it is recomputed and under
+    each op-level recompute choice, and the bytes of its parameters' gradients (see
+    `probe_layer`). A recomputed layer keeps its input (the checkpoint holds it)."""
+    plain, grads = probe_layer(layer, args, loss_fn=loss_fn)
+    recomputed, _ = probe_layer(_Checkpointed(layer), args, loss_fn=loss_fn)
+    with side_effect_free(layer):
+        ops = trace_layer_ops(layer, args, loss_fn=loss_fn)
+    layer.zero_grad(set_to_none=True)
+    options = []
+    for tensors in recompute_menu(ops):
+        cached = cached_ops(ops, tensors)
+        memory, _ = probe_layer(_Checkpointed(layer, ops, cached), args, loss_fn=loss_fn)
+        if memory.kept_bytes < plain.kept_bytes:  # else what it caches outweighs what it frees
+            # the checkpoint keeps its input; a cached output lives until the backward
+            options.append((tensors, replace(memory, saves_input=True,
+                                             saves_output=memory.saves_output or ops.output_op in cached)))
+    return Probed(plain=plain, recomputed=replace(recomputed, saves_input=True), param_grad_bytes=grads,
+                  ops=ops, options=options)
+
+
+def probe_layers(module: nn.Module, args: tuple[Any, ...], paths: list[str], *,
+                 loss_fn: LossFn | None = None) -> list[Probed]:
+    """`probe` of each layer of `module` (paths as `mpress.contract.identity.layer_paths` gives them)
+    on the input it gets in a forward of `args`; the loss goes with the last layer. Each
+    layer runs alone, so what the module computes between its layers is not counted."""
+    if paths == [""]:
+        return [probe(module, args, loss_fn=loss_fn)]
+    inputs: dict[int, tuple[Any, ...]] = {}
+    handles = [module.get_submodule(p).register_forward_pre_hook(
+        lambda _m, a, i=i: inputs.setdefault(i, tuple(_detached(x) for x in a))) for i, p in enumerate(paths)]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(
+                devices=sorted({p.device.index for p in module.parameters() if p.device.type == "cuda"})):
+            module(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    for i, p in enumerate(paths):
+        layer_args = tuple(_with_grad(x, i > 0 or _needs_grad(args)) for x in inputs[i])
+        out.append(probe(module.get_submodule(p), layer_args, loss_fn=loss_fn if i == len(paths) - 1 else None))
+    return out
+
+
+def _detached(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _needs_grad(args: tuple[Any, ...]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
+
+
+def _with_grad(value: Any, grad: bool) -> Any:
+    """A layer's input as the pipeline hands it: floating tensors carry gradients."""
+    if isinstance(value, torch.Tensor) and grad and value.is_floating_point():
+        return value.requires_grad_(True)
+    return value

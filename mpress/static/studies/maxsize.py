@@ -1,0 +1,266 @@
+"""The largest model of a family each strategy can fit on a server, and what bounds it.
+
+Models grow the way the family's presets do: width and depth together. The family's
+billion-scale presets set the rule (`ShapeRule`): depth = scale x width^exponent, fitted
+to the presets by least squares in log-log space; heads of the largest preset's head
+size; sequence, vocabulary and precision of the largest preset (the precision unless a
+setting overrides it: `family_rule(..., precision=)`, as `--setting` does). The candidates are the
+widths that are multiples of the head size, each at the rule's depth; bigger width means
+more parameters, more bytes per stage and wider activations, so fitting is taken as
+monotone in width: the search doubles the width from the smallest preset's until a size
+does not fit, then bisects.
+
+A size fits when the strategy's plan fits (`PlanResult.fits`): every device's emulated
+peak within its usable memory (`Hardware.usable_memory_bytes`: nominal less the reserve)
+and the pinned host buffers within what the server can pin (`Hardware.pinnable_bytes`).
+The ZeRO baselines (`mpress.static.baselines.zero.ZERO_VARIANTS`) are searched the same way, a
+size fitting when `plan_zero`'s result does (GPU peak, pinned host, drives).
+What bounds the answer (`Bound`) is why the smallest size that fails failed; or the
+search's time budget; or the largest shape searched.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from mpress.errors import UserError
+from mpress.hardware.server import Hardware
+from mpress.config.limits import MAX_WIDTH
+from mpress.config.model_config import ModelConfig, load_model_config, model_presets
+from mpress.models import num_parameters
+from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.planner import (
+    PlannerOptions,
+    PlanResult,
+    minimum_need_bytes,
+    plan_strategy,
+)
+from mpress.static.baselines.zero import ZERO_VARIANTS, BaselineResult, plan_zero
+from mpress.config.vocabulary import ScheduleName, Word
+
+
+class Bound(Word):
+    """What keeps the next size up from fitting."""
+
+    DEVICE_MEMORY = "device memory"
+    """A device's peak (or what no technique can move) exceeds its usable memory."""
+    PINNED_HOST = "pinned host"
+    """The host-swap buffers exceed what the server can pin."""
+    HOST_RAM = "host RAM"
+    """The host-swap buffers exceed the host's memory (a preset that states no pinnable limit)."""
+    PEER_MEMORY = "peer memory"
+    """D2D data finds no spare peer memory over NVLink."""
+    DRIVES = "drives"
+    """The data ZeRO-Infinity puts on the local drives exceeds their capacity."""
+    PIPELINE_DEPTH = "pipeline depth"
+    """The rule's depth is too shallow for the pipeline's stages (small widths only)."""
+    TIME = "time"
+    """The search's time budget ran out: larger sizes were not tried."""
+    LARGEST_SHAPE = "largest shape"
+    """The widest shape the search tries fits."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeRule:
+    """A family's shape rule: depth = scale x width^exponent (rounded, >= 1); heads of
+    `head_dim`; everything else as `base` (the family's largest preset)."""
+
+    family: str
+    base: ModelConfig
+    head_dim: int
+    scale: float
+    exponent: float
+
+    def depth(self, width: int) -> int:
+        """Blocks of the model of this width."""
+        return max(1, round(self.scale * width ** self.exponent))
+
+    def model(self, width: int) -> ModelConfig:
+        """The family's model of this width (a multiple of `head_dim`), named by its size."""
+        if width <= 0 or width % self.head_dim:
+            raise UserError(f"width {width} is not a positive multiple of the {self.family} head size {self.head_dim}")
+        b = self.base
+        ffn = None if b.ffn_hidden_size is None else round(b.ffn_hidden_size * width / b.hidden_size)
+        cfg = replace(b, hidden_size=width, num_heads=width // self.head_dim, num_layers=self.depth(width),
+                      ffn_hidden_size=ffn, num_kv_heads=None)
+        return replace(cfg, name=f"{b.family}-{num_parameters(cfg) / 1e9:.2f}b-L{cfg.num_layers}-h{width}")
+
+
+def family_ladder(family: str) -> list[ModelConfig]:
+    """Billion-scale presets of `family` (names ending in `b`), smallest first."""
+    configs = [load_model_config(n) for n in model_presets() if n.startswith(f"{family}-") and n.endswith("b")]
+    if not configs:
+        raise UserError(f"unknown family {family!r} (known: gpt, bert)")
+    return sorted(configs, key=num_parameters)
+
+
+def family_rule(family: str, precision: str | None = None) -> ShapeRule:
+    """`ShapeRule` fitted to the family's billion-scale presets (least squares of log depth
+    on log width; a single width, or one preset: depth in proportion to width).
+    precision: the models' training precision (None: the largest preset's)."""
+    ladder = family_ladder(family)
+    top = ladder[-1]
+    if precision is not None:
+        top = replace(top, precision=precision)
+    xs = [math.log(c.hidden_size) for c in ladder]
+    ys = [math.log(c.num_layers) for c in ladder]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    exponent = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 1.0
+    return ShapeRule(family=family, base=top, head_dim=top.hidden_size // top.num_heads,
+                     scale=math.exp(my - exponent * mx), exponent=exponent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaxSize:
+    """The largest fitting model of one strategy (None when even the smallest fails)."""
+
+    strategy: str
+    model: ModelConfig | None
+    num_parameters: int
+    result: PlanResult | None
+    """The strategy's plan for that model, with the full search (None for a ZeRO baseline)."""
+    evaluations: int
+    """Plans made during the search."""
+    bound: Bound | None = None
+    """What keeps the next size up from fitting (None: a row not found by the search)."""
+    bound_detail: str = ""
+    """The next size up and why it does not fit (the planner's reason)."""
+    baseline: BaselineResult | None = None
+    """A ZeRO baseline's result for that model (None for a planner strategy)."""
+
+    @property
+    def iteration_s(self) -> float:
+        """The largest model's iteration (nan when nothing fits)."""
+        if self.result is not None:
+            return self.result.evaluation.result.iteration_s
+        return self.baseline.iteration_s if self.baseline is not None else math.nan
+
+    @property
+    def samples_per_s(self) -> float:
+        if self.result is not None:
+            return self.result.evaluation.result.samples_per_s
+        return self.baseline.samples_per_s if self.baseline is not None else math.nan
+
+
+def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
+    """Why a plan that does not fit fails, as a `Bound`."""
+    if result.host_bytes > hardware.pinnable_bytes:
+        return Bound.PINNED_HOST if hardware.pinnable_host_bytes is not None else Bound.HOST_RAM
+    if result.draft is not None and result.draft.unplaced_bytes:
+        return Bound.PEER_MEMORY  # what no peer took stays on its device, which may overflow it then
+    if any(p > hardware.usable_memory_bytes for p in result.evaluation.result.peak_bytes):
+        return Bound.DEVICE_MEMORY
+    return Bound.PEER_MEMORY if "D2D" in result.reason else Bound.DEVICE_MEMORY
+
+
+def zero_bound(hardware: Hardware, result: BaselineResult) -> Bound:
+    """Why a ZeRO baseline that does not fit fails, as a `Bound` (checked in the order
+    `plan_zero` gives its reason)."""
+    if result.peak_bytes > hardware.usable_memory_bytes:
+        return Bound.DEVICE_MEMORY
+    if result.host_bytes > hardware.pinnable_bytes:
+        return Bound.PINNED_HOST if hardware.pinnable_host_bytes is not None else Bound.HOST_RAM
+    if hardware.nvme_bytes is not None and result.nvme_bytes > hardware.nvme_bytes:
+        return Bound.DRIVES
+    raise UserError(f"{result.strategy} on {hardware.name}: {result.reason}")
+
+
+def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: ScheduleName, num_stages: int,
+                  microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
+                  precision: str | None = None, time_budget_s: float | None = None,
+                  progress: Callable[[str], None] | None = None) -> MaxSize:
+    """Largest model of `family` that `strategy` (a planner strategy or a ZeRO variant)
+    fits (see the module docstring).
+    precision: train the family in this precision (None: its presets').
+    time_budget_s: stop trying larger sizes after this many seconds (None: no limit)."""
+    note = progress or (lambda _m: None)
+    zero = strategy in ZERO_VARIANTS
+    if zero and hardware.host_memory_gbps is None:
+        raise UserError(f"{strategy}: hardware {hardware.name} states no host_memory_gbps, so its CPU optimizer "
+                        "step cannot be timed")
+    quick = PlannerOptions(max_d2d_rounds=0)  # D2D rounds buy speed, not fit: skip while searching
+    rule = family_rule(family, precision)
+    shape = dict(schedule=schedule, num_stages=num_stages, num_ranks=num_ranks, microbatch_size=microbatch_size,
+                 num_microbatches=num_microbatches)
+    t0 = time.monotonic()
+    count = 0
+    why: dict[int, tuple[Bound, str]] = {}  # width index -> why it does not fit
+
+    def fits(i: int) -> bool:
+        nonlocal count
+        if i in why:
+            return False
+        cfg = rule.model(i * rule.head_dim)
+        if cfg.num_layers + 2 < num_stages:
+            why[i] = (Bound.PIPELINE_DEPTH, f"{cfg.name}: {cfg.num_layers} blocks for {num_stages} stages")
+            return False
+        setup = setup_pipeline(cfg, hardware, **shape)
+        if zero:
+            count += 1
+            base = plan_zero(setup, strategy)
+            note(f"{strategy}: {cfg.name} {'fits' if base.fits else 'does not fit'}")
+            if not base.fits:
+                why[i] = (zero_bound(hardware, base), f"{cfg.name}: {base.reason}")
+            return base.fits
+        floor = max(minimum_need_bytes(setup))
+        if floor > hardware.usable_memory_bytes:
+            why[i] = (Bound.DEVICE_MEMORY, f"{cfg.name}: a stage needs {floor} bytes no technique can move, "
+                                           f"above the {hardware.usable_memory_bytes} usable")
+            return False
+        count += 1
+        res = plan_strategy(setup, strategy, quick)
+        note(f"{strategy}: {cfg.name} {'fits' if res.fits else 'does not fit'}")
+        if not res.fits:
+            why[i] = (plan_bound(hardware, res), f"{cfg.name}: {res.reason}")
+        return res.fits
+
+    def out_of_time() -> bool:
+        return time_budget_s is not None and time.monotonic() - t0 >= time_budget_s
+
+    top = MAX_WIDTH // rule.head_dim
+    start = max(1, family_ladder(family)[0].hidden_size // rule.head_dim)
+    lo, hi = (start, None) if fits(start) else (0, start)  # lo fits (or is 0), hi does not (or is None)
+    timed_out = False
+    while hi is None and lo < top:
+        if out_of_time():
+            timed_out = True
+            break
+        nxt = min(2 * lo, top)
+        if fits(nxt):
+            lo = nxt
+        else:
+            hi = nxt
+    while hi is not None and hi - lo > 1 and not timed_out:
+        if out_of_time():
+            timed_out = True
+            break
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    if timed_out:
+        bound, detail = Bound.TIME, f"stopped after {time_budget_s} s"
+    elif hi is None:
+        bound, detail = Bound.LARGEST_SHAPE, f"width {lo * rule.head_dim} is the widest searched"
+    else:
+        bound, detail = why[hi]
+    if lo == 0:
+        return MaxSize(strategy=strategy, model=None, num_parameters=0, result=None, evaluations=count,
+                       bound=bound, bound_detail=detail)
+    model = rule.model(lo * rule.head_dim)
+    setup = setup_pipeline(model, hardware, **shape)
+    if zero:
+        return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model), result=None,
+                       evaluations=count, bound=bound, bound_detail=detail, baseline=plan_zero(setup, strategy))
+    result = plan_strategy(setup, strategy)
+    count += 1
+    if not result.fits:  # the full search never loses the fit the quick one found; if it did, keep that
+        result = plan_strategy(setup, strategy, quick)
+        count += 1
+    return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model),
+                   result=result, evaluations=count, bound=bound, bound_detail=detail)

@@ -1,0 +1,133 @@
+"""The Llama family's analytic profile (`mpress/static/profile/analytic_llama.py`) against
+measurement: fake tensors (the tiny preset's variants, and one real-size layer), a real
+CPU run, and the flop counter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from mpress.hardware.server import load_hardware
+from mpress.config.model_config import load_model_config
+from mpress.models.transformer import TORCH_DTYPES, build_model, build_stage, example_batch, lm_loss
+from mpress.static.profile.analytic import analytic_profile, layer_saved_tensors
+from mpress.static.profile.fake_profile import fake_model_profile, fake_profile
+from mpress.contract.flop_formulas import EXTRA_FLOP_FORMULAS
+from mpress.static.profile.measured import measure_model_profile
+
+CPU = load_hardware("cpu-local")
+H100 = load_hardware("hgx-h100")
+
+VARIANTS = [
+    {},  # eager, fp32, 2 kv heads for 4 query heads
+    {"precision": "bf16"},
+    {"attention": "sdpa"},
+    {"attention": "sdpa", "precision": "bf16", "num_kv_heads": 1},
+    {"attention": "sdpa", "num_kv_heads": 4, "precision": "fp16"},
+    {"dropout": 0.1, "num_kv_heads": 4},
+    {"dropout": 0.1, "precision": "bf16", "num_heads": 1, "num_kv_heads": 1, "ffn_hidden_size": 40},
+]
+
+
+def _cfg(name: str = "llama-tiny", **changes):
+    return dataclasses.replace(load_model_config(name), **changes)
+
+
+def _saved(layer_saved):
+    """Comparable saved tensors. `held` is left out for the loss's targets: the analytic
+    profile calls them held (a view of the iteration's targets), a fake run does not see
+    who holds them (as for GPT)."""
+    return [(t.id, t.shape, t.dtype, t.bytes, t.input, t.held if not t.module == "head" else None)
+            for t in layer_saved]
+
+
+@pytest.mark.parametrize("changes", VARIANTS)
+def test_analytic_profile_equals_the_fake_one(changes):
+    cfg = _cfg(**changes)
+    fake, analytic = fake_model_profile(cfg, 2, CPU), analytic_profile(cfg, CPU, 2)
+    assert fake.layer_names() == analytic.layer_names() and fake.model_fingerprint == cfg.fingerprint()
+    for f, a in zip(fake.layers, analytic.layers):
+        assert _saved(f.saved) == _saved(a.saved), a.name
+        # the profilers count the CPU SDPA kernel with torch's own formulas (flop_formulas)
+        assert (f.forward_flops, f.backward_flops) == (a.forward_flops, a.backward_flops), a.name
+        assert (f.param_bytes, f.optim_bytes, f.master_bytes, f.param_tensors, f.output_bytes) == \
+            (a.param_bytes, a.optim_bytes, a.master_bytes, a.param_tensors, a.output_bytes), a.name
+        if a.name != "head":  # the head's loss holds the targets in a fake run only (see _saved)
+            assert (f.memory, f.recompute_memory) == (a.memory, a.recompute_memory), a.name
+
+
+def test_attention_kinds_save_what_they_should():
+    eager, sdpa = (analytic_profile(_cfg(attention=a, precision="bf16"), CPU, 2).layers[1] for a in ("eager", "sdpa"))
+    b, nh, t = 2, 4, 32
+    # eager keeps the (B, nh, T, T) probabilities, fp32 and bf16; SDPA its (B, nh, T) log-sum-exp
+    assert [x.shape for x in eager.saved if x.shape[-2:] == [t, t]] == [[b, nh, t, t], [b * nh, t, t]]
+    assert [x.dtype for x in eager.saved if x.shape[-2:] == [t, t]] == ["float32", "bfloat16"]
+    assert not any(x.shape[-2:] == [t, t] for x in sdpa.saved)
+    assert [x.shape for x in sdpa.saved if x.dtype == "float32" and x.shape[-1] == t] == [[b, nh, t]]
+    assert sdpa.saved_bytes < eager.saved_bytes
+
+
+@pytest.mark.parametrize("changes", [{}, {"attention": "sdpa"}])
+def test_analytic_saved_tensors_equal_a_real_cpu_run(changes):
+    cfg = _cfg(**changes)
+    measured, analytic = measure_model_profile(cfg, 3, warmup=0, iters=1), analytic_profile(cfg, CPU, 3)
+    for m, a in zip(measured.layers, analytic.layers):
+        assert [(t.id, t.shape, t.dtype, t.bytes) for t in m.saved] == \
+            [(t.id, t.shape, t.dtype, t.bytes) for t in a.saved], a.name
+
+
+def test_the_cpu_sdpa_kernel_is_counted_with_torchs_own_formulas():
+    cfg = _cfg(attention="sdpa", num_kv_heads=2)
+    b, nh, kv, t, hd = 3, cfg.num_heads, cfg.kv_heads, cfg.seq_len, cfg.head_dim
+    q = torch.randn(b, nh, t, hd, requires_grad=True)
+    k, v = (torch.randn(b, kv, t, hd, requires_grad=True) for _ in range(2))
+    counts = []
+    for mapping in ({}, EXTRA_FLOP_FORMULAS):
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            forward = counter.get_total_flops()
+            out.sum().backward()
+        counts.append((forward, counter.get_total_flops() - forward))
+    assert counts[0] == (0, 0)  # torch alone does not count the CPU kernel
+    assert counts[1] == (sdpa_flop_count(q.shape, k.shape, v.shape),
+                         sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape))
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_analytic_flops_are_what_the_flop_counter_counts_on_a_real_step(attention):
+    cfg = _cfg(attention=attention)
+    model = build_model(cfg, seed=0)
+    ids, targets = example_batch(cfg, 2)
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
+        lm_loss(model(ids), targets).backward()
+    prof = analytic_profile(cfg, CPU, 2)
+    assert counter.get_total_flops() == sum(x.forward_flops + x.backward_flops for x in prof.layers)
+
+
+@pytest.mark.parametrize("name, changes", [("llama-3-70b", {}), ("llama-2-7b", {"attention": "eager"})])
+def test_a_real_size_layer_under_fake_tensors_equals_the_analytic_one(name, changes):
+    cfg = _cfg(name, **changes)
+
+    def factory():
+        x = torch.zeros(1, cfg.seq_len, cfg.hidden_size, dtype=TORCH_DTYPES[cfg.precision], requires_grad=True)
+        return build_stage(cfg, 1, 3, seed=0, device="meta"), x  # layers.0 and layers.1: the loss is after layers.1
+
+    fake = fake_profile(factory, model_name=name, hardware=H100, layers=["layers.0", "layers.1"]).layers[0]
+    analytic = analytic_profile(cfg, H100, 1).layers[1]
+    assert _saved(fake.saved) == _saved(analytic.saved) == _saved(layer_saved_tensors(cfg, 1, 1))
+    assert (fake.forward_flops, fake.backward_flops) == (analytic.forward_flops, analytic.backward_flops)
+    assert (fake.memory, fake.recompute_memory) == (analytic.memory, analytic.recompute_memory)
+    assert fake.param_bytes == analytic.param_bytes
+
+
+def test_op_level_recompute_prices_sdpa_with_its_flops():
+    """SDPA's saved output costs its products to re-make (not only the bytes it moves):
+    the op-level recompute must not take it for a cheap elementwise operator."""
+    cfg = _cfg("llama-3-8b")
+    layer = analytic_profile(cfg, H100, 1).layers[1]
+    q, kv = [1, cfg.num_heads, cfg.seq_len, cfg.head_dim], [1, cfg.kv_heads, cfg.seq_len, cfg.head_dim]
+    sdpa = [t for t in layer.saved if "scaled_dot_product" in (t.op or "")]
+    assert sdpa and all(t.op_flops == sdpa_flop_count(q, kv, kv) for t in sdpa)

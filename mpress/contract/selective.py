@@ -380,8 +380,13 @@ def replay_cost(ops: LayerOps, cached: Collection[int]) -> tuple[float, int]:
     return flops, moved
 
 
-def _policy(cached: frozenset[int], names: tuple[str, ...], counter: list[int], _ctx: Any, func: Any,
+def _policy(cached: frozenset[int], names: tuple[str, ...], counters: dict[bool, list[int]], ctx: Any, func: Any,
             *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    # One count per pass: torch <= 2.11 asks the policy again for every operator of the
+    # recompute (`ctx.is_recompute` True, torch/utils/checkpoint.py's caching mode), which
+    # replays the forward's operators from the first; 2.13 asks only during the forward
+    # (pytorch/pytorch#176455). Either way the same ordinal gets the same answer.
+    counter = counters[bool(getattr(ctx, "is_recompute", False))]
     ordinal = counter[0]
     counter[0] += 1
     if ordinal >= len(names) or str(func) != names[ordinal]:  # numbering by ordinal holds only then
@@ -396,7 +401,8 @@ def selective_contexts(cached: frozenset[int], names: tuple[str, ...]) -> tuple[
     """torch's selective checkpoint contexts for one forward (and its recompute) of a
     layer that caches the operators `cached` (ordinals as `trace_layer_ops` counts them;
     `names`: the traced operators, which the forward must run in the same order)."""
-    return create_selective_checkpoint_contexts(functools.partial(_policy, cached, names, [0]))
+    return create_selective_checkpoint_contexts(
+        functools.partial(_policy, cached, names, {False: [0], True: [0]}))
 
 
 def run_recomputed(forward: Any, ops: LayerOps | None, cached: frozenset[int] | None, *args: Any,

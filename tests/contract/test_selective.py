@@ -113,3 +113,37 @@ def test_a_cached_layer_output_counts_as_kept_until_the_backward():
     for tensors, memory in found.options:
         if found.ops.output_op in cached_ops(found.ops, tensors):
             assert memory.saves_output
+
+
+class _Op:
+    """An operator as the policy sees it: only its name (`str(func)`) matters."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def test_the_policy_answers_the_recompute_as_it_answered_the_forward(monkeypatch):
+    """torch <= 2.11 (the GPU machines' torch) asks the policy again for every operator of
+    the recompute, with `is_recompute=True` and the operators replayed from the first;
+    each pass must count on its own and get the forward's answers (one shared count made
+    the first backward stop with "ran ... as its operator N")."""
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    import mpress.contract.selective as selective
+
+    monkeypatch.setattr(selective, "create_selective_checkpoint_contexts", lambda policy: policy)
+    torch.manual_seed(0)
+    layer, x = InPlace().train(), torch.randn(2, 6, 16)
+    ops = trace_layer_ops(layer, (x,))
+    cached = cached_ops(ops, recompute_menu(ops)[0])
+    assert cached and len(cached) < len(ops.names)
+    policy = selective.selective_contexts(cached, ops.names)
+    expected = [CheckpointPolicy.MUST_SAVE if o in cached else CheckpointPolicy.PREFER_RECOMPUTE
+                for o in range(len(ops.names))]
+    forward = [policy(SelectiveCheckpointContext(is_recompute=False), _Op(n)) for n in ops.names]
+    recompute = [policy(SelectiveCheckpointContext(is_recompute=True), _Op(n)) for n in ops.names]
+    assert forward == expected
+    assert recompute == expected

@@ -9,6 +9,7 @@ blocks of it through `BlockPool` (`block_pool.py`). Units: bytes.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from typing import Any
 
@@ -29,7 +30,9 @@ class PinnedHostPool(BlockPool):
     available; True without CUDA is a UserError. `cudart`: the CUDA runtime bindings
     (default `torch.cuda.cudart()`; tests pass a fake). `device`: the GPU whose context
     registers the memory (default: the current one). Never pins per tensor. Call
-    `close()` to unpin.
+    `close()` to unpin; a pool dropped without it is unpinned when it is collected (or at
+    exit), so its range is never left registered for glibc to hand out again (a later
+    `cudaHostRegister` of it would fail with cudaErrorHostMemoryAlreadyRegistered).
     """
 
     def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None,
@@ -50,6 +53,7 @@ class PinnedHostPool(BlockPool):
         pad = (-self._raw.data_ptr()) % start_alignment
         buffer = self._raw[pad:pad + capacity]
         self._cudart = None
+        self._unpin: weakref.finalize | None = None
         self.pinned_bytes = 0
         """What is page-locked: the capacity, to the byte."""
         if self.pinned and capacity:
@@ -61,14 +65,16 @@ class PinnedHostPool(BlockPool):
                 _check(self._cudart, self._cudart.cudaHostRegister(buffer.data_ptr(), capacity,
                                                                    HOST_REGISTER_PORTABLE),
                        f"pinning {capacity} bytes of host memory")
+            # The finalizer holds the raw buffer: the memory stays allocated until unpinned.
+            self._unpin = weakref.finalize(self, _unregister, self._cudart, buffer.data_ptr(), self._raw)
             self.pinned_bytes = capacity
         super().__init__(buffer, alignment_bytes=alignment_bytes, name="pinned host pool")
 
     def close(self) -> None:
         """Unpin the buffer (idempotent); no copy may still use it."""
-        if self._cudart is not None and self.pinned_bytes:
-            _check(self._cudart, self._cudart.cudaHostUnregister(self.buffer.data_ptr()), "unpinning the host pool")
+        if self._unpin is not None and self._unpin.alive:
             self.pinned_bytes = 0
+            _check(self._cudart, self._unpin(), "unpinning the host pool")
 
 
 PAGE_BYTES = 4096
@@ -76,6 +82,12 @@ PAGE_BYTES = 4096
 HOST_REGISTER_PORTABLE = 1
 """`cudaHostRegisterPortable`: the memory counts as pinned in every CUDA context, not only
 the current device's (a copy from another device's context is still asynchronous)."""
+
+
+def _unregister(cudart: Any, ptr: int, _raw: torch.Tensor) -> Any:
+    """Unpin the range at `ptr` (`_raw`, the memory under it, is freed after this returns);
+    the CUDA error code."""
+    return cudart.cudaHostUnregister(ptr)
 
 
 def _check(cudart: Any, error: Any, what: str) -> None:

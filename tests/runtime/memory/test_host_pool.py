@@ -1,5 +1,6 @@
 """PinnedHostPool: carving, alignment, coalescing, exhaustion, counters, thread safety."""
 
+import gc
 import re
 import threading
 import time
@@ -290,3 +291,25 @@ def test_an_unpinned_pool_registers_nothing():
     pool = make_pool()
     assert pool.pinned_bytes == 0
     pool.close()
+
+
+def test_a_pool_dropped_without_close_is_unpinned():
+    """A registered range left behind when its pool is collected would make a later
+    cudaHostRegister of the same range (glibc hands it out again) fail."""
+    cudart = FakeCudart()
+    pool = PinnedHostPool(4 * ALIGN, pin_memory=True, alignment_bytes=ALIGN, cudart=cudart)
+    ptr = pool.buffer.data_ptr()
+    assert cudart.registered == {ptr: 4 * ALIGN}
+    del pool
+    gc.collect()
+    assert cudart.registered == {}
+    assert cudart.calls[-1] == "unregister"
+
+
+def test_a_closed_pool_is_not_unpinned_again_when_collected():
+    cudart = FakeCudart()
+    pool = PinnedHostPool(4 * ALIGN, pin_memory=True, alignment_bytes=ALIGN, cudart=cudart)
+    pool.close()
+    del pool
+    gc.collect()
+    assert cudart.calls == [f"register {4 * ALIGN} flags 1", "unregister"]

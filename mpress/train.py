@@ -46,7 +46,7 @@ from mpress.launcher.control import (
     root_kind,
     single_process_env,
 )
-from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for
+from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
 from mpress.launcher.job import start_job
 from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
@@ -54,7 +54,7 @@ from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_dev
 from mpress.config.overrides import parse_override_args
 from mpress.models.user import UserModel
 from mpress.runtime.data import batches, build_dataset
-from mpress.runtime.data_parallel import make_replicas, replica_control_group
+from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.trainer import JobSpec
 from mpress.ui import TaskProgress, make_console, say_line
@@ -70,11 +70,11 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     model = model_config(cfg)
     if control is None:
         control = control_group()
-    # dp replicas of the pipeline: this rank's place in its replica (the plan's rank) and
-    # the groups along each dimension (one replica: the default group, as before)
-    replicas = make_replicas(cfg.dp, "cuda" if dist.get_backend() == "nccl" else "cpu") if cfg.dp > 1 else None
-    pp_rank, pp_world = (replicas.pp_rank, replicas.pp_size) if replicas is not None else (rank, world)
-    dp_rank = replicas.dp_rank if replicas is not None else 0
+    # dp replicas of the pipeline: this rank's place in its replica (the plan's rank), known
+    # before the mesh so the device is chosen and bound first (init_device_mesh would
+    # otherwise make LOCAL_RANK's GPU current, a context on a GPU the plan may not give it)
+    dp_rank, pp_rank = replica_coordinates(rank, world, cfg.dp)
+    pp_world = world // cfg.dp
     payload: object = None
     if rank == 0:
         try:
@@ -94,7 +94,10 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     claims: list[object] = [None] * world
     dist.all_gather_object(claims, claim_for(rank, device), group=control)
     check_distinct_devices(claims)  # type: ignore[arg-type]  # before NCCL meets one GPU twice
-    bind_device(device)
+    select_device(device)
+    replicas = make_replicas(cfg.dp, "cuda" if dist.get_backend() == "nccl" else "cpu") if cfg.dp > 1 else None
+    # the pipeline's group: with replicas, the world's communicator would be one nobody uses
+    bind_device(device, replicas.pp_group if replicas is not None else None)
     spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
                    num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
                    betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,  # type: ignore[arg-type]

@@ -84,6 +84,13 @@ def check_distinct_devices(claims: list[DeviceClaim]) -> None:
                             "its own GPU (check CUDA_VISIBLE_DEVICES and the plan's stage_to_device)")
 
 
+def select_device(device: torch.device) -> None:
+    """Make `device` this process's current device (a CUDA one), before anything makes a
+    CUDA context: torch's `init_device_mesh` sets LOCAL_RANK's GPU when none is current."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def bind_device(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
     """Make `device` this rank's, then run one collective over `group` (default: the
     job's default group) with a tensor on it.
@@ -94,6 +101,5 @@ def bind_device(device: torch.device, group: dist.ProcessGroup | None = None) ->
     `batch_isend_irecv` requires every rank of the group in its first call. Call on every
     rank of `group`, right after the device is chosen.
     """
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    select_device(device)
     dist.all_reduce(torch.zeros(1, device=device), group=group)

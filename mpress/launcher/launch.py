@@ -98,11 +98,22 @@ class Nodes:
     port: int
 
 
+def threads_per_rank(nproc: int, cores: int | None = None) -> int:
+    """CPU threads each of `nproc` ranks on this machine gets: an equal share of the cores
+    this process may run on (`cores`, default its affinity), at least one. torchrun gives
+    every rank one; a rank whose plan steps its optimizer on the host runs Adam over its
+    stage's parameters on the CPU, which one core cannot stream at the host's DRAM
+    bandwidth share the emulator costs it at."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, nproc))
+
+
 def rank_env(spec: LaunchSpec, local: int, port: int) -> dict[str, str]:
     """Local rank `local`'s environment: as torchrun's workers get it (global rank and
     world over every node), plus the run id and this launcher's pid."""
     env = {**os.environ, **spec.env}
-    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks share the machine's cores
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
     nodes = spec.nodes or Nodes(nnodes=1, node_rank=0, host="127.0.0.1", port=port)
     rank, world = nodes.node_rank * spec.nproc + local, nodes.nnodes * spec.nproc
     env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(spec.nproc),

@@ -64,6 +64,16 @@ class Replicas:
         return self.dp_rank * self.pp_size + self.pp_rank
 
 
+def replica_coordinates(rank: int, world: int, dp_size: int) -> tuple[int, int]:
+    """(replica, place in the replica's pipeline) of global rank `rank`, as `make_replicas`'
+    (dp, pp) mesh lays the ranks out (row-major: a replica's ranks are consecutive).
+    Known before the mesh is made, so a rank can choose and bind its device first."""
+    if dp_size < 1 or world % dp_size or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world} ranks is not in {dp_size} replicas of a pipeline")
+    pp_size = world // dp_size
+    return rank // pp_size, rank % pp_size
+
+
 def make_replicas(dp_size: int, device_type: str) -> Replicas:
     """The job's `dp` x `pp` mesh over the default process group (its backend for both
     dimensions). A collective: call on every rank. The world must be a whole number of
@@ -73,8 +83,12 @@ def make_replicas(dp_size: int, device_type: str) -> Replicas:
         raise ValueError(f"{world} ranks are not {dp_size} replicas of a pipeline")
     pp_size = world // dp_size
     mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=(DP, PP))
-    return Replicas(mesh=mesh, dp_size=dp_size, pp_size=pp_size, dp_rank=mesh.get_local_rank(DP),
-                    pp_rank=mesh.get_local_rank(PP), pp_group=mesh.get_group(PP), dp_group=mesh.get_group(DP))
+    coordinates = (mesh.get_local_rank(DP), mesh.get_local_rank(PP))
+    if coordinates != replica_coordinates(dist.get_rank(), world, dp_size):  # the device was chosen by these
+        raise RuntimeError(f"rank {dist.get_rank()}: the mesh puts it at (dp, pp) = {coordinates}, not at "
+                           f"{replica_coordinates(dist.get_rank(), world, dp_size)}")
+    return Replicas(mesh=mesh, dp_size=dp_size, pp_size=pp_size, dp_rank=coordinates[0], pp_rank=coordinates[1],
+                    pp_group=mesh.get_group(PP), dp_group=mesh.get_group(DP))
 
 
 def replica_control_group(replicas: Replicas, timeout_s: float) -> dist.ProcessGroup:

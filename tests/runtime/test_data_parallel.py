@@ -17,7 +17,7 @@ from mpress.launcher.checkpoint import Checkpoints
 from mpress.launcher.job import start_job
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import Plan, TensorRule
-from mpress.runtime.data_parallel import make_replicas
+from mpress.runtime.data_parallel import make_replicas, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config
 from mpress.runtime.trainer import JobSpec
 from tests.support.compare import assert_identical, assert_states_equal
@@ -155,3 +155,20 @@ def test_the_world_is_dp_replicas_of_the_pipeline():
         check_world_size(cfg, 4)
     with pytest.raises(UserError, match=r"^num_stages: 1f1b runs one stage per rank, so num_stages \(2\) must equal"):
         check_world_size(cfg, 9)  # 3 replicas of 3 ranks
+
+
+@pytest.mark.parametrize("world,dp", [(4, 2), (8, 2), (8, 4), (6, 3), (3, 1)])
+def test_replica_coordinates_are_known_before_the_mesh(world, dp):
+    """A rank chooses and binds its device before the mesh exists (init_device_mesh would
+    make LOCAL_RANK's GPU current first), from the coordinates the mesh then gives it
+    (make_replicas checks they agree on every multi-process run here)."""
+    pp = world // dp
+    layout = torch.arange(world).view(dp, pp)  # the (dp, pp) mesh, as init_device_mesh lays it out
+    for rank in range(world):
+        d, p = replica_coordinates(rank, world, dp)
+        assert layout[d, p] == rank
+
+
+def test_replica_coordinates_refuse_a_world_that_is_not_whole_replicas():
+    with pytest.raises(ValueError, match="not in 2 replicas"):
+        replica_coordinates(0, 5, 2)

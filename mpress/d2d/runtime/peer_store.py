@@ -43,6 +43,7 @@ from mpress.runtime.swap.store import (
     Slot,
     SwapStore,
     copy_events,
+    copy_stream,
     issue_copies,
     segments,
 )
@@ -106,11 +107,11 @@ class PeerStore(SwapStore):
                     if self.cuda:
                         own = self.device
                         other = torch.device("cuda", peer)
-                        self._streams[("out", peer)] = torch.cuda.Stream(own)
-                        self._streams[("in", peer)] = torch.cuda.Stream(own)
-                        self._streams[("in-src", peer)] = (torch.cuda.Stream(other) if other != own
+                        self._streams[("out", peer)] = copy_stream(own)
+                        self._streams[("in", peer)] = copy_stream(own)
+                        self._streams[("in-src", peer)] = (copy_stream(other) if other != own
                                                             else self._streams[("in", peer)])
-                        self._streams[("out-dst", peer)] = (torch.cuda.Stream(other) if other != own
+                        self._streams[("out-dst", peer)] = (copy_stream(other) if other != own
                                                              else self._streams[("out", peer)])
                 found = self._spreaders[weights] = StripeSpreader(weights, min_stripe_bytes=self.min_stripe_bytes)
             return found

@@ -75,6 +75,19 @@ class Copy:
         return self.start.elapsed_time(self.done) / 1e3
 
 
+COPY_STREAM_PRIORITY = -1
+"""Swap copies run on streams from torch's high-priority pool (any negative priority maps
+to it). `torch.cuda.Stream()` hands out streams round-robin from a pool of 32 per device
+and priority, and ProcessGroupNCCL takes its streams from the default-priority pool
+(unless `is_high_priority_stream` or TORCH_NCCL_HIGH_PRIORITY=1): a copy stream that
+aliased an NCCL stream would queue swap copies behind the pipeline's sends and receives."""
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream on `device` for swap copies (`COPY_STREAM_PRIORITY`)."""
+    return torch.cuda.Stream(device, priority=COPY_STREAM_PRIORITY)
+
+
 def copy_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
     """(start, done) events around a batch of copies; `done` is waited on by a worker
     thread, so it is made with blocking sync (`cudaEventBlockingSync`)."""
@@ -207,8 +220,8 @@ class HostStore(SwapStore):
     def __init__(self, pool: PinnedHostPool, device: torch.device) -> None:
         super().__init__(device)
         self.pool = pool
-        self._out_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._in_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._out_stream = copy_stream(device) if self.cuda else None
+        self._in_stream = copy_stream(device) if self.cuda else None
         self._views: dict[int, list[tuple[Layout, torch.Tensor]]] = {}
         """Block id -> (layout, view over the block) of each piece the swap-out's `pair`
         placed there, until the swap-in's `pair` of the same pieces takes them: one view

@@ -205,3 +205,31 @@ def test_a_key_discarded_during_its_copy_can_be_swapped_again(make_d2d):
     engine.discard(newer)
     engine.wait_idle()  # its in copy's completer frees the blocks once it saw the copy done
     assert sum(u["in_use_bytes"] for u in pools.pool_usage().values()) == 0
+
+
+class _FakeStream:
+    """Stands in for torch.cuda.Stream on a CPU machine: records where and at which priority."""
+
+    made: list[tuple[str, int]] = []
+
+    def __init__(self, device=None, priority: int = 0) -> None:
+        _FakeStream.made.append((str(device), priority))
+
+
+def test_copy_streams_come_from_the_pool_nccl_does_not_draw_from(make_pools, monkeypatch):
+    """torch.cuda.Stream() draws round-robin from 32 streams per device and priority, and
+    ProcessGroupNCCL from the default priority's: every swap copy stream (host and D2D,
+    on the rank's device and on each peer's) is a high-priority one."""
+    from mpress.runtime.memory.host_pool import PinnedHostPool
+    from mpress.runtime.swap.store import HostStore
+
+    _FakeStream.made = []
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    plan = three_stage_d2d_plan()
+    weights = tuple((s.device, s.fraction) for s in plan.stages[0].rules[0].stripes)
+    PeerStore(make_pools(plan), 0, torch.device("cuda", 0), weights)
+    HostStore(PinnedHostPool(4096, pin_memory=False), torch.device("cuda", 0))
+    peers = {d for d, _ in weights}
+    assert len(_FakeStream.made) == 4 * len(peers) + 2
+    assert {d for d, _ in _FakeStream.made} == {"cuda:0"} | {f"cuda:{d}" for d in peers}
+    assert {p for _, p in _FakeStream.made} == {-1}

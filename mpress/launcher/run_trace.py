@@ -145,7 +145,10 @@ def start_recorders(cfg: TrainConfig, rank: int, device: torch.device) -> Record
         profiler.start()
     snapshot = None
     if cfg.memory_snapshot is not None:
-        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, device=device)
+        # Python stacks of allocations only: C++ stacks ("all", the default) are unwound
+        # on every allocation and free, and the recorded step is the one timed
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, device=device,
+                                                 context="alloc", stacks="python")
         snapshot = rank_path(cfg.memory_snapshot, rank, ".pickle")
     return Recorders(rank=rank, profiler=profiler,
                      profiler_path=None if cfg.profiler_trace is None else rank_path(cfg.profiler_trace, rank, ".json"),

@@ -80,3 +80,15 @@ def test_memory_snapshot_records_the_steps_allocations(tmp_path):
     torch.empty(5 << 20, dtype=torch.uint8, device=device)
     assert not any(e["size"] == 5 << 20 for entries in torch.cuda.memory._snapshot()["device_traces"]
                    for e in entries)
+
+
+def test_the_snapshot_records_python_stacks_of_allocations_only(monkeypatch):
+    """The recorded step is the timed one: the allocator's history unwinds no C++ stacks
+    (torch's default `stacks="all"` does on every allocation and free)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(k))
+    cfg = TrainConfig(model="gpt-tiny", memory_snapshot="snap", backend="nccl")
+    rec = run_trace.start_recorders(cfg, 0, torch.device("cuda", 0))
+    assert rec is not None and rec.snapshot_path is not None
+    assert calls == [{"max_entries": run_trace.SNAPSHOT_MAX_ENTRIES, "device": torch.device("cuda", 0),
+                      "context": "alloc", "stacks": "python"}]

@@ -225,10 +225,19 @@ class LayerTensors:
     traces them at run time; None where only the names are known)."""
 
 
+def _never_unpacked(_saved: None) -> torch.Tensor:
+    raise RuntimeError("inspect_stage runs no backward")
+
+
 def inspect_stage(module: nn.Module, args: tuple[Any, ...], layers: Sequence[str] | None = None) -> list[LayerTensors]:
     """The layers of `module` and what each saves, from one forward on the example input
     `args` (random streams and buffers are left as they were; the forward's results are
-    dropped). `layers`: the layer list when known (default `layer_paths`)."""
+    dropped). `layers`: the layer list when known (default `layer_paths`).
+
+    No backward follows, so a saved tensor is named and let go at once (autograd keeps
+    a placeholder): the forward holds what a forward holds while it runs, never one
+    microbatch's saved activations all at once, which is what the plan exists to avoid
+    (at a rank's start-up, before any plan has compacted anything)."""
     layers = list(layers) if layers is not None else layer_paths(module, args)
     namer = SavedTensorNamer(module, layers)
     saved: list[list[str]] = [[] for _ in layers]
@@ -236,12 +245,12 @@ def inspect_stage(module: nn.Module, args: tuple[Any, ...], layers: Sequence[str
     traces: list[tuple[Any, ...]] = [((), -1)] * len(layers)
     trace = OpTrace()
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
         name = namer.name(t)
         if name is not None:
             saved[name.layer].append(name.id)
             producers[name.layer].append(trace.producer(t))
-        return t
+        return None  # nothing unpacks it: the storage goes as soon as the forward is done with it
 
     def enter(_m: nn.Module, _a: Any) -> None:
         trace.begin()
@@ -258,7 +267,7 @@ def inspect_stage(module: nn.Module, args: tuple[Any, ...], layers: Sequence[str
         handles += [sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave(i))]
     try:
         with torch.enable_grad(), side_effect_free(module), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trace:
+                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), trace:
             namer.begin()
             module(*args)
     finally:

@@ -290,3 +290,37 @@ def test_a_rule_naming_only_the_stage_input_makes_a_program_the_router_runs():
     assert all(rewritten.tensors[a.tensor].bytes == 0 for a in actions if a.kind is Kind.SO)  # frees nothing
     program, _router, swapped = _run_program(stage, batches, plan, actions)
     assert program.last_log == actions and swapped == []
+
+
+def test_inspecting_a_stage_holds_what_a_forward_holds_while_it_runs():
+    """A rank inspects its stage at start-up, before any plan has compacted anything: the
+    inspection names each saved tensor and lets it go, so its peak is a no-grad forward's
+    (here 2.4 MB), not one microbatch's saved activations all at once (16 MB)."""
+    from torch import nn
+
+    from mpress.contract.live_bytes import LiveBytes
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(),
+                                                      nn.Linear(256, 64)) for _ in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    torch.manual_seed(0)
+    module, x = Chain(), torch.randn(8, 128, 64)
+    layers = [f"layers.{i}" for i in range(6)]
+    peaks = {}
+    for what, run in (("inspect", lambda: inspect_stage(module, (x,), layers)),
+                      ("no_grad", lambda: torch.no_grad()(module)(x)), ("forward", lambda: module(x))):
+        with LiveBytes() as live:
+            out = run()
+            del out
+            peaks[what] = live.peak_bytes
+    assert peaks["inspect"] == peaks["no_grad"] < peaks["forward"] / 4
+    named = inspect_stage(module, (x,), layers)
+    assert [len(layer.saved) for layer in named] == [len(named[0].saved)] * 6 and named[0].saved

@@ -99,7 +99,7 @@ class StepGuard:
         self.consecutive += 1
         self.skipped_steps.append(step)
         if self.consecutive >= self.max_skipped:
-            raise UserError(f"step {step}: the gradient norm is {norm} for the {self.consecutive}th step in a row "
+            raise UserError(f"step {step}: the gradient norm is {norm}, {self.consecutive} steps in a row "
                             f"(steps {', '.join(map(str, self.skipped_steps[-self.consecutive:]))} skipped); "
                             f"stopping (lower optimizer.lr, or raise optimizer.max_skipped_steps)")
         return False

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from mpress.errors import UserError
-from mpress.runtime.grad_clip import StepGuard, clip_by_norm, global_grad_norm, local_sum_of_squares
+from mpress.runtime.grad_clip import (
+    StepGuard,
+    clip_by_norm,
+    global_grad_norm,
+    local_sum_of_squares,
+)
 
 
 def params_with_grads(scale: float) -> list[torch.nn.Parameter]:

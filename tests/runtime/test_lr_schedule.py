@@ -3,6 +3,7 @@ and torch's `LambdaLR` setting the same floats."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -26,7 +27,7 @@ def test_warmup_is_a_straight_line_from_zero_that_reaches_lr_after_warmup_steps(
     r = rates("constant", total=8, warmup=3)
     assert r[:3] == pytest.approx([LR / 4, 2 * LR / 4, 3 * LR / 4])
     assert r[3:] == [LR] * 5
-    assert all(a < b for a, b in zip(r[:4], r[1:4]))  # no step at 0, none repeats lr
+    assert all(a < b for a, b in itertools.pairwise(r[:4]))  # no step at 0, none repeats lr
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear"])
@@ -34,7 +35,7 @@ def test_decay_starts_at_lr_after_warmup_and_ends_at_min_lr_on_the_last_step(kin
     r = rates(kind, total=10, warmup=2, min_lr=1e-4)
     assert r[2] == LR
     assert r[-1] == pytest.approx(1e-4)
-    assert all(a > b for a, b in zip(r[2:], r[3:]))  # strictly decreasing
+    assert all(a > b for a, b in itertools.pairwise(r[2:]))  # strictly decreasing
 
 
 def test_linear_and_cosine_values_in_between():
@@ -69,8 +70,8 @@ def test_apply_sets_what_torch_lambda_lr_sets_bit_for_bit(kind):
         sched.step()
 
 
-@pytest.mark.parametrize("kwargs", [dict(kind="step"), dict(min_lr=2e-3), dict(total_steps=0),
-                                    dict(warmup_steps=-1)])
+@pytest.mark.parametrize("kwargs", [{"kind": "step"}, {"min_lr": 2e-3}, {"total_steps": 0},
+                                    {"warmup_steps": -1}])
 def test_bad_schedules_are_refused(kwargs):
     with pytest.raises(ValueError):
         LrSchedule(**{"kind": "cosine", "lr": LR, "total_steps": 5, **kwargs})

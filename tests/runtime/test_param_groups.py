@@ -9,7 +9,12 @@ from torch import nn
 
 from mpress.config.model_config import load_model_config
 from mpress.models import build_stage
-from mpress.runtime.param_groups import DEFAULT_NO_DECAY, build_optimizer, no_decay_names, param_groups
+from mpress.runtime.param_groups import (
+    DEFAULT_NO_DECAY,
+    build_optimizer,
+    no_decay_names,
+    param_groups,
+)
 
 
 def gpt_stages() -> list[nn.Module]:

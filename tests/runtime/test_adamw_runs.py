@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from mpress.config.model_config import load_model_config
+from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.plan import Plan, TensorRule
 from mpress.errors import UserError
 from mpress.models import build_stage, lm_loss
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.trainer import JobSpec, PipelineJob
+from tests.support.compare import assert_masters_equal, assert_states_equal
 from tests.support.plans import pipeline_plan
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, batch
@@ -43,8 +44,12 @@ def rule(tensor: str, technique: str) -> TensorRule:
     return TensorRule(tensor=tensor, technique=technique)
 
 
-def plan_of(rules: dict[int, list[TensorRule]], host_step: tuple[int, ...] = ()) -> Plan:
-    return pipeline_plan("1f1b", WORLD, NUM_MICROBATCHES, rules, host_step=host_step)
+def model(precision: str) -> ModelConfig:
+    return dataclasses.replace(load_model_config(MODEL), precision=precision)
+
+
+def plan_of(rules: dict[int, list[TensorRule]], host_step: tuple[int, ...] = (), precision: str = "fp32") -> Plan:
+    return pipeline_plan("1f1b", WORLD, NUM_MICROBATCHES, rules, host_step=host_step, model=model(precision))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +62,12 @@ class Job:
     poison: tuple[int, ...] = ()
     """Steps at which rank 0 makes one gradient infinite."""
     max_skipped_steps: int = 3
+    precision: str = "fp32"
+    """bf16: half-precision parameters, fp32 masters (device masters, offloaded, host copies)."""
 
 
 def spec(job: Job) -> JobSpec:
-    return JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[WORLD],
+    return JobSpec(model=model(job.precision), schedule="1f1b", ranges=RANGES[WORLD],
                    microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=SEED, lr=LR,
                    betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY, optimizer="adamw", lr_schedule=SCHEDULE,
                    clip_grad_norm=MAX_NORM, max_skipped_steps=job.max_skipped_steps)
@@ -179,6 +186,10 @@ JOBS = {
                                                1: [OFFLOAD]}, host_step=(0,))),
     "host-step-resumed-mid-warmup": Job(plan=plan_of({1: [rule("layers.2.**", "host")]}, host_step=(0, 1)),
                                         resume_after=1),
+    "bf16-plain": Job(precision="bf16"),
+    "bf16-host-step-and-offload": Job(precision="bf16", plan=plan_of(
+        {0: [rule("layers.0.**", "recompute"), rule("layers.1.**", "host")], 1: [OFFLOAD]}, host_step=(0,),
+        precision="bf16")),
     "non-finite-skipped": Job(plan=plan_of({0: [OFFLOAD], 1: [rule("layers.3.**", "recompute")]}, host_step=(1,)),
                               poison=(1,)),
     "non-finite-stops": Job(poison=(1, 2, 3), max_skipped_steps=2),
@@ -215,6 +226,18 @@ def test_runs_equal_the_torch_reference_bit_for_bit(runs, name):
         if run["executed"] is not None:
             executed, planned = run["executed"]
             assert executed == planned, rank
+
+
+@pytest.mark.slow
+def test_bf16_masters_offloaded_or_on_the_host_take_the_device_masters_update(runs):
+    """Under bf16 the gradients are clipped in bf16 and the fp32 masters stepped: the run
+    that offloads stage 1's masters and steps stage 0 on the host equals the plain one
+    (device masters) bit for bit, masters included."""
+    for rank, (plain, run) in enumerate(zip(runs["bf16-plain"], runs["bf16-host-step-and-offload"])):
+        assert run["losses"] == plain["losses"] and run["norms"] == plain["norms"], rank
+        assert_states_equal(plain["state"], run["state"])
+        assert_masters_equal(plain["state"], run["state"])
+        assert plain["state"]["masters"], rank
 
 
 @pytest.mark.slow

@@ -198,7 +198,7 @@ class TrainConfig:
     num_microbatches: int = field(default=1, metadata={"min": 1, "max": MAX_MICROBATCHES})
     """Microbatches per step; a step trains on microbatch_size x num_microbatches samples."""
     steps: int = field(default=100, metadata={"min": 1, "max": MAX_STEPS})
-    """Optimizer steps to run."""
+    """Optimizer steps to run (also the length of `optimizer.schedule`: its last step runs at `min_lr`)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer settings."""
     plan: str = PLAN_NONE

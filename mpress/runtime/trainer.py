@@ -13,6 +13,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ class JobSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    optimizer: str = "adam"
+    optimizer: Literal["adam", "adamw"] = "adam"
     """adam or adamw (`mpress.runtime.param_groups.build_optimizer`)."""
     no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
     """Parameters exempt from weight decay: categories and name globs (`param_groups`)."""

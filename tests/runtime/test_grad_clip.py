@@ -61,3 +61,24 @@ def test_guard_counts_skips_and_stops_after_max_consecutive():
     assert guard.skipped_total == 2 and guard.skipped_steps == [1, 3]
     with pytest.raises(UserError, match=r"step 4: the gradient norm is nan, 2 steps in a row \(steps 3, 4 skipped\)"):
         guard.check(4, math.nan)
+
+
+def test_a_weight_tied_across_stages_is_counted_once_on_its_first_stage():
+    """gpt2-tiny's token embedding (stage 0) and output projection (stage 1) are copies of
+    one tensor holding the same summed gradient: the norm counts the first copy only."""
+    pytest.importorskip("transformers")
+    from mpress.models.hf_model import load_hf_model
+    from mpress.runtime.tied_grads import TiedGrads
+
+    model = load_hf_model("gpt2-tiny", microbatch_size=2)
+    stages = model.split([(0, 3), (3, 6)])
+    first = stages[0].get_parameter("embed.tokens.weight")
+    last = stages[1].get_parameter("head.lm_head.weight")
+    both = TiedGrads(model.tied_groups, stage_ids=[0, 1], modules=stages, world=1)  # interleaved on one rank
+    assert both.repeated() == {id(last)}
+    assert TiedGrads(model.tied_groups, stage_ids=[1], modules=[stages[1]], world=2).repeated() == {id(last)}
+    assert TiedGrads(model.tied_groups, stage_ids=[0], modules=[stages[0]], world=2).repeated() == set()
+    first.grad = torch.ones_like(first)
+    last.grad = torch.ones_like(last)
+    once = local_sum_of_squares([first, last], torch.device("cpu"), skip=both.repeated())
+    assert float(once) == first.numel()

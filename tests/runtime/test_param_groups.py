@@ -92,3 +92,15 @@ def test_build_optimizer_steps_as_torch_does_with_the_same_groups(kind, cls):
     assert all(torch.equal(a, b) for a, b in zip(ours_t, ref_t))
     with pytest.raises(ValueError):
         build_optimizer("sgd", [], [], lr=1.0, betas=(0.9, 0.9), eps=1e-8, weight_decay=0.0, no_decay=set())
+
+
+def test_both_copies_of_a_tied_embedding_take_no_decay():
+    pytest.importorskip("transformers")
+    from mpress.models.hf_model import load_hf_model
+
+    model = load_hf_model("gpt2-tiny", microbatch_size=2)
+    stages = model.split([(0, 3), (3, 6)])
+    tied = {name for g in model.tied_groups for _s, name in g}
+    exempt = no_decay_names(stages, DEFAULT_NO_DECAY, tied=tied)
+    assert {"embed.tokens.weight", "head.lm_head.weight"} <= exempt
+    assert "head.lm_head.weight" not in no_decay_names(stages, ["bias", "norm"], tied=tied)

@@ -4,7 +4,7 @@ torch's `clip_grad_norm_` sees one process's parameters; a pipeline's parameters
 spread over its ranks. So, after the backward passes (and the sum of tied copies) and
 before any optimizer step:
 
-1. each rank sums the squares of its stages' gradients in fp32 (a tied weight counted
+1. each rank sums the squared fp32 norms of its stages' gradients (a tied weight counted
    once, on its first stage: `TiedGrads.repeated`);
 2. one `all_reduce` (sum) over the pipeline's process group; the global norm is its
    square root, the same float on every rank;
@@ -43,14 +43,17 @@ CLIP_EPS = 1e-6
 
 def local_sum_of_squares(params: Iterable[torch.Tensor], device: torch.device, *,
                          skip: Collection[int] = ()) -> torch.Tensor:
-    """Sum over `params`' gradients of their squared elements, in fp32, as a 1-element
-    tensor on `device`; parameters without a gradient, or whose id is in `skip`, add 0."""
+    """Sum over `params`' gradients of their squared 2-norms, each norm taken in fp32
+    (`torch.linalg.vector_norm(..., dtype=float32)`, which upcasts inside the reduction:
+    no gradient-sized temporary, so clipping takes no device memory the plan did not
+    count), as a 1-element fp32 tensor on `device`; parameters without a gradient, or
+    whose id is in `skip`, add 0."""
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for p in params:
         if p.grad is None or id(p) in skip:
             continue
-        g = p.grad.detach().to(torch.float32)
-        total += torch.sum(g * g)
+        norm = torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32)
+        total += norm * norm
     return total
 
 

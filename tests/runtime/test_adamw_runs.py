@@ -108,7 +108,8 @@ def _reference(rank: int) -> dict:
         params = [p for _n, p in named]
         total = torch.zeros(1)
         for p in params:
-            total += torch.sum(p.grad.float() * p.grad.float())
+            n = torch.linalg.vector_norm(p.grad, 2, dtype=torch.float32)
+            total += n * n
         dist.all_reduce(total)
         norm = torch.sqrt(total[0])
         coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)

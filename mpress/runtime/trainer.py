@@ -344,11 +344,12 @@ class PipelineJob:
         """The global gradient norm over the pipeline (one all_reduce), and whether step
         `index` is skipped for it; gradients clipped in place when it is not."""
         params = [p for m in self.modules for p in m.parameters()]
-        norm = global_grad_norm(params, self.device, group=self.group, skip=self.tied.repeated())
-        value = float(norm)
-        if not self.guard.check(index, value):
-            return value, True
-        clip_by_norm(params, norm, float(self.spec.clip_grad_norm))
+        with torch.profiler.record_function("mpress:clip_grad_norm"):
+            norm = global_grad_norm(params, self.device, group=self.group, skip=self.tied.repeated())
+            value = float(norm)
+            if not self.guard.check(index, value):
+                return value, True
+            clip_by_norm(params, norm, float(self.spec.clip_grad_norm))
         return value, False
 
     def _optimizer_steps(self, *, skip: bool = False) -> None:

@@ -56,7 +56,8 @@ from mpress.models.user import UserModel
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
-from mpress.runtime.trainer import JobSpec
+from mpress.runtime.lr_schedule import LrSchedule
+from mpress.runtime.trainer import JobSpec, StepResult
 from mpress.ui import TaskProgress, make_console, say_line
 from mpress.config.units import fmt_bytes
 
@@ -98,10 +99,13 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     replicas = make_replicas(cfg.dp, "cuda" if dist.get_backend() == "nccl" else "cpu") if cfg.dp > 1 else None
     # the pipeline's group: with replicas, the world's communicator would be one nobody uses
     bind_device(device, replicas.pp_group if replicas is not None else None)
+    opt = cfg.optimizer
     spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
-                   num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=cfg.optimizer.lr,
-                   betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,  # type: ignore[arg-type]
-                   weight_decay=cfg.optimizer.weight_decay, host_pool_bytes=pool_override("MPRESS_HOST_POOL_BYTES"),
+                   num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=opt.lr,
+                   betas=tuple(opt.betas), eps=opt.eps,  # type: ignore[arg-type]
+                   weight_decay=opt.weight_decay, optimizer=opt.name, no_decay=opt.no_decay,
+                   lr_schedule=lr_schedule(cfg), clip_grad_norm=opt.clip_grad_norm,
+                   max_skipped_steps=opt.max_skipped_steps, host_pool_bytes=pool_override("MPRESS_HOST_POOL_BYTES"),
                    peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"),
                    device_capacity_bytes=cfg.device_memory_bytes if device.type == "cpu" else None)
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
@@ -116,6 +120,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                         dp_group=replicas.dp_group)
     checkpoints = Checkpoints(cfg, job, control, dp_rank=dp_rank)
     first = checkpoints.resume()
+    job.next_step = first  # the learning rate follows from the step index alone
     console = make_console()
     if rank == 0:
         what = "no plan (plain pipelining)" if plan is None else f"plan {plan.strategy} ({cfg.plan})"
@@ -157,11 +162,12 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             if result.peak_bytes >= peak:
                 peak, peak_at = result.peak_bytes, result.peak_context
             peaks = [p for _, p in stats]
+            opt_info = _optimizer_info(cfg, result, job.guard.skipped_total)
             info = (f"loss {loss:.4f}  {cfg.global_batch_size / elapsed:.1f} samples/s  peak/rank "
-                    + " ".join(fmt_bytes(p) for p in peaks))
+                    + " ".join(fmt_bytes(p) for p in peaks) + opt_info)
             progress.advance(info=info)
             if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-                progress.console.print(f"step {step}: loss {loss:.4f}" if progress.terminal else
+                progress.console.print(f"step {step}: loss {loss:.4f}{opt_info}" if progress.terminal else
                                        f"step {step}: {info}  ({step + 1}/{cfg.steps}, {progress.elapsed()})",
                                        soft_wrap=True)
             if tracing:
@@ -190,6 +196,28 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         watch.stop()  # this rank is done: its leaving is no failure
     job.close()
     return 0
+
+
+def lr_schedule(cfg: TrainConfig) -> LrSchedule | None:
+    """The config's learning-rate schedule over its `steps`; None when the rate is constant."""
+    opt = cfg.optimizer
+    if opt.schedule == "constant" and not opt.warmup_steps:
+        return None
+    return LrSchedule(kind=opt.schedule, lr=opt.lr, total_steps=cfg.steps, warmup_steps=opt.warmup_steps,
+                      min_lr=opt.min_lr)
+
+
+def _optimizer_info(cfg: TrainConfig, result: StepResult, skipped_total: int) -> str:
+    """The progress line's optimizer figures: the rate under a schedule, the global
+    gradient norm under clipping and the steps skipped so far (the same on every rank)."""
+    parts = []
+    if lr_schedule(cfg) is not None and result.lr is not None:
+        parts.append(f"lr {result.lr:.3g}")
+    if result.grad_norm is not None:
+        parts.append(f"gnorm {result.grad_norm:.3g}" + (" (step skipped)" if result.skipped else ""))
+    if skipped_total:
+        parts.append(f"{skipped_total} skipped")
+    return "".join(f"  {p}" for p in parts)
 
 
 def main(argv: list[str] | None = None) -> int:

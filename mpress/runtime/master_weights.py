@@ -188,6 +188,14 @@ class MasterWeights:
                 e.param.grad = None
             self._params_out(entries)
 
+    def discard_grads(self, names: Collection[str] | None = None) -> None:
+        """Drop the gradients of the parameters `names` (default: all) without stepping:
+        a skipped step (a non-finite gradient norm) changes no parameter, master or
+        optimizer state."""
+        for e in self._chosen(names):
+            e.param.grad = None
+            e.target.grad = None
+
     def _grads_in(self, entries: list[_Entry]) -> None:
         devices: set[torch.device] = set()
         for e in entries:

@@ -52,6 +52,12 @@ class TiedGrads:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
+    def repeated(self) -> set[int]:
+        """Ids of this rank's copies that are not their group's first: after
+        `sum_gradients` they hold the same gradient as the first copy, so a global
+        gradient norm counts only the first (the unsplit model's one tensor)."""
+        return {id(p) for g in self.groups for s, p in g.local.items() if s != g.stages[0]}
+
     def _peer(self, stage: int) -> int:
         rank = stage % self.world
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

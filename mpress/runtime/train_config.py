@@ -46,6 +46,7 @@ from mpress.models.user import UserModel, check_user_module, load_user_model
 from mpress.config.overrides import apply_overrides
 from mpress.config.units import parse_bytes
 from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
+from mpress.runtime.param_groups import DEFAULT_NO_DECAY, NO_DECAY_CATEGORIES
 
 TRAIN_DIR = CONFIG_DIR / "train"
 
@@ -57,22 +58,58 @@ PLAN_NONE = "none"
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
-    """The optimizer every stage runs on its own parameters after each step."""
+    """The optimizer every stage runs on its own parameters after each step, its
+    learning-rate schedule and gradient clipping (the same on every optimizer path: on
+    the device, with offloaded states, on the host)."""
 
-    name: Literal["adam"] = "adam"
-    """Optimizer; only Adam (two fp32 states per parameter, as the planner assumes)."""
+    name: Literal["adam", "adamw"] = "adam"
+    """adam (torch.optim.Adam: weight decay as an L2 term added to the gradient) or adamw
+    (torch.optim.AdamW: decoupled weight decay); both keep two fp32 states per parameter,
+    as the planner assumes."""
     lr: float = field(default=1e-3, metadata={"gt": 0})
-    """Learning rate."""
+    """Peak learning rate (reached after `warmup_steps`)."""
     betas: tuple[float, ...] = (0.9, 0.999)
     """Adam's (beta1, beta2), each in [0, 1)."""
     eps: float = field(default=1e-8, metadata={"gt": 0})
     """Adam's epsilon."""
     weight_decay: float = field(default=0.0, metadata={"min": 0})
-    """L2 penalty added to the gradient (torch.optim.Adam's weight_decay)."""
+    """Weight decay of the parameters `no_decay` does not exempt (adam: L2 penalty added to
+    the gradient; adamw: decoupled, p -= lr x weight_decay x p)."""
+    no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
+    """Parameters that take no weight decay: the categories bias, norm (normalisation
+    layers' weights) and embedding (embedding tables and tied copies), and/or globs over
+    parameter names (`head.*`, `*.pos.weight`); [] = decay every parameter
+    (`mpress/runtime/param_groups.py`)."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning rate after warmup: constant (lr), or cosine/linear decay from lr to
+    `min_lr` at the last step (`mpress/runtime/lr_schedule.py`)."""
+    warmup_steps: int = field(default=0, metadata={"min": 0, "max": MAX_STEPS})
+    """Steps of linear warmup: step k (from 0) < warmup_steps runs at lr x (k + 1) / (warmup_steps + 1)."""
+    min_lr: float = field(default=0.0, metadata={"min": 0})
+    """Learning rate of the last step under cosine/linear; at most lr."""
+    clip_grad_norm: float | None = field(default=None, metadata={"min": 0})
+    """Clip gradients to this global 2-norm over every stage (torch's clip_grad_norm_
+    rule); also reports the norm and skips steps whose norm is not finite; 0 or null = off."""
+    max_skipped_steps: int = field(default=3, metadata={"min": 1, "max": MAX_STEPS})
+    """With clipping: stop the run after this many consecutive steps skipped for a
+    non-finite gradient norm."""
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError("", "betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.min_lr > self.lr:
+            raise ConfigError("", "min_lr", f"must be at most lr ({self.lr}), got {self.min_lr}")
+        if self.schedule == "constant" and self.min_lr:
+            raise ConfigError("", "min_lr", "only with schedule: cosine or linear (constant keeps lr)")
+        bad = [p for p in self.no_decay if not p.strip()]
+        if bad:
+            raise ConfigError("", "no_decay", f"entries must be {', '.join(NO_DECAY_CATEGORIES)} or name globs, "
+                                              "got an empty one")
+
+    @property
+    def clips(self) -> bool:
+        """Whether gradients are clipped (`clip_grad_norm` set and > 0)."""
+        return bool(self.clip_grad_norm)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -161,7 +198,7 @@ class TrainConfig:
     num_microbatches: int = field(default=1, metadata={"min": 1, "max": MAX_MICROBATCHES})
     """Microbatches per step; a step trains on microbatch_size x num_microbatches samples."""
     steps: int = field(default=100, metadata={"min": 1, "max": MAX_STEPS})
-    """Optimizer steps to run."""
+    """Optimizer steps to run (also the length of `optimizer.schedule`: its last step runs at `min_lr`)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer settings."""
     plan: str = PLAN_NONE
@@ -228,6 +265,9 @@ class TrainConfig:
             raise ConfigError("", "strategy", "only used with plan: auto (remove it, or set plan: auto)")
         if self.num_stages is not None:
             _check_microbatches(self, self.num_stages, "num_microbatches")
+        if self.optimizer.warmup_steps > self.steps:
+            raise ConfigError("", "optimizer.warmup_steps", f"must be at most steps ({self.steps}), "
+                                                            f"got {self.optimizer.warmup_steps}")
 
     @property
     def device_memory_bytes(self) -> int | None:

@@ -13,6 +13,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -35,10 +36,13 @@ from mpress.models.user import UserModel
 from mpress.contract.plan import Plan
 from mpress.contract.plan_check import Shape, check_plan
 from mpress.runtime.data_parallel import replicate_stages
+from mpress.runtime.grad_clip import StepGuard, clip_by_norm, global_grad_norm
 from mpress.runtime.job_state import Chunk, load_state, save_state
+from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.master_weights import MasterWeights
 from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload, layer_params, unit_layer
+from mpress.runtime.param_groups import DEFAULT_NO_DECAY, build_optimizer, no_decay_names
 from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.stage import MpressStage, wrap_stage
 from mpress.runtime.swap.store import PeerStores
@@ -65,6 +69,16 @@ class JobSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    optimizer: Literal["adam", "adamw"] = "adam"
+    """adam or adamw (`mpress.runtime.param_groups.build_optimizer`)."""
+    no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
+    """Parameters exempt from weight decay: categories and name globs (`param_groups`)."""
+    lr_schedule: LrSchedule | None = None
+    """The learning rate of each step (its `lr` must be `lr`); None: `lr` throughout."""
+    clip_grad_norm: float | None = None
+    """Clip gradients to this global norm over the pipeline (`grad_clip`); None or 0: off."""
+    max_skipped_steps: int = 3
+    """With clipping: consecutive steps with a non-finite norm skipped before the run stops."""
     host_pool_bytes: int | None = None
     """Pinned pool per stage; None = the plan's pinned-host bytes (with slack)."""
     peer_pool_bytes: int | None = None
@@ -78,6 +92,8 @@ class JobSpec:
             raise UserError(f"schedule {self.schedule!r} does not run here (torch runs "
                             f"{', '.join(RUNNABLE_SCHEDULES)})")
         as_word(self, "schedule", ScheduleName)
+        if self.lr_schedule is not None and self.lr_schedule.lr != self.lr:
+            raise UserError(f"lr_schedule.lr ({self.lr_schedule.lr}) differs from lr ({self.lr})")
 
 
 @dataclass
@@ -90,6 +106,12 @@ class StepResult:
     allocator's `max_memory_allocated`; CPU: `LiveBytes`)."""
     peak_context: str = ""
     """CPU: the action the rank was running at its peak."""
+    grad_norm: float | None = None
+    """With clipping: the global gradient norm over the pipeline before clipping."""
+    skipped: bool = False
+    """The optimizer step was skipped (a non-finite gradient norm): nothing changed."""
+    lr: float | None = None
+    """The learning rate of the step (its first parameter group's)."""
 
 
 class PipelineJob:
@@ -168,10 +190,21 @@ class PipelineJob:
         slabs = [[name for name, _p in m.named_parameters()] for m, st in zip(self.modules, self.stages)
                  if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step is OptimizerStep.HOST]
         host = [name for slab in slabs for name in slab]  # staging: one pinned slab per stage
-        self.masters = MasterWeights(params, lambda tensors: torch.optim.Adam(
-            tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay), host=host,
-            slabs=slabs)
+        # Parameter groups (weight decay or not) by the whole model's parameter names, so
+        # every rank and every plan has the same groups.
+        tied = {name for g in getattr(spec.model, "tied_groups", []) for _s, name in g}
+        exempt = no_decay_names(self.modules, spec.no_decay, tied=tied)
+        self.masters = MasterWeights(params, lambda tensors: build_optimizer(
+            spec.optimizer, list(params), tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+            weight_decay=spec.weight_decay, no_decay=exempt), host=host, slabs=slabs)
         self.optimizer = self.masters.optimizer
+        self.base_lrs = [spec.lr for _g in self.optimizer.param_groups]
+        """Each group's peak rate, which the schedule scales (`LambdaLR`'s `base_lrs`)."""
+        self.next_step = 0
+        """The index of the next step (its learning rate); a resume sets it."""
+        self.guard = StepGuard(max_skipped=spec.max_skipped_steps)
+        """Steps skipped for a non-finite gradient norm."""
+        self.group = group
         self.offloads: dict[int, OptimizerOffload] = {}
         self.host_steps: list[HostOptimizerStep] = []
         for s, module, stage in zip(self.stage_ids, self.modules, self.stages):
@@ -276,50 +309,83 @@ class PipelineJob:
         """The rank holding the last stage (it computes the loss)."""
         return (self.num_stages - 1) % self.world
 
-    def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor) -> StepResult:
+    def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor, *,
+             step: int | None = None) -> StepResult:
         """One training step on the global batch (every rank passes the same batch): the
-        schedule's forwards and backwards, then the optimizer steps of the rank's
-        program (one layer at a time without a plan)."""
+        schedule's forwards and backwards, then (with clipping) the global gradient norm
+        and clipping, the step's learning rate, and the optimizer steps of the rank's
+        program (one layer at a time without a plan). step: the step's 0-based index in
+        the job, which sets its learning rate (default: `next_step`); `next_step` becomes
+        step + 1. A non-finite norm skips the optimizer step on every rank (raises
+        `UserError` after `max_skipped_steps` in a row)."""
+        index = self.next_step if step is None else step
         live = self.live
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             live.reset_peak()
+        grad_norm, skipped = None, False
         with live.watch() if live is not None else contextlib.nullcontext():
             losses = self._run_schedule(inputs, targets)
             self.tied.sum_gradients()
-            self._optimizer_steps()
+            if self.spec.clip_grad_norm:
+                grad_norm, skipped = self._clip(index)
+            if self.spec.lr_schedule is not None:
+                self.spec.lr_schedule.apply(self.optimizer, index, self.base_lrs)
+            self._optimizer_steps(skip=skipped)
+        self.next_step = index + 1
         loss = float(torch.stack(losses).detach().mean()) if losses else None
+        extra = {"grad_norm": grad_norm, "skipped": skipped, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.device.type == "cuda":
-            return StepResult(loss=loss, peak_bytes=torch.cuda.max_memory_allocated(self.device))
-        return StepResult(loss=loss, peak_bytes=live.peak_bytes, peak_context=live.peak_context)
+            return StepResult(loss=loss, peak_bytes=torch.cuda.max_memory_allocated(self.device), **extra)
+        return StepResult(loss=loss, peak_bytes=live.peak_bytes, peak_context=live.peak_context, **extra)
 
-    def _optimizer_steps(self) -> None:
+    def _clip(self, index: int) -> tuple[float, bool]:
+        """The global gradient norm over the pipeline (one all_reduce), and whether step
+        `index` is skipped for it; gradients clipped in place when it is not."""
+        params = [p for m in self.modules for p in m.parameters()]
+        with torch.profiler.record_function("mpress:clip_grad_norm"):
+            norm = global_grad_norm(params, self.device, group=self.group, skip=self.tied.repeated())
+            value = float(norm)
+            if not self.guard.check(index, value):
+                return value, True
+            clip_by_norm(params, norm, float(self.spec.clip_grad_norm))
+        return value, False
+
+    def _optimizer_steps(self, *, skip: bool = False) -> None:
+        """The optimizer steps of the rank's stages; skip: drop the gradients instead (the
+        program's actions still run, so offloaded chunks come and go as planned)."""
         if self.program is None:
             for s in self.stage_ids:
                 if self.live is not None:
                     self.live.context = f"{s}OPT"
                 for names in self.params[s].values():
-                    self.masters.step(names)
+                    self._step_or_discard(names, skip)
             return
         for action in self.program.optimizer_actions():
             self.program.begin(action)
-            self._optimizer_step(action)
+            self._optimizer_step(action, skip=skip)
             self.program.end()
         self.program.end_step()
         for host_step in self.host_steps:
             host_step.after_step()
 
-    def _optimizer_step(self, action: Action) -> None:
+    def _optimizer_step(self, action: Action, *, skip: bool = False) -> None:
         """The optimizer step of a stage (layer by layer) or of one layer's chunk, with
-        that chunk's offloaded data home first."""
+        that chunk's offloaded data home first (skip: its gradients dropped instead)."""
         layers = [unit_layer(action)] if action.tensor else list(self.params[action.stage])
         offload = self.offloads.get(action.stage)
         with torch.profiler.record_function(f"mpress:{action}"):
             for layer in layers:
                 if offload is not None:
                     offload.home(layer)
-                self.masters.step(self.params[action.stage][layer])
+                self._step_or_discard(self.params[action.stage][layer], skip)
+
+    def _step_or_discard(self, names: list[str], skip: bool) -> None:
+        if skip:
+            self.masters.discard_grads(names)
+        else:
+            self.masters.step(names)
 
     def _run_schedule(self, inputs: torch.Tensor | tuple[torch.Tensor, ...],
                       targets: torch.Tensor) -> list[torch.Tensor]:

@@ -48,8 +48,9 @@ def test_json_prints_the_report_alone_and_progress_lines_go_to_stderr(tmp_path):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--optimizer.lrr", "1"], r"train\.yaml: --optimizer\.lrr: no such key under optimizer \(allowed: betas, eps, "
-                               r"lr, name, weight_decay\)"),
+    (["--optimizer.lrr", "1"], r"train\.yaml: --optimizer\.lrr: no such key under optimizer \(allowed: betas, "
+                               r"clip_grad_norm, eps, lr, max_skipped_steps, min_lr, name, no_decay, schedule, "
+                               r"warmup_steps, weight_decay\)"),
     (["--stepz", "3"], r"train\.yaml: --stepz: no such key \(allowed: .*steps.*\)"),
     (["--steps", "0"], r"train\.yaml: --steps: must be >= 1, got 0"),
     (["--steps"], r"train\.yaml: --steps: needs a value"),

@@ -43,8 +43,8 @@ def test_values_are_read_as_yaml_and_missing_sections_are_made():
 
 @pytest.mark.parametrize("key, message", [
     ("stepz", "f.yaml: --stepz: no such key (allowed: backend, checkpoint, "),
-    ("optimizer.lrr", "f.yaml: --optimizer.lrr: no such key under optimizer (allowed: betas, eps, lr, name, "
-                      "weight_decay)"),
+    ("optimizer.lrr", "f.yaml: --optimizer.lrr: no such key under optimizer (allowed: betas, clip_grad_norm, "
+                      "eps, lr, max_skipped_steps, min_lr, name, no_decay, schedule, warmup_steps, weight_decay)"),
     ("steps.x", "f.yaml: --steps.x: steps has no keys below it"),
 ])
 def test_an_unknown_key_names_the_flag_the_file_and_the_allowed_keys(key, message):

@@ -58,6 +58,19 @@ def test_mixed_and_plain_differ_only_in_plan():
     assert model_config(bert).family == "bert"
 
 
+def test_adamw_schedule_and_clipping_keys(tmp_path):
+    cfg = load_train_config(write(tmp_path, "model: gpt-tiny\nsteps: 20\noptimizer: {name: adamw, weight_decay: 0.1, "
+                                            "no_decay: [bias, 'head.*'], schedule: cosine, warmup_steps: 5, "
+                                            "min_lr: 1.0e-5, clip_grad_norm: 1.0, max_skipped_steps: 2}\n"))
+    opt = cfg.optimizer
+    assert (opt.name, opt.no_decay, opt.schedule, opt.warmup_steps, opt.min_lr) == \
+        ("adamw", ("bias", "head.*"), "cosine", 5, 1e-5)
+    assert opt.clips and opt.max_skipped_steps == 2
+    plain = load_train_config(write(tmp_path, "model: gpt-tiny\n")).optimizer
+    assert plain.no_decay == ("bias", "norm", "embedding") and plain.schedule == "constant"
+    assert not plain.clips and plain.warmup_steps == 0
+
+
 def test_defaults(tmp_path):
     cfg = load_train_config(write(tmp_path, "model: gpt-tiny\n"))
     assert cfg.schedule == "1f1b" and cfg.num_stages is None and cfg.plan == "none"
@@ -81,6 +94,16 @@ def test_defaults(tmp_path):
     ("model: gpt-tiny\noptimizer: {lr: 0}\n", "optimizer.lr"),
     ("model: gpt-tiny\noptimizer: {betas: [0.9]}\n", "optimizer.betas"),
     ("model: gpt-tiny\noptimizer: {betas: [0.9, 1.0]}\n", "optimizer.betas"),
+    ("model: gpt-tiny\noptimizer: {schedule: step}\n", "optimizer.schedule"),
+    ("model: gpt-tiny\noptimizer: {schedule: cosine, min_lr: 0.1}\n", "optimizer.min_lr"),
+    ("model: gpt-tiny\noptimizer: {min_lr: 1.0e-5}\n", "optimizer.min_lr"),
+    ("model: gpt-tiny\noptimizer: {warmup_steps: -1}\n", "optimizer.warmup_steps"),
+    ("model: gpt-tiny\nsteps: 4\noptimizer: {warmup_steps: 5}\n", "optimizer.warmup_steps"),
+    ("model: gpt-tiny\noptimizer: {clip_grad_norm: -1}\n", "optimizer.clip_grad_norm"),
+    ("model: gpt-tiny\noptimizer: {clip_grad_norm: .nan}\n", "optimizer.clip_grad_norm"),
+    ("model: gpt-tiny\noptimizer: {max_skipped_steps: 0}\n", "optimizer.max_skipped_steps"),
+    ("model: gpt-tiny\noptimizer: {no_decay: bias}\n", "optimizer.no_decay"),
+    ("model: gpt-tiny\noptimizer: {no_decay: [bias, '']}\n", "optimizer.no_decay"),
     ("model: gpt-tiny\ndropout: 1.5\n", "dropout"),
     ("model: gpt-tiny\nlog_every: 0\n", "log_every"),
     ("model: gpt-tiny\ndata: {kind: file}\n", "data.path"),

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpress.errors import UserError
 from mpress.config.presets import CONFIG_DIR
-from mpress.models.hf_layers import HFChain, build_chain, find_layout, layout_from_patterns
+from mpress.errors import UserError
+from mpress.models.hf_layers import HFChain, build_chain
+from mpress.models.hf_layout import find_layout, layout_from_patterns
 from mpress.models.user_module import module_fingerprint
 
 HF_CONFIG_DIR = CONFIG_DIR / "hf"
@@ -204,8 +205,11 @@ def batch(source: HFSource, num_sequences: int, *, seed: int, step: int = 0,
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, masked: bool) -> torch.Tensor:
     """Cross-entropy (fp32) of logits (B, T, V) against targets (B, T): next-token for a
     causal LM (targets are the ids: position t predicts t+1), or, `masked`, at the
-    targets that are not `IGNORE_INDEX`."""
+    targets that are not `IGNORE_INDEX`. Computed as transformers computes its loss
+    (`ForCausalLMLoss`: the targets shifted left and padded with `IGNORE_INDEX`, one mean
+    over all B*T positions), so the two are `torch.equal`, not merely close: a mean over
+    B*(T-1) rows sums in another order."""
     logits = logits.float()
-    if masked:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
+    if not masked:
+        targets = F.pad(targets, (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): position t predicts t+1
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

@@ -41,7 +41,8 @@ def _hf_model(name: str, attention: str, seed: int = 0) -> nn.Module:
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_chain_and_its_stages_compute_the_hf_models_logits(name, attention):
-    from mpress.models.hf_layers import build_chain, find_layout
+    from mpress.models.hf_layers import build_chain
+    from mpress.models.hf_layout import find_layout
 
     model = _hf_model(name, attention)
     chain = build_chain(model, find_layout(model)).eval()

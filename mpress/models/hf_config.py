@@ -96,11 +96,14 @@ class HFSource:
 
     def build_model(self) -> nn.Module:
         """The HF model in training mode: random init from the config (the caller seeds
-        torch), or the local weights."""
+        torch), or the local weights. Under the meta device (fake profiles, a launcher's
+        check before any rank starts) it is built from the config alone, local weights or
+        not: meta tensors hold no data to load, only the shapes the config gives (and
+        transformers refuses `from_pretrained` there); the ranks load the weights."""
         transformers = _transformers()
         auto = transformers.AutoModelForMaskedLM if self.masked_lm else transformers.AutoModelForCausalLM
         try:
-            if self.weights_dir is not None:
+            if self.weights_dir is not None and not _on_meta():
                 model = auto.from_pretrained(str(self.weights_dir), config=self.config(), local_files_only=True,
                                              dtype=torch.float32)
             else:
@@ -141,6 +144,11 @@ class HFSource:
         another model's."""
         text = f"{module_fingerprint(module)}:seq_len={self.seq_len}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _on_meta() -> bool:
+    """Whether tensors are made on the meta device here (`with torch.device("meta")`)."""
+    return torch.empty(0).device.type == "meta"
 
 
 def _read_json(path: Path) -> dict:

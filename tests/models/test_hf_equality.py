@@ -26,6 +26,8 @@ from mpress.models.hf_layout import find_layout, layout_from_patterns
 from .hf_families import SEQ_LEN, build_hf, family_configs, is_masked_lm
 
 transformers = pytest.importorskip("transformers")
+# transformers' mask helpers warn (FutureWarning) when called the pre-5.x way (`past_key_values=`)
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 CONFIGS = family_configs()
 CASES = [(label, attention) for label in CONFIGS for attention in ("eager", "sdpa")

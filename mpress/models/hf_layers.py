@@ -67,6 +67,9 @@ class Embed(nn.Module):
         self.positions = positions
         self.project_in = project_in
         self.dropout = dropout
+        # OPT's takes the padding mask first (unused when given positions) and adds its offset
+        self._positions_by_id = positions is not None and "position_ids" in inspect.signature(
+            positions.forward).parameters
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids)  # (B, T, C)
@@ -74,8 +77,7 @@ class Embed(nn.Module):
             x = self.project_in(x)
         if self.positions is not None:
             positions = torch.arange(ids.shape[1], device=ids.device)[None]  # (1, T)
-            if "position_ids" in inspect.signature(self.positions.forward).parameters:
-                # OPT's: takes the padding mask first (unused when given positions) and adds its offset
+            if self._positions_by_id:
                 x = x + self.positions(torch.ones_like(ids), position_ids=positions)  # (1, T, C)
             else:
                 x = x + self.positions(positions)  # (1, T, C)

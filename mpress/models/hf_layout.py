@@ -18,7 +18,8 @@ logits by `config.final_logit_softcapping` where set (Gemma2).
 what the chain would otherwise drop in silence: a module of the model that is in no part
 of the chain (OPT's `embed_positions` under a user's layers), a block or rotary argument
 without a default that the chain does not make, a block that takes rotary tables in a
-model with no rotary module, an attention kind the chain cannot mask, random layer drop
+model with no rotary module, an attention kind the chain cannot mask, a sliding window the
+model's code makes no mask for without `layer_types` to say where, random layer drop
 (`layerdrop`), and config scalings the model's own forward applies outside its modules
 (`_UNCARRIED_SCALINGS`).
 """
@@ -26,6 +27,7 @@ model with no rotary module, an attention kind the chain cannot mask, random lay
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -162,7 +164,7 @@ def with_side_inputs(model: nn.Module, layout: HFLayout) -> HFLayout:
         kinds = [BIDIRECTIONAL] * num_blocks
     elif getattr(config, "layer_types", None) is not None:
         kinds = [str(k) for k in config.layer_types][:num_blocks]
-    elif getattr(config, "sliding_window", None) is not None:
+    elif getattr(config, "sliding_window", None) is not None and _makes_sliding_masks(model):
         kinds = [SLIDING] * num_blocks
     else:
         kinds = [FULL] * num_blocks
@@ -170,11 +172,22 @@ def with_side_inputs(model: nn.Module, layout: HFLayout) -> HFLayout:
     return replace(layout, attention=kinds, logit_softcap=float(cap) if cap else None)
 
 
+def _makes_sliding_masks(model: nn.Module) -> bool:
+    """Whether the model's modeling code uses transformers' sliding-window mask (Mistral's
+    and Phi-3's do for every block when `config.sliding_window` is set)."""
+    return hasattr(sys.modules.get(type(model).__module__), "create_sliding_window_causal_mask")
+
+
 def check_layout(model: nn.Module, layout: HFLayout) -> HFLayout:
     """`layout`, or a one-line `UserError` naming the module and the argument the chain
     cannot carry (see the module docstring)."""
     config, where = model.config, type(model).__name__
     _check_covered(model, layout)
+    window = getattr(config, "sliding_window", None)
+    if layout.causal and window is not None and getattr(config, "layer_types", None) is None \
+            and not _makes_sliding_masks(model):
+        raise UserError(f"{where}: config.sliding_window={window} without config.layer_types, in a model whose "
+                        "code makes no sliding-window mask: mpress cannot tell which blocks slide")
     if len(layout.attention) != len(layout.blocks):
         raise UserError(f"{where}: config.layer_types names {len(layout.attention)} layers, "
                         f"the model has {len(layout.blocks)} blocks")
@@ -208,7 +221,7 @@ def _check_covered(model: nn.Module, layout: HFLayout) -> None:
         if not name or any(name == p or name.startswith(p + ".") or p.startswith(name + ".") for p in parts):
             continue
         raise UserError(f"{name}: {type(model).__name__}'s {type(module).__name__} is in no part of mpress's chain "
-                        "(embed, blocks, head), which would drop it; name the layers so that it is (layers:)")
+                        "(embed, blocks, head), which would leave it out of what the model computes")
 
 
 def _params(module: nn.Module) -> dict[str, inspect.Parameter]:

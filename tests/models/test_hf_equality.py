@@ -146,3 +146,12 @@ def test_rotary_tables_without_a_rotary_module_are_refused():
     del model.model.rotary_emb
     with pytest.raises(UserError, match=r"^model\.layers\.0: LlamaDecoderLayer takes position_embeddings"):
         find_layout(model)
+
+
+def test_a_sliding_window_the_model_code_does_not_place_is_refused():
+    """Llama's code makes no sliding-window mask: a `sliding_window` in its config says
+    nothing about which blocks slide."""
+    model = _model("llama", "sdpa")
+    model.config.sliding_window = 4
+    with pytest.raises(UserError, match=r"^LlamaForCausalLM: config\.sliding_window=4 without config\.layer_types"):
+        find_layout(model)

@@ -44,7 +44,8 @@ BLOCK_ARGS = frozenset({"hidden_states", "attention_mask", "position_ids", "posi
 """What the chain passes a block (its first argument is the hidden states)."""
 _UNCARRIED_SCALINGS = ("logits_scaling", "logit_scale", "embedding_multiplier", "scale_emb")
 """Config fields whose scaling a family's model forward applies outside any module
-(Granite, Cohere, MiniCPM): the chain, made of modules, would leave them out."""
+(Granite, Cohere, MiniCPM): the chain, made of modules, would leave them out (refused
+unless 1, which scales nothing)."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def check_layout(model: nn.Module, layout: HFLayout) -> HFLayout:
                         "mpress's chain runs every block (set layerdrop to 0)")
     for name in _UNCARRIED_SCALINGS:
         value = getattr(config, name, None)
-        if value is not None and not isinstance(value, bool):
+        if value is not None and not isinstance(value, bool) and value != 1:  # x * 1.0 and x / 1.0 are x
             raise UserError(f"{where}: config.{name}={value} scales outside the model's modules; mpress's chain "
                             "would leave it out")
     return layout

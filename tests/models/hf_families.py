@@ -1,5 +1,9 @@
 """Tiny Hugging Face configs of every family mpress builds layer chains for (test data).
 
+The families the issue names (GPT-2, Llama, Mistral, Qwen2, Phi, Phi-3, Gemma, Gemma2,
+GPT-NeoX, OPT, BERT, RoBERTa) and a few more of the same structures (Mixtral, Qwen3,
+Starcoder2, OLMo-2).
+
 Each config is as small as the family allows (32 hidden, 3 blocks, a 128-token
 vocabulary) and, where the family has sliding-window attention, a window (4) shorter than
 the test sequence (`SEQ_LEN`), so a chain that attended to everything would differ.
@@ -41,6 +45,12 @@ def family_configs() -> dict[str, Any]:
         "opt-projected": t.OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=3,
                                      num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=16,
                                      **causal),
+        "mixtral-sliding": t.MixtralConfig(**_SIZES, num_key_value_heads=2, num_local_experts=2,
+                                           sliding_window=WINDOW, **causal),
+        "qwen3-sliding": t.Qwen3Config(**_SIZES, head_dim=8, num_key_value_heads=2, use_sliding_window=True,
+                                       sliding_window=WINDOW, max_window_layers=1, **causal),
+        "starcoder2-sliding": t.Starcoder2Config(**_SIZES, num_key_value_heads=2, sliding_window=WINDOW, **causal),
+        "olmo2": t.Olmo2Config(**_SIZES, num_key_value_heads=2, **causal),
         "bert": t.BertConfig(**_SIZES, pad_token_id=0),
         "roberta": t.RobertaConfig(**_SIZES, pad_token_id=1),
     }

@@ -3,7 +3,7 @@
 For every family mpress finds the layers of (`tests/models/hf_families.py`: GPT-2, Llama,
 Mistral with a sliding window, Qwen2 with and without one, Phi, Phi-3 with and without
 one, Gemma, Gemma2 with soft-capping, GPT-NeoX, OPT with and without projections, BERT,
-RoBERTa), under every attention implementation the family takes, the chain's logits
+RoBERTa; Mixtral, Qwen3 and Starcoder2 with windows, OLMo-2), under every attention implementation the family takes, the chain's logits
 are `torch.equal` to `model(ids).logits` of the transformers model holding the same
 weights, in fp32 on CPU -- bit for bit, since the chain calls the same modules with the
 same side inputs in the same op order -- in eval mode and in train mode (the same dropout
@@ -121,13 +121,18 @@ def test_random_layer_drop_is_refused():
 
 
 def test_a_scaling_outside_the_modules_is_refused():
-    """Granite scales its logits in its model's forward (`logits_scaling`), no module does."""
+    """Granite scales its logits in its model's forward (`logits_scaling`), no module does;
+    a scale of 1 scales nothing, and the chain computes Granite's logits."""
     if not hasattr(transformers, "GraniteConfig"):
         pytest.skip("this transformers has no Granite")
-    config = transformers.GraniteConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, max_position_embeddings=64, logits_scaling=4.0)
-    with pytest.raises(UserError, match=r"config\.logits_scaling=4\.0"):
-        find_layout(build_hf(config))
+    sizes = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "max_position_embeddings": 64}
+    with pytest.raises(UserError, match=r"^GraniteForCausalLM: config\.logits_scaling=4\.0"):
+        find_layout(build_hf(transformers.GraniteConfig(**sizes, logits_scaling=4.0)))
+    model = build_hf(transformers.GraniteConfig(**sizes))  # every multiplier 1
+    ids, _ = _batch("granite")
+    with torch.no_grad():
+        assert torch.equal(build_chain(model, find_layout(model)).eval()(ids), model(ids).logits)
 
 
 def test_a_block_argument_the_chain_does_not_make_is_refused():

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpress.errors import UserError
 from mpress.config.presets import CONFIG_DIR
-from mpress.models.hf_layers import HFChain, build_chain, find_layout, layout_from_patterns
+from mpress.errors import UserError
+from mpress.models.hf_layers import HFChain, build_chain
+from mpress.models.hf_layout import find_layout, layout_from_patterns
 from mpress.models.user_module import module_fingerprint
 
 HF_CONFIG_DIR = CONFIG_DIR / "hf"
@@ -95,11 +96,14 @@ class HFSource:
 
     def build_model(self) -> nn.Module:
         """The HF model in training mode: random init from the config (the caller seeds
-        torch), or the local weights."""
+        torch), or the local weights. Under the meta device (fake profiles, a launcher's
+        check before any rank starts) it is built from the config alone, local weights or
+        not: meta tensors hold no data to load, only the shapes the config gives (and
+        transformers refuses `from_pretrained` there); the ranks load the weights."""
         transformers = _transformers()
         auto = transformers.AutoModelForMaskedLM if self.masked_lm else transformers.AutoModelForCausalLM
         try:
-            if self.weights_dir is not None:
+            if self.weights_dir is not None and not _on_meta():
                 model = auto.from_pretrained(str(self.weights_dir), config=self.config(), local_files_only=True,
                                              dtype=torch.float32)
             else:
@@ -140,6 +144,11 @@ class HFSource:
         another model's."""
         text = f"{module_fingerprint(module)}:seq_len={self.seq_len}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _on_meta() -> bool:
+    """Whether tensors are made on the meta device here (`with torch.device("meta")`)."""
+    return torch.empty(0).device.type == "meta"
 
 
 def _read_json(path: Path) -> dict:
@@ -204,8 +213,11 @@ def batch(source: HFSource, num_sequences: int, *, seed: int, step: int = 0,
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, masked: bool) -> torch.Tensor:
     """Cross-entropy (fp32) of logits (B, T, V) against targets (B, T): next-token for a
     causal LM (targets are the ids: position t predicts t+1), or, `masked`, at the
-    targets that are not `IGNORE_INDEX`."""
+    targets that are not `IGNORE_INDEX`. Computed as transformers computes its loss
+    (`ForCausalLMLoss`: the targets shifted left and padded with `IGNORE_INDEX`, one mean
+    over all B*T positions), so the two are `torch.equal`, not merely close: a mean over
+    B*(T-1) rows sums in another order."""
     logits = logits.float()
-    if masked:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
+    if not masked:
+        targets = F.pad(targets, (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): position t predicts t+1
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

@@ -2,145 +2,126 @@
 
 `HFChain` is what mpress profiles, plans and splits for an HF model: its layers are
 `embed` (token ids -> hidden states), `blocks.0` ... `blocks.{N-1}` (one decoder/encoder
-block each) and `head` (final norm + output projection -> logits), in that order, and
+block each) and `head` (final norm(s) + output projection -> logits), in that order, and
 its forward is the plain chain `head(blocks(...(embed(ids))))`. A stage is the same class
 holding a contiguous range of those layers (`HFChain.stage`), so a stage's module paths
 are the whole chain's (`blocks.3.block.mlp.fc_in`) and a plan made from the chain's
 profile names the stage's tensors.
 
-Side inputs are made where they are needed, never passed between stages: every block
-computes its own causal mask (`transformers.masking_utils.create_causal_mask`, for the
-config's attention implementation; None for SDPA without padding, which then runs causal)
-and positions (`0..T-1`), and a rotary block its rotary tables from its own copy of the
-model's rotary module (no parameters; a buffer of head_dim/2 floats). Blocks are called
-with `use_cache=False` and no cache: training keeps no KV cache, and between stages
-travels one plain tensor of shape (B, T, hidden). No padding masks: every sequence of a
-microbatch is full length.
-
-Which module is which comes from `HFLayout`: found from the model's structure for GPT-2,
-Llama-style decoders (`model.embed_tokens`, `model.layers`, `model.norm`, `lm_head`:
-Llama, Mistral, Qwen2, ...) and BERT masked LMs, or named by the user as four patterns
-`[embed, blocks, norm, head]` (`layout_from_patterns`) for any other family whose blocks
-take `(hidden, attention_mask=, position_ids=, position_embeddings=)` as HF's do.
+The contract: the chain computes what the transformers model computes, the same logits
+for the same weights and ids (`tests/models/test_hf_equality.py`, per family). Side inputs
+are made where they are needed, never passed between stages, from the model's config
+(`mpress.models.hf_layout` says which): every block makes its own attention mask with
+transformers' own helper for its attention kind (`create_causal_mask`,
+`create_sliding_window_causal_mask`, `create_bidirectional_mask`; each follows the
+config's attention implementation and is None where SDPA needs none) and its positions
+(`0..T-1`), and a rotary block its rotary tables from its own copy of the model's rotary
+module (no parameters; a buffer of head_dim/2 floats). Learned positions (GPT-2's, OPT's
+offset ones) are added in `embed`; the head soft-caps the logits where the config says
+so (Gemma2). Blocks are called with `use_cache=False` and no cache: training keeps no KV
+cache, and between stages travels one plain tensor of shape (B, T, hidden). No padding
+masks: every sequence of a microbatch is full length.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from mpress.errors import UserError
-from mpress.models.user_module import select_layers
+from mpress.models.hf_layout import BIDIRECTIONAL, FULL, SLIDING, HFLayout
 
 
-@dataclass(frozen=True)
-class HFLayout:
-    """Where an HF model keeps the parts of its chain, as module paths of the model."""
+def _mask_maker(kind: str) -> Callable[..., Any]:
+    """transformers' mask helper for an attention kind (`mpress.models.hf_layout`)."""
+    from transformers import masking_utils
 
-    embed: str
-    """The token embedding module (GPT-2: `transformer.wte`; its `wpe` is found beside it)."""
-    blocks: list[str]
-    """Each block, in order."""
-    head: list[str]
-    """Final norm(s) then output projection, applied in order (BERT: `cls`)."""
-    causal: bool
-    """Blocks need a causal mask (decoders); False for encoders (BERT)."""
-    rotary: str | None = None
-    """The rotary embedding module whose tables blocks take as `position_embeddings`."""
-    positions: str | None = None
-    """A learned position embedding added to the token embedding (GPT-2's `wpe`)."""
-    dropout: str | None = None
-    """Dropout after the embedding (GPT-2's `drop`)."""
+    name = {FULL: "create_causal_mask", SLIDING: "create_sliding_window_causal_mask",
+            BIDIRECTIONAL: "create_bidirectional_mask"}[kind]
+    return getattr(masking_utils, name)
 
 
-def find_layout(model: nn.Module) -> HFLayout:
-    """The layout of a GPT-2 LM, a Llama-style causal LM or a BERT masked LM, from its
-    structure; a `UserError` naming the way out (`layers:`) for any other."""
-    names = dict(model.named_modules())
-    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    if {"transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head"} <= names.keys():
-        return HFLayout(embed="transformer.wte", positions="transformer.wpe", dropout="transformer.drop",
-                        blocks=_numbered(model, "transformer.h"), head=["transformer.ln_f", "lm_head"], causal=True)
-    if {"model.embed_tokens", "model.layers", "model.norm", "lm_head"} <= names.keys():
-        return HFLayout(embed="model.embed_tokens", blocks=_numbered(model, "model.layers"),
-                        head=["model.norm", "lm_head"], causal=True,
-                        rotary="model.rotary_emb" if "model.rotary_emb" in names else None)
-    if {"bert.embeddings", "bert.encoder.layer", "cls"} <= names.keys():
-        return HFLayout(embed="bert.embeddings", blocks=_numbered(model, "bert.encoder.layer"), head=["cls"],
-                        causal=False)
-    raise UserError(f"{type(model).__name__} ({model_type}): mpress finds the layers of GPT-2, Llama-style and BERT "
-                    "models itself; name this one's as layers: [EMBED, BLOCKS, NORM, HEAD] module paths "
-                    "(e.g. [model.embed_tokens, \"model.layers.*\", model.norm, lm_head])")
-
-
-def _numbered(model: nn.Module, path: str) -> list[str]:
-    return [f"{path}.{name}" for name, _ in model.get_submodule(path).named_children()]
-
-
-def layout_from_patterns(model: nn.Module, patterns: Sequence[str]) -> HFLayout:
-    """The layout a user names: `[embed, blocks, norm..., head]` module paths, the blocks
-    as one pattern with `*` (`model.layers.*`); causal unless the model's config says it
-    is an encoder (`is_decoder` false on a masked LM), rotary tables from a module whose
-    class name ends in `RotaryEmbedding`, if the model has one."""
-    if len(patterns) < 3 or "*" not in patterns[1]:
-        raise UserError(f"layers: {list(patterns)}: for a Hugging Face model give [EMBED, BLOCKS, NORM, HEAD] "
-                        "(BLOCKS a pattern with *, e.g. \"model.layers.*\"; NORM may be left out)")
-    embed, blocks, *head = (select_layers(model, [p]) for p in patterns)
-    if len(embed) != 1 or any(len(h) != 1 for h in head):
-        raise UserError(f"layers: {list(patterns)}: the embedding, norm and head must each name one module")
-    rotary = next((n for n, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
-    causal = not type(model).__name__.endswith("ForMaskedLM")
-    return HFLayout(embed=embed[0], blocks=blocks, head=[h[0] for h in head], causal=causal, rotary=rotary)
+def _no_cache(maker: Callable[..., Any]) -> dict[str, None]:
+    """The no-cache argument of a mask helper: `cache` from transformers 5.x on,
+    `past_key_values` before (which 5.x still takes, with a FutureWarning)."""
+    params = inspect.signature(maker).parameters
+    if "cache" in params:
+        return {"cache": None}
+    return {"past_key_values": None} if "past_key_values" in params else {}
 
 
 class Embed(nn.Module):
-    """Token ids (B, T) int64 -> hidden states (B, T, C): the token embedding, plus a
-    learned position embedding of positions 0..T-1 where the model has one, then dropout."""
+    """Token ids (B, T) int64 -> hidden states (B, T, C): the token embedding, projected
+    where the model projects it (OPT's `project_in`), plus learned positions of 0..T-1
+    where the model has them, then dropout where it has one."""
 
-    def __init__(self, tokens: nn.Module, positions: nn.Module | None, dropout: nn.Module | None) -> None:
+    def __init__(self, tokens: nn.Module, positions: nn.Module | None, dropout: nn.Module | None,
+                 project_in: nn.Module | None = None) -> None:
         super().__init__()
         self.tokens = tokens
         self.positions = positions
+        self.project_in = project_in
         self.dropout = dropout
+        # OPT's takes the padding mask first (unused when given positions) and adds its offset
+        self._positions_by_id = positions is not None and "position_ids" in inspect.signature(
+            positions.forward).parameters
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids)  # (B, T, C)
+        if self.project_in is not None:
+            x = self.project_in(x)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device)[None])  # (1, T, C)
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]  # (1, T)
+            if self._positions_by_id:
+                x = x + self.positions(torch.ones_like(ids), position_ids=positions)  # (1, T, C)
+            else:
+                x = x + self.positions(positions)  # (1, T, C)
         return self.dropout(x) if self.dropout is not None else x
 
 
 class Block(nn.Module):
     """One HF block as hidden (B, T, C) -> hidden (B, T, C), making its side inputs: the
-    causal mask (decoders), positions and rotary tables (see the module docstring)."""
+    mask for its attention kind, positions and rotary tables (see the module docstring)."""
 
-    def __init__(self, block: nn.Module, config: object, *, causal: bool, rotary: nn.Module | None) -> None:
+    def __init__(self, block: nn.Module, config: object, *, attention: str, rotary: nn.Module | None) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
-        self.causal = causal
+        self.attention = attention
         self.config = config  # the model's PreTrainedConfig: the mask follows its attention implementation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kwargs: dict[str, object] = {}
-        if self.causal:
-            from transformers.masking_utils import create_causal_mask
-
+        maker = _mask_maker(self.attention)
+        # no position ids: they would be searched for packed sequences, which HF does
+        # not do on fake tensors (it then builds a mask the real run leaves to SDPA)
+        mask = maker(config=self.config, inputs_embeds=x, attention_mask=None, **_no_cache(maker))
+        kwargs: dict[str, object] = {"attention_mask": mask}
+        if self.attention != BIDIRECTIONAL:
             positions = torch.arange(x.shape[1], device=x.device)[None]  # (1, T)
-            # no position ids: they would be searched for packed sequences, which HF does
-            # not do on fake tensors (it then builds a mask the real run leaves to SDPA)
-            mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None,
-                                      past_key_values=None, position_ids=None)
-            kwargs = {"attention_mask": mask, "position_ids": positions, "use_cache": False}
+            kwargs.update(position_ids=positions, use_cache=False)
             if self.rotary is not None:
                 kwargs["position_embeddings"] = self.rotary(x, position_ids=positions)  # (cos, sin), no grad
         out = self.block(x, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+class SoftCap(nn.Module):
+    """Logit soft-capping, `cap * tanh(logits / cap)`, in transformers' op order (Gemma2)."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.cap) * self.cap
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap}"
 
 
 class HFChain(nn.Module):
@@ -164,7 +145,7 @@ class HFChain(nn.Module):
             x = block(x)
         return self.head(x) if self.head is not None else x  # (B, T, vocab) logits at the end
 
-    def stage(self, layers: Sequence[str]) -> "HFChain":
+    def stage(self, layers: Sequence[str]) -> HFChain:
         """The chain of `layers` (contiguous names of `layer_names()`), sharing its modules."""
         return HFChain(self.embed if "embed" in layers else None,
                        {i: b for i, b in self.blocks.items() if f"blocks.{i}" in layers},
@@ -172,18 +153,22 @@ class HFChain(nn.Module):
 
 
 def build_chain(model: nn.Module, layout: HFLayout) -> HFChain:
-    """The chain of `model`'s modules as `layout` places them (the modules are shared, not
-    copied: tied weights stay one parameter)."""
+    """The chain of `model`'s modules as `layout` (a checked one: `find_layout`,
+    `layout_from_patterns`) places them; the modules are shared, not copied: tied weights
+    stay one parameter."""
     get = model.get_submodule
     rotary = get(layout.rotary) if layout.rotary is not None else None
-    blocks = {str(i): Block(get(path), model.config, causal=layout.causal,
+    blocks = {str(i): Block(get(path), model.config, attention=kind,
                             rotary=copy.deepcopy(rotary) if rotary is not None else None)
-              for i, path in enumerate(layout.blocks)}
-    if layout.positions is None and layout.dropout is None:
+              for i, (path, kind) in enumerate(zip(layout.blocks, layout.attention, strict=True))}
+    optional = (layout.positions, layout.dropout, layout.project_in)
+    if all(p is None for p in optional):
         embed = get(layout.embed)
     else:
-        embed = Embed(get(layout.embed), get(layout.positions) if layout.positions else None,
-                      get(layout.dropout) if layout.dropout else None)
-    head = get(layout.head[0]) if len(layout.head) == 1 else nn.Sequential(
-        OrderedDict((path.rpartition(".")[2], get(path)) for path in layout.head))
+        positions, dropout, project_in = (get(p) if p is not None else None for p in optional)
+        embed = Embed(get(layout.embed), positions, dropout, project_in)
+    parts = [(path.rpartition(".")[2], get(path)) for path in layout.head]
+    if layout.logit_softcap is not None:
+        parts.append(("softcap", SoftCap(layout.logit_softcap)))
+    head = parts[0][1] if len(parts) == 1 else nn.Sequential(OrderedDict(parts))
     return HFChain(embed, blocks, head)

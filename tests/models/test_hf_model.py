@@ -41,7 +41,8 @@ def _hf_model(name: str, attention: str, seed: int = 0) -> nn.Module:
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_chain_and_its_stages_compute_the_hf_models_logits(name, attention):
-    from mpress.models.hf_layers import build_chain, find_layout
+    from mpress.models.hf_layers import build_chain
+    from mpress.models.hf_layout import find_layout
 
     model = _hf_model(name, attention)
     chain = build_chain(model, find_layout(model)).eval()
@@ -170,3 +171,21 @@ def test_a_model_with_dropout_profiles_on_fake_tensors(tmp_path):
     real = profile_hf_model(path, microbatch_size=2, hardware=hardware, fake=False, warmup=0, iters=1)
     assert [x.saved_bytes for x in fake.layers] == [x.saved_bytes for x in real.layers]
     assert fake.layers[0].saved_bytes > 0  # the embedding's dropout mask
+
+
+@pytest.mark.parametrize("label", ["mistral-sliding", "qwen2-sliding", "gemma2", "opt-projected", "roberta"])
+def test_fake_profiles_of_more_families_save_what_a_real_run_saves(tmp_path, label):
+    """Sliding-window masks, soft-capping, OPT's positions and projections and RoBERTa's
+    positions made on fake tensors save the bytes a real run saves."""
+    from tests.models.hf_families import family_configs, is_masked_lm
+
+    config = family_configs()[label]
+    if is_masked_lm(label):
+        config.architectures = ["RobertaForMaskedLM"]
+    config.save_pretrained(tmp_path)
+    path, hardware = str(tmp_path / "config.json"), load_hardware("cpu-local")
+    fake = profile_hf_model(path, microbatch_size=2, hardware=hardware, fake=True, seq_len=16)
+    real = profile_hf_model(path, microbatch_size=2, hardware=hardware, fake=False, seq_len=16, warmup=0, iters=1)
+    assert fake.model_fingerprint == real.model_fingerprint
+    for f, r in zip(fake.layers, real.layers, strict=True):
+        assert [(s.id, s.shape, s.bytes) for s in f.saved] == [(s.id, s.shape, s.bytes) for s in r.saved], f.name

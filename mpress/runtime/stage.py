@@ -187,7 +187,23 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
     runtime = StageRuntime(module, plan, stage_index, device, rank=rank, program=program, example_args=example_args,
                            layers=layers, host_pool_bytes=host_pool_bytes, peers=peers, live=live)
     return MpressStage(module, stage_index, plan.num_stages, device, runtime=runtime,
-                       input_args=input_args, output_args=output_args, group=group)
+                       input_args=meta_examples(input_args), output_args=meta_examples(output_args), group=group)
+
+
+def meta_examples(examples: Any) -> Any:
+    """`examples` (a tensor, a tuple of them, or None) as meta tensors of the same shape,
+    dtype, strides and requires_grad: what `PipelineStage` needs of its example
+    microbatch. torch <= 2.11 keeps the tensors it is given for the stage's life (2.13
+    keeps only their metadata), so real ones would pin one microbatch's input and output
+    -- the last stage's B x T x vocab logits -- on the device for the whole job."""
+    if examples is None:
+        return None
+    if isinstance(examples, tuple):
+        return tuple(meta_examples(x) for x in examples)
+    if isinstance(examples, torch.Tensor):
+        return torch.empty_strided(examples.shape, examples.stride(), dtype=examples.dtype,
+                                   device="meta").requires_grad_(examples.requires_grad)
+    return examples
 
 
 def _refuse_model_data(plan: Plan, stage_index: int) -> None:

@@ -44,7 +44,7 @@ from mpress.runtime.master_weights import MasterWeights
 from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload, layer_params, unit_layer
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, build_optimizer, no_decay_names
 from mpress.runtime.program import RankProgram, Span
-from mpress.runtime.stage import MpressStage, wrap_stage
+from mpress.runtime.stage import MpressStage, meta_examples, wrap_stage
 from mpress.runtime.swap.store import PeerStores
 from mpress.runtime.tied_grads import TiedGrads
 from mpress.config.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
@@ -257,8 +257,8 @@ class PipelineJob:
                                model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
                                peers=self.peers, program=self.program, live=self.live, optimizer_by_job=True)
             return module, stage, list(stage.runtime.router.layers)
-        stage = _PlainStage(module, s, self.num_stages, device, input_args=x, output_args=y, group=group,
-                            live=self.live, spans=self.spans)
+        stage = _PlainStage(module, s, self.num_stages, device, input_args=meta_examples(x),
+                            output_args=meta_examples(y), group=group, live=self.live, spans=self.spans)
         return module, stage, layer_paths(module, (x,))
 
     def _reference_stage(self, s: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

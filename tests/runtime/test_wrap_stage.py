@@ -39,3 +39,32 @@ def test_model_data_decisions_are_refused_not_ignored(group, rules, host_step, s
     with pytest.raises(PlanError, match="PipelineJob") as e:
         wrap(plan)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_torch_is_given_meta_examples_not_a_microbatch_to_keep(group, monkeypatch):
+    """torch <= 2.11's PipelineStage keeps the example tensors it is given for the stage's
+    life (the last stage's B x T x vocab logits among them): a wrapped stage hands it meta
+    tensors of the same shape, dtype, strides and requires_grad, after inspecting the
+    stage with the real ones."""
+    from torch.distributed.pipelining import PipelineStage
+
+    given = {}
+    init = PipelineStage.__init__
+
+    def recording(self, *args, **kwargs):
+        given.update(input_args=kwargs.get("input_args"), output_args=kwargs.get("output_args"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PipelineStage, "__init__", recording)
+    cfg = load_model_config(MODEL)
+    module = build_stage(cfg, 0, cfg.num_layers + 2, seed=0)
+    x = torch.zeros(MICROBATCH_SIZE, cfg.seq_len, dtype=torch.long)
+    y = torch.zeros(MICROBATCH_SIZE, cfg.seq_len, cfg.vocab_size, requires_grad=True)
+    plan = pipeline_plan("1f1b", 1, 2, {0: [TensorRule(tensor="layers.1.**", technique="host")]})
+    stage = wrap_stage(module, plan, 0, device=torch.device("cpu"), input_args=x, output_args=y,
+                       model_fingerprint=cfg.fingerprint())
+    stage.runtime.close()
+    meta_x, meta_y = given["input_args"], given["output_args"]
+    for meta, real in ((meta_x, x), (meta_y, y)):
+        assert meta.is_meta and meta.shape == real.shape and meta.dtype == real.dtype
+        assert meta.stride() == real.stride() and meta.requires_grad == real.requires_grad

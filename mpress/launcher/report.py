@@ -16,9 +16,11 @@ def rank_report(job: PipelineJob, plan: Plan | None, *, predicted_bytes: int, me
                 measured_at: str) -> dict[str, object]:
     """This rank's figures for the final tables (summed over its stages): the predicted
     peak of its device (the emulator, same program) and the measured one (every byte:
-    `LiveBytes` on CPU, the allocator on CUDA), with the action running at that moment."""
+    `LiveBytes` on CPU, the allocator on CUDA), with the action running at that moment,
+    and the start-up peak (before the first step, from the rank's first allocation)."""
     out: dict[str, object] = {"rank": job.rank, "stage": ",".join(map(str, job.stage_ids)),
                               "predicted": predicted_bytes, "measured": measured_bytes, "at": measured_at,
+                              "startup": job.startup_peak_bytes,
                               "cuda_reserved": torch.cuda.max_memory_reserved(job.device)
                               if job.device.type == "cuda" else None}
     if plan is not None:
@@ -50,7 +52,7 @@ def report_tables(rows: list[dict[str, object]]) -> list[Table]:
 
     memory = Table(title="per rank: device memory, predicted (emulator, same program) and measured (every byte)")
     for c in ["rank", "stage", "plan", "need w/o mpress", "predicted peak", "measured peak", "measured / predicted",
-              "measured peak during", "CUDA reserved peak"]:
+              "measured peak during", "start-up peak", "CUDA reserved peak"]:
         memory.add_column(c, justify="right")
     traffic = Table(title="per rank: swaps and recompute")
     for c in ["rank", "tensors swapped", "bytes to host", "bytes to peers", "peer pool held (high water / size)",
@@ -60,7 +62,8 @@ def report_tables(rows: list[dict[str, object]]) -> list[Table]:
         predicted, measured = r.get("predicted"), r.get("measured")
         ratio = f"{measured / predicted:.1%}" if isinstance(measured, int) and predicted else "-"
         memory.add_row(str(r["rank"]), str(r["stage"]), str(r.get("rules", "none")), b(r, "need"),
-                       b(r, "predicted"), b(r, "measured"), ratio, str(r.get("at") or "-"), b(r, "cuda_reserved"))
+                       b(r, "predicted"), b(r, "measured"), ratio, str(r.get("at") or "-"), b(r, "startup"),
+                       b(r, "cuda_reserved"))
         traffic.add_row(str(r["rank"]), str(r.get("swapped", "-")), b(r, "bytes_out"), b(r, "peer_out"),
                         _pool_cell(r.get("pool")), str(r.get("recomputed", "-")),
                         fmt_seconds(float(r.get("wait_s", 0.0))))  # type: ignore[arg-type]

@@ -78,6 +78,9 @@ class _Entry:
     that gradients come into and rounded parameters go out from (a view of a pinned slab)."""
     released: bool = False
     """DEVICE_MASTER only: its storage is away (`release`) until `restore`."""
+    unmade: bool = False
+    """DEVICE_MASTER made away (`MasterWeights(away=...)`): released, its value not yet
+    handed out (`make_away`)."""
 
     @property
     def is_copy(self) -> bool:
@@ -96,17 +99,22 @@ class MasterWeights:
     per stage, as the static half counts them); host parameters in no group share one
     more. A slab is a `PinnedHostPool`, pinned in place to its alignment, not through
     torch's pinned allocator, which rounds each allocation up to a power of two. `close()`
-    unpins them."""
+    unpins them.
+    away: names of parameters whose device master starts off the device (the optimizer
+    offload's planned layers): it is made released, with no storage, and `make_away`
+    hands out its value when the caller sends it away -- one at a time, so a stage's
+    start-up never holds every master on the device at once."""
 
     def __init__(self, params: dict[str, nn.Parameter], make_optimizer: OptimizerFactory, *,
-                 host: Collection[str] = (), slabs: Sequence[Collection[str]] = ()) -> None:
+                 host: Collection[str] = (), slabs: Sequence[Collection[str]] = (),
+                 away: Collection[str] = ()) -> None:
         unknown = sorted(set(host) - set(params))
         if unknown:
             raise UserError(f"host optimizer step for unknown parameters: {', '.join(unknown[:3])}")
         self._entries: dict[str, _Entry] = {}
         with torch.no_grad():
             for name, p in params.items():
-                self._entries[name] = _make_entry(name, p, on_host=name in host)
+                self._entries[name] = _make_entry(name, p, on_host=name in host, away=name in away)
         self.slabs: list[PinnedHostPool] = [slab for group in _slab_groups(host, slabs)
                                             if (slab := self._stage_through_slab(group)) is not None]
         """The pinned slabs the staging buffers are views of (none without an accelerator)."""
@@ -149,6 +157,10 @@ class MasterWeights:
 
     def kind(self, name: str) -> Kind:
         return self._entry(name).kind
+
+    def unmade(self, name: str) -> bool:
+        """Whether `name`'s master was made away and its value not yet handed out."""
+        return self._entry(name).unmade
 
     def names(self, kind: Kind | None = None) -> list[str]:
         """Parameter names (of one kind), in order."""
@@ -204,8 +216,9 @@ class MasterWeights:
                 devices.add(e.param.device)
         for device in devices:
             # the CPU reads the staging buffers next: wait for these copies (an event on the
-            # stream that ran them), not for the whole device
-            done = torch.cuda.Event()
+            # stream that ran them), not for the whole device; blocking: the thread sleeps
+            # in cudaEventSynchronize instead of spinning on a core the host Adam needs
+            done = torch.cuda.Event(blocking=True)
             done.record(torch.cuda.current_stream(device))
             done.synchronize()
         for e in entries:
@@ -245,10 +258,19 @@ class MasterWeights:
         e.released = True
         return data
 
+    def make_away(self, name: str) -> torch.Tensor:
+        """The value of `name`'s device master, made now for the caller to move away: a
+        master made released (`away`) that was never on the device. Once only."""
+        e = self._entry(name)
+        if not e.unmade:
+            raise UserError(f"parameter {name}: its master was made already ({e.kind.value})")
+        e.unmade = False
+        return e.param.detach().to(MASTER_DTYPE, copy=True)
+
     def restore(self, name: str, data: torch.Tensor) -> None:
         """Give `name`'s master the storage of `data` (the value `release` handed out)."""
         e = self._entry(name)
-        if not e.released or tuple(data.shape) != tuple(e.param.shape) or data.dtype != MASTER_DTYPE:
+        if not e.released or e.unmade or tuple(data.shape) != tuple(e.param.shape) or data.dtype != MASTER_DTYPE:
             raise UserError(f"parameter {name}: cannot restore a {data.dtype} {tuple(data.shape)} master "
                             f"for a {tuple(e.param.shape)} parameter ({e.kind.value}"
                             f"{', released' if e.released else ', not released'})")
@@ -304,7 +326,7 @@ def _on_accelerator(p: torch.Tensor) -> bool:
     return p.device.type == "cuda"
 
 
-def _make_entry(name: str, p: nn.Parameter, *, on_host: bool) -> _Entry:
+def _make_entry(name: str, p: nn.Parameter, *, on_host: bool, away: bool = False) -> _Entry:
     if not p.is_floating_point():
         raise UserError(f"parameter {name} is {p.dtype}; the optimizer steps floating-point parameters")
     if on_host:
@@ -316,6 +338,9 @@ def _make_entry(name: str, p: nn.Parameter, *, on_host: bool) -> _Entry:
         return _Entry(name=name, param=p, kind=Kind.HOST_COPY, target=target)
     if p.dtype == MASTER_DTYPE:
         return _Entry(name=name, param=p, kind=Kind.PARAM, target=p)
+    if away:  # the optimizer's key, with no storage until the offload restores it
+        target = torch.empty(0, dtype=MASTER_DTYPE, device=p.device)
+        return _Entry(name=name, param=p, kind=Kind.DEVICE_MASTER, target=target, released=True, unmade=True)
     target = p.detach().to(MASTER_DTYPE, copy=True)
     return _Entry(name=name, param=p, kind=Kind.DEVICE_MASTER, target=target)
 

@@ -61,6 +61,27 @@ def _key(runtime, name: str, part: str) -> TensorKey:
                      tensor=f"optim:{name}:{part}")
 
 
+def planned_routes(runtime) -> dict[str, tuple[SwapEngine, Any]]:
+    """layer -> (swap engine, D2D stripe weights or None) of each layer of the stage whose
+    optimizer data the plan offloads; none for a stage whose step runs on the host (its
+    data never comes to the device)."""
+    sp = runtime.stage_plan
+    if steps_on_host(runtime):
+        return {}
+    routes: dict[str, tuple[SwapEngine, Any]] = {}
+    for layer in runtime.router.layers:
+        found = runtime.router.rules.model_data_rule("optim", layer)
+        if found is None:
+            continue
+        _index, rule = found
+        engine = runtime.engine if rule.technique is Technique.HOST else runtime.d2d_engine
+        if engine is None:
+            raise PlanError(f"stage {sp.stage}: the plan sends optimizer states ({rule.tensor}) to "
+                            f"{rule.technique} but no {rule.technique} swap engine runs")
+        routes[layer] = (engine, tuple((st.device, st.fraction) for st in rule.stripes) or None)
+    return routes
+
+
 class OptimizerOffload:
     """Streams the optimizer states (and device masters) of planned layers through the
     device, one layer's chunk at a time, as the rank's program says (see the module
@@ -84,27 +105,14 @@ class OptimizerOffload:
         program.on(ActionKind.OO, runtime.stage_index, lambda a: self.send_out(unit_layer(a)))
         for layer in routes:  # the plan has them off the device from the start
             self.send_out(layer)
+            routes[layer][0].wait_outs()  # one layer's masters on the device at a time
 
     @classmethod
     def from_plan(cls, masters: MasterWeights, module: nn.Module, runtime) -> "OptimizerOffload | None":
         """The offloader for the layers whose optimizer data the plan offloads, or None
         (also for a stage whose step runs on the host: its data never comes to the device)."""
-        sp = runtime.stage_plan
-        if steps_on_host(runtime):
-            return None
-        routes: dict[str, tuple[SwapEngine, Any]] = {}
-        layers = list(runtime.router.layers)
-        for layer in layers:
-            found = runtime.router.rules.model_data_rule("optim", layer)
-            if found is None:
-                continue
-            _index, rule = found
-            engine = runtime.engine if rule.technique is Technique.HOST else runtime.d2d_engine
-            if engine is None:
-                raise PlanError(f"stage {sp.stage}: the plan sends optimizer states ({rule.tensor}) to "
-                                f"{rule.technique} but no {rule.technique} swap engine runs")
-            routes[layer] = (engine, tuple((st.device, st.fraction) for st in rule.stripes) or None)
-        return cls(masters, routes, layer_params(module, layers), runtime) if routes else None
+        routes = planned_routes(runtime)
+        return cls(masters, routes, layer_params(module, list(runtime.router.layers)), runtime) if routes else None
 
     def bring_in(self, layer: str) -> None:
         """Start the copies of `layer`'s chunk back to the device (an `OI`)."""
@@ -140,9 +148,9 @@ class OptimizerOffload:
                     _key(self.runtime, name, part), tensor, category=Category.OPTIMIZER, weights=weights)
                 del st[part]
             if self.masters.kind(name) is Kind.DEVICE_MASTER:
+                master = self.masters.make_away(name) if self.masters.unmade(name) else self.masters.release(name)
                 self.handles[layer][(name, MASTER)] = engine.swap_out(
-                    _key(self.runtime, name, MASTER), self.masters.release(name), category=Category.MASTER,
-                    weights=weights)
+                    _key(self.runtime, name, MASTER), master, category=Category.MASTER, weights=weights)
 
     @contextlib.contextmanager
     def chunk_home(self, layer: str) -> Iterator[None]:

@@ -14,6 +14,7 @@ list does.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +79,12 @@ class StageRuntime:
         if Technique.D2D in techniques and peers is not None:
             self.d2d_engine = SwapEngine(peers.store_for(stage_index), self.manager, device, rank=rank,
                                          stage=stage_index, watch=watch, hold_until_release=True)
-        self.router = SavedTensorRouter(module, self.stage_plan, program, rank=rank, example_args=example_args,
-                                        layers=layers, engine=self.engine, d2d_engine=self.d2d_engine,
-                                        num_microbatches=plan.num_microbatches)
+        # the stage's inspection forward (`inspect_stage`) runs here: part of the rank's
+        # start-up peak, counted like a step's operators
+        with live.watch() if live is not None else contextlib.nullcontext():
+            self.router = SavedTensorRouter(module, self.stage_plan, program, rank=rank, example_args=example_args,
+                                            layers=layers, engine=self.engine, d2d_engine=self.d2d_engine,
+                                            num_microbatches=plan.num_microbatches)
         program.on(Kind.SI, stage_index, self.router.prefetch_unit)
         program.on(Kind.DI, stage_index, self.router.prefetch_unit)
         program.on_release(self.release)

@@ -41,7 +41,13 @@ from mpress.runtime.job_state import Chunk, load_state, save_state
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.master_weights import MasterWeights
-from mpress.runtime.optimizer_offload import HostOptimizerStep, OptimizerOffload, layer_params, unit_layer
+from mpress.runtime.optimizer_offload import (
+    HostOptimizerStep,
+    OptimizerOffload,
+    layer_params,
+    planned_routes,
+    unit_layer,
+)
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, build_optimizer, no_decay_names
 from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.stage import MpressStage, meta_examples, wrap_stage
@@ -152,6 +158,8 @@ class PipelineJob:
         """CPU: every storage on the rank's stand-in device (see `mpress.contract.live_bytes`)."""
         self.program = RankProgram(plan.program(self.rank), rank=self.rank, live=self.live) \
             if plan is not None else None
+        if self.live is not None:
+            self._adopt_peer_pool()
         self.spans: list[Span] = self.program.spans if self.program is not None else []
         """Executed actions (with start and end times), for the run's trace; the caller clears it."""
         self.modules: list[nn.Module] = []
@@ -194,9 +202,13 @@ class PipelineJob:
         # every rank and every plan has the same groups.
         tied = {name for g in getattr(spec.model, "tied_groups", []) for _s, name in g}
         exempt = no_decay_names(self.modules, spec.no_decay, tied=tied)
+        # masters of the layers whose optimizer data the plan offloads start away: made and
+        # sent out one layer at a time (OptimizerOffload), never all on the device at once
+        away = [name for s, st in zip(self.stage_ids, self.stages) if isinstance(st, MpressStage)
+                for layer in planned_routes(st.runtime) for name in self.params[s][layer]]
         self.masters = MasterWeights(params, lambda tensors: build_optimizer(
             spec.optimizer, list(params), tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-            weight_decay=spec.weight_decay, no_decay=exempt), host=host, slabs=slabs)
+            weight_decay=spec.weight_decay, no_decay=exempt), host=host, slabs=slabs, away=away)
         self.optimizer = self.masters.optimizer
         self.base_lrs = [spec.lr for _g in self.optimizer.param_groups]
         """Each group's peak rate, which the schedule scales (`LambdaLR`'s `base_lrs`)."""
@@ -207,30 +219,33 @@ class PipelineJob:
         self.group = group
         self.offloads: dict[int, OptimizerOffload] = {}
         self.host_steps: list[HostOptimizerStep] = []
-        for s, module, stage in zip(self.stage_ids, self.modules, self.stages):
-            if isinstance(stage, MpressStage):
-                offload = OptimizerOffload.from_plan(self.masters, module, stage.runtime)
-                if offload is not None:
-                    self.offloads[s] = offload
-                host_step = HostOptimizerStep.from_plan(self.masters, module, stage.runtime)
-                if host_step is not None:
-                    self.host_steps.append(host_step)
         if self.live is not None:
             self._adopt_model_data()
+        # the offload makes the masters it sends out, one layer at a time: counted as a
+        # step's operators are
+        with self.live.watch() if self.live is not None else contextlib.nullcontext():
+            for s, module, stage in zip(self.stage_ids, self.modules, self.stages):
+                if isinstance(stage, MpressStage):
+                    offload = OptimizerOffload.from_plan(self.masters, module, stage.runtime)
+                    if offload is not None:
+                        self.offloads[s] = offload
+                    host_step = HostOptimizerStep.from_plan(self.masters, module, stage.runtime)
+                    if host_step is not None:
+                        self.host_steps.append(host_step)
+        self.startup_peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" \
+            else self.live.peak_bytes
+        """The rank's device at its fullest before the first step, from its first allocation
+        (CUDA: the allocator's peak since the process began; CPU: `LiveBytes`, with the
+        peer pool, each stage's parameters and example microbatch counted from when they
+        were made and the inspection forward and the masters' send-out watched)."""
 
     def _adopt_model_data(self) -> None:
         """Count what exists before training on the rank's device: the peer pool it lends,
         parameters, buffers, masters and optimizer states (host copies are host memory)."""
         live = self.live
-        device = self.plan.stage(self.stage_ids[0]).device if self.plan is not None else self.rank
-        pool = self.peers.pool_on(device) if self.peers is not None else None
-        if pool is not None:  # the memory this rank's device lends to other stages
-            live.adopt(pool, f"peer pool of device {device}")
+        self._adopt_peer_pool()
         for m in self.modules:
-            for name, p in m.named_parameters():
-                live.adopt(p, f"parameter {name}")
-            for name, b in m.named_buffers():
-                live.adopt(b, f"buffer {name}")
+            self._adopt_module(m)
         for name in self.masters.names():
             target = self.masters.target(name)
             host = self.masters.kind(name) is MasterKind.HOST_COPY
@@ -242,6 +257,20 @@ class PipelineJob:
                 if isinstance(state, torch.Tensor) and state.dim() > 0:
                     live.adopt(state, f"optimizer {part} {name}", host=host)
 
+    def _adopt_peer_pool(self) -> None:
+        """Count the peer pool this rank's device lends to other stages (made before the job)."""
+        device = self.plan.stage(self.stage_ids[0]).device if self.plan is not None else self.rank
+        pool = self.peers.pool_on(device) if self.peers is not None else None
+        if pool is not None:
+            self.live.adopt(pool, f"peer pool of device {device}")
+
+    def _adopt_module(self, module: nn.Module) -> None:
+        """Count a stage module's parameters and buffers (made before any watch)."""
+        for name, p in module.named_parameters():
+            self.live.adopt(p, f"parameter {name}")
+        for name, b in module.named_buffers():
+            self.live.adopt(b, f"buffer {name}")
+
     def _build_stage(self, s: int, group: dist.ProcessGroup | None) -> tuple[nn.Module, PipelineStage, list[str]]:
         spec, cfg, device = self.spec, self.spec.model, self.device
         if isinstance(cfg, UserModel):
@@ -252,6 +281,11 @@ class PipelineJob:
             y = y[0] if len(y) == 1 else y
         else:
             module, x, y = self._reference_stage(s)
+        if self.live is not None:  # the start-up peak counts them from here
+            self._adopt_module(module)
+            for what, t in (("example input", x), ("example output", y)):
+                for tensor in t if isinstance(t, tuple) else (t,):
+                    self.live.adopt(tensor, f"{what} of stage {s}")
         if self.plan is not None:
             stage = wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
                                model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,

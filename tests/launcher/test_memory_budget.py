@@ -90,7 +90,8 @@ SHIPPED = sorted(p.stem for p in (ROOT / "configs/train").glob("*.yaml"))
 def test_every_shipped_config_peaks_within_its_prediction(name, tmp_path):
     """Each shipped config, a few steps through torchrun: on every rank the measured peak
     (every byte, the `report:` figures) is at most the emulator's prediction of the same
-    program and at least 90% of it, and within the config's device budget."""
+    program and at least 90% of it, and within the config's device budget; so is the
+    rank's start-up peak (from its first allocation to its first step)."""
     config = yaml.safe_load((ROOT / f"configs/train/{name}.yaml").read_text())
     config.update(steps=3, log_every=3, report=str(tmp_path / "report.json"))
     config.pop("checkpoint", None)
@@ -102,3 +103,4 @@ def test_every_shipped_config_peaks_within_its_prediction(name, tmp_path):
     for r in rows:
         assert 0.9 * r["predicted"] <= r["measured"] <= r["predicted"], (name, r)
         assert budget is None or r["measured"] <= budget, (name, r)
+        assert 0 < r["startup"] <= r["predicted"], (name, r)

@@ -17,6 +17,7 @@ from mpress.contract.actions import Kind
 from mpress.errors import ConfigError
 from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.plan import Plan, StagePlan, Stripe, TensorRule
+from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
 from tests.support.plans import pipeline_plan
@@ -109,6 +110,9 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
     plan = Plan.load(plan_path) if plan_path else None
     torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
     pj = PipelineJob(spec, plan, torch.device("cpu"))
+    startup = {"startup": pj.startup_peak_bytes,
+               "param_bytes": sum(p.numel() * p.element_size() for m in pj.modules for p in m.parameters()),
+               "master_bytes": sum(pj.masters.nbytes(n) for n in pj.masters.names(MasterKind.DEVICE_MASTER))}
     losses = []
     for step in range(STEPS):
         if step == job.resume_after:
@@ -133,7 +137,7 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
                        "num_params": sum(p.numel() for p in module.parameters()),
                        "num_tensors": len(list(module.parameters())),
                        "bytes_out": rt.engine.stats.bytes_out if rt.engine is not None else 0})
-    result = {"losses": losses, "state": pj.state(), "stages": stages, "live_bytes": live_between_steps,
+    result = {"losses": losses, "state": pj.state(), "stages": stages, "live_bytes": live_between_steps, **startup,
               "executed": executed, "num_params": {s: sum(p.numel() for p in m.parameters())
                                                     for s, m in zip(pj.stage_ids, pj.modules)},
               "dtypes": {p.dtype for m in pj.modules for p in m.parameters()}}
@@ -259,3 +263,15 @@ def test_optimizer_data_off_the_device_is_in_the_managers_report(results, name):
         sends = {a.kind for a in plan.program(s % WORLD) if a.stage == s and a.kind in (Kind.SO, Kind.OO)}
         assert (Kind.OO in sends) == swaps_optimizer, s
         assert (st["bytes_out"] > 0) == bool(sends), s
+
+
+@pytest.mark.slow
+def test_offloaded_masters_are_never_all_on_the_device_at_start_up(results):
+    """A plain bf16 rank holds its parameters and every fp32 master at start-up; a rank
+    whose plan offloads its optimizer data makes each layer's masters and sends them out
+    before the next layer's are made, so its start-up peak stays below that (it held
+    them all until the first step's release point before)."""
+    for rank, (plain, offload) in enumerate(zip(results["bf16"], results["bf16-offload"])):
+        assert plain["master_bytes"] == offload["master_bytes"] > 0
+        assert plain["startup"] >= plain["param_bytes"] + plain["master_bytes"], rank
+        assert offload["param_bytes"] < offload["startup"] < offload["param_bytes"] + offload["master_bytes"], rank

@@ -114,6 +114,10 @@ def rank_env(spec: LaunchSpec, local: int, port: int) -> dict[str, str]:
     world over every node), plus the run id and this launcher's pid."""
     env = {**os.environ, **spec.env}
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
+    # NVLink SHARP buffers take GiB per communicator on an NVSwitch node (vllm-project/
+    # vllm#9699) and serve all-reduces; a pipeline's traffic is sends and receives, and
+    # no plan budgets them. The user's setting wins.
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
     nodes = spec.nodes or Nodes(nnodes=1, node_rank=0, host="127.0.0.1", port=port)
     rank, world = nodes.node_rank * spec.nproc + local, nodes.nnodes * spec.nproc
     env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(spec.nproc),

@@ -105,8 +105,12 @@ def replicate_stages(stages: list[PipelineStage], dp_group: dist.ProcessGroup, d
     schedules then reduce the stage's gradients across its replicas at the stage's last
     backward of each step (see the module docstring). The stage's other references to its
     module (the router's hooks, the optimizer's parameters) stay valid: DDP wraps the same
-    module. A collective over `dp_group` (DDP checks the replicas' parameter shapes and
-    broadcasts dp rank 0's values, which equal everyone's when built from one seed)."""
+    module. A collective over `dp_group`: `check_replicas_agree` compares the replicas'
+    parameters (shapes and values, built from one seed) in one small all-reduce, and DDP
+    does not broadcast them again (its init sync copies them through 250 MiB buckets: a
+    transient of up to 250 MiB on each device at start-up, for values that are equal)."""
+    for stage in stages:
+        check_replicas_agree(stage.submod, dp_group, device, stage.stage_index)
     for stage in stages:
         module = stage.submod
         if isinstance(module, DistributedDataParallel):
@@ -116,4 +120,24 @@ def replicate_stages(stages: list[PipelineStage], dp_group: dist.ProcessGroup, d
         # gradient_as_bucket_view: the one the static half counts the buckets' memory by
         stage.submod = DistributedDataParallel(module, process_group=dp_group, forward_sync_buffers=False,
                                                gradient_as_bucket_view=DDP_GRADIENT_AS_BUCKET_VIEW,
-                                               device_ids=[device] if device.type == "cuda" else None)
+                                               device_ids=[device] if device.type == "cuda" else None,
+                                               init_sync=False)
+
+
+def check_replicas_agree(module: torch.nn.Module, dp_group: dist.ProcessGroup, device: torch.device,
+                         stage: int) -> None:
+    """Raise when this stage's replicas differ in a parameter's shape or values (they are
+    built from one seed, so they agree bit for bit): per parameter its element count and
+    the float64 sum of its values, the most and the least over `dp_group` (two all-reduces
+    of 2 x parameters numbers)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    mine = torch.tensor([float(t.numel()) for t in tensors] + [t.detach().double().sum().item() for t in tensors],
+                        dtype=torch.float64, device=device)
+    most, least = mine.clone(), mine.clone()
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=dp_group)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=dp_group)
+    if not torch.equal(most, least):
+        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+        first = int((most != least).nonzero()[0]) % len(tensors)
+        raise RuntimeError(f"stage {stage}: its replicas differ in {names[first]} (shape or values): each replica "
+                           "must build the stage from the same seed and checkpoint")

@@ -32,3 +32,12 @@ def test_a_rank_runs_its_share_of_threads_unless_the_user_said(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert rank_env(_spec(4), 1, 29500)["OMP_NUM_THREADS"] == "3"
     assert rank_env(_spec(4, {"OMP_NUM_THREADS": "5"}), 0, 29500)["OMP_NUM_THREADS"] == "5"
+
+
+def test_nvlink_sharp_is_off_unless_the_user_turns_it_on(monkeypatch):
+    """NVLS buffers (GiB per communicator on NVSwitch) serve all-reduces, not the
+    pipeline's sends and receives, and no plan budgets them."""
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    assert rank_env(_spec(2), 0, 29500)["NCCL_NVLS_ENABLE"] == "0"
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert rank_env(_spec(2), 0, 29500)["NCCL_NVLS_ENABLE"] == "1"

@@ -172,3 +172,27 @@ def test_replica_coordinates_are_known_before_the_mesh(world, dp):
 def test_replica_coordinates_refuse_a_world_that_is_not_whole_replicas():
     with pytest.raises(ValueError, match="not in 2 replicas"):
         replica_coordinates(0, 5, 2)
+
+
+def _mismatch_worker(rank: int, world: int, _plans, seed_of_rank_1: int):
+    """Two replicas of a one-stage pipeline whose second replica built its stage from
+    another seed."""
+    from types import SimpleNamespace
+
+    from mpress.runtime.data_parallel import replicate_stages
+
+    torch.manual_seed(0 if rank == 0 else seed_of_rank_1)
+    stage = SimpleNamespace(submod=torch.nn.Linear(4, 4), stage_index=0)
+    replicate_stages([stage], torch.distributed.group.WORLD, torch.device("cpu"))
+    yield "replicated"
+
+
+@pytest.mark.slow
+def test_replicas_built_differently_are_refused_not_silently_overwritten():
+    """DDP no longer broadcasts replica 0's parameters at start-up (a transient of up to
+    250 MiB per device); the replicas' agreement is checked instead."""
+    same = spawn(_mismatch_worker, 2, [None], 0)
+    assert not same.errors and same.results[0] == ["replicated", "replicated"]
+    differ = spawn(_mismatch_worker, 2, [None], 1)
+    assert set(differ.errors) == {0, 1}
+    assert all("stage 0: its replicas differ in weight" in e for e in differ.errors.values()), differ.errors

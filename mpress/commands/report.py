@@ -116,6 +116,7 @@ def plot(records: list[dict[str, Any]], out: Path, *, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     lines = []
@@ -126,6 +127,7 @@ def plot(records: list[dict[str, Any]], out: Path, *, title: str) -> None:
             lines += ax.plot(steps, values, label=label, marker=style.pop("marker", "." if len(values) < 30 else None),
                              **style)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("loss (nats)")
     ax.grid(alpha=0.3)
     steps, lrs = series(records, "lr")

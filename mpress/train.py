@@ -11,8 +11,9 @@ torchrun they are started as
 One stage per rank (GPipe, 1F1B), or several (interleaved 1F1B), with torch.distributed.pipelining's schedules. The config names
 the plan: a file from `mpress plan`, `auto` (rank 0 plans at start-up for the config's
 hardware and broadcasts the plan) or `none` (plain pipelining, the baseline). Rank 0
-shows a progress bar (step, loss, samples/s, per-rank peak) and a report per rank at the
-end. Without torchrun it runs as a single process (one stage). Bad input: one line,
+shows a progress bar (step, loss, tokens/s, samples/s, MFU, per-rank peak) and a report
+per rank at the end, and writes each logged step to the metrics file (`metrics`,
+mpress/launcher/metrics_log.py). Without torchrun it runs as a single process (one stage). Bad input: one line,
 exit status 2; a failure on any rank: one line naming the rank, exit status 1, and every
 other rank stops within seconds with one line naming it (launcher/rank_watch.py).
 """

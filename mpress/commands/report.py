@@ -104,8 +104,7 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
         if not values:
             continue
         low = min(range(len(values)), key=values.__getitem__)
-        rows.append((label, f"{fmt.format(values[0])} (step {steps[0]})", f"{fmt.format(values[-1])} (step {steps[-1]})",
-                     f"{fmt.format(values[low])} (step {steps[low]})"))
+        rows.append((label, *(f"{fmt.format(values[i])} (step {steps[i]})" for i in (0, -1, low))))
     return rows
 
 

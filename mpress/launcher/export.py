@@ -26,6 +26,7 @@ parameter the model has and the checkpoint lacks -- is a one-line `UserError`.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from mpress.config.loader import to_dict
 from mpress.config.model_config import load_model_config
 from mpress.errors import UserError
-from mpress.launcher.checkpoint_manifest import Manifest, newest_complete, read_complete
+from mpress.launcher.checkpoint_manifest import MANIFEST, Manifest, newest_complete, read_complete
 
+STEP_NAME = re.compile(r"step\d+")
+"""A step folder's name (`stepNNNNNN`, `mpress.launcher.checkpoint_manifest.step_folder`)."""
 MODEL_PREFIX = "model."
 """The checkpoint's keys of the model's parameters and buffers."""
 WEIGHTS_FILE = "model.safetensors"
@@ -50,7 +53,7 @@ def find_step(path: Path) -> tuple[Path, Manifest]:
     manifest) or a checkpoint directory (its newest complete step)."""
     if not path.is_dir():
         raise UserError(f"no such checkpoint directory {path}")
-    if (path / "manifest.json").exists() or path.name.startswith("step"):
+    if (path / MANIFEST).exists() or STEP_NAME.fullmatch(path.name):
         manifest, why = read_complete(path)
         if manifest is None:
             raise UserError(f"{path}: an incomplete checkpoint: {why}")

@@ -95,3 +95,20 @@ def test_two_rank_run_writes_every_field_and_resumes_without_duplicates(tmp_path
     assert again[:2] == first[:2]
     # the same step again from the same weights, data and generators: the same loss
     assert again[2]["loss"] == first[2]["loss"]
+
+
+def test_start_plan_carries_the_profiles_flops_and_the_presets_peak():
+    """MFU's figures come from what the static half computed for the plan: the analytic
+    profile's forward + backward FLOPs of a microbatch and cpu-local's fp32 peak."""
+    from mpress.launcher.startup import plan_for
+    from mpress.runtime.train_config import load_train_config, model_config
+    from mpress.static.profile.analytic import layer_backward_flops, layer_forward_flops
+
+    cfg = load_train_config("gpt-tiny-plain", [("num_stages", "2"), ("num_microbatches", "2")])
+    model = model_config(cfg)
+    start = plan_for(cfg, model, 2, 2)
+    b = cfg.microbatch_size
+    expected = sum(layer_forward_flops(model, i, b) + layer_backward_flops(model, i, b)
+                   for i in range(model.num_layers + 2))
+    assert start.model_flops_per_microbatch == pytest.approx(expected) and expected > 0
+    assert start.peak_flops_per_device == 50.0e9  # configs/hardware/cpu-local.yaml, fp32

@@ -11,8 +11,9 @@ torchrun they are started as
 One stage per rank (GPipe, 1F1B), or several (interleaved 1F1B), with torch.distributed.pipelining's schedules. The config names
 the plan: a file from `mpress plan`, `auto` (rank 0 plans at start-up for the config's
 hardware and broadcasts the plan) or `none` (plain pipelining, the baseline). Rank 0
-shows a progress bar (step, loss, samples/s, per-rank peak) and a report per rank at the
-end. Without torchrun it runs as a single process (one stage). Bad input: one line,
+shows a progress bar (step, loss, tokens/s, samples/s, MFU, per-rank peak) and a report
+per rank at the end, and writes each logged step to the metrics file (`metrics`,
+mpress/launcher/metrics_log.py). Without torchrun it runs as a single process (one stage). Bad input: one line,
 exit status 2; a failure on any rank: one line naming the rank, exit status 1, and every
 other rank stops within seconds with one line naming it (launcher/rank_watch.py).
 """
@@ -48,10 +49,13 @@ from mpress.launcher.control import (
 )
 from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
 from mpress.launcher.job import start_job
+from mpress.launcher.metrics_log import MetricsLog, Throughput, rates_text
 from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
 from mpress.config.overrides import parse_override_args
+from mpress.config.model_config import ModelConfig
+from mpress.models.hf_model import HFModel
 from mpress.models.user import UserModel
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
@@ -131,6 +135,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                       + (f", resuming at step {first}" if first else ""))
     # rank 0's bar on a terminal; off one (a pipe, a log) the logged steps' lines carry its figures
     progress = TaskProgress(console, cfg.steps, "train", bar=True, keep=True, completed=first, enabled=rank == 0)
+    metrics = MetricsLog(cfg.metrics if rank == 0 else None, first_step=first)
+    throughput = throughput_for(cfg, model, start, world)
     peak, peak_at = 0, ""
     # What start-up made lives for the whole job: out of the cyclic collector's way, so a
     # full collection scans only what training makes (each step makes thousands of short-
@@ -163,10 +169,12 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                 peak, peak_at = result.peak_bytes, result.peak_context
             peaks = [p for _, p in stats]
             opt_info = _optimizer_info(cfg, result, job.guard.skipped_total)
-            info = (f"loss {loss:.4f}  {cfg.global_batch_size / elapsed:.1f} samples/s  peak/rank "
+            record = step_record(step, loss, result, elapsed, throughput, peaks)
+            info = (f"loss {loss:.4f}  {rates_text(record)}  peak/rank "
                     + " ".join(fmt_bytes(p) for p in peaks) + opt_info)
             progress.advance(info=info)
             if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+                metrics.write(record)
                 progress.console.print(f"step {step}: loss {loss:.4f}{opt_info}" if progress.terminal else
                                        f"step {step}: {info}  ({step + 1}/{cfg.steps}, {progress.elapsed()})",
                                        soft_wrap=True)
@@ -179,6 +187,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             every = cfg.checkpoint.every_steps
             if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
                 checkpoints.save(step)
+    metrics.close()
     rows: list[dict[str, object]] = [{} for _ in range(world)]
     row = rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[pp_rank], measured_bytes=peak,
                       measured_at=peak_at)
@@ -205,6 +214,36 @@ def lr_schedule(cfg: TrainConfig) -> LrSchedule | None:
         return None
     return LrSchedule(kind=opt.schedule, lr=opt.lr, total_steps=cfg.steps, warmup_steps=opt.warmup_steps,
                       min_lr=opt.min_lr)
+
+
+def throughput_for(cfg: TrainConfig, model: ModelConfig | UserModel, start: StartPlan, world: int) -> Throughput:
+    """What a step of the job processes: its global batch, the model's sequence length
+    (presets and HF models), the profile's FLOPs of the step over every replica, and the
+    peak FLOP/s of the job's `world` devices."""
+    tokens = model.seq_len if isinstance(model, ModelConfig) else \
+        model.source.seq_len if isinstance(model, HFModel) and model.source is not None else None
+    per_mb = start.model_flops_per_microbatch
+    peak = start.peak_flops_per_device
+    return Throughput(samples_per_step=cfg.global_batch_size, tokens_per_sample=tokens,
+                      model_flops_per_step=per_mb * cfg.num_microbatches * cfg.dp if per_mb else None,
+                      peak_flops_per_s=peak * world if peak else None)
+
+
+def step_record(step: int, loss: float, result: StepResult, step_s: float, throughput: Throughput,
+                peaks: list[int]) -> dict[str, object]:
+    """The metrics line of `step` (`mpress.launcher.metrics_log`): its loss, learning
+    rate, gradient norm where clipping computed one, time, rates and each rank's peak."""
+    record: dict[str, object] = {"step": step, "loss": loss}
+    if result.lr is not None:
+        record["lr"] = result.lr
+    if result.grad_norm is not None:
+        record["grad_norm"] = result.grad_norm
+    if result.skipped:
+        record["skipped"] = True
+    record["step_s"] = step_s
+    record.update(throughput.rates(step_s))
+    record["peak_bytes"] = {str(r): p for r, p in enumerate(peaks)}
+    return record
 
 
 def _optimizer_info(cfg: TrainConfig, result: StepResult, skipped_total: int) -> str:

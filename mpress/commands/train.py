@@ -22,6 +22,7 @@ from mpress.errors import UserError
 from mpress.hardware.cluster import MAX_NODES
 from mpress.config.loader import int_arg
 from mpress.launcher.launch import LaunchSpec, Nodes, launch
+from mpress.launcher.metrics_log import METRICS_FILE
 from mpress.launcher.startup import pool_override
 from mpress.config.overrides import parse_override_args
 from mpress.contract.plan import Plan
@@ -59,7 +60,8 @@ ranks:
   stages per rank) times the config's dp (replicas of the pipeline) over --nnodes, else
   on CUDA the number of visible GPUs, else {cpu}. Rank 0's output
   (progress lines, report tables) is this command's output; every rank's other output
-  goes to RUN_DIR/rank<N>.log. Off a terminal the progress bar becomes a line per logged
+  goes to RUN_DIR/rank<N>.log; each logged step is a line of RUN_DIR/metrics.jsonl
+  (`mpress report RUN_DIR` plots it; the config's metrics key moves it). Off a terminal the progress bar becomes a line per logged
   step (log_every) with loss, samples/s and each rank's peak. With --json, rank 0's
   output goes to stderr and stdout gets only the end-of-run report: one JSON object per
   rank (bytes as integers, times in seconds), as the config's report key writes it. The
@@ -172,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         report = Path(cfg.report) if cfg.report is not None else run_dir / "report.json"
         if cfg.report is None:
             overrides = [*overrides, ("report", str(report))]
+    if cfg.metrics is None and (nodes is None or nodes.node_rank == 0):  # rank 0's node keeps the run's metrics
+        overrides = [*overrides, ("metrics", str((run_dir / METRICS_FILE).resolve()))]
     where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
     print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
           file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -48,6 +48,12 @@ class StartPlan:
     device_bus_ids: list[str] | None = None
     """The PCI bus id of each of the plan's devices: the CUDA devices rank 0 saw, in CUDA
     order (the plan's device d is its cuda:d); None on CPU runs."""
+    model_flops_per_microbatch: float | None = None
+    """The profile's matrix-product FLOPs of one microbatch's forward and backward through
+    every layer (no recompute): the numerator of the model FLOP utilisation."""
+    peak_flops_per_device: float | None = None
+    """The hardware preset's nominal peak FLOP/s of one device for the model's dtype
+    (None: the preset names none for it)."""
 
 
 def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int) -> StartPlan:
@@ -60,6 +66,25 @@ def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
 
 
 def _plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, cuda: bool) -> StartPlan:
+    start, setup = _plan_of(cfg, model, num_stages, world, cuda)
+    return dataclasses.replace(start, **model_flops(setup))
+
+
+def model_flops(setup: PipelineSetup) -> dict[str, float | None]:
+    """`StartPlan`'s FLOP figures from the pipeline's profile and hardware: the forward +
+    backward FLOPs of one microbatch through every layer, and one device's peak FLOP/s for
+    the model's precision (None where the preset has no figure for that dtype, e.g. a
+    mixed-dtype module)."""
+    flops = sum(layer.forward_flops + layer.backward_flops for layer in setup.profile.layers)
+    try:
+        peak: float | None = setup.hardware.peak_flops(setup.model.precision)
+    except (UserError, KeyError):
+        peak = None
+    return {"model_flops_per_microbatch": float(flops) or None, "peak_flops_per_device": peak}
+
+
+def _plan_of(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int,
+             cuda: bool) -> tuple[StartPlan, PipelineSetup]:
     if cfg.plan not in ("auto", "none"):
         plan, setup = load_checked_plan(cfg, model, num_stages, world, cuda=cuda)
         try:
@@ -67,12 +92,12 @@ def _plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int,
         except PlanError as exc:
             raise PlanError(f"{cfg.plan}: {exc}") from None
         return StartPlan(plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages],
-                         _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world))
+                         _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world)), setup
     hardware = hardware_for(cfg, world, cuda)
     setup = _setup(cfg, model, hardware, num_stages, world, profile=profile_for(cfg, model, hardware))
     if cfg.plan == "none":
         return StartPlan(None, setup.ranges,
-                         _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world))
+                         _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world)), setup
     check_fits_at_all(setup)
     result = plan_strategy(setup, cfg.strategy, PlannerOptions())
     if not result.fits:
@@ -84,7 +109,7 @@ def _plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int,
     peaks = [0] * hardware.num_devices
     for sp in plan.stages:
         peaks[sp.device] = sp.predicted_peak_bytes  # the device's peak, as emulated when planning
-    return StartPlan(plan, setup.ranges, _rank_peaks(peaks, plan.stage_to_device, world))
+    return StartPlan(plan, setup.ranges, _rank_peaks(peaks, plan.stage_to_device, world)), setup
 
 
 def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, *,

@@ -231,6 +231,12 @@ class TrainConfig:
     report: str | None = None
     """Also write the end-of-run per-rank figures (predicted and measured peaks, swaps,
     recomputes) as JSON to this path; null = the tables only."""
+    metrics: str | None = None
+    """Append one JSON line per logged step to this path (step, loss, lr, grad_norm,
+    samples/s, tokens/s, MFU, each rank's peak; `mpress/launcher/metrics_log.py`), and
+    TensorBoard event files to `tensorboard/` beside it when tensorboard is installed;
+    `mpress train` sets it to RUN_DIR/metrics.jsonl; a resume drops the lines of the steps
+    it runs again; null = none."""
     profiler_trace: str | None = None
     """Also record the last step under torch.profiler and write its Chrome/Perfetto trace
     (one file per rank, `<path>.rank<N>.json`); null = none."""
@@ -341,7 +347,7 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
         ckpt = dataclasses.replace(ckpt, dir=absolute("checkpoint.dir", ckpt.dir))
     outputs = {k: absolute(k, v) if k in overridden and v is not None else v
                for k, v in (("trace", cfg.trace), ("report", cfg.report), ("profiler_trace", cfg.profiler_trace),
-                            ("memory_snapshot", cfg.memory_snapshot))}
+                            ("memory_snapshot", cfg.memory_snapshot), ("metrics", cfg.metrics))}
     cfg = dataclasses.replace(cfg, model=model, hf_config=hf, hardware=hardware, plan=plan, data=data,
                               checkpoint=ckpt, **outputs)
     check_outputs(cfg, source)
@@ -384,7 +390,7 @@ def check_outputs(cfg: TrainConfig, source: str) -> None:
     `report` (files), `profiler_trace`, `memory_snapshot` (prefixes of per-rank files)
     and `checkpoint.dir` (a directory; an existing file there used to be found only when
     the first checkpoint was saved, after training). Raises `ConfigError` naming the key."""
-    outputs = [("trace", cfg.trace, "file"), ("report", cfg.report, "file"),
+    outputs = [("trace", cfg.trace, "file"), ("report", cfg.report, "file"), ("metrics", cfg.metrics, "file"),
                ("profiler_trace", cfg.profiler_trace, "prefix"), ("memory_snapshot", cfg.memory_snapshot, "prefix"),
                ("checkpoint.dir", cfg.checkpoint.dir, "dir")]
     for key, path, kind in outputs:

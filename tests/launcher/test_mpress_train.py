@@ -28,7 +28,9 @@ def test_trains_on_four_ranks_with_the_overrides_it_was_given(tmp_path):
     assert run.stderr() == ""
     assert [int(s) for s in re.findall(r"^step (\d+): loss", out, re.M)] == [0, 1, 2]  # steps: 1000 in the file
     assert "4 stages x 4 microbatches" in out and "per rank" in out
-    assert run.info()["overrides"] == [["steps", "3"], ["optimizer.lr", "1e-2"], ["log_every", "1"]]
+    given, metrics = run.info()["overrides"][:3], run.info()["overrides"][3:]
+    assert given == [["steps", "3"], ["optimizer.lr", "1e-2"], ["log_every", "1"]]
+    assert [key for key, _ in metrics] == ["metrics"] and metrics[0][1].endswith("metrics.jsonl")  # mpress train's
     for r in range(1, WORLD):  # the other ranks' output is in their logs, not in the user's
         assert "mpress.train:" not in run.log(r)
 
@@ -42,8 +44,8 @@ def test_json_prints_the_report_alone_and_progress_lines_go_to_stderr(tmp_path):
     assert [r["rank"] for r in rows] == [0, 1] and all(isinstance(r["measured"], int) and r["measured"] > 0
                                                        for r in rows)
     # piped, rank 0 has no bar to show: each logged step is a line with the bar's figures
-    steps = re.findall(r"^step (\d+): loss \S+  \S+ samples/s  peak/rank \S+ \w?B \S+ \w?B  \(\d+/2, \d+:\d\d:\d\d\)$",
-                       res.stderr, re.M)
+    steps = re.findall(r"^step (\d+): loss \S+  \S+ tokens/s  \S+ samples/s  MFU \S+%  "
+                       r"peak/rank \S+ \w?B \S+ \w?B  \(\d+/2, \d+:\d\d:\d\d\)$", res.stderr, re.M)
     assert steps == ["0", "1"], res.stderr
 
 

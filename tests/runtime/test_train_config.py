@@ -156,6 +156,8 @@ def test_numbers_are_finite_and_bounded(tmp_path, text, key):
     ("report", "report: afile/report.json"),
     ("profiler_trace", "profiler_trace: afile/prof"),
     ("memory_snapshot", "memory_snapshot: afile/snap"),
+    ("metrics", "metrics: afile/metrics.jsonl"),
+    ("metrics", "metrics: adir"),
 ])
 def test_output_paths_are_checked_at_load(tmp_path, monkeypatch, key, text):
     # a checkpoint.dir that is a file was found only after the whole run had trained

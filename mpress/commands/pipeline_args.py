@@ -75,6 +75,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                                                 "it does not fit here): a built-in config (gpt2-tiny, llama-tiny, "
                                                 "bert-tiny, llama-2-7b), a config.json or a local weights directory")
     add_flag(p, "seq_len", default=None)
+    add_flag(p, "dtype")
     p.add_argument("--balance", default=None, choices=["compute", "memory"],
                    help="partition layers to balance compute (PipeDream/DAPPLE; the default) or memory; "
                         "with a plan: its stages' layers unless given")
@@ -306,6 +307,9 @@ def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profil
     if name is None:
         if getattr(args, "seq_len", None) is not None:
             raise UserError("--seq-len is the sequence length of an --hf-config")
+        if getattr(args, "dtype", None) is not None:
+            raise UserError("--dtype is the precision of an --hf-config (a profile keeps the precision it was "
+                            "made with; a preset takes a --setting)")
         return None
     if args.profile or getattr(args, "module", None) or args.model:
         raise UserError("give --hf-config (profiled now) or --model, --module or --profile, not both")
@@ -314,7 +318,7 @@ def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profil
 
     return profile_hf_model(name, microbatch_size=args.microbatch_size or DEFAULT_MICROBATCH_SIZE,
                             hardware=hardware, fake=None, seq_len=args.seq_len,
-                            layers=parse_layers(getattr(args, "layers", None)))
+                            layers=parse_layers(getattr(args, "layers", None)), dtype=args.dtype or "fp32")
 
 
 def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:

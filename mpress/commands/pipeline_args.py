@@ -234,6 +234,9 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     if setting is not None and (profile is not None or args.profile or getattr(args, "hf_config", None)):
         raise UserError(f"--setting {setting.name} sets the precision of a model preset; a profile (--profile, "
                         "--module, --hf-config) keeps the precision it was made with: give --model instead")
+    if getattr(args, "dtype", None) is not None and not getattr(args, "hf_config", None):
+        raise UserError("--dtype is the precision of an --hf-config (a profile keeps the precision it was made "
+                        "with: `mpress profile --hf-config ... --dtype`; a preset takes a --setting)")
     profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
     if profile is None:
         profile = hf_profile_from_args(args, hardware)
@@ -307,9 +310,6 @@ def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profil
     if name is None:
         if getattr(args, "seq_len", None) is not None:
             raise UserError("--seq-len is the sequence length of an --hf-config")
-        if getattr(args, "dtype", None) is not None:
-            raise UserError("--dtype is the precision of an --hf-config (a profile keeps the precision it was "
-                            "made with; a preset takes a --setting)")
         return None
     if args.profile or getattr(args, "module", None) or args.model:
         raise UserError("give --hf-config (profiled now) or --model, --module or --profile, not both")

@@ -125,3 +125,20 @@ def test_the_masked_lm_masks_with_the_mask_token(tmp_path):
     ids, targets = batch(given, 4, seed=0)
     masked = targets != -100
     assert masked.any() and (ids[masked] == 103).all()
+
+
+@pytest.mark.parametrize("argv", [["profile", "--model", "gpt-tiny", "--dtype", "bf16"],
+                                  ["plan", "--model", "gpt-tiny", "--dtype", "bf16"]])
+def test_dtype_is_an_hf_configs_only(argv, tmp_path):
+    code, _out, err = run_documented(argv, cwd=tmp_path, in_process=True)
+    one_line_error(code, err, "--dtype is the precision of an --hf-config")
+
+
+def test_plan_of_an_hf_config_records_its_dtype(tmp_path):
+    import yaml
+
+    code, out, err = run_documented(["plan", "--hf-config", "llama-tiny", "--dtype", "bf16", "--hardware",
+                                     "cpu-local", "--num-stages", "2", "--device-memory", "420KB", "--out",
+                                     "plan.yaml"], cwd=tmp_path, in_process=True)
+    assert code == 0, err
+    assert yaml.safe_load((tmp_path / "plan.yaml").read_text())["dtype"] == "bf16"

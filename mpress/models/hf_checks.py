@@ -17,7 +17,6 @@ one chain):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from mpress.errors import UserError
@@ -62,10 +61,10 @@ def check_config_values(data: dict[str, Any], name: str) -> None:
         raise UserError(f"hf_config {name}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
 
 
-def check_supported(data: dict[str, Any], name: str, *, layers: Sequence[str] | None = None) -> None:
+def check_supported(data: dict[str, Any], name: str) -> None:
     """Refuse, in one line, a model mpress cannot train as a chain of layers (see the
-    module docstring). `layers` (the user's own layout) does not lift these refusals:
-    they are about the model's task and its blocks' inputs, not about finding them."""
+    module docstring). A user's own layout (`layers:`) does not lift these refusals: they
+    are about the model's task and its blocks' inputs, not about finding its modules."""
     model_type = str(data.get("model_type"))
     if _is_encoder_decoder(data, model_type):
         raise UserError(f"hf_config {name}: encoder-decoder models are not supported (model_type {model_type}): "

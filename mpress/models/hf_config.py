@@ -194,7 +194,7 @@ def resolve_hf(name: str, *, seq_len: int | None = None, layers: Sequence[str] |
                         f"(built-in: {', '.join(hf_presets())})")
     data = _read_json(config_path)
     check_config_values(data, name)
-    check_supported(data, name, layers=layers)
+    check_supported(data, name)
     positions = data.get("n_positions") or data.get("max_position_embeddings")
     # the longest sequence: the table's rows less those before the first position
     longest = positions - position_offset(data) if isinstance(positions, int) else None

@@ -137,7 +137,7 @@ def test_dtype_is_an_hf_configs_only(argv, tmp_path):
 def test_plan_of_an_hf_config_records_its_dtype(tmp_path):
     import yaml
 
-    code, out, err = run_documented(["plan", "--hf-config", "llama-tiny", "--dtype", "bf16", "--hardware",
+    code, _out, err = run_documented(["plan", "--hf-config", "llama-tiny", "--dtype", "bf16", "--hardware",
                                      "cpu-local", "--num-stages", "2", "--device-memory", "420KB", "--out",
                                      "plan.yaml"], cwd=tmp_path, in_process=True)
     assert code == 0, err

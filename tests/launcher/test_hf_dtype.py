@@ -74,7 +74,7 @@ def test_a_bf16_plan_refuses_an_fp32_job(planned):
 
 def test_the_readme_shows_a_bf16_llama_2_7b_plan():
     readme = (EXAMPLE.parents[1] / "README.md").read_text()
-    for line in ("mpress profile --hf-config llama-2-7b --seq-len 4096 --microbatch-size 1 --dtype bf16 --fake "
-                 "--hardware dgx-a100 --out 7b-bf16.yaml",
+    for line in (("mpress profile --hf-config llama-2-7b --seq-len 4096 --microbatch-size 1 --dtype bf16 --fake "
+                  "--hardware dgx-a100 --out 7b-bf16.yaml"),
                  "mpress plan --profile 7b-bf16.yaml --hardware dgx-a100 --num-microbatches 16 --out 7b-bf16-plan.yaml"):
         assert line in readme, line

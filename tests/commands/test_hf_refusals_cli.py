@@ -142,3 +142,14 @@ def test_plan_of_an_hf_config_records_its_dtype(tmp_path):
                                      "plan.yaml"], cwd=tmp_path, in_process=True)
     assert code == 0, err
     assert yaml.safe_load((tmp_path / "plan.yaml").read_text())["dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("text,words", [
+    ("hf_config: llama-tiny\ndtype: fp8\n", ("dtype: expected one of 'fp32', 'bf16', 'fp16', got 'fp8'",)),
+    ("model: gpt-tiny\ndtype: bf16\n", ("dtype: only with hf_config:",)),
+])
+def test_train_config_dtype_is_checked(text, words, tmp_path):
+    (tmp_path / "train.yaml").write_text(text + "steps: 1\nplan: none\nhardware: cpu-local\n")
+    code, _out, err = run_documented(["train", "--config", "train.yaml", "--nproc-per-node", "2"], cwd=tmp_path,
+                                     in_process=True)
+    one_line_error(code, err, "train.yaml", *words)

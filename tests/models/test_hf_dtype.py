@@ -58,5 +58,7 @@ def test_the_model_is_built_in_its_dtype():
     assert {p.dtype for p in model.module.parameters()} == {torch.bfloat16}
     assert model.precision == "bf16"
     assert model.fingerprint() != load_hf_model("llama-tiny", microbatch_size=1).fingerprint()
+    half = load_hf_model("llama-tiny", microbatch_size=1, dtype="fp16")
+    assert {p.dtype for p in half.module.parameters()} == {torch.float16} and half.precision == "fp16"
     with pytest.raises(UserError, match="dtype 'fp8'"):
         resolve_hf("llama-tiny", dtype="fp8")

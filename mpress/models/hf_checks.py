@@ -10,7 +10,7 @@ one chain):
 - `check_supported`: the model is a language model mpress can chain: not an
   encoder-decoder (T5, BART), one with a causal or masked LM head in transformers (not
   ViT or CLIP's vision tower), and no block that takes an ALiBi bias (Falcon with
-  `alibi: true`, BLOOM, MPT with `attn_config.alibi`), which the chain does not make;
+  `alibi: true`, BLOOM, MPT), which the chain does not make;
 - `position_offset`: where a family's learned positions start (RoBERTa's at
   `pad_token_id + 1`), so the longest sequence is the table's rows less that offset.
 """
@@ -75,8 +75,9 @@ def check_supported(data: dict[str, Any], name: str) -> None:
         task = "masked" if masked else "causal"
         raise UserError(f"hf_config {name}: model_type {model_type} has no {task} language-model head in "
                         "transformers; mpress trains language models (a ...ForCausalLM or ...ForMaskedLM)")
-    alibi = (model_type == "bloom" or (model_type == "falcon" and bool(data.get("alibi")))
-             or (model_type == "mpt" and bool((data.get("attn_config") or {}).get("alibi", True))))
+    # BLOOM's and MPT's blocks always take one (transformers' MptModel builds it whatever
+    # attn_config says); Falcon's where `alibi` is set
+    alibi = model_type in ("bloom", "mpt") or (model_type == "falcon" and bool(data.get("alibi")))
     if alibi:
         key = "alibi" if model_type == "falcon" else "model_type"
         raise UserError(f"hf_config {name}: {model_type} blocks with ALiBi attention ({key}) take an alibi bias "

@@ -88,6 +88,9 @@ FLAGS: dict[str, Flag] = {
                                                   "downloaded")),
     "seq_len": Flag(("--seq-len",), dict(type=int_arg(1, 1 << 20), metavar="T",
                                          help="tokens per sequence of --hf-config (default: its maximum positions)")),
+    "dtype": Flag(("--dtype",), dict(choices=["fp32", "bf16", "fp16"], default=None,
+                                     help="parameters and activations of --hf-config: fp32, or bf16/fp16 mixed "
+                                          "precision with fp32 master weights (default fp32)")),
     "layers": Flag(("--layers",), dict(metavar="NAMES", help="split points of a --module: comma-separated module "
                                                              "paths or patterns, e.g. 'embed,blocks.*,head'")),
     "hardware": Flag(("--hardware",), dict(metavar="PRESET_OR_YAML", help="hardware preset or YAML path")),

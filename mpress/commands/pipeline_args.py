@@ -75,6 +75,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                                                 "it does not fit here): a built-in config (gpt2-tiny, llama-tiny, "
                                                 "bert-tiny, llama-2-7b), a config.json or a local weights directory")
     add_flag(p, "seq_len", default=None)
+    add_flag(p, "dtype")
     p.add_argument("--balance", default=None, choices=["compute", "memory"],
                    help="partition layers to balance compute (PipeDream/DAPPLE; the default) or memory; "
                         "with a plan: its stages' layers unless given")
@@ -233,6 +234,9 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     if setting is not None and (profile is not None or args.profile or getattr(args, "hf_config", None)):
         raise UserError(f"--setting {setting.name} sets the precision of a model preset; a profile (--profile, "
                         "--module, --hf-config) keeps the precision it was made with: give --model instead")
+    if getattr(args, "dtype", None) is not None and not getattr(args, "hf_config", None):
+        raise UserError("--dtype is the precision of an --hf-config (a profile keeps the precision it was made "
+                        "with: `mpress profile --hf-config ... --dtype`; a preset takes a --setting)")
     profile = profile or (Profile.load(args.profile) if args.profile else None)  # a profile alone names its model
     if profile is None:
         profile = hf_profile_from_args(args, hardware)
@@ -314,7 +318,7 @@ def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profil
 
     return profile_hf_model(name, microbatch_size=args.microbatch_size or DEFAULT_MICROBATCH_SIZE,
                             hardware=hardware, fake=None, seq_len=args.seq_len,
-                            layers=parse_layers(getattr(args, "layers", None)))
+                            layers=parse_layers(getattr(args, "layers", None)), dtype=args.dtype or "fp32")
 
 
 def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:

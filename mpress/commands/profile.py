@@ -40,6 +40,7 @@ Examples:
   mpress profile --module mymodel:make --layers "embed,blocks.*,head" --fake --hardware hgx-h100 --out my.yaml
   mpress profile --hf-config llama-tiny --microbatch-size 2 --out llama.yaml
   mpress profile --hf-config path/to/config.json --seq-len 512 --fake --hardware hgx-h100 --out hf.yaml
+  mpress profile --hf-config llama-2-7b --seq-len 1024 --dtype bf16 --fake --hardware dgx-a100 --out 7b.yaml
   mpress plan --profile my.yaml --hardware hgx-h100
 A --module factory takes no arguments and returns (module, example_input) or
 (module, example_input, loss_fn); the microbatch size is the example input's first
@@ -69,6 +70,7 @@ def register(subparsers: Any) -> None:
                                     "e.g. 'embed,blocks.*,head' (default: the module's chain of children); of "
                                     "an --hf-config of a family mpress does not know: EMBED,BLOCKS,NORM,HEAD")
     add_flag(parser, "seq_len")
+    add_flag(parser, "dtype")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--analytic", action="store_true",
                       help="closed-form profile of a GPT/BERT preset (needs --hardware); runs nothing")
@@ -103,6 +105,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--layers names split points of a --module or --hf-config (presets have theirs)")
     if args.seq_len is not None and not args.hf_config:
         raise UserError("--seq-len is the sequence length of an --hf-config (a preset has its own)")
+    if args.dtype is not None and not args.hf_config:
+        raise UserError("--dtype is the precision of an --hf-config (a preset has its own; a --module "
+                        "its parameters')")
     if args.analytic and args.hf_config:
         raise UserError("--analytic works for GPT/BERT presets (--model) only; use --fake for an --hf-config")
 
@@ -130,7 +135,8 @@ def make_profile(args: argparse.Namespace) -> Profile:
     if args.hf_config:
         return profile_hf_model(args.hf_config, microbatch_size=args.microbatch_size or DEFAULT_MICROBATCH_SIZE,
                                 hardware=hardware, fake=fake, seq_len=args.seq_len, layers=parse_layers(args.layers),
-                                device=args.device, warmup=args.warmup, iters=args.iters)
+                                device=args.device, warmup=args.warmup, iters=args.iters,
+                                dtype=args.dtype or "fp32")
 
     profile = profile_user_module(args.module, hardware=hardware, fake=fake, layers=parse_layers(args.layers),
                                   device=args.device, warmup=args.warmup, iters=args.iters)

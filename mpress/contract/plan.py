@@ -28,6 +28,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -226,6 +227,11 @@ class Plan:
     """Planner strategy that made it: none, recompute, host-swap, d2d, mpress."""
     model: str
     model_fingerprint: str
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """The model's precision the plan was made for (its profile's): a job training the
+    model in another precision is refused (`check_plan`), as its activations differ.
+    None: a plan written before plans recorded it (the model fingerprint, which holds the
+    parameters' dtype, still tells another precision apart)."""
     profile_fingerprint: str
     """Hash of the profile the plan was made from (its layers and costs)."""
     hardware: str

@@ -87,6 +87,13 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
     """
     if model is not None:
         model_fingerprint = model.fingerprint()
+        # the same model in another precision (its fingerprint differs too): say which
+        precision = getattr(model, "precision", None)  # a preset's, a module's parameters' ("bf16+fp32": mixed)
+        if (plan.dtype is not None and plan.model == model.name and precision in ("fp32", "bf16", "fp16")
+                and precision != plan.dtype):
+            raise refusal(source, "dtype", f"made for {plan.model!r} in {plan.dtype}, but this model trains in "
+                                           f"{precision}; train it in {plan.dtype} (an HF model: dtype: "
+                                           f"{plan.dtype}) or plan again in {precision}")
     if model_fingerprint is not None and plan.model_fingerprint != model_fingerprint:
         name = f"{model.name!r}" if model is not None else "this one"
         raise refusal(source, "model_fingerprint", f"made for model {plan.model!r}, not {name} (fingerprints differ: "

@@ -11,8 +11,11 @@
 
 Nothing is ever downloaded. The task follows the config's `architectures` (a
 `...ForMaskedLM` is a masked LM, anything else a causal LM); the model trains with its
-KV cache off (`use_cache=False`), in fp32. `seq_len` defaults to the config's maximum
-positions (`n_positions`, `max_position_embeddings`).
+KV cache off (`use_cache=False`), its parameters in `dtype` (`fp32`, or `bf16`/`fp16`:
+"half model" mixed precision, the trainer stepping fp32 master weights as it does for a
+preset's, `mpress.runtime.master_weights`). `seq_len` defaults to the config's maximum
+positions (`n_positions`, `max_position_embeddings`) less the offset of its first position
+(RoBERTa's positions start at `pad_token_id + 1`).
 
 `HFSource.factory(microbatch_size)` is a factory in the sense of
 `mpress.models.user_module` (module, one microbatch of token ids, loss), so the fake-tensor
@@ -34,6 +37,7 @@ from torch import nn
 
 from mpress.config.presets import CONFIG_DIR
 from mpress.errors import UserError
+from mpress.models.hf_checks import check_config_values, check_supported, position_offset
 from mpress.models.hf_layers import HFChain, build_chain
 from mpress.models.hf_layout import find_layout, layout_from_patterns
 from mpress.models.user_module import module_fingerprint
@@ -43,6 +47,8 @@ IGNORE_INDEX = -100
 """Target of a position the loss skips (torch's `cross_entropy` default)."""
 MASK_PROB = 0.15
 """Masked LM: share of positions masked and predicted (BERT's)."""
+HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""`dtype` words and the parameters' torch dtype."""
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                 "pytorch_model.bin.index.json")
 
@@ -73,6 +79,8 @@ class HFSource:
     seq_len: int
     layers: tuple[str, ...] | None = None
     """User-named layout patterns (`layout_from_patterns`), or None to find it."""
+    dtype: str = "fp32"
+    """The parameters' and activations' precision: fp32, bf16 or fp16 (`HF_DTYPES`)."""
 
     @property
     def label(self) -> str:
@@ -105,9 +113,9 @@ class HFSource:
         try:
             if self.weights_dir is not None and not _on_meta():
                 model = auto.from_pretrained(str(self.weights_dir), config=self.config(), local_files_only=True,
-                                             dtype=torch.float32)
+                                             dtype=HF_DTYPES[self.dtype])
             else:
-                model = auto.from_config(self.config(), dtype=torch.float32)
+                model = auto.from_config(self.config(), dtype=HF_DTYPES[self.dtype])
         except UserError:
             raise
         except Exception as exc:  # an architecture this transformers does not know, a bad weight file
@@ -162,9 +170,13 @@ def _read_json(path: Path) -> dict:
 
 
 def resolve_hf(name: str, *, seq_len: int | None = None, layers: Sequence[str] | None = None,
-               base: Path | None = None) -> HFSource:
+               base: Path | None = None, dtype: str = "fp32") -> HFSource:
     """The `HFSource` that `name` names (see the module docstring); `base`: the directory a
-    relative path is taken from (default: the current one)."""
+    relative path is taken from (default: the current one). A config mpress cannot train
+    (an encoder-decoder, a model without a language-model head, nonsense sizes) is a
+    one-line `UserError` here, before anything is built."""
+    if dtype not in HF_DTYPES:
+        raise UserError(f"dtype {dtype!r}: use one of {', '.join(HF_DTYPES)}")
     path = Path(name).expanduser()
     if not path.is_absolute() and (base is not None):
         path = base / path
@@ -181,14 +193,20 @@ def resolve_hf(name: str, *, seq_len: int | None = None, layers: Sequence[str] |
         raise UserError(f"hf_config {name}: no such config.json, directory or built-in config "
                         f"(built-in: {', '.join(hf_presets())})")
     data = _read_json(config_path)
-    longest = data.get("n_positions") or data.get("max_position_embeddings")
+    check_config_values(data, name)
+    check_supported(data, name)
+    positions = data.get("n_positions") or data.get("max_position_embeddings")
+    # the longest sequence: the table's rows less those before the first position
+    longest = positions - position_offset(data) if isinstance(positions, int) else None
     length = seq_len if seq_len is not None else longest
     if not isinstance(length, int) or length < 1:
         raise UserError(f"hf_config {name}: the config gives no maximum positions; set seq_len")
     if isinstance(longest, int) and length > longest:
-        raise UserError(f"seq_len {length}: {name} has {longest} positions at most")
+        offset = position_offset(data)
+        why = f" (a table of {positions}, the first used at {offset})" if offset else ""
+        raise UserError(f"seq_len {length}: {name} has {longest} positions at most{why}")
     return HFSource(name=name, config_path=config_path.resolve(), weights_dir=weights, seq_len=length,
-                    layers=tuple(layers) if layers else None)
+                    layers=tuple(layers) if layers else None, dtype=dtype)
 
 
 def batch(source: HFSource, num_sequences: int, *, seed: int, step: int = 0,
@@ -196,8 +214,8 @@ def batch(source: HFSource, num_sequences: int, *, seed: int, step: int = 0,
     """`num_sequences` synthetic sequences (ids, targets), each (B, T) int64, deterministic
     in (seed, step): ids uniform over the vocabulary. Causal LM: targets are the ids (the
     loss predicts token t+1 from positions <= t). Masked LM: `MASK_PROB` of the positions
-    (and always the first) are replaced by the config's mask/pad token and are the only
-    targets; the others are `IGNORE_INDEX`."""
+    (and always the first) are replaced by the mask token (`mask_token_id`) and are the
+    only targets; the others are `IGNORE_INDEX`."""
     vocab = vocab_size if vocab_size is not None else source.vocab_size()
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     ids = torch.randint(0, vocab, (num_sequences, source.seq_len), generator=g)  # (B, T)
@@ -206,7 +224,7 @@ def batch(source: HFSource, num_sequences: int, *, seed: int, step: int = 0,
     masked = torch.rand(ids.shape, generator=g) < MASK_PROB
     masked[:, 0] = True  # at least one target per sequence: a mean over none is NaN
     targets = torch.where(masked, ids, torch.full_like(ids, IGNORE_INDEX))
-    mask_id = int(_read_json(source.config_path).get("pad_token_id") or 0)
+    mask_id = mask_token_id(source, vocab)
     return torch.where(masked, torch.full_like(ids, mask_id), ids), targets
 
 
@@ -221,3 +239,49 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, masked: bool) -> tor
     if not masked:
         targets = F.pad(targets, (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): position t predicts t+1
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def mask_token_id(source: HFSource, vocab_size: int) -> int:
+    """The masked LM's mask token: the config's `mask_token_id` where it has one, else the
+    `[MASK]`/`<mask>` token of the tokenizer files beside the config (BERT's vocab.txt,
+    RoBERTa's tokenizer.json or special_tokens_map + vocab.json), else the last id of the
+    vocabulary (RoBERTa's `<mask>` is its last token). Never the pad token: a padded
+    position is one attention and the loss skip, not one the model learns to fill in."""
+    data = _read_json(source.config_path)
+    found = data.get("mask_token_id")
+    if not isinstance(found, int):
+        found = _tokenizer_mask_id(source.config_path.parent)
+    if not isinstance(found, int):
+        found = vocab_size - 1
+    if not 0 <= found < vocab_size:
+        raise UserError(f"hf_config {source.name}: mask_token_id {found} is outside the vocabulary "
+                        f"(vocab_size {vocab_size})")
+    return found
+
+
+def _tokenizer_mask_id(folder: Path) -> int | None:
+    """The mask token's id in the tokenizer files of `folder`, or None."""
+    try:
+        if (folder / "tokenizer.json").is_file():
+            tok = json.loads((folder / "tokenizer.json").read_text())
+            for added in tok.get("added_tokens") or []:
+                if added.get("content") in ("[MASK]", "<mask>"):
+                    return int(added["id"])
+            vocab = (tok.get("model") or {}).get("vocab")
+            if isinstance(vocab, dict):
+                for word in ("[MASK]", "<mask>"):
+                    if isinstance(vocab.get(word), int):
+                        return vocab[word]
+        if (folder / "vocab.json").is_file():
+            vocab = json.loads((folder / "vocab.json").read_text())
+            for word in ("<mask>", "[MASK]"):
+                if isinstance(vocab.get(word), int):
+                    return vocab[word]
+        if (folder / "vocab.txt").is_file():
+            words = (folder / "vocab.txt").read_text().splitlines()
+            for word in ("[MASK]", "<mask>"):
+                if word in words:
+                    return words.index(word)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    return None

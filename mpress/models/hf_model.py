@@ -101,10 +101,10 @@ def _untie_across(stages: list[nn.Module]) -> list[TiedGroup]:
 
 
 def load_hf_model(name: str, *, microbatch_size: int, seq_len: int | None = None,
-                  layers: Sequence[str] | None = None, seed: int = 0) -> HFModel:
-    """Build `name` (see `mpress.models.hf_config`) under `seed`, with one example
-    microbatch of `microbatch_size` sequences."""
-    source = resolve_hf(name, seq_len=seq_len, layers=layers)
+                  layers: Sequence[str] | None = None, seed: int = 0, dtype: str = "fp32") -> HFModel:
+    """Build `name` (see `mpress.models.hf_config`) under `seed` with its parameters in
+    `dtype`, with one example microbatch of `microbatch_size` sequences."""
+    source = resolve_hf(name, seq_len=seq_len, layers=layers, dtype=dtype)
     torch.manual_seed(seed)
     chain = source.build_chain()
     ids, targets = source.example(microbatch_size, seed=seed)
@@ -114,14 +114,16 @@ def load_hf_model(name: str, *, microbatch_size: int, seq_len: int | None = None
                    layers=chain.layer_names(), source=source, vocab_size=source.vocab_size())
 
 
-def check_hf_model(name: str, *, seq_len: int | None, layers: Sequence[str] | None, source: str) -> int:
+def check_hf_model(name: str, *, seq_len: int | None, layers: Sequence[str] | None, source: str,
+                   dtype: str = "fp32") -> int:
     """The number of layers of `name`, built on the meta device (nothing allocated: a
     launcher checks this before any rank starts); a problem is a one-line `ConfigError`
     naming `source` and the key."""
     try:
-        hf = resolve_hf(name, seq_len=seq_len, layers=layers)
+        hf = resolve_hf(name, seq_len=seq_len, layers=layers, dtype=dtype)
     except UserError as exc:
-        key = "seq_len" if str(exc).startswith("seq_len") or "set seq_len" in str(exc) else "hf_config"
+        key = ("seq_len" if str(exc).startswith("seq_len") or "set seq_len" in str(exc)
+               else "dtype" if str(exc).startswith("dtype") else "hf_config")
         raise ConfigError(source, key, str(exc)) from None
     try:
         with torch.device("meta"):

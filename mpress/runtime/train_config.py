@@ -177,6 +177,10 @@ class TrainConfig:
     `layers` for others. Needs `pip install 'mpress[hf]'`."""
     seq_len: int | None = field(default=None, metadata={"min": 1, "max": 1 << 20})
     """With `hf_config`: tokens per sequence; default: the config's maximum positions."""
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """With `hf_config`: the parameters' and activations' precision, fp32 (the default) or
+    bf16/fp16 mixed precision with fp32 master weights; a plan must be made for the same
+    (`mpress profile --hf-config ... --dtype`)."""
     layers: list[str] | None = None
     """With `module`: the layers stages are made of, as module paths (`*` one name segment,
     e.g. [embed, "blocks.*", head]); default: the module's own (`layer_names()`, an
@@ -255,6 +259,9 @@ class TrainConfig:
             raise ConfigError("", "layers", "only with module: or hf_config: (a preset's layers are fixed)")
         if self.seq_len is not None and self.hf_config is None:
             raise ConfigError("", "seq_len", "only with hf_config: (a preset has its own, a module its example's)")
+        if self.dtype is not None and self.hf_config is None:
+            raise ConfigError("", "dtype", "only with hf_config: (a preset has its precision, a module its "
+                                           "parameters')")
         if self.dropout is not None and self.model is None:
             raise ConfigError("", "dropout", "only with a model preset (your module or HF config sets its own dropout)")
         as_word(self, "schedule", ScheduleName)
@@ -356,7 +363,8 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
         raise ConfigError(source, "data.kind", "a token file feeds a model preset; a module or HF model trains on "
                                                "synthetic inputs shaped like its example microbatch (kind: synthetic)")
     if cfg.hf_config is not None:
-        num_layers = check_hf_model(cfg.hf_config, seq_len=cfg.seq_len, layers=cfg.layers, source=source)
+        num_layers = check_hf_model(cfg.hf_config, seq_len=cfg.seq_len, layers=cfg.layers, source=source,
+                                    dtype=cfg.dtype or "fp32")
         what = f"{cfg.hf_config} has {num_layers} layers (embed, {num_layers - 2} blocks, head)"
     elif cfg.module is not None:
         num_layers, microbatch_size = check_user_module(cfg.module, cfg.layers, source)
@@ -406,7 +414,7 @@ def model_config(cfg: TrainConfig) -> ModelConfig | UserModel:
         return load_user_model(cfg.module, layers=cfg.layers, seed=cfg.seed)
     if cfg.hf_config is not None:
         return load_hf_model(cfg.hf_config, microbatch_size=cfg.microbatch_size, seq_len=cfg.seq_len,
-                             layers=cfg.layers, seed=cfg.seed)
+                             layers=cfg.layers, seed=cfg.seed, dtype=cfg.dtype or "fp32")
     model = load_model_config(cfg.model)
     return model if cfg.dropout is None else dataclasses.replace(model, dropout=cfg.dropout)
 

@@ -183,7 +183,7 @@ RULES = [
 
 def _plan(cfg, rules: list[TensorRule], num_microbatches: int) -> Plan:
     end = cfg.num_layers + 2
-    return Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), profile_fingerprint="-",
+    return Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), dtype=cfg.precision, profile_fingerprint="-",
                 hardware="cpu-local", hardware_fingerprint="-", num_devices=1, device_memory_bytes=1 << 30,
                 schedule="gpipe", num_stages=1, num_ranks=1, num_microbatches=num_microbatches, microbatch_size=2,
                 stage_to_device=[0], stages=[StagePlan(stage=0, device=0, first_layer=0, end_layer=end, rules=rules)],

@@ -228,3 +228,18 @@ def test_check_plan_last_stage_ends_at_the_models_last_layer() -> None:
         check_plan(plan, source="p.yaml", num_layers=6)
     assert one_line(info.value) == ("p.yaml: stages[1].end_layer: must be 6: the last stage ends at the model's "
                                     "last layer (the model has 6 layers)")
+
+
+def test_check_plan_dtype() -> None:
+    """A plan made for the model in another precision says so by its `dtype`; a plan from
+    before plans recorded one (None) is told apart by its fingerprint alone."""
+    tiny = load_model_config("gpt-tiny")
+    half = replace(tiny, precision="bf16")
+    plan = replace(make_plan(model_fp=half.fingerprint()), model=tiny.name, dtype="bf16")
+    check_plan(plan, source="p.yaml", model=half)
+    with pytest.raises(PlanError) as info:
+        check_plan(plan, source="p.yaml", model=tiny)
+    msg = one_line(info.value)
+    assert msg.startswith("p.yaml: dtype: ") and "in bf16" in msg and "trains in fp32" in msg
+    with pytest.raises(PlanError, match="model_fingerprint: "):
+        check_plan(replace(plan, dtype=None), source="p.yaml", model=tiny)

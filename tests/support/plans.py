@@ -71,7 +71,7 @@ def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[
                         pinned_host_bytes=POOL_BYTES, optimizer_step="host" if s in host_step else "device",
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
               for s, (a, b) in enumerate(RANGES[n])]
-    plan = Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), profile_fingerprint="test",
+    plan = Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), dtype=cfg.precision, profile_fingerprint="test",
                 hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
                 schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,
                 microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % world for s in range(n)], stages=stages,

@@ -131,7 +131,7 @@ class PlanWriter:
             ))
         return Plan(
             strategy=self.strategy, model=self.setup.model.name, model_fingerprint=self.setup.model.fingerprint(),
-            profile_fingerprint=profile_fingerprint(self.setup), hardware=self.hw.name,
+            dtype=self.setup.profile.dtype, profile_fingerprint=profile_fingerprint(self.setup), hardware=self.hw.name,
             hardware_fingerprint=hardware_fingerprint(self.hw), num_devices=self.hw.num_devices,
             device_memory_bytes=self.hw.device.memory_bytes, schedule=self.sched.name,  # type: ignore[arg-type]
             num_stages=self.sched.num_stages, num_ranks=self.sched.num_ranks, num_microbatches=self.num_mb,

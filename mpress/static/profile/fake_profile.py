@@ -249,16 +249,17 @@ def profile_user_module(spec: str, *, hardware: Hardware, fake: bool | None, lay
 
 def profile_hf_model(name: str, *, microbatch_size: int, hardware: Hardware, fake: bool | None,
                      seq_len: int | None = None, layers: Sequence[str] | None = None, device: str = "cpu",
-                     warmup: int = 2, iters: int = 10) -> Profile:
+                     warmup: int = 2, iters: int = 10, dtype: str = "fp32") -> Profile:
     """The profile of the Hugging Face model `name` (`mpress.models.hf_config`: a built-in
     config, a config.json or a local weights directory) for one microbatch of
-    `microbatch_size` sequences, as `profile_user_module` makes a module's: on fake tensors
+    `microbatch_size` sequences, its parameters and activations in `dtype` (fp32, bf16,
+    fp16; the profile's `dtype`), as `profile_user_module` makes a module's: on fake tensors
     when `fake` or when it does not fit `device`, measured otherwise. The model is named
     `hf:<name>` and fingerprinted by its chain and sequence length (`HFSource.fingerprint`)."""
     from mpress.models.hf_config import resolve_hf
 
     if microbatch_size < 1:
         raise UserError(f"microbatch size must be >= 1, got {microbatch_size}")
-    source = resolve_hf(name, seq_len=seq_len, layers=layers)
+    source = resolve_hf(name, seq_len=seq_len, layers=layers, dtype=dtype)
     return profile_user_module(source.label, hardware=hardware, fake=fake, device=device, warmup=warmup,
                                iters=iters, factory=source.factory(microbatch_size), fingerprint=source.fingerprint)

@@ -61,7 +61,8 @@ def plan_and_eval(host_step: tuple[int, ...] = (), hardware=CPU_LOCAL, rules=Non
     stages = [StagePlan(stage=s, device=s, first_layer=a, end_layer=b, rules=list((rules or {}).get(s, [])),
                         optimizer_step="host" if s in host_step else "device")
               for s, (a, b) in enumerate(RANGES[2])]
-    plan = Plan(strategy="test", model=CFG.name, model_fingerprint=CFG.fingerprint(), profile_fingerprint="test",
+    plan = Plan(strategy="test", model=CFG.name, model_fingerprint=CFG.fingerprint(), dtype=CFG.precision,
+                profile_fingerprint="test",
                 hardware=hardware.name, hardware_fingerprint=hardware_fingerprint(hardware), num_devices=2,
                 device_memory_bytes=hardware.device.memory_bytes, schedule=schedule, num_stages=2, num_ranks=2,
                 num_microbatches=NUM_MICROBATCHES, microbatch_size=MICROBATCH_SIZE, stage_to_device=[0, 1],

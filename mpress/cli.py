@@ -18,7 +18,7 @@ import textwrap
 from mpress import __version__
 from mpress.errors import UserError
 
-SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "ooc", "tile", "train"]
+SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "ooc", "tile", "train", "tokenizer"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -135,7 +135,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                       + f", {what}, backend {dist.get_backend()}"
                       + (f", resuming at step {first}" if first else ""))
         if data_line:
-            console.print(data_line + (f"; evaluating {num_eval} batches" if num_eval else ""))
+            console.print(data_line + (f"; evaluating {num_eval} batches" if num_eval else ""), soft_wrap=True)
     # rank 0's bar on a terminal; off one (a pipe, a log) the logged steps' lines carry its figures
     progress = TaskProgress(console, cfg.steps, "train", bar=True, keep=True, completed=first, enabled=rank == 0)
     peak, peak_at = 0, ""

@@ -167,3 +167,19 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     cfg = DataConfig(kind="text", path=str(root), tokenizer=str(path), text_key="body", cache_dir=str(tmp_path / "c"))
     with pytest.raises(UserError, match="ids do not fit the model's vocab_size 256"):
         build_text_data(cfg, seq_len=4, vocab_size=256, seed=0)
+
+
+def test_a_hugging_face_tokenizer_directory_loads_locally(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = train_bpe(DOCS, vocab_size=290, out=tmp_path / "t.json")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOT)
+    hf.save_pretrained(tmp_path / "model")  # tokenizer_config.json, tokenizer.json: as a model directory has them
+    tok = load_tokenizer(tmp_path / "model")
+    plain = load_tokenizer(path)
+    assert tok.hf and tok.eot_id == plain.eot_id and tok.vocab_size == plain.vocab_size
+    assert tok.encode(DOCS[:3]) == plain.encode(DOCS[:3])
+    root = corpus_dir(tmp_path)
+    cfg = DataConfig(kind="text", path=str(root), tokenizer=str(tmp_path / "model"), text_key="body",
+                     cache_dir=str(tmp_path / "c"))
+    data = build_text_data(cfg, seq_len=4, vocab_size=512, seed=0)
+    assert data.tokenizer.hf and np.asarray(data.packed.tokens)[-1] == plain.eot_id

@@ -91,8 +91,9 @@ def test_evaluating_between_steps_changes_no_training():
     assert math.isfinite(results[0].loss) and results[0].num_batches == EVAL_BATCHES
 
 
-def _eval_only_worker(rank: int, world: int, plan_paths: list[str | None]):
-    spec = JobSpec(model=load_model_config(MODEL), schedule="1f1b", ranges=RANGES[world],
+def _eval_only_worker(rank: int, world: int, plan_paths: list[str | None], schedule: str):
+    stages = 2 * world if schedule == "interleaved" else world
+    spec = JobSpec(model=load_model_config(MODEL), schedule=schedule, ranges=RANGES[stages],
                    microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=3)
     plan = Plan.load(plan_paths[0]) if plan_paths[0] else None
     job = start_job(spec, plan, torch.device("cpu"))
@@ -104,11 +105,16 @@ def _eval_only_worker(rank: int, world: int, plan_paths: list[str | None]):
     job.close()
 
 
-def test_pipeline_validation_equals_a_plain_forward_of_the_same_parameters():
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipeline_validation_equals_a_plain_forward_of_the_same_parameters(schedule):
+    """Under 1F1B (a stage per rank) and interleaved 1F1B (two per rank: activations also
+    pass within a rank), after a training step under a plan."""
+    last = 1 if schedule == "1f1b" else 2
     rules = {0: [TensorRule(tensor="optim:*", technique="host"), TensorRule(tensor="layers.0.**",
                                                                             technique="recompute")],
-             1: [TensorRule(tensor="layers.2.**", technique="recompute")]}
-    spawned = spawn(_eval_only_worker, 2, [pipeline_plan("1f1b", 2, NUM_MICROBATCHES, rules)], timeout_s=300)
+             last: [TensorRule(tensor="layers.2.**", technique="recompute")]}
+    plan = pipeline_plan(schedule, 2, NUM_MICROBATCHES, rules)
+    spawned = spawn(_eval_only_worker, 2, [plan], schedule, timeout_s=300)
     assert not spawned.errors, spawned.errors
     ranks = spawned.results[0]
     expected = plain_forward_loss([r["params"] for r in ranks])

@@ -43,7 +43,7 @@ def val_losses(stdout: str) -> dict[int, float]:
             for m in re.finditer(r"^step (\d+): val loss (\S+)  ppl (\S+)$", stdout, re.M)}
 
 
-def test_a_text_job_trains_evaluates_and_reuses_its_cache(tmp_path):
+def test_a_text_job_trains_evaluates_reuses_its_cache_and_resumes(tmp_path):
     cfg = config(tmp_path)
     first = launch(cfg, tmp_path, nproc=2, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -54,8 +54,15 @@ def test_a_text_job_trains_evaluates_and_reuses_its_cache(tmp_path):
     assert sorted(losses(first.stdout)) == [0, 1, 2, 3]
     cache = tmp_path / "cache"
     assert len(list(cache.glob("bpe-300-*.json"))) == 1 and len(list(cache.glob("tokens-*.npy"))) == 1
-    second = launch(cfg, tmp_path, nproc=2, timeout=300)
+    # the same job stopped after 2 steps with a checkpoint, then resumed: it reads the
+    # cache, and steps 2 and 3 see the batches and give the losses of the uninterrupted run
+    ckpt = {"dir": str(tmp_path / "ckpt")}
+    second = launch({**cfg, "steps": 2, "checkpoint": ckpt}, tmp_path, nproc=2, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "(tokens from the cache)" in second.stdout
-    assert losses(second.stdout) == losses(first.stdout)
-    assert val_losses(second.stdout) == val_losses(first.stdout)
+    assert losses(second.stdout) == {k: v for k, v in losses(first.stdout).items() if k < 2}
+    resumed = launch({**cfg, "checkpoint": {**ckpt, "resume": True}}, tmp_path, nproc=2, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 2" in resumed.stdout
+    assert losses(resumed.stdout) == {k: v for k, v in losses(first.stdout).items() if k >= 2}
+    assert val_losses(resumed.stdout) == {3: val_losses(first.stdout)[3]}

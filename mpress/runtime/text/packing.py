@@ -17,6 +17,7 @@ non-overlapping causal windows like `mpress.runtime.data.TokenFile`: window i is
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,6 @@ class Packed:
 
 def cache_key(corpus: Corpus, tokenizer: TextTokenizer) -> str:
     """The cache key: 24 hex digits of sha256(contents, tokenizer, format version)."""
-    import hashlib
-
     h = hashlib.sha256(f"v{CACHE_VERSION}\n{corpus.content_hash()}\n{tokenizer.fingerprint}\n".encode())
     return h.hexdigest()[:24]
 

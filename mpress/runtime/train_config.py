@@ -250,6 +250,8 @@ class TrainConfig:
             raise ConfigError("", "strategy", "only used with plan: auto (remove it, or set plan: auto)")
         if self.num_stages is not None:
             _check_microbatches(self, self.num_stages, "num_microbatches")
+        if self.eval_every and not self.data.has_validation:
+            raise ConfigError("", "eval_every", "needs a validation set: data.kind: text with data.val_fraction > 0")
         if self.optimizer.warmup_steps > self.steps:
             raise ConfigError("", "optimizer.warmup_steps", f"must be at most steps ({self.steps}), "
                                                             f"got {self.optimizer.warmup_steps}")

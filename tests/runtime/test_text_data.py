@@ -13,6 +13,7 @@ import torch
 from mpress.errors import ConfigError, UserError
 from mpress.runtime.data import batches
 from mpress.runtime.data_config import DataConfig
+from mpress.runtime.train_config import TrainConfig, load_train_config
 from mpress.runtime.text.corpus import find_corpus, stdlib_files
 from mpress.runtime.text.dataset import build_text_data
 from mpress.runtime.text.packing import TextWindows, pack, split_documents
@@ -159,6 +160,10 @@ def test_config_errors_name_the_key():
         DataConfig(val_fraction=0.1)
     with pytest.raises(ConfigError, match="tokenizer.*only for kind: text"):
         DataConfig(tokenizer="train")
+    with pytest.raises(ConfigError, match="eval_every.*needs a validation set"):
+        TrainConfig(model="gpt-tiny", eval_every=10)
+    assert TrainConfig(model="gpt-tiny", eval_every=10, data=DataConfig(kind="text", source="python-stdlib",
+                                                                       tokenizer="train", val_fraction=0.1))
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
@@ -183,3 +188,17 @@ def test_a_hugging_face_tokenizer_directory_loads_locally(tmp_path):
                      cache_dir=str(tmp_path / "c"))
     data = build_text_data(cfg, seq_len=4, vocab_size=512, seed=0)
     assert data.tokenizer.hf and np.asarray(data.packed.tokens)[-1] == plain.eot_id
+
+
+def test_a_text_config_loads_with_paths_relative_to_its_file(tmp_path):
+    root = corpus_dir(tmp_path)
+    (tmp_path / "train.yaml").write_text("model: gpt-tiny-text\ndata: {kind: text, path: corpus, tokenizer: train, "
+                                         "cache_dir: cache, val_fraction: 0.1}\neval_every: 5\n")
+    cfg = load_train_config(tmp_path / "train.yaml")
+    assert cfg.data.path == str(root) and cfg.data.cache_dir == str(tmp_path / "cache") and cfg.eval_every == 5
+    (tmp_path / "bad.yaml").write_text("model: bert-tiny\ndata: {kind: text, path: corpus, tokenizer: train}\n")
+    with pytest.raises(ConfigError, match="data.kind.*text trains a causal decoder"):
+        load_train_config(tmp_path / "bad.yaml")
+    (tmp_path / "gone.yaml").write_text("model: gpt-tiny-text\ndata: {kind: text, path: nope, tokenizer: train}\n")
+    with pytest.raises(ConfigError, match="data.path.*no such file or directory"):
+        load_train_config(tmp_path / "gone.yaml")

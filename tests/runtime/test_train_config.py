@@ -271,7 +271,7 @@ def test_the_mixed_example_on_gpt_tiny_plans_a_mix_of_techniques():
     from mpress.launcher.startup import plan_for
 
     cfg = dataclasses.replace(load_train_config("gpt-tiny-mixed"), model="gpt-tiny", device_memory="2.5MB",
-                              data=DataConfig())
+                              data=DataConfig(), eval_every=0)
     budget = cfg.device_memory_bytes
     start = plan_for(cfg, model_config(cfg), 4, 4)
     plan = start.plan

@@ -53,9 +53,10 @@ from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatc
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
 from mpress.config.overrides import parse_override_args
+from mpress.config.model_config import ModelConfig
 from mpress.models.user import UserModel
 from mpress.runtime.data import TokenDataset, batches, build_dataset
-from mpress.runtime.text.dataset import build_text_data
+from mpress.runtime.text.dataset import TextData, build_text_data
 from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.lr_schedule import LrSchedule
@@ -212,20 +213,19 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     return 0
 
 
-def _datasets(cfg: TrainConfig, model: object, control: dist.ProcessGroup) -> tuple[TokenDataset, TokenDataset | None,
-                                                                                   str]:
+def _datasets(cfg: TrainConfig, model: ModelConfig,
+              control: dist.ProcessGroup) -> tuple[TokenDataset, TokenDataset | None, str]:
     """(training set, validation set or None, rank 0's line about the data). Text data is
     tokenized (and its BPE trained) once per node, by the node's first rank, into the
     cache the other ranks then read."""
     if cfg.data.kind != "text":
-        return build_dataset(cfg.data, model, seed=cfg.seed), None, ""  # type: ignore[arg-type]
+        return build_dataset(cfg.data, model, seed=cfg.seed), None, ""
 
-    def build() -> object:
-        return build_text_data(cfg.data, seq_len=model.seq_len, vocab_size=model.vocab_size,  # type: ignore[attr-defined]
-                               seed=cfg.seed)
+    def build() -> TextData:
+        return build_text_data(cfg.data, seq_len=model.seq_len, vocab_size=model.vocab_size, seed=cfg.seed)
 
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    text = None
+    text: TextData | UserError | None = None  # set on every path below
     if first_here:
         try:
             text = build()
@@ -234,12 +234,13 @@ def _datasets(cfg: TrainConfig, model: object, control: dist.ProcessGroup) -> tu
     dist.barrier(group=control)
     if not first_here:
         text = build()
-    if isinstance(text, UserError):
-        raise text
+    if not isinstance(text, TextData):
+        raise text  # the node's first rank's UserError, which this rank met too
     train_n, val_n = text.num_docs
     line = (f"data: {cfg.data.path or cfg.data.source}: {train_n} + {val_n} documents, "
             f"{len(text.train)} training + {len(text.val) if text.val is not None else 0} validation windows, "
-            f"vocabulary {text.tokenizer.vocab_size} (tokens {'from the cache' if text.packed.cache_hit else 'cached now'})")
+            f"vocabulary {text.tokenizer.vocab_size} "
+            f"(tokens {'from the cache' if text.packed.cache_hit else 'cached now'})")
     return text.train, text.val, line
 
 

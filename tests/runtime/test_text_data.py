@@ -192,13 +192,13 @@ def test_a_hugging_face_tokenizer_directory_loads_locally(tmp_path):
 
 def test_a_text_config_loads_with_paths_relative_to_its_file(tmp_path):
     root = corpus_dir(tmp_path)
-    (tmp_path / "train.yaml").write_text("model: gpt-tiny-text\ndata: {kind: text, path: corpus, tokenizer: train, "
+    (tmp_path / "train.yaml").write_text("model: gpt-text-tiny\ndata: {kind: text, path: corpus, tokenizer: train, "
                                          "cache_dir: cache, val_fraction: 0.1}\neval_every: 5\n")
     cfg = load_train_config(tmp_path / "train.yaml")
     assert cfg.data.path == str(root) and cfg.data.cache_dir == str(tmp_path / "cache") and cfg.eval_every == 5
     (tmp_path / "bad.yaml").write_text("model: bert-tiny\ndata: {kind: text, path: corpus, tokenizer: train}\n")
     with pytest.raises(ConfigError, match="data.kind.*text trains a causal decoder"):
         load_train_config(tmp_path / "bad.yaml")
-    (tmp_path / "gone.yaml").write_text("model: gpt-tiny-text\ndata: {kind: text, path: nope, tokenizer: train}\n")
+    (tmp_path / "gone.yaml").write_text("model: gpt-text-tiny\ndata: {kind: text, path: nope, tokenizer: train}\n")
     with pytest.raises(ConfigError, match="data.path.*no such file or directory"):
         load_train_config(tmp_path / "gone.yaml")

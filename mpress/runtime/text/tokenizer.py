@@ -103,9 +103,10 @@ def _load_hf(directory: Path, eot_token: str | None) -> TextTokenizer:
 
 def train_bpe(documents: Iterable[str], *, vocab_size: int, out: str | Path) -> Path:
     """Train a byte-level BPE of `vocab_size` ids (the 256 byte symbols, `EOT` and merges)
-    on `documents` and write its tokenizer.json to `out` atomically. Deterministic for the
-    same documents (one thread: the trainer's parallel merge counting can break ties in
-    another order). Raises `UserError` for a vocabulary too small for the byte alphabet."""
+    on `documents` and write its tokenizer.json to `out` atomically. The same documents give
+    the same file (tested); RAYON_NUM_THREADS=1 is set while training, which keeps the
+    trainer on one thread where its pool has not started yet, so parallel merge counting
+    cannot break ties in another order. Raises `UserError` for a vocabulary too small for the byte alphabet."""
     tk = _tokenizers()
     alphabet = tk.pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:

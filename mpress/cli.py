@@ -18,7 +18,8 @@ import textwrap
 from mpress import __version__
 from mpress.errors import UserError
 
-SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "ooc", "tile", "train", "report", "export"]
+SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "ooc", "tile", "train", "report", "export",
+               "tokenizer"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -48,6 +48,7 @@ from mpress.launcher.control import (
     single_process_env,
 )
 from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
+from mpress.launcher.evaluate import eval_batch_count, evaluate
 from mpress.launcher.job import start_job
 from mpress.launcher.metrics_log import MetricsLog, Throughput, rates_text
 from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, start_rank_watch
@@ -57,7 +58,8 @@ from mpress.config.overrides import parse_override_args
 from mpress.config.model_config import ModelConfig
 from mpress.models.hf_model import HFModel
 from mpress.models.user import UserModel
-from mpress.runtime.data import batches, build_dataset
+from mpress.runtime.data import TokenDataset, batches, build_dataset
+from mpress.runtime.text.dataset import TextData, build_text_data
 from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.lr_schedule import LrSchedule
@@ -115,7 +117,10 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     # a preset trains on tokens (synthetic or a file); a user's module on synthetic inputs
     # shaped like its example microbatch (`UserModel.batch`)
-    dataset = None if isinstance(model, UserModel) else build_dataset(cfg.data, model, seed=cfg.seed)
+    dataset, val, data_line = (None, None, "") if isinstance(model, UserModel) else _datasets(cfg, model, control)
+    shuffle = cfg.seed if cfg.data.kind == "text" else None  # text windows in a per-epoch permutation
+    batch_size = cfg.microbatch_size * cfg.num_microbatches
+    num_eval = eval_batch_count(val, batch_size=batch_size, wanted=cfg.eval_batches) if val is not None else 0
     if replicas is None:
         job = start_job(spec, plan, device, control_group=control)
     else:  # peer pools stay inside a replica: their handshake on the replica's gloo group
@@ -133,6 +138,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                       + (f", {cfg.dp} replicas (dp x pp = {cfg.dp} x {pp_world} ranks)" if cfg.dp > 1 else "")
                       + f", {what}, backend {dist.get_backend()}"
                       + (f", resuming at step {first}" if first else ""))
+        if data_line:
+            console.print(data_line + (f"; evaluating {num_eval} batches" if num_eval else ""), soft_wrap=True)
     # rank 0's bar on a terminal; off one (a pipe, a log) the logged steps' lines carry its figures
     progress = TaskProgress(console, cfg.steps, "train", bar=True, keep=True, completed=first, enabled=rank == 0)
     metrics = MetricsLog(cfg.metrics if rank == 0 else None, first_step=first)
@@ -150,7 +157,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                 x, y = model.batch(step=batch, num_microbatches=cfg.num_microbatches, seed=cfg.seed)
             else:
                 x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
-                               step=batch)
+                               step=batch, shuffle_seed=shuffle)
             tracing = cfg.trace is not None and step == cfg.steps - 1
             if tracing:
                 run_trace.start(job)
@@ -184,6 +191,13 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                 if rank == 0:
                     progress.console.print(f"trace of step {step} written to "  # replica 0's, as planned
                                            f"{run_trace.write(cfg.trace, traces[:pp_world], step=step)}")
+            if num_eval and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1):
+                result_eval = evaluate(job, val, microbatch_size=cfg.microbatch_size,
+                                       num_microbatches=cfg.num_microbatches, num_batches=num_eval, dp=cfg.dp,
+                                       dp_rank=dp_rank, control=control)
+                if rank == 0:
+                    progress.console.print(f"step {step}: val loss {result_eval.loss:.4f}  "
+                                           f"ppl {result_eval.perplexity:.2f}", soft_wrap=True)
             every = cfg.checkpoint.every_steps
             if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
                 checkpoints.save(step)
@@ -205,6 +219,37 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         watch.stop()  # this rank is done: its leaving is no failure
     job.close()
     return 0
+
+
+def _datasets(cfg: TrainConfig, model: ModelConfig,
+              control: dist.ProcessGroup) -> tuple[TokenDataset, TokenDataset | None, str]:
+    """(training set, validation set or None, rank 0's line about the data). Text data is
+    tokenized (and its BPE trained) once per node, by the node's first rank, into the
+    cache the other ranks then read."""
+    if cfg.data.kind != "text":
+        return build_dataset(cfg.data, model, seed=cfg.seed), None, ""
+
+    def build() -> TextData:
+        return build_text_data(cfg.data, seq_len=model.seq_len, vocab_size=model.vocab_size, seed=cfg.seed)
+
+    first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    text: TextData | UserError | None = None  # set on every path below
+    if first_here:
+        try:
+            text = build()
+        except UserError as exc:
+            text = exc
+    dist.barrier(group=control)
+    if not first_here:
+        text = build()
+    if not isinstance(text, TextData):
+        raise text  # the node's first rank's UserError, which this rank met too
+    train_n, val_n = text.num_docs
+    line = (f"data: {cfg.data.path or cfg.data.source}: {train_n} + {val_n} documents, "
+            f"{len(text.train)} training + {len(text.val) if text.val is not None else 0} validation windows, "
+            f"vocabulary {text.tokenizer.vocab_size} "
+            f"(tokens {'from the cache' if text.packed.cache_hit else 'cached now'})")
+    return text.train, text.val, line
 
 
 def lr_schedule(cfg: TrainConfig) -> LrSchedule | None:

@@ -329,11 +329,16 @@ def batches(dataset: TokenDataset, *, microbatch_size: int, num_microbatches: in
     return inputs, targets
 
 
-def build_dataset(data: DataConfig, model: ModelConfig, *, seed: int) -> SyntheticTokens | TokenFile:
-    """The dataset a training config asks for, shaped for `model`: decoders (GPT, Llama:
-    `ModelConfig.causal`) train on the causal objective, BERT on the masked one;
-    sequences have the model's seq_len."""
+def build_dataset(data: DataConfig, model: ModelConfig, *, seed: int) -> TokenDataset:
+    """The (training) dataset a training config asks for, shaped for `model`: decoders
+    (GPT, Llama: `ModelConfig.causal`) train on the causal objective, BERT on the masked
+    one; sequences have the model's seq_len. Text data's validation part:
+    `mpress.runtime.text.dataset.build_text_data`."""
     objective: Objective = "causal" if model.causal else "masked"
+    if data.kind == "text":
+        from mpress.runtime.text.dataset import build_text_data  # tokenizers only where text is read
+
+        return build_text_data(data, seq_len=model.seq_len, vocab_size=model.vocab_size, seed=seed).train
     if data.kind == "synthetic":
         return SyntheticTokens(model.vocab_size, model.seq_len, seed=seed, branching=data.branching,
                                objective=objective, mask_prob=data.mask_prob)

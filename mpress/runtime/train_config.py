@@ -32,7 +32,6 @@ from mpress.errors import ConfigError, UserError
 from mpress.hardware.cluster import MAX_NODES as MAX_REPLICAS
 from mpress.config.presets import CONFIG_DIR, HARDWARE_DIR, resolve_config
 from mpress.config.limits import (
-    MAX_BRANCHING,
     MAX_MICROBATCH_SIZE,
     MAX_MICROBATCHES,
     MAX_SEED,
@@ -46,6 +45,7 @@ from mpress.models.user import UserModel, check_user_module, load_user_model
 from mpress.config.overrides import apply_overrides
 from mpress.config.units import parse_bytes
 from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
+from mpress.runtime.data_config import TOKENIZER_TRAIN, DataConfig
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, NO_DECAY_CATEGORIES
 
 TRAIN_DIR = CONFIG_DIR / "train"
@@ -110,28 +110,6 @@ class OptimizerConfig:
     def clips(self) -> bool:
         """Whether gradients are clipped (`clip_grad_norm` set and > 0)."""
         return bool(self.clip_grad_norm)
-
-
-@dataclass(kw_only=True, frozen=True)
-class DataConfig:
-    """Where training tokens come from (see `mpress.runtime.data`)."""
-
-    kind: Literal["synthetic", "file"] = "synthetic"
-    """synthetic: a fixed random Markov chain with a known loss floor; file: `path`."""
-    path: str | None = None
-    """Token file for kind: file (.bin flat uint16/uint32, .npy, .txt whitespace ints)."""
-    token_dtype: Literal["uint16", "uint32"] | None = None
-    """Element type of a .bin file; default from the file name (`*.uint32.bin`) or the vocabulary size."""
-    branching: int = field(default=4, metadata={"min": 1, "max": MAX_BRANCHING})
-    """Synthetic only: successors per token in the chain; the GPT loss floor is ln(branching) nats."""
-    mask_prob: float = field(default=0.15, metadata={"gt": 0, "max": 1})
-    """BERT (masked LM) only: probability that a position is masked and predicted."""
-
-    def __post_init__(self) -> None:
-        if self.kind == "file" and not self.path:
-            raise ConfigError("", "path", "kind: file needs a path to a token file (.bin, .npy or .txt)")
-        if self.kind == "synthetic" and self.path is not None:
-            raise ConfigError("", "path", "only for kind: file (remove it, or set kind: file)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -250,6 +228,13 @@ class TrainConfig:
     pytorch.org/memory_viz); refused on CPU; null = none."""
     log_every: int = field(default=10, metadata={"min": 1, "max": MAX_STEPS})
     """Log the loss every this many steps (and at the first and last step)."""
+    eval_every: int = field(default=0, metadata={"min": 0, "max": MAX_STEPS})
+    """With a validation set (data.val_fraction): the validation loss and perplexity every
+    this many steps and after the last step, forward-only through the pipeline
+    (`mpress/launcher/evaluate.py`); 0 = after the last step only."""
+    eval_batches: int = field(default=4, metadata={"min": 1, "max": MAX_STEPS})
+    """Global batches (microbatch_size x num_microbatches samples each) of the fixed
+    held-out set every evaluation runs over (fewer if the validation set is smaller)."""
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.model, self.module, self.hf_config)) != 1:
@@ -278,6 +263,8 @@ class TrainConfig:
             raise ConfigError("", "strategy", "only used with plan: auto (remove it, or set plan: auto)")
         if self.num_stages is not None:
             _check_microbatches(self, self.num_stages, "num_microbatches")
+        if self.eval_every and not self.data.has_validation:
+            raise ConfigError("", "eval_every", "needs a validation set: data.kind: text with data.val_fraction > 0")
         if self.optimizer.warmup_steps > self.steps:
             raise ConfigError("", "optimizer.warmup_steps", f"must be at most steps ({self.steps}), "
                                                             f"got {self.optimizer.warmup_steps}")
@@ -349,6 +336,10 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
     data = cfg.data
     if data.path is not None:
         data = dataclasses.replace(data, path=absolute("data.path", data.path))
+    if data.cache_dir is not None:
+        data = dataclasses.replace(data, cache_dir=absolute("data.cache_dir", data.cache_dir))
+    if data.tokenizer is not None and data.tokenizer != TOKENIZER_TRAIN:
+        data = dataclasses.replace(data, tokenizer=absolute("data.tokenizer", data.tokenizer))
     ckpt = cfg.checkpoint
     if ckpt.dir is not None:
         ckpt = dataclasses.replace(ckpt, dir=absolute("checkpoint.dir", ckpt.dir))
@@ -386,11 +377,26 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
             resolve_config(cfg.hardware, HARDWARE_DIR, "hardware")
         except UserError as exc:
             raise ConfigError(source, "hardware", str(exc)) from None
-    if data.path is not None and not Path(data.path).is_file():
+    if data.kind == "file" and not Path(data.path).is_file():
         raise ConfigError(source, "data.path", f"no such token file {data.path}")
+    if data.kind == "text":
+        _check_text_data(cfg, source)
     if cfg.num_stages is not None and cfg.num_stages > num_layers:
         raise ConfigError(source, "num_stages", f"{what}; cannot make {cfg.num_stages} stages")
     return cfg
+
+
+def _check_text_data(cfg: TrainConfig, source: str) -> None:
+    """`data.kind: text` needs a causal model preset and paths that exist."""
+    data = cfg.data
+    if not load_model_config(cfg.model).causal:
+        raise ConfigError(source, "data.kind", f"text trains a causal decoder (gpt, llama); {cfg.model} is a masked "
+                                               "LM (use kind: synthetic or file)")
+    if data.path is not None and not Path(data.path).exists():
+        raise ConfigError(source, "data.path", f"no such file or directory {data.path}")
+    if data.tokenizer != TOKENIZER_TRAIN and not Path(data.tokenizer).exists():
+        raise ConfigError(source, "data.tokenizer", f"no such tokenizer.json or model directory {data.tokenizer} "
+                                                    f"(or use {TOKENIZER_TRAIN})")
 
 
 def check_outputs(cfg: TrainConfig, source: str) -> None:

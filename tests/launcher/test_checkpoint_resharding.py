@@ -55,6 +55,8 @@ def config(tmp: Path, precision: str, world: int, steps: int, ckpt: dict, **kw: 
     """configs/train/gpt-tiny-mixed.yaml on `world` ranks under the offloading plan."""
     base = yaml.safe_load((ROOT / "configs/train/gpt-tiny-mixed.yaml").read_text())
     base.pop("device_memory")  # the plan's rules are fixed: no capacity to plan for
+    base["data"] = {"kind": "synthetic"}  # gpt-tiny's 256 ids: the main job's text needs a 512-id model
+    base.pop("eval_every")  # no validation set on synthetic data
     model = model_file(tmp, precision)
     return {**base, "model": str(model), "plan": str(plan_file(tmp, model, world)), "num_stages": world,
             "microbatch_size": MICROBATCH_SIZE, "num_microbatches": NUM_MICROBATCHES, "steps": steps,

@@ -10,6 +10,7 @@ import torch
 from mpress.errors import ConfigError, UserError
 from mpress.runtime.train_config import (
     TRAIN_DIR,
+    DataConfig,
     TrainConfig,
     check_world_size,
     load_train_config,
@@ -49,7 +50,7 @@ def test_mixed_and_plain_differ_only_in_plan():
     mixed = load_train_config("gpt-tiny-mixed")
     plain = load_train_config("gpt-tiny-plain")
     assert mixed.schedule == "1f1b" and mixed.plan == "auto" and mixed.hardware == "cpu-local"
-    assert mixed.device_memory_bytes == 2_500_000
+    assert mixed.device_memory_bytes == 2_900_000
     assert plain.plan == "none" and plain.device_memory is None
     assert (mixed.model, mixed.schedule, mixed.steps, mixed.seed, mixed.optimizer, mixed.data) == \
         (plain.model, plain.schedule, plain.steps, plain.seed, plain.optimizer, plain.data)
@@ -251,12 +252,28 @@ def test_resolve_backend(monkeypatch):
     assert resolve_backend(TrainConfig(model="gpt-tiny", backend="gloo")) == "gloo"
 
 
-def test_the_mixed_example_plans_a_mix_of_techniques():
-    """Every stage of the main example needs more than its budget without mpress, so
-    every stage compacts, with more than one technique; the plan fits the budget."""
+def test_the_mixed_example_compacts_every_stage():
+    """Every stage of the main example (the tiny GPT on text, 512-id vocabulary) needs more
+    than its budget without mpress, so every stage compacts; the plan fits the budget."""
     from mpress.launcher.startup import plan_for
 
     cfg = load_train_config("gpt-tiny-mixed")
+    budget = cfg.device_memory_bytes
+    start = plan_for(cfg, model_config(cfg), 4, 4)
+    assert start.plan is not None and start.plan.fits and len(start.ranges) == 4
+    plain = plan_for(dataclasses.replace(cfg, plan="none"), model_config(cfg), 4, 4)
+    assert all(peak > budget for peak in plain.predicted_peak_bytes), plain.predicted_peak_bytes
+    assert all(peak <= budget for peak in start.predicted_peak_bytes), start.predicted_peak_bytes
+    assert all(sp.rules for sp in start.plan.stages)
+
+
+def test_the_mixed_example_on_gpt_tiny_plans_a_mix_of_techniques():
+    """The main example's schedule on gpt-tiny (256 ids, synthetic data) at 2.5 MB: every
+    stage compacts, with more than one technique; the plan fits the budget."""
+    from mpress.launcher.startup import plan_for
+
+    cfg = dataclasses.replace(load_train_config("gpt-tiny-mixed"), model="gpt-tiny", device_memory="2.5MB",
+                              data=DataConfig(), eval_every=0)
     budget = cfg.device_memory_bytes
     start = plan_for(cfg, model_config(cfg), 4, 4)
     plan = start.plan

@@ -1,0 +1,81 @@
+"""`data.kind: text` end to end: corpus -> tokenizer (loaded, or trained and cached) ->
+packed, cached stream -> training and validation windows (`TextData`).
+
+Every rank may call `build_text_data`; the expensive parts (training the BPE, tokenizing)
+run once per cache: `mpress.train` lets each node's first rank build the cache before the
+others read it. Everything after the cache is a pure function of (files, tokenizer, seed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpress.errors import UserError
+from mpress.runtime.data_config import TOKENIZER_TRAIN, DataConfig
+from mpress.runtime.text.corpus import Corpus, default_cache_dir, find_corpus
+from mpress.runtime.text.packing import Packed, TextWindows, gather, pack, split_documents
+from mpress.runtime.text.tokenizer import TextTokenizer, load_tokenizer, train_bpe
+
+
+@dataclass
+class TextData:
+    """The training and validation windows of a text data set."""
+
+    train: TextWindows
+    """Training windows (documents not held out)."""
+    val: TextWindows | None
+    """Validation windows (whole held-out documents); None without val_fraction."""
+    tokenizer: TextTokenizer
+    """The tokenizer the stream was made with."""
+    packed: Packed
+    """The whole stream (cache_hit says whether it came from the cache)."""
+    num_docs: tuple[int, int]
+    """Documents in (training, validation)."""
+
+
+def cache_dir_of(data: DataConfig) -> Path:
+    """`data.cache_dir`, or the default beside the data (`corpus.default_cache_dir`)."""
+    return Path(data.cache_dir) if data.cache_dir is not None else default_cache_dir(data.path, data.source)
+
+
+def trained_tokenizer_path(corpus: Corpus, vocab_size: int, cache_dir: Path) -> Path:
+    """The cached BPE for `corpus` at `vocab_size`: trained now when it is not there."""
+    path = cache_dir / f"bpe-{vocab_size}-{corpus.content_hash()[:24]}.json"
+    if not path.is_file():
+        try:
+            train_bpe(corpus.documents(), vocab_size=vocab_size, out=path)
+        except OSError as exc:
+            raise UserError(f"data.cache_dir: cannot write the tokenizer in {cache_dir}: {exc.strerror} "
+                            "(set data.cache_dir to a writable directory)") from None
+    return path
+
+
+def resolve_tokenizer(data: DataConfig, corpus: Corpus, *, vocab_size: int) -> TextTokenizer:
+    """The tokenizer `data.tokenizer` names, checked against the model's vocabulary."""
+    if data.tokenizer == TOKENIZER_TRAIN:
+        path = trained_tokenizer_path(corpus, vocab_size, cache_dir_of(data))
+        where = f"the BPE trained in {path}"
+    else:
+        path = Path(data.tokenizer)  # type: ignore[arg-type]
+        where = f"data.tokenizer {path}"
+    tokenizer = load_tokenizer(path, eot_token=data.eot_token)
+    if tokenizer.vocab_size > vocab_size:
+        raise UserError(f"{where}: {tokenizer.vocab_size} ids do not fit the model's vocab_size {vocab_size} "
+                        "(use a model with a larger vocabulary or a smaller tokenizer)")
+    return tokenizer
+
+
+def build_text_data(data: DataConfig, *, seq_len: int, vocab_size: int, seed: int) -> TextData:
+    """Training and validation windows of seq_len tokens for `data` (kind: text), for a
+    model of `vocab_size` ids. Raises `UserError` naming the file or key at fault."""
+    corpus = find_corpus(data.path, source=data.source, text_key=data.text_key)
+    tokenizer = resolve_tokenizer(data, corpus, vocab_size=vocab_size)
+    packed = pack(corpus, tokenizer, cache_dir_of(data))
+    train_docs, val_docs = split_documents(packed.doc_ends, val_fraction=data.val_fraction, seed=seed)
+    what = data.path or data.source
+    train = TextWindows(gather(packed, train_docs), seq_len, what=f"{what} (training part)")
+    val = TextWindows(gather(packed, val_docs), seq_len, what=f"{what} (validation part)") \
+        if val_docs.size else None
+    return TextData(train=train, val=val, tokenizer=tokenizer, packed=packed,
+                    num_docs=(int(train_docs.size), int(val_docs.size)))

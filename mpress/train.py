@@ -180,8 +180,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             info = (f"loss {loss:.4f}  {rates_text(record)}  peak/rank "
                     + " ".join(fmt_bytes(p) for p in peaks) + opt_info)
             progress.advance(info=info)
-            if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-                metrics.write(record)
+            logged = step % cfg.log_every == 0 or step == cfg.steps - 1
+            if rank == 0 and logged:
                 progress.console.print(f"step {step}: loss {loss:.4f}{opt_info}" if progress.terminal else
                                        f"step {step}: {info}  ({step + 1}/{cfg.steps}, {progress.elapsed()})",
                                        soft_wrap=True)
@@ -198,6 +198,10 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                 if rank == 0:
                     progress.console.print(f"step {step}: val loss {result_eval.loss:.4f}  "
                                            f"ppl {result_eval.perplexity:.2f}", soft_wrap=True)
+                record.update(val_loss=result_eval.loss, val_ppl=result_eval.perplexity)
+                logged = True
+            if logged:  # the step's line, with the validation loss where it was evaluated
+                metrics.write(record)
             every = cfg.checkpoint.every_steps
             if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
                 checkpoints.save(step)

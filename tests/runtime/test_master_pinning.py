@@ -89,8 +89,12 @@ def test_host_copies_of_accelerator_parameters_pin_one_slab_of_staging_buffers(m
         p.grad = torch.ones_like(p)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    _Event.made = []
     mw.step()
     assert all(torch.equal(p, mw.target(n).to(p.dtype)) for n, p in ps.items())
+    # the host waits for the gradients' copies on a blocking-sync event: it sleeps in
+    # cudaEventSynchronize rather than spinning on a core the host Adam needs
+    assert _Event.made == [{"blocking": True}]
     mw.close()
     assert cudart.registered == {}
 
@@ -117,7 +121,13 @@ def test_host_copies_of_cpu_parameters_pin_nothing(pinning):
 
 
 class _Event:
-    """torch.cuda.Event on a machine without CUDA: the staging copies are synchronous here."""
+    """torch.cuda.Event on a machine without CUDA: the staging copies are synchronous here;
+    records how each event was made (`made`: its keyword arguments)."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        _Event.made.append(kwargs)
 
     def record(self, _stream) -> None:
         pass

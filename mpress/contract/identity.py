@@ -297,6 +297,8 @@ class StageRules:
             for rule in self.rules:
                 parse_microbatches(rule.microbatches, num_microbatches)
         self._candidates: dict[str, tuple[int, ...]] = {}
+        self._groups: dict[tuple[int, int], dict[int, list[int]]] = {}
+        """`layer_groups` answers by (layer, microbatch): the rules never change."""
         self._layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
 
     def candidates(self, tensor: str) -> tuple[int, ...]:
@@ -327,7 +329,11 @@ class StageRules:
         """Layer `layer`'s saved tensors that a rule compacts in `microbatch`: rule index ->
         positions in the layer's saving order. Raises `PlanError` when the layer is
         recomputed in part and a rule moves some of the rest (a layer recomputed in part
-        keeps what it does not recompute: its checkpoint caches it)."""
+        keeps what it does not recompute: its checkpoint caches it). The answer is shared
+        between calls: do not change it."""
+        found = self._groups.get((layer, microbatch))
+        if found is not None:
+            return found
         groups: dict[int, list[int]] = {}
         saved = self.layers[layer].saved
         for position, tensor in enumerate(saved):
@@ -343,6 +349,7 @@ class StageRules:
                 f"stage {self.plan.stage} microbatch {microbatch}: {recomputed} of {len(saved)} saved tensors of "
                 f"{name} are recomputed and rule {moved} ({self.rules[moved].tensor}) moves others; a layer "
                 f"recomputed in part keeps the rest (recompute all of {name}.** or move none of it)")
+        self._groups[(layer, microbatch)] = groups
         return groups
 
     def recompute_set(self, layer: int, microbatch: int) -> frozenset[int]:

@@ -297,8 +297,10 @@ class StageRules:
             for rule in self.rules:
                 parse_microbatches(rule.microbatches, num_microbatches)
         self._candidates: dict[str, tuple[int, ...]] = {}
-        self._groups: dict[tuple[int, int], dict[int, list[int]]] = {}
-        """`layer_groups` answers by (layer, microbatch): the rules never change."""
+        self._groups: dict[tuple[int, tuple[int, ...]], dict[int, list[int]]] = {}
+        """`layer_groups` answers by (layer, the rules selecting the microbatch): microbatches
+        that the same rules select group a layer's tensors alike, and the rules never change."""
+        self._selecting: dict[int, tuple[int, ...]] = {}
         self._layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
 
     def candidates(self, tensor: str) -> tuple[int, ...]:
@@ -325,13 +327,22 @@ class StageRules:
         rule = self.rule(tensor, microbatch)
         return Technique.KEEP if rule is None else rule.technique
 
+    def selecting(self, microbatch: int) -> tuple[int, ...]:
+        """Indices of the rules that apply in `microbatch`: microbatches with the same
+        ones are decided alike."""
+        found = self._selecting.get(microbatch)
+        if found is None:
+            found = self._selecting[microbatch] = tuple(i for i, r in enumerate(self.rules) if r.selects(microbatch))
+        return found
+
     def layer_groups(self, layer: int, microbatch: int) -> dict[int, list[int]]:
         """Layer `layer`'s saved tensors that a rule compacts in `microbatch`: rule index ->
         positions in the layer's saving order. Raises `PlanError` when the layer is
         recomputed in part and a rule moves some of the rest (a layer recomputed in part
         keeps what it does not recompute: its checkpoint caches it). The answer is shared
         between calls: do not change it."""
-        found = self._groups.get((layer, microbatch))
+        selecting = self.selecting(microbatch)
+        found = self._groups.get((layer, selecting))
         if found is not None:
             return found
         groups: dict[int, list[int]] = {}
@@ -349,7 +360,7 @@ class StageRules:
                 f"stage {self.plan.stage} microbatch {microbatch}: {recomputed} of {len(saved)} saved tensors of "
                 f"{name} are recomputed and rule {moved} ({self.rules[moved].tensor}) moves others; a layer "
                 f"recomputed in part keeps the rest (recompute all of {name}.** or move none of it)")
-        self._groups[(layer, microbatch)] = groups
+        self._groups[(layer, selecting)] = groups
         return groups
 
     def recompute_set(self, layer: int, microbatch: int) -> frozenset[int]:

@@ -89,15 +89,18 @@ class _Stage:
         self.sp = sp
         self.costs = costs
         self.rules = StageRules(sp, layer_tensors(costs), num_microbatches)
-        self._recomputed: dict[int, list[Choice]] = {}
-        self._units: dict[int, list[tuple[_Unit, int]]] = {}
-        """Answers by microbatch (the forward and the backward of one ask the same)."""
+        self._recomputed: dict[tuple[int, ...], list[Choice]] = {}
+        self._units: dict[tuple[int, ...], list[tuple[_Unit, int]]] = {}
+        """Answers by the rules selecting a microbatch (`StageRules.selecting`): the forward
+        and the backward of one ask the same, and microbatches the same rules select get
+        the same."""
 
     def recomputed(self, microbatch: int) -> list[Choice]:
         """Per layer of the stage: its recompute choice in `microbatch` (`stage_memory.Choice`)."""
-        if microbatch not in self._recomputed:
-            self._recomputed[microbatch] = self._recompute_choices(microbatch)
-        return self._recomputed[microbatch]
+        key = self.rules.selecting(microbatch)
+        if key not in self._recomputed:
+            self._recomputed[key] = self._recompute_choices(microbatch)
+        return self._recomputed[key]
 
     def _recompute_choices(self, microbatch: int) -> list[Choice]:
         return [recompute_choice(layer, self.rules.recompute_set(li, microbatch),
@@ -109,7 +112,8 @@ class _Stage:
         bytes its swap frees (`stage_memory.freeable_bytes`; 0 for a recomputed one). A
         layer's recomputed tensors are one unit, under the first rule recomputing them.
         The list is shared between calls: do not change it."""
-        found = self._units.get(microbatch)
+        key = self.rules.selecting(microbatch)
+        found = self._units.get(key)
         if found is not None:
             return found
         out = []
@@ -129,7 +133,7 @@ class _Stage:
                 unit = UnitId(self.sp.stage, UnitKind.ACTIVATIONS, layer=layer.name, rule=r)
                 blocks = [round_up(t.bytes, ALIGNMENT_BYTES) for t in moved]
                 out.append((_Unit(unit, li, rule, sum(blocks), max(blocks, default=0)), sum(t.bytes for t in moved)))
-        self._units[microbatch] = out
+        self._units[key] = out
         return out
 
     def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:

@@ -36,6 +36,7 @@ from mpress.commands.pipeline_args import (
 from mpress.errors import UserError
 from mpress.hardware.server import load_hardware
 from mpress.static.plan.evaluate import PipelineSetup
+from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
 from mpress.static.studies.ablation import Ablation, ablate
 from mpress.static.baselines.zero import BaselineResult, plan_zero, zero_variants
@@ -106,9 +107,10 @@ def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[
     """Plan every strategy, reporting to `progress`; results by strategy name."""
     options = PlannerOptions(swap_in_policy=SwapInPolicy(policy))
     results: dict[str, PlanResult] = {}
+    cache = PlanCache(setup)  # the strategies often emulate the same drafts
     for name in Strategy.words():
         progress.update(f"planning {name}")
-        r = plan_strategy(setup, name, options, progress=progress.update)
+        r = plan_strategy(setup, name, options, progress=progress.update, cache=cache)
         results[name] = r
         progress.advance(f"planned {name}: " + (f"fits, iteration {fmt_seconds(r.evaluation.result.iteration_s)}"
                                                 if r.fits else "does not fit") + f" (planning {fmt_seconds(r.plan_s)})")

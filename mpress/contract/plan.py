@@ -98,9 +98,18 @@ def pattern_matches(pattern: str, tensor: str) -> bool:
     if pattern.endswith(".**"):
         prefix = pattern[:-3]
         module = tensor.split("#", 1)[0]
-        return not is_model_data and (fnmatch.fnmatchcase(module, prefix)
-                                       or fnmatch.fnmatchcase(module, prefix + ".*"))
+        if is_model_data:
+            return False
+        if not _GLOB_CHARS.intersection(prefix):  # a plain module path (the planner's): no fnmatch
+            return module == prefix or module.startswith(prefix + ".")
+        return fnmatch.fnmatchcase(module, prefix) or fnmatch.fnmatchcase(module, prefix + ".*")
+    if not _GLOB_CHARS.intersection(pattern):
+        return tensor == pattern
     return fnmatch.fnmatchcase(tensor, pattern)
+
+
+_GLOB_CHARS = frozenset("*?[")
+"""What makes a pattern a glob for `fnmatch` (anything else matches only itself)."""
 
 
 @dataclass(kw_only=True, frozen=True)

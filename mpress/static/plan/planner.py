@@ -368,6 +368,10 @@ class _Planner(D2DSteps):
         ev = base
         for rnd in range(self.options.max_fit_rounds):
             shed_any = False
+            # the memory model may find room that the emulation does not (copies in flight,
+            # a transient at the peak): a round asked for nothing still goes on to the
+            # emulated excess, or more memory could stop a search that less memory starts
+            asked = any(need > 0 for need in excess.values())
             for s, need in excess.items():
                 if need > 0:
                     if self.strategy is Strategy.D2D:
@@ -382,7 +386,7 @@ class _Planner(D2DSteps):
             self.progress(f"{self.strategy}: fit round {rnd + 1} ({'+'.join(self.layer_allowed)}), iteration "
                           f"{ev.result.iteration_s:.3f} s, {sum(ev.result.oom)} devices over")
             excess = self._device_excess_from_emulation(ev, d)
-            if not any(v > 0 for v in excess.values()) or not shed_any:
+            if not any(v > 0 for v in excess.values()) or (asked and not shed_any):
                 break
         return d, ev
 

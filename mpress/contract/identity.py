@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from mpress.errors import PlanError
-from mpress.contract.plan import StagePlan, TensorRule, parse_microbatches, pattern_matches
+from mpress.contract.plan import StagePlan, TensorRule, parse_microbatches, pattern_matches, plain_module_prefix
 from mpress.contract.selective import LayerOps, OpTrace
 from mpress.config.vocabulary import Technique
 
@@ -297,6 +297,16 @@ class StageRules:
             for rule in self.rules:
                 parse_microbatches(rule.microbatches, num_microbatches)
         self._candidates: dict[str, tuple[int, ...]] = {}
+        self._by_module: dict[str, list[int]] = {}
+        """Rules `X.**` with a plain module path X (the planner writes only these), by X."""
+        self._globs: list[int] = []
+        """The other rules, matched one by one."""
+        for i, r in enumerate(self.rules):
+            prefix = plain_module_prefix(r.tensor)
+            if prefix is None:
+                self._globs.append(i)
+            else:
+                self._by_module.setdefault(prefix, []).append(i)
         self._groups: dict[tuple[int, tuple[int, ...]], dict[int, list[int]]] = {}
         """`layer_groups` answers by (layer, the rules selecting the microbatch): microbatches
         that the same rules select group a layer's tensors alike, and the rules never change."""
@@ -307,9 +317,19 @@ class StageRules:
         """Indices of the rules whose pattern names `tensor` (any microbatch), in order."""
         found = self._candidates.get(tensor)
         if found is None:
-            found = self._candidates[tensor] = tuple(
-                i for i, r in enumerate(self.rules) if pattern_matches(r.tensor, tensor))
+            found = self._candidates[tensor] = self._match(tensor)
         return found
+
+    def _match(self, tensor: str) -> tuple[int, ...]:
+        """`candidates` worked out: a plain `X.**` rule names an activation of module X or
+        of a module under X (never model data), so only the module's own path and its
+        ancestors are looked up; glob rules are matched one by one."""
+        hits = [i for i in self._globs if pattern_matches(self.rules[i].tensor, tensor)]
+        if ":" not in tensor and self._by_module:
+            parts = tensor.split("#", 1)[0].split(".")
+            for n in range(1, len(parts) + 1):
+                hits.extend(self._by_module.get(".".join(parts[:n]), ()))
+        return tuple(sorted(hits))
 
     def rule_index(self, tensor: str, microbatch: int | None) -> int | None:
         """The index of the rule deciding `tensor` in `microbatch`, or None (keep)."""

@@ -100,12 +100,20 @@ def pattern_matches(pattern: str, tensor: str) -> bool:
         module = tensor.split("#", 1)[0]
         if is_model_data:
             return False
-        if not _GLOB_CHARS.intersection(prefix):  # a plain module path (the planner's): no fnmatch
+        if plain_module_prefix(pattern) is not None:  # a plain module path (the planner's): no fnmatch
             return module == prefix or module.startswith(prefix + ".")
         return fnmatch.fnmatchcase(module, prefix) or fnmatch.fnmatchcase(module, prefix + ".*")
     if not _GLOB_CHARS.intersection(pattern):
         return tensor == pattern
     return fnmatch.fnmatchcase(tensor, pattern)
+
+
+def plain_module_prefix(pattern: str) -> str | None:
+    """The module path X of a pattern `X.**` without glob characters (it names the
+    activations saved in X and the modules under it), else None."""
+    if pattern.endswith(".**") and not _GLOB_CHARS.intersection(pattern[:-3]):
+        return pattern[:-3]
+    return None
 
 
 _GLOB_CHARS = frozenset("*?[")

@@ -25,9 +25,10 @@ TORCH_FREE = [
     ["emulate", "--no-such-flag"],
     ["profile", "--no-such-flag"],
     ["topo", "--no-such-flag"],
+    ["maxsize", "--no-such-flag"],
 ]
 """Invocations that print help, the version or a one-line error (exit 0 or 2). Not yet
-among them: the flags of maxsize, ooc, tile and train, whose modules still import torch
+among them: the flags of ooc, tile and train, whose modules still import torch
 (their choices and defaults come from modules that do)."""
 
 

@@ -42,7 +42,14 @@ import torch
 from torch import nn
 
 from mpress.errors import PlanError
-from mpress.contract.plan import StagePlan, TensorRule, parse_microbatches, pattern_matches, plain_module_prefix
+from mpress.contract.plan import (
+    StagePlan,
+    TensorRule,
+    is_exact_pattern,
+    parse_microbatches,
+    pattern_matches,
+    plain_module_prefix,
+)
 from mpress.contract.selective import LayerOps, OpTrace
 from mpress.config.vocabulary import Technique
 
@@ -299,14 +306,18 @@ class StageRules:
         self._candidates: dict[str, tuple[int, ...]] = {}
         self._by_module: dict[str, list[int]] = {}
         """Rules `X.**` with a plain module path X (the planner writes only these), by X."""
+        self._exact: dict[str, list[int]] = {}
+        """Rules naming one tensor (`layers.3.mlp.act#0`, `optim:layers.3`), by that name."""
         self._globs: list[int] = []
         """The other rules, matched one by one."""
         for i, r in enumerate(self.rules):
             prefix = plain_module_prefix(r.tensor)
-            if prefix is None:
-                self._globs.append(i)
-            else:
+            if prefix is not None:
                 self._by_module.setdefault(prefix, []).append(i)
+            elif is_exact_pattern(r.tensor):
+                self._exact.setdefault(r.tensor, []).append(i)
+            else:
+                self._globs.append(i)
         self._groups: dict[tuple[int, tuple[int, ...]], dict[int, list[int]]] = {}
         """`layer_groups` answers by (layer, the rules selecting the microbatch): microbatches
         that the same rules select group a layer's tensors alike, and the rules never change."""
@@ -323,8 +334,10 @@ class StageRules:
     def _match(self, tensor: str) -> tuple[int, ...]:
         """`candidates` worked out: a plain `X.**` rule names an activation of module X or
         of a module under X (never model data), so only the module's own path and its
-        ancestors are looked up; glob rules are matched one by one."""
+        ancestors are looked up, and a rule naming one tensor only that name; glob rules
+        are matched one by one."""
         hits = [i for i in self._globs if pattern_matches(self.rules[i].tensor, tensor)]
+        hits.extend(self._exact.get(tensor, ()))
         if ":" not in tensor and self._by_module:
             parts = tensor.split("#", 1)[0].split(".")
             for n in range(1, len(parts) + 1):

@@ -103,9 +103,15 @@ def pattern_matches(pattern: str, tensor: str) -> bool:
         if plain_module_prefix(pattern) is not None:  # a plain module path (the planner's): no fnmatch
             return module == prefix or module.startswith(prefix + ".")
         return fnmatch.fnmatchcase(module, prefix) or fnmatch.fnmatchcase(module, prefix + ".*")
-    if not _GLOB_CHARS.intersection(pattern):
+    if is_exact_pattern(pattern):
         return tensor == pattern
     return fnmatch.fnmatchcase(tensor, pattern)
+
+
+def is_exact_pattern(pattern: str) -> bool:
+    """Whether `pattern` names one tensor identity only (itself): no glob characters and
+    not `X.**`."""
+    return not pattern.endswith(".**") and not _GLOB_CHARS.intersection(pattern)
 
 
 def plain_module_prefix(pattern: str) -> str | None:

@@ -18,8 +18,22 @@ import textwrap
 from mpress import __version__
 from mpress.errors import UserError
 
-SUBCOMMANDS = ["topo", "profile", "emulate", "plan", "maxsize", "ooc", "tile", "train", "report", "export",
-               "tokenizer"]
+SUBCOMMANDS: dict[str, str] = {
+    "topo": "show the GPU/NVLink/PCIe topology of a preset or of this machine",
+    "profile": "profile a model per layer (measured on this machine, or analytic)",
+    "emulate": "memory per stage and an emulated iteration of a pipeline (or a plan)",
+    "plan": "plan recompute / host swap / D2D swap per tensor and compare strategies",
+    "maxsize": "largest model of a family each strategy fits",
+    "ooc": "out-of-core model of one device: swap-in policies, batch and bandwidth sweeps",
+    "tile": "plan fused-tiled (SFT) execution of a conv network for a giant image",
+    "train": "train with pipeline parallelism, launching the ranks (one per stage)",
+    "report": "plot a run's loss, validation loss and learning rate; print first/last/min",
+    "export": "write a checkpoint's model as safetensors (transformers' layout for HF models)",
+    "tokenizer": "train a byte-level BPE tokenizer from local text files",
+}
+"""Each subcommand and its line in `mpress --help` (the one its module registers; a test
+checks they agree). Only the command being run imports its module: `mpress --help`,
+`--version` and a mistyped command name load no torch."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,9 +61,8 @@ train config's keys (--num-stages, --num-microbatches, --microbatch-size,
 def _epilog() -> str:
     """Presets and exit status, listed from the config directories."""
     from mpress.commands.flags import EXIT_STATUS
-    from mpress.config.presets import hardware_presets
+    from mpress.config.presets import hardware_presets, train_presets
     from mpress.config.model_config import model_presets
-    from mpress.runtime.train_config import train_presets
 
     width = 88
     lines = ["presets (a name, or a YAML path instead):"]
@@ -60,20 +73,34 @@ def _epilog() -> str:
     return "\n".join(lines) + "\n\n" + EXIT_STATUS
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `mpress` parser. command: the one subcommand whose module is imported and
+    whose flags are registered (the others are listed by name and help line only); None:
+    every subcommand's."""
     from mpress.commands.flags import HelpFormatter
 
     parser = _Parser(prog="mpress", description=DESCRIPTION, epilog=_epilog(), formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"mpress {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
                                        title="commands")
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"mpress.commands.{name}").register(subparsers)
+    for name, help_line in SUBCOMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(f"mpress.commands.{name}").register(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_line)
     return parser
 
 
+def command_of(argv: list[str]) -> str:
+    """The subcommand `argv` runs: its first word that is not a flag (the top level's
+    flags take no value), or "" when there is none or it names no subcommand."""
+    word = next((a for a in argv if not a.startswith("-")), "")
+    return word if word in SUBCOMMANDS else ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_of(argv))
     try:
         args, extra = parser.parse_known_args(argv)
         if extra and not getattr(args, "takes_overrides", False):

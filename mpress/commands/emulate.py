@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -30,11 +31,12 @@ from mpress.commands.pipeline_args import (
 )
 from mpress.errors import PlanError, UserError
 from mpress.contract.plan import Plan
-from mpress.static.plan.evaluate import Evaluation, evaluate
-from mpress.static.plan.plan_eval import check_plan_for_setup, evaluate_plan
 from mpress.config.loader import output_path_arg
 from mpress.ui import make_console, print_json
 from mpress.config.units import fmt_bytes, fmt_seconds
+
+if TYPE_CHECKING:  # emulation loads torch (the analytic profile): imported when the command runs
+    from mpress.static.plan.evaluate import Evaluation
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -154,6 +156,9 @@ def emulation_json(ev: Evaluation, shape: PipelineShape, planned: bool) -> dict[
 
 
 def run(args: argparse.Namespace) -> int:
+    from mpress.static.plan.evaluate import evaluate
+    from mpress.static.plan.plan_eval import check_plan_for_setup, evaluate_plan
+
     console = make_console(stderr=args.json)
     plan: Plan | None = None
     if args.plan:

@@ -21,6 +21,7 @@ the table.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -36,12 +37,15 @@ from mpress.commands.pipeline_args import (
 from mpress.errors import UserError
 from mpress.hardware.server import Hardware, load_hardware
 from mpress.config.presets import hardware_presets
-from mpress.static.studies.maxsize import MaxSize, find_max_size
 from mpress.static.baselines.zero import ZERO_VARIANTS, zero_variants
 from mpress.config.vocabulary import Strategy
 from mpress.config.loader import int_arg, output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
 from mpress.config.units import fmt_bytes, fmt_seconds
+
+if TYPE_CHECKING:  # the search loads torch (through the analytic profile): imported when the command runs
+    from mpress.static.studies.maxsize import MaxSize
+
 
 FAMILIES = ("gpt", "bert")
 DEFAULT_FAMILY = "gpt"
@@ -138,6 +142,8 @@ def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: Pi
 
 
 def run(args: argparse.Namespace) -> int:
+    from mpress.static.studies.maxsize import find_max_size
+
     setting = setting_from_args(args)
     if setting is not None and args.model not in (None, setting.family):
         raise UserError(f"--setting {setting.name} trains the {setting.family} family, not --model {args.model}")

@@ -23,7 +23,8 @@ commands print it, and `--json` carries it as `settings`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from mpress.commands.flags import add_flag
 from mpress.errors import UserError
@@ -31,22 +32,24 @@ from mpress.hardware.server import Hardware, load_hardware
 from mpress.config.presets import hardware_presets
 from mpress.config.model_config import DTYPE_BYTES, ModelConfig, model_presets
 from mpress.contract.plan import Plan
-from mpress.runtime.train_config import TrainConfig
 from mpress.config.settings import Setting, load_setting, setting_presets
 from mpress.hardware.cluster import Sharding, make_cluster
 from mpress.static.emulate.dp_reduction import exposed_reduction_s, reduction_busy_s
 from mpress.static.memory.data_parallel import DataParallel
 from mpress.static.emulate.emulator_result import EmulatorResult
-from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.profile.profile import Profile, model_for_profile
 from mpress.config.units import fmt_bytes, fmt_seconds
 from mpress.config.vocabulary import ScheduleName
 
+if TYPE_CHECKING:  # the pipeline's setup loads torch (the analytic profile): only when a command runs
+    from mpress.static.plan.evaluate import PipelineSetup
+
 DEFAULT_MODEL = "gpt-20.4b"
 DEFAULT_HARDWARE = "dgx1-v100"
 DEFAULT_SCHEDULE = ScheduleName.ONE_F_ONE_B
-DEFAULT_MICROBATCH_SIZE: int = next(f.default for f in fields(TrainConfig) if f.name == "microbatch_size")
-"""The train config's `microbatch_size` default, which `mpress profile --model` uses too."""
+DEFAULT_MICROBATCH_SIZE = 1
+"""The train config's `microbatch_size` default (`TrainConfig`, which imports the runtime:
+a test checks they agree), which `mpress profile --model` uses too."""
 MICROBATCHES_PER_RANK = 2
 """Default microbatches per iteration = this x pipeline ranks."""
 STAGES_PER_RANK = 2
@@ -229,6 +232,8 @@ def setup_from_args(args: argparse.Namespace, plan: Plan | None = None,
     """The `PipelineSetup` the pipeline flags describe and its resolved shape; flags left
     unset take the plan's values (when a plan is given), the `--setting`'s, or the derived
     defaults; a setting's precision replaces the model preset's."""
+    from mpress.static.plan.evaluate import setup_pipeline
+
     setting = setting_from_args(args)
     hardware = hardware_from_args(args, plan, setting)
     if setting is not None and (profile is not None or args.profile or getattr(args, "hf_config", None)):

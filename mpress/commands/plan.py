@@ -20,6 +20,7 @@ seconds) instead of the tables.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -35,15 +36,17 @@ from mpress.commands.pipeline_args import (
 )
 from mpress.errors import UserError
 from mpress.hardware.server import load_hardware
-from mpress.static.plan.evaluate import PipelineSetup
-from mpress.static.plan.planner import PlannerOptions, PlanResult, check_fits_at_all, plan_strategy
-from mpress.static.studies.ablation import Ablation, ablate
-from mpress.static.baselines.zero import BaselineResult, plan_zero, zero_variants
 from mpress.static.profile.profile import Profile
 from mpress.config.loader import output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
 from mpress.config.units import fmt_bytes, fmt_seconds
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
+
+if TYPE_CHECKING:  # the planner loads torch (through the analytic profile): imported when the command runs
+    from mpress.static.baselines.zero import BaselineResult
+    from mpress.static.plan.evaluate import PipelineSetup
+    from mpress.static.plan.planner import PlanResult
+    from mpress.static.studies.ablation import Ablation
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -104,11 +107,15 @@ def profile_for_args(args: argparse.Namespace) -> Profile | None:
 
 def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[str, PlanResult]:
     """Plan every strategy, reporting to `progress`; results by strategy name."""
+    from mpress.static.plan.plan_cache import PlanCache
+    from mpress.static.plan.planner import PlannerOptions, plan_strategy
+
     options = PlannerOptions(swap_in_policy=SwapInPolicy(policy))
     results: dict[str, PlanResult] = {}
+    cache = PlanCache(setup)  # the strategies often emulate the same drafts
     for name in Strategy.words():
         progress.update(f"planning {name}")
-        r = plan_strategy(setup, name, options, progress=progress.update)
+        r = plan_strategy(setup, name, options, progress=progress.update, cache=cache)
         results[name] = r
         progress.advance(f"planned {name}: " + (f"fits, iteration {fmt_seconds(r.evaluation.result.iteration_s)}"
                                                 if r.fits else "does not fit") + f" (planning {fmt_seconds(r.plan_s)})")
@@ -118,6 +125,8 @@ def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[
 def plan_baselines(setup: PipelineSetup) -> dict[str, BaselineResult]:
     """The ZeRO baselines (`mpress.static.baselines.zero`) for the setup's model, batch and server;
     none for a pipeline replicated over nodes (they are modelled on one server)."""
+    from mpress.static.baselines.zero import plan_zero, zero_variants
+
     if setup.data_parallel is not None and setup.data_parallel.degree > 1:
         return {}
     return {v: plan_zero(setup, v) for v in zero_variants(setup.hardware)}
@@ -206,6 +215,9 @@ def plan_json(results: dict[str, PlanResult], chosen: str, shape: PipelineShape,
 
 
 def run(args: argparse.Namespace) -> int:
+    from mpress.static.plan.planner import check_fits_at_all
+    from mpress.static.studies.ablation import ablate
+
     setup, shape = setup_from_args(args, profile=profile_for_args(args))
     check_fits_at_all(setup)
     console = make_console(stderr=args.json)

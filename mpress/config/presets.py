@@ -1,5 +1,5 @@
 """Where presets live: the repository's `configs/` folder, the names of the shipped
-hardware presets, and how a preset name or a file path given by a user becomes a file
+hardware presets and training configs, and how a preset name or a file path given by a user becomes a file
 (`resolve_config`, used by every loader of a preset: hardware, models, settings, train
 configs)."""
 
@@ -11,11 +11,18 @@ from mpress.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 HARDWARE_DIR = CONFIG_DIR / "hardware"
+TRAIN_DIR = CONFIG_DIR / "train"
 
 
 def hardware_presets() -> list[str]:
     """Names of the shipped hardware presets."""
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def train_presets() -> list[str]:
+    """Names of the shipped training configs (configs/train/; `mpress --help` lists them
+    without loading the runtime)."""
+    return sorted(p.stem for p in TRAIN_DIR.glob("*.yaml"))
 
 
 def resolve_config(name_or_path: str | Path, directory: Path, what: str) -> Path:

@@ -42,7 +42,14 @@ import torch
 from torch import nn
 
 from mpress.errors import PlanError
-from mpress.contract.plan import StagePlan, TensorRule, parse_microbatches, pattern_matches
+from mpress.contract.plan import (
+    StagePlan,
+    TensorRule,
+    is_exact_pattern,
+    parse_microbatches,
+    pattern_matches,
+    plain_module_prefix,
+)
 from mpress.contract.selective import LayerOps, OpTrace
 from mpress.config.vocabulary import Technique
 
@@ -297,15 +304,45 @@ class StageRules:
             for rule in self.rules:
                 parse_microbatches(rule.microbatches, num_microbatches)
         self._candidates: dict[str, tuple[int, ...]] = {}
+        self._by_module: dict[str, list[int]] = {}
+        """Rules `X.**` with a plain module path X (the planner writes only these), by X."""
+        self._exact: dict[str, list[int]] = {}
+        """Rules naming one tensor (`layers.3.mlp.act#0`, `optim:layers.3`), by that name."""
+        self._globs: list[int] = []
+        """The other rules, matched one by one."""
+        for i, r in enumerate(self.rules):
+            prefix = plain_module_prefix(r.tensor)
+            if prefix is not None:
+                self._by_module.setdefault(prefix, []).append(i)
+            elif is_exact_pattern(r.tensor):
+                self._exact.setdefault(r.tensor, []).append(i)
+            else:
+                self._globs.append(i)
+        self._groups: dict[tuple[int, tuple[int, ...]], dict[int, list[int]]] = {}
+        """`layer_groups` answers by (layer, the rules selecting the microbatch): microbatches
+        that the same rules select group a layer's tensors alike, and the rules never change."""
+        self._selecting: dict[int, tuple[int, ...]] = {}
         self._layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
 
     def candidates(self, tensor: str) -> tuple[int, ...]:
         """Indices of the rules whose pattern names `tensor` (any microbatch), in order."""
         found = self._candidates.get(tensor)
         if found is None:
-            found = self._candidates[tensor] = tuple(
-                i for i, r in enumerate(self.rules) if pattern_matches(r.tensor, tensor))
+            found = self._candidates[tensor] = self._match(tensor)
         return found
+
+    def _match(self, tensor: str) -> tuple[int, ...]:
+        """`candidates` worked out: a plain `X.**` rule names an activation of module X or
+        of a module under X (never model data), so only the module's own path and its
+        ancestors are looked up, and a rule naming one tensor only that name; glob rules
+        are matched one by one."""
+        hits = [i for i in self._globs if pattern_matches(self.rules[i].tensor, tensor)]
+        hits.extend(self._exact.get(tensor, ()))
+        if ":" not in tensor and self._by_module:
+            parts = tensor.split("#", 1)[0].split(".")
+            for n in range(1, len(parts) + 1):
+                hits.extend(self._by_module.get(".".join(parts[:n]), ()))
+        return tuple(sorted(hits))
 
     def rule_index(self, tensor: str, microbatch: int | None) -> int | None:
         """The index of the rule deciding `tensor` in `microbatch`, or None (keep)."""
@@ -323,11 +360,24 @@ class StageRules:
         rule = self.rule(tensor, microbatch)
         return Technique.KEEP if rule is None else rule.technique
 
+    def selecting(self, microbatch: int) -> tuple[int, ...]:
+        """Indices of the rules that apply in `microbatch`: microbatches with the same
+        ones are decided alike."""
+        found = self._selecting.get(microbatch)
+        if found is None:
+            found = self._selecting[microbatch] = tuple(i for i, r in enumerate(self.rules) if r.selects(microbatch))
+        return found
+
     def layer_groups(self, layer: int, microbatch: int) -> dict[int, list[int]]:
         """Layer `layer`'s saved tensors that a rule compacts in `microbatch`: rule index ->
         positions in the layer's saving order. Raises `PlanError` when the layer is
         recomputed in part and a rule moves some of the rest (a layer recomputed in part
-        keeps what it does not recompute: its checkpoint caches it)."""
+        keeps what it does not recompute: its checkpoint caches it). The answer is shared
+        between calls: do not change it."""
+        selecting = self.selecting(microbatch)
+        found = self._groups.get((layer, selecting))
+        if found is not None:
+            return found
         groups: dict[int, list[int]] = {}
         saved = self.layers[layer].saved
         for position, tensor in enumerate(saved):
@@ -343,6 +393,7 @@ class StageRules:
                 f"stage {self.plan.stage} microbatch {microbatch}: {recomputed} of {len(saved)} saved tensors of "
                 f"{name} are recomputed and rule {moved} ({self.rules[moved].tensor}) moves others; a layer "
                 f"recomputed in part keeps the rest (recompute all of {name}.** or move none of it)")
+        self._groups[(layer, selecting)] = groups
         return groups
 
     def recompute_set(self, layer: int, microbatch: int) -> frozenset[int]:

@@ -99,9 +99,32 @@ def pattern_matches(pattern: str, tensor: str) -> bool:
     if pattern.endswith(".**"):
         prefix = pattern[:-3]
         module = tensor.split("#", 1)[0]
-        return not is_model_data and (fnmatch.fnmatchcase(module, prefix)
-                                       or fnmatch.fnmatchcase(module, prefix + ".*"))
+        if is_model_data:
+            return False
+        if plain_module_prefix(pattern) is not None:  # a plain module path (the planner's): no fnmatch
+            return module == prefix or module.startswith(prefix + ".")
+        return fnmatch.fnmatchcase(module, prefix) or fnmatch.fnmatchcase(module, prefix + ".*")
+    if is_exact_pattern(pattern):
+        return tensor == pattern
     return fnmatch.fnmatchcase(tensor, pattern)
+
+
+def is_exact_pattern(pattern: str) -> bool:
+    """Whether `pattern` names one tensor identity only (itself): no glob characters and
+    not `X.**`."""
+    return not pattern.endswith(".**") and not _GLOB_CHARS.intersection(pattern)
+
+
+def plain_module_prefix(pattern: str) -> str | None:
+    """The module path X of a pattern `X.**` without glob characters (it names the
+    activations saved in X and the modules under it), else None."""
+    if pattern.endswith(".**") and not _GLOB_CHARS.intersection(pattern[:-3]):
+        return pattern[:-3]
+    return None
+
+
+_GLOB_CHARS = frozenset("*?[")
+"""What makes a pattern a glob for `fnmatch` (anything else matches only itself)."""
 
 
 @dataclass(kw_only=True, frozen=True)

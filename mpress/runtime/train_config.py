@@ -30,7 +30,7 @@ import torch
 from mpress.config.loader import check_output_path, from_dict, load_yaml
 from mpress.errors import ConfigError, UserError
 from mpress.hardware.cluster import MAX_NODES as MAX_REPLICAS
-from mpress.config.presets import CONFIG_DIR, HARDWARE_DIR, resolve_config
+from mpress.config.presets import HARDWARE_DIR, TRAIN_DIR, resolve_config, train_presets
 from mpress.config.limits import (
     MAX_MICROBATCH_SIZE,
     MAX_MICROBATCHES,
@@ -48,7 +48,6 @@ from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy,
 from mpress.runtime.data_config import TOKENIZER_TRAIN, DataConfig
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, NO_DECAY_CATEGORIES
 
-TRAIN_DIR = CONFIG_DIR / "train"
 
 PLAN_AUTO = "auto"
 """`plan: auto`: rank 0 plans at start-up for `hardware` (and `device_memory`)."""
@@ -285,11 +284,6 @@ def _check_microbatches(cfg: TrainConfig, num_stages: int, key: str, source: str
     if cfg.schedule is ScheduleName.ONE_F_ONE_B and cfg.num_microbatches < num_stages:
         raise ConfigError(source, key, f"1f1b needs num_microbatches >= num_stages ({num_stages}), "
                                        f"got {cfg.num_microbatches}")
-
-
-def train_presets() -> list[str]:
-    """Names of the shipped training configs (configs/train/)."""
-    return sorted(p.stem for p in TRAIN_DIR.glob("*.yaml"))
 
 
 def _is_path(value: str) -> bool:

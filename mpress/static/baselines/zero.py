@@ -58,14 +58,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpress.errors import UserError
 from mpress.hardware.server import Hardware
 from mpress.static.emulate.dp_reduction import ring_wire_bytes
-from mpress.static.plan.evaluate import PipelineSetup
 from mpress.static.emulate.host_adam import host_adam_step_s
 from mpress.static.profile.profile import LayerMemory, LayerProfile
 from mpress.static.baselines.zero_time import LayerStep, Load, Rates, load_s, pipelined_s, server_rates, with_host_copies
+
+if TYPE_CHECKING:  # a pipeline setup (its analytic profile) loads torch; the variants' names do not
+    from mpress.static.plan.evaluate import PipelineSetup
 
 ZERO_OFFLOAD = "zero-offload"
 ZERO_INFINITY = "zero-infinity"

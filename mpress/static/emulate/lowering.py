@@ -175,6 +175,13 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
     backward_seen: set[int] = set()
     grads_out: set[int] = set()
     host_params_in: dict[int, str] = {}  # stage -> its host step's last parameters copy-in
+    layer_of: dict[tuple[int, str | None], int | None] = {}  # a unit's layer, parsed once per name
+
+    def unit_layer(x: Action) -> int | None:
+        key = (x.stage, x.tensor)
+        if key not in layer_of:
+            layer_of[key] = _unit_layer(x, costs[x.stage])
+        return layer_of[key]
 
     def start(task: Task) -> Task:
         nbytes = sum(released.pop(k) for k in pending)
@@ -191,11 +198,11 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                     (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
                 i += 1
                 inside.append(actions[i])
-            dropped = {_unit_layer(x, c): _choice(x, tensors) for x in inside if x.kind is Kind.DR}
+            dropped = {unit_layer(x): _choice(x, tensors) for x in inside if x.kind is Kind.DR}
             recomputed = [dropped.get(j) for j in range(len(c.layers))]
             by_layer: dict[int | None, list[Action]] = {}
             for x in inside:
-                by_layer.setdefault(_unit_layer(x, c), []).append(x)
+                by_layer.setdefault(unit_layer(x), []).append(x)
             steps = forward_steps(c.layers, recomputed)
             for j, step in enumerate(steps):
                 stash = c.param_bytes if weight_stashing and j == 0 else 0
@@ -210,7 +217,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                     (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
                 i += 1
                 inside.append(actions[i])
-            rc = {_unit_layer(x, c): x for x in inside}
+            rc = {unit_layer(x): x for x in inside}
             recomputed = [_choice(rc[j], tensors) if j in rc else None for j in range(len(c.layers))]
             first = a.stage not in backward_seen
             backward_seen.add(a.stage)
@@ -235,7 +242,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             out.append(start(group[0]))
             out.extend(group[1:])
         elif a.kind is Kind.OPT and a.tensor is not None and tensor_info(a, tensors).host_step:
-            j = _unit_layer(a, c)
+            j = unit_layer(a)
             grads_out.add((a.stage, j))
             begin, grads, step, params = _host_step(a, c.layers[j], tensor_info(a, tensors), device, hardware,
                                                     after=host_params_in.get(a.stage))
@@ -252,7 +259,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                             transient_bytes=max((optimizer_transient_bytes(c.layers[j], hardware) for j in layers),
                                                 default=0))
             else:
-                j = _unit_layer(a, c)
+                j = unit_layer(a)
                 grads_out.add((a.stage, j))
                 info = tensor_info(a, tensors)
                 task = Task(a, compute_s=info.compute_s, free_bytes=c.layers[j].grad_bytes,
@@ -263,7 +270,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             out.append(_lower_memory(a, tensors, device, hardware, pending, released, out))
         elif a.kind in _IN:
             info = tensor_info(a, tensors)
-            layer = _unit_layer(a, c)
+            layer = unit_layer(a)
             issued_in.setdefault((a.stage, a.microbatch, layer), []).append(a.tensor)  # type: ignore[arg-type]
             out.append(_copy(a, info, device, hardware))
         else:
@@ -313,6 +320,32 @@ def _lower_memory(action: Action, tensors: dict[str, TensorInfo], device: int, h
     return _copy(action, info, device, hardware)
 
 
+def rank_static_bytes(costs: list[StageCosts], schedule: Schedule, hardware: Hardware, devices: list[int], *,
+                      offloaded_bytes: list[int] | None = None, pool_bytes: list[int] | None = None,
+                      data_parallel: DataParallel | None = None) -> tuple[list[int], list[int]]:
+    """(device, static bytes) per rank, as `build_program` gives its `Program`: what its
+    stages hold for the whole iteration (parameters, optimizer states and masters not
+    offloaded, pipeline and reduction buffers) and its device's peer pool, counted on the
+    device's first rank. Arguments as `build_program`'s."""
+    stash = schedule.weight_stashing
+    offloaded = offloaded_bytes or [0] * schedule.num_stages
+    pools = pool_bytes or [0] * hardware.num_devices
+    rank_device: list[int] = []
+    static: list[int] = []
+    for r in range(schedule.num_ranks):
+        stages = schedule.stages_of_rank(r)
+        if not stages:
+            raise ScheduleError(f"rank {r} runs no stage")
+        device = devices[stages[0]]
+        pool = 0 if device in rank_device else pools[device]  # a device's pool counts once
+        rank_device.append(device)
+        static.append(pool + sum(
+            (0 if stash else costs[s].param_bytes) + costs[s].optim_bytes + costs[s].master_bytes - offloaded[s]
+            + buffer_bytes(costs[s], schedule.num_microbatches) + reduction_buffer_bytes(costs[s], data_parallel)
+            for s in stages))
+    return rank_device, static
+
+
 def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Schedule, hardware: Hardware, *,
                   microbatch_size: int, stage_to_device: list[int] | None = None,
                   tensors: dict[str, TensorInfo] | None = None,
@@ -342,21 +375,8 @@ def build_program(profile: Profile, ranges: list[tuple[int, int]], schedule: Sch
     late = late_frees(schedule, costs)
     ranks = tuple(lower_rank(actions, costs=costs, devices=devices, hardware=hardware, tensors=table,
                              weight_stashing=stash, late=late) for actions in schedule.ranks)
-    offloaded = offloaded_bytes or [0] * schedule.num_stages
-    pools = pool_bytes or [0] * hardware.num_devices
-    rank_device: list[int] = []
-    static: list[int] = []
-    for r in range(schedule.num_ranks):
-        stages = schedule.stages_of_rank(r)
-        if not stages:
-            raise ScheduleError(f"rank {r} runs no stage")
-        device = devices[stages[0]]
-        pool = 0 if device in rank_device else pools[device]  # a device's pool counts once
-        rank_device.append(device)
-        static.append(pool + sum(
-            (0 if stash else costs[s].param_bytes) + costs[s].optim_bytes + costs[s].master_bytes - offloaded[s]
-            + buffer_bytes(costs[s], schedule.num_microbatches) + reduction_buffer_bytes(costs[s], data_parallel)
-            for s in stages))
+    rank_device, static = rank_static_bytes(costs, schedule, hardware, devices, offloaded_bytes=offloaded_bytes,
+                                            pool_bytes=pool_bytes, data_parallel=data_parallel)
     sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     grad_sends: dict[tuple[int, int], tuple[Transfer, ...]] = {}
     for s in range(schedule.num_stages - 1):

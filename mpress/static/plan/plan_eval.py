@@ -14,7 +14,7 @@ from mpress.contract.plan_check import Shape, check_plan
 from mpress.static.emulate.emulator import emulate
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup
 from mpress.static.emulate.host_memory import pinned_bytes
-from mpress.static.emulate.lowering import build_program, late_frees, lower_rank_traced
+from mpress.static.emulate.lowering import build_program, late_frees, lower_rank_traced, rank_static_bytes
 from mpress.static.memory.model import memory_model
 from mpress.static.emulate.placement import place_by_capacity
 from mpress.static.emulate.program import Program
@@ -63,7 +63,10 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
 
     schedule = rw.schedule
     if plan.swap_in_policy is SwapInPolicy.CAPACITY:
-        static = lower(schedule).static_bytes
+        # the static bytes alone: lowering every rank here would be thrown away
+        _devices, static = rank_static_bytes(setup.costs, schedule, setup.hardware, devices,
+                                             offloaded_bytes=offloaded, pool_bytes=pools,
+                                             data_parallel=setup.data_parallel)
         placed = []
         for r, actions in enumerate(schedule.ranks):
             tasks, origins = lower_rank_traced(actions, costs=setup.costs, devices=devices, hardware=setup.hardware,

@@ -63,7 +63,7 @@ from mpress.static.plan.evaluate import Evaluation, PipelineSetup
 from mpress.static.emulate.liveness import layer_live_intervals, stage_times
 from mpress.static.plan.megatron import megatron_draft
 from mpress.static.plan.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
-from mpress.static.plan.plan_eval import evaluate_plan
+from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner_d2d import D2DSteps
 from mpress.static.memory.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.config.units import fmt_bytes
@@ -119,10 +119,12 @@ class PlanResult:
 
 class _Planner(D2DSteps):
     def __init__(self, setup: PipelineSetup, strategy: str, options: PlannerOptions,
-                 progress: Callable[[str], None] | None) -> None:
+                 progress: Callable[[str], None] | None, cache: PlanCache | None = None) -> None:
         if strategy not in Strategy.words():
             raise UserError(f"unknown strategy {strategy!r} (allowed: {', '.join(Strategy.words())})")
         self.setup, self.strategy, self.options = setup, Strategy(strategy), options
+        self.cache = cache if cache is not None and cache.setup is setup else PlanCache(setup)
+        """Emulations and mappings already made (shared with the other strategies of a run)."""
         self.allowed = _ALLOWED[self.strategy]
         self.layer_allowed: tuple[Technique, ...] = self.allowed
         """Techniques the current seed gives activations."""
@@ -147,7 +149,7 @@ class _Planner(D2DSteps):
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, d: Draft) -> Evaluation:
         """Emulate the draft: its peer pools live in the plan's stages."""
-        return evaluate_plan(self.setup, self.writer.to_plan(d))
+        return self.cache.evaluate(self.setup, self.writer.to_plan(d))
 
     # -- candidates --------------------------------------------------------------------------
     def _layer_saving(self, s: int, j: int, technique: str, choice: int = WHOLE) -> int:
@@ -366,6 +368,10 @@ class _Planner(D2DSteps):
         ev = base
         for rnd in range(self.options.max_fit_rounds):
             shed_any = False
+            # the memory model may find room that the emulation does not (copies in flight,
+            # a transient at the peak): a round asked for nothing still goes on to the
+            # emulated excess, or more memory could stop a search that less memory starts
+            asked = any(need > 0 for need in excess.values())
             for s, need in excess.items():
                 if need > 0:
                     if self.strategy is Strategy.D2D:
@@ -380,7 +386,7 @@ class _Planner(D2DSteps):
             self.progress(f"{self.strategy}: fit round {rnd + 1} ({'+'.join(self.layer_allowed)}), iteration "
                           f"{ev.result.iteration_s:.3f} s, {sum(ev.result.oom)} devices over")
             excess = self._device_excess_from_emulation(ev, d)
-            if not any(v > 0 for v in excess.values()) or not shed_any:
+            if not any(v > 0 for v in excess.values()) or (asked and not shed_any):
                 break
         return d, ev
 
@@ -473,9 +479,11 @@ def minimum_need_bytes(setup: PipelineSetup) -> list[int]:
 
 
 def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions | None = None,
-                  progress: Callable[[str], None] | None = None) -> PlanResult:
-    """Plan one strategy for a laid-out pipeline."""
-    return _Planner(setup, strategy, options or PlannerOptions(), progress).run()
+                  progress: Callable[[str], None] | None = None, cache: PlanCache | None = None) -> PlanResult:
+    """Plan one strategy for a laid-out pipeline. cache: what planning other strategies
+    of `setup` emulated and mapped (`plan_cache.PlanCache(setup)`, shared by them); None:
+    this strategy's own."""
+    return _Planner(setup, strategy, options or PlannerOptions(), progress, cache).run()
 
 
 def check_fits_at_all(setup: PipelineSetup) -> None:

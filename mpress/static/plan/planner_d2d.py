@@ -5,7 +5,8 @@ NVLink, and the rounds that move the costliest compacted layers to peers while t
 emulated iteration gets faster.
 
 `D2DSteps` is a mixin of the planner (`planner.py`): it reads the planner's setup, costs,
-capacity, options and `evaluate`, and records the mapper's time in `mapping_s`.
+capacity, options, `evaluate` and `cache` (whose mapper answers each problem once), and
+records the mapper's time in `mapping_s`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import math
 import time
 
 from mpress.contract.actions import UnitId, UnitKind
-from mpress.d2d.static.mapper import map_devices
 from mpress.d2d.static.ports import nvlink_egress_gbps
 from mpress.d2d.static.mapping import Assignment, MappingProblem, assign_spare, exporter_context_bytes
 from mpress.static.plan.evaluate import Evaluation
@@ -102,7 +102,8 @@ class D2DSteps:
         problem = self._peer_problem(overflow, peaks)
         spare = list(problem.spare_bytes)
         t0 = time.perf_counter()
-        a = assign_spare(problem, mapping) if mapping is not None else map_devices(problem, time_budget_s=0.5).assignment
+        a = assign_spare(problem, mapping) if mapping is not None else \
+            self.cache.map_devices(problem, time_budget_s=0.5).assignment
         self.mapping_s += time.perf_counter() - t0
         if one_peer:
             a = _one_peer(a, problem, spare)

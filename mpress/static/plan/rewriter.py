@@ -89,9 +89,20 @@ class _Stage:
         self.sp = sp
         self.costs = costs
         self.rules = StageRules(sp, layer_tensors(costs), num_microbatches)
+        self._recomputed: dict[tuple[int, ...], list[Choice]] = {}
+        self._units: dict[tuple[int, ...], list[tuple[_Unit, int]]] = {}
+        """Answers by the rules selecting a microbatch (`StageRules.selecting`): the forward
+        and the backward of one ask the same, and microbatches the same rules select get
+        the same."""
 
     def recomputed(self, microbatch: int) -> list[Choice]:
         """Per layer of the stage: its recompute choice in `microbatch` (`stage_memory.Choice`)."""
+        key = self.rules.selecting(microbatch)
+        if key not in self._recomputed:
+            self._recomputed[key] = self._recompute_choices(microbatch)
+        return self._recomputed[key]
+
+    def _recompute_choices(self, microbatch: int) -> list[Choice]:
         return [recompute_choice(layer, self.rules.recompute_set(li, microbatch),
                                  f"stage {self.sp.stage} microbatch {microbatch}")
                 for li, layer in enumerate(self.costs.layers)]
@@ -99,7 +110,12 @@ class _Stage:
     def units(self, microbatch: int) -> list[tuple[_Unit, int]]:
         """(unit, bytes) of every compacted group of saved tensors in `microbatch`: the
         bytes its swap frees (`stage_memory.freeable_bytes`; 0 for a recomputed one). A
-        layer's recomputed tensors are one unit, under the first rule recomputing them."""
+        layer's recomputed tensors are one unit, under the first rule recomputing them.
+        The list is shared between calls: do not change it."""
+        key = self.rules.selecting(microbatch)
+        found = self._units.get(key)
+        if found is not None:
+            return found
         out = []
         recomputed = self.recomputed(microbatch)
         for li, layer in enumerate(self.costs.layers):
@@ -117,6 +133,7 @@ class _Stage:
                 unit = UnitId(self.sp.stage, UnitKind.ACTIVATIONS, layer=layer.name, rule=r)
                 blocks = [round_up(t.bytes, ALIGNMENT_BYTES) for t in moved]
                 out.append((_Unit(unit, li, rule, sum(blocks), max(blocks, default=0)), sum(t.bytes for t in moved)))
+        self._units[key] = out
         return out
 
     def optim_chunks(self) -> list[tuple[str, TensorRule | None, int, int]]:

@@ -29,6 +29,7 @@ as they are: the wrapped module is the same module, with the same names and hook
 from __future__ import annotations
 
 import datetime
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,13 @@ from torch.nn.parallel import DistributedDataParallel
 from mpress.hardware.cluster import DDP_GRADIENT_AS_BUCKET_VIEW
 
 DP, PP = "dp", "pp"
+
+_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                           else {"broadcast_buffers": False})
+"""DDP's switch for not syncing buffers before every forward: `forward_sync_buffers`
+from torch 2.13 (which deprecates `broadcast_buffers` with a FutureWarning), the only one
+torch <= 2.12 has."""
 """The mesh's dimension names."""
 
 
@@ -118,7 +126,7 @@ def replicate_stages(stages: list[PipelineStage], dp_group: dist.ProcessGroup, d
         # buffers are constants here (masks, position ids), equal on every replica: synced
         # once at init, not before every forward
         # gradient_as_bucket_view: the one the static half counts the buckets' memory by
-        stage.submod = DistributedDataParallel(module, process_group=dp_group, forward_sync_buffers=False,
+        stage.submod = DistributedDataParallel(module, process_group=dp_group, **_NO_FORWARD_BUFFER_SYNC,
                                                gradient_as_bucket_view=DDP_GRADIENT_AS_BUCKET_VIEW,
                                                device_ids=[device] if device.type == "cuda" else None,
                                                init_sync=False)

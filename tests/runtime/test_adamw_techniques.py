@@ -12,7 +12,8 @@ reference written with torch alone: `PipelineStage`s under `Schedule1F1B` or
 groups, `LambdaLR` with the schedule's factor and the global norm summed over the ranks,
 uninterrupted. One spawn per rank count runs every job of that count.
 
-gpt-tiny has 6 layers: 4 ranks run 1F1B only (interleaved would need 8 stages).
+Interleaved on 4 ranks needs 8 stages: it trains gpt-tiny with 6 blocks (`DEEP`), one
+layer a stage.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-from mpress.config.model_config import load_model_config
+from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.plan import Plan, TensorRule
 from mpress.launcher.job import start_job
 from mpress.models import build_stage, lm_loss
@@ -51,6 +52,9 @@ MID_DECAY = 3
 POOL = 16 << 20
 """Peer pool each device lends."""
 OFFLOAD = rule("optim:*", "host")
+DEEP = dataclasses.replace(load_model_config(MODEL), num_layers=6)
+"""gpt-tiny with 6 blocks: 8 layers, for 8 stages (interleaved on 4 ranks)."""
+DEEP_RANGES = [(i, i + 1) for i in range(8)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,35 +67,48 @@ class Job:
     resume_after: int | None = None
     """Save the state after this many steps, close the job, start a new one, load it and go on."""
 
+    @property
+    def deep(self) -> bool:
+        """Interleaved on 4 ranks: `DEEP`, one layer a stage."""
+        return self.world == 4 and self.schedule == "interleaved"
+
+    @property
+    def model(self) -> ModelConfig:
+        return DEEP if self.deep else load_model_config(MODEL)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return DEEP_RANGES if self.deep else RANGES[num_stages_of(self.schedule, self.world)]
+
 
 def plan_of(world: int, schedule: str, rules: dict[int, list[TensorRule]], host_step: tuple[int, ...] = ()) -> Plan:
     """A plan for gpt-tiny's stages with `rules`, every device lending a peer pool (set on
     its first stage)."""
+    job = Job(world, schedule)
     return pipeline_plan(schedule, world, NUM_MICROBATCHES, rules, host_step=host_step,
-                         peer_pools={s: POOL for s in range(world)})
+                         peer_pools={s: POOL for s in range(world)}, model=job.model, ranges=job.ranges)
 
 
 def spec(job: Job) -> JobSpec:
-    return JobSpec(model=load_model_config(MODEL), schedule=job.schedule,
-                   ranges=RANGES[num_stages_of(job.schedule, job.world)], microbatch_size=MICROBATCH_SIZE,
+    return JobSpec(model=job.model, schedule=job.schedule, ranges=job.ranges, microbatch_size=MICROBATCH_SIZE,
                    num_microbatches=NUM_MICROBATCHES, seed=SEED, lr=LR, betas=(0.9, 0.95),
                    weight_decay=WEIGHT_DECAY, optimizer="adamw", lr_schedule=SCHEDULE, clip_grad_norm=MAX_NORM)
 
 
 # ---- the reference: torch alone ----------------------------------------------------------
 
-def _reference(rank: int, world: int, schedule_name: str) -> dict:
+def _reference(rank: int, job: Job) -> dict:
     """gpt-tiny's stages of `rank` (s = rank, rank + world, ...) under torch's schedule,
     AdamW (no decay on 1-D parameters and embeddings), LambdaLR and a hand-written
     global clip over every stage of every rank."""
-    cfg = load_model_config(MODEL)
+    cfg, world, schedule_name, ranges = job.model, job.world, job.schedule, job.ranges
     device = torch.device("cpu")
-    n = num_stages_of(schedule_name, world)
+    n = len(ranges)
     torch.manual_seed(7 + rank)  # dropout draws: per rank, as in the mpress runs (seeded before building)
     b, t = MICROBATCH_SIZE, cfg.seq_len
     modules, stages = [], []
     for s in range(rank, n, world):
-        start, end = RANGES[n][s]
+        start, end = ranges[s]
         module = build_stage(cfg, start, end, seed=SEED, device=device)
         module.train()
         x = (torch.zeros(b, t, dtype=torch.long) if s == 0
@@ -177,7 +194,7 @@ def _run(job: Job, plan_path: str | None, rank: int) -> dict:
 
 def _worker(rank: int, world: int, plan_paths: list[str | None], jobs: list[Job]):
     for job, path in zip(jobs, plan_paths):
-        yield _reference(rank, world, job.schedule) if job.reference else _run(job, path, rank)
+        yield _reference(rank, job) if job.reference else _run(job, path, rank)
 
 
 def _op_level(layers: dict[str, int]) -> list[TensorRule]:
@@ -186,7 +203,7 @@ def _op_level(layers: dict[str, int]) -> list[TensorRule]:
 
 # Stages of 2 ranks, 1F1B: 0 = embed, layers.0, layers.1; 1 = layers.2, layers.3, head.
 # Interleaved (4 stages, s on rank s % 2): 0 = embed, layers.0; 1 = layers.1; 2 = layers.2; 3 = layers.3, head.
-# 4 ranks, 1F1B: the interleaved stages, one per rank.
+# 4 ranks, 1F1B: the interleaved stages, one per rank; interleaved: `DEEP`, one layer a stage.
 D2D_2 = plan_of(2, "1f1b", {0: [d2d_rule("layers.0.**", {1: 1.0}), d2d_rule("optim:layers.1", {1: 1.0})],
                             1: [d2d_rule("layers.3.**", {0: 1.0}), d2d_rule("optim:*", {0: 1.0})]})
 OP_LEVEL_2 = plan_of(2, "1f1b", {0: _op_level({"layers.0": 0, "layers.1": 1}),
@@ -213,6 +230,13 @@ HOST_STEP_4 = plan_of(4, "1f1b", {0: [rule("layers.0.**", "host")],
                                   1: [d2d_rule("layers.1.**", {0: 0.5, 2: 0.5})],
                                   2: [*_op_level({"layers.2": 2}), OFFLOAD],
                                   3: [rule("layers.3.**", "recompute")]}, host_step=(0, 3))
+INTERLEAVED_4 = plan_of(4, "interleaved", {0: [rule("embed.**", "host"), OFFLOAD],
+                                           1: [*_op_level({"layers.0": 1}), d2d_rule("optim:*", {2: 1.0})],
+                                           2: [d2d_rule("layers.1.**", {0: 0.5, 3: 0.5})],
+                                           4: [rule("layers.3.**", "recompute")],
+                                           5: [rule("layers.4.**", "host"), OFFLOAD],
+                                           6: [d2d_rule("layers.5.**", {1: 1.0})]}, host_step=(3,))
+"""8 stages of one layer (embed, layers.0-5, head), s on rank s % 4."""
 
 JOBS = {
     2: {
@@ -235,6 +259,9 @@ JOBS = {
         "mixed": Job(4, plan=MIXED_4),
         "mixed-resumed-mid-warmup": Job(4, plan=MIXED_4, resume_after=MID_WARMUP),
         "host-step-resumed-mid-decay": Job(4, plan=HOST_STEP_4, resume_after=MID_DECAY),
+        "reference-interleaved": Job(4, "interleaved", reference=True),
+        "interleaved-mixed": Job(4, "interleaved", plan=INTERLEAVED_4),
+        "interleaved-mixed-resumed-mid-decay": Job(4, "interleaved", plan=INTERLEAVED_4, resume_after=MID_DECAY),
     },
 }
 CASES = [(world, name) for world, jobs in JOBS.items() for name in jobs if not name.startswith("reference")]
@@ -265,7 +292,7 @@ def test_every_technique_is_in_some_plan():
                for p in plans for sp in p.stages for r in sp.rules for t in ("host", "d2d"))
     assert any(sp.optimizer_step == "host" for p in plans for sp in p.stages)
     assert {(job.world, job.schedule) for jobs in JOBS.values() for job in jobs.values()} == \
-        {(2, "1f1b"), (2, "interleaved"), (4, "1f1b")}
+        {(2, "1f1b"), (2, "interleaved"), (4, "1f1b"), (4, "interleaved")}
 
 
 @pytest.mark.parametrize("world,name", CASES, ids=[f"{w}-{n}" for w, n in CASES])

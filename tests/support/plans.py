@@ -60,17 +60,19 @@ def d2d_rule(tensor: str, stripes: dict[int, float], microbatches: str = "all") 
 
 def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[int, list[TensorRule]], *,
                   model: ModelConfig | None = None, host_step: tuple[int, ...] = (),
-                  peer_pools: dict[int, int] | None = None) -> Plan:
+                  peer_pools: dict[int, int] | None = None, ranges: list[tuple[int, int]] | None = None) -> Plan:
     """A plan for the tiny pipeline (`tiny_pipeline`) on `world` CPU ranks: stage s on
     device s % world with `rules[s]`, a pinned host pool each, the optimizer step on the
     host for the stages in `host_step`, a peer pool of `peer_pools[s]` bytes lent by
-    stage s's device; `model`: gpt-tiny as configured (e.g. bf16)."""
+    stage s's device; `model`: gpt-tiny as configured (e.g. bf16, or more blocks);
+    `ranges`: the stages' layer ranges (default `RANGES`)."""
     cfg = model or load_model_config(MODEL)
     n = num_stages_of(schedule, world)
+    ranges = ranges or RANGES[n]
     stages = [StagePlan(stage=s, device=s % world, first_layer=a, end_layer=b, rules=rules.get(s, []),
                         pinned_host_bytes=POOL_BYTES, optimizer_step="host" if s in host_step else "device",
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
-              for s, (a, b) in enumerate(RANGES[n])]
+              for s, (a, b) in enumerate(ranges)]
     plan = Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), dtype=cfg.precision, profile_fingerprint="test",
                 hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
                 schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,

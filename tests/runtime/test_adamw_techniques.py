@@ -23,7 +23,11 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+)
 
 from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.plan import Plan, TensorRule
@@ -33,7 +37,13 @@ from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.trainer import JobSpec
 from tests.support.plans import d2d_rule, op_level_recompute, pipeline_plan, rule
 from tests.support.spawn import spawn
-from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, batch, num_stages_of
+from tests.support.tiny_pipeline import (
+    MICROBATCH_SIZE,
+    MODEL,
+    RANGES,
+    batch,
+    num_stages_of,
+)
 
 pytestmark = pytest.mark.slow
 

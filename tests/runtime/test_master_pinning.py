@@ -19,7 +19,7 @@ from mpress.errors import UserError
 from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
 from mpress.config.units import ALIGNMENT_BYTES, round_up
-from tests.runtime.memory.test_host_pool import FakeCudart
+from tests.support.cuda_fakes import FakeCudart, FakeEvent as _Event
 
 SHAPES = {"w": (512, 257), "b": (257,)}
 
@@ -118,22 +118,6 @@ def test_host_copies_of_cpu_parameters_pin_nothing(pinning):
     ps = params(torch.bfloat16)
     mw = MasterWeights(ps, adam, host=list(ps))
     assert torch_pinned == {} and cudart.registered == {} and mw.slabs == []
-
-
-class _Event:
-    """torch.cuda.Event on a machine without CUDA: the staging copies are synchronous here;
-    records how each event was made (`made`: its keyword arguments)."""
-
-    made: list[dict] = []
-
-    def __init__(self, **kwargs) -> None:
-        _Event.made.append(kwargs)
-
-    def record(self, _stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
 
 @pytest.mark.cuda

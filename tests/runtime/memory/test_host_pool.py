@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mpress.errors import SwapError, UserError
 from mpress.runtime.memory.block_pool import BlockState
 from mpress.runtime.memory.host_pool import PinnedHostPool
+from tests.support.cuda_fakes import FakeCudart
 
 ALIGN = 512
 
@@ -242,29 +243,6 @@ def test_pool_is_pinned_when_cuda_is_available():
     block = pool.allocate(4096, "t")
     assert block.view(torch.bfloat16, (2048,)).is_pinned()
     assert not PinnedHostPool(1 << 20, pin_memory=False).buffer.is_pinned()
-
-
-class FakeCudart:
-    """Stands in for `torch.cuda.cudart()`: records what is page-locked (cudaError 0 = success)."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.registered: dict[int, int] = {}
-        self.calls: list[str] = []
-
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - the CUDA name
-        self.calls.append(f"register {size} flags {flags}")
-        if self.fail:
-            return 2  # cudaErrorMemoryAllocation
-        self.registered[ptr] = size
-        return 0
-
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
-        self.calls.append("unregister")
-        return 0 if self.registered.pop(ptr, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
-
-    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
-        return {2: "out of memory", 712: "not registered"}[int(error)]
 
 
 @pytest.mark.parametrize("capacity", [ALIGN, 3 * ALIGN + 1, 10 * 4096 + 7])

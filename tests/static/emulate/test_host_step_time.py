@@ -22,7 +22,7 @@ from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
 from mpress.static.emulate.host_adam import HOST_ADAM_BYTES_PER_PARAM
 from mpress.static.emulate.host_step_time import host_step_bytes, host_step_s
-from tests.runtime.memory.test_host_pool import FakeCudart
+from tests.support.cuda_fakes import FakeCudart, FakeEvent as _Event
 from tests.support.tiny_pipeline import MODEL, RANGES
 
 
@@ -51,16 +51,6 @@ class _Traffic(TorchDispatchMode):
         self.read += sum(t.numel() * t.element_size() for t in seen.values())
         self.written += sum(t.numel() * t.element_size() for t in outputs)
         return out
-
-
-class _Event:
-    """torch.cuda.Event on a machine without CUDA: the staging copies are synchronous here."""
-
-    def record(self, _stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from mpress.static.plan.rewriter import (
     offloaded_optim_bytes,
 )
 from mpress.config.units import ALIGNMENT_BYTES, round_up
-from tests.runtime.memory.test_host_pool import FakeCudart
+from tests.support.cuda_fakes import FakeCudart
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES
 
 NUM_MICROBATCHES = 4

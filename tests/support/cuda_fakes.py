@@ -1,0 +1,44 @@
+"""Stand-ins for CUDA's runtime on a machine without a GPU: what the pinned pools register
+(`FakeCudart`) and the events the host step waits on (`FakeEvent`), so CPU tests can take
+the code paths a GPU run takes and check what they ask of CUDA."""
+
+from __future__ import annotations
+
+
+class FakeCudart:
+    """Stands in for `torch.cuda.cudart()`: records what is page-locked (cudaError 0 = success)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.registered: dict[int, int] = {}
+        self.calls: list[str] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - the CUDA name
+        self.calls.append(f"register {size} flags {flags}")
+        if self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append("unregister")
+        return 0 if self.registered.pop(ptr, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
+
+    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+        return {2: "out of memory", 712: "not registered"}[int(error)]
+
+
+class FakeEvent:
+    """torch.cuda.Event on a machine without CUDA: copies are synchronous here; records how
+    each event was made (`made`: its keyword arguments, across instances)."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        FakeEvent.made.append(kwargs)
+
+    def record(self, _stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass

@@ -1,16 +1,19 @@
 """Benchmark: what the training job's features cost per step -- global-norm gradient
-clipping and the metrics file -- against the same job without them.
+clipping, evaluation and the metrics file -- against the same job without them.
 
 Each variant is a real `mpress train` of `gpt-tiny-plain` on 2 CPU ranks (2 stages, 1F1B,
 4 microbatches of 4), logging every step:
 
-- baseline: no clipping, no metrics file (`--metrics null`);
+- baseline: no clipping, no evaluation, no metrics file (`--metrics null`);
 - clip: `optimizer.clip_grad_norm: 1.0` (one all-reduce and a pass over the gradients);
+- eval: the validation loss over one held-out batch every 5 steps (forward only through
+  the pipeline), its cost spread over the steps it comes after;
 - metrics: the metrics line of every step (rank 0 writes JSON; TensorBoard too where it
   is installed);
-- clip + metrics: both.
+- all: the three together.
 
-(Evaluation is not on this branch; it joins this table as another variant.)
+The job trains on text (the config's standard-library data, tokenized once and cached
+before the first round).
 
 The time of a step is taken where the user sees it: the interval between consecutive
 `step k:` lines of rank 0's output, timestamped as they arrive (the output is
@@ -39,11 +42,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+_OFF = ["--optimizer.clip-grad-norm", "0", "--eval-every", "0"]
+_EVAL = ["--eval-every", "5", "--eval-batches", "1"]
 VARIANTS: dict[str, list[str]] = {
-    "baseline": ["--metrics", "null"],
-    "clip": ["--metrics", "null", "--optimizer.clip-grad-norm", "1.0"],
-    "metrics": [],
-    "clip + metrics": ["--optimizer.clip-grad-norm", "1.0"],
+    "baseline": ["--metrics", "null", *_OFF],
+    "clip": ["--metrics", "null", "--eval-every", "0", "--optimizer.clip-grad-norm", "1.0"],
+    "eval": ["--metrics", "null", "--optimizer.clip-grad-norm", "0", *_EVAL],
+    "metrics": [*_OFF],
+    "all": ["--optimizer.clip-grad-norm", "1.0", *_EVAL],
 }
 """Each variant's overrides on top of `JOB` (`mpress train` writes RUN_DIR/metrics.jsonl
 unless the config's `metrics` is given: `null` turns it off)."""
@@ -51,7 +57,7 @@ unless the config's `metrics` is given: `null` turns it off)."""
 JOB = ["train", "--config", "gpt-tiny-plain", "--nproc-per-node", "2", "--num-stages", "2",
        "--num-microbatches", "4", "--log-every", "1"]
 
-_STEP_LINE = re.compile(rb"^step (\d+):")
+_STEP_LINE = re.compile(rb"^step (\d+): loss")  # not its "val loss" line
 
 
 def step_times(extra: list[str], steps: int, run_dir: Path) -> list[float]:

@@ -19,7 +19,7 @@ from mpress.errors import UserError
 from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
 from mpress.config.units import ALIGNMENT_BYTES, round_up
-from tests.support.cuda_fakes import FakeCudart, FakeEvent as _Event
+from tests.support.cuda_fakes import FakeCudart, FakeEvent as _Event, as_if_cuda
 
 SHAPES = {"w": (512, 257), "b": (257,)}
 
@@ -55,8 +55,7 @@ def pinning(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    as_if_cuda(monkeypatch, cudart)
     return cudart, pinned
 
 

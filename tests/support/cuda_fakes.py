@@ -42,3 +42,15 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         pass
+
+
+def as_if_cuda(monkeypatch, cudart: FakeCudart) -> None:
+    """torch says CUDA is available and its runtime is `cudart`: the code paths a GPU run
+    takes, on this machine. A CUDA build of torch (the GPU machines' 2.11) asks the driver
+    whether the current stream is capturing a graph in every Adam step once CUDA says it
+    is available; there is no driver here, and no capture."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -22,7 +22,7 @@ from mpress.runtime import master_weights
 from mpress.runtime.master_weights import MasterWeights
 from mpress.static.emulate.host_adam import HOST_ADAM_BYTES_PER_PARAM
 from mpress.static.emulate.host_step_time import host_step_bytes, host_step_s
-from tests.support.cuda_fakes import FakeCudart, FakeEvent as _Event
+from tests.support.cuda_fakes import FakeCudart, FakeEvent as _Event, as_if_cuda
 from tests.support.tiny_pipeline import MODEL, RANGES
 
 
@@ -57,8 +57,7 @@ class _Traffic(TorchDispatchMode):
 def as_on_a_gpu(monkeypatch):
     """Host copies get their staging buffers (pinned by a fake CUDA runtime: no CUDA
     here), as on a GPU run."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    as_if_cuda(monkeypatch, FakeCudart())
     monkeypatch.setattr(master_weights, "_on_accelerator", lambda p: True)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)

@@ -42,7 +42,7 @@ from mpress.static.plan.rewriter import (
     offloaded_optim_bytes,
 )
 from mpress.config.units import ALIGNMENT_BYTES, round_up
-from tests.support.cuda_fakes import FakeCudart
+from tests.support.cuda_fakes import FakeCudart, as_if_cuda
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES
 
 NUM_MICROBATCHES = 4
@@ -226,8 +226,7 @@ def pinning(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(master_weights, "_on_accelerator", lambda p: True)  # as on a GPU
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    as_if_cuda(monkeypatch, cudart)
     return cudart, torch_pinned
 
 

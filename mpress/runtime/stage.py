@@ -9,12 +9,14 @@ as the compute action of the rank's program (`program.py`) that it is: the progr
 checks it is the next one, waits for the copy-outs it releases, issues the swap-ins the
 list puts before it, and the router (`router.py`) carries out what the list puts inside
 it (swap-outs, drops, recomputes). Nothing here decides where a swap-in goes: the plan's
-list does.
+list does. `PlainStage` is torch's stage untouched, for a job without a plan.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from mpress.contract.plan import Plan
 from mpress.contract.plan_check import check_plan
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
-from mpress.runtime.program import RankProgram
+from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.runtime.swap.store import PeerStores
@@ -221,3 +223,30 @@ def _refuse_model_data(plan: Plan, stage_index: int) -> None:
         if rule.tensor.startswith(tuple(f"{kind}:" for kind in MODEL_DATA_KINDS)):
             raise PlanError(f"stage {stage_index}: rule {i} ({rule.tensor} -> {rule.technique}) moves model data, "
                             "which a stage wrapped on its own cannot do: train with PipelineJob or mpress train")
+
+
+class PlainStage(PipelineStage):
+    """torch's stage, untouched, that tells the rank's live-bytes tracker which action
+    runs (an out-of-memory error of a plain run names it too) and records it for the trace."""
+
+    def __init__(self, *args: object, live: LiveBytes | None, spans: list[Span], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.live = live
+        self.spans = spans
+
+    def _run(self, action: Action, run: Callable[[], object]) -> object:
+        if self.live is not None:
+            self.live.context = str(action)
+        start = time.perf_counter()
+        out = run()
+        self.spans.append(Span(action, start, time.perf_counter()))
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: object, **kwargs: object) -> object:
+        return self._run(Action(self.stage_index, Kind.F, fwd_chunk_id),
+                         lambda: super(PlainStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: object, **kwargs: object) -> object:
+        return self._run(Action(self.stage_index, Kind.B, bwd_chunk_id),
+                         lambda: super(PlainStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs))
+

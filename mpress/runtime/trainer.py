@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,7 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from mpress.contract.actions import Action, Kind
+from mpress.contract.actions import Action
 from mpress.errors import PlanError, SwapError, UserError
 from mpress.contract.identity import layer_paths
 from mpress.contract.live_bytes import LiveBytes
@@ -50,7 +49,7 @@ from mpress.runtime.optimizer_offload import (
 )
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, build_optimizer, no_decay_names
 from mpress.runtime.program import RankProgram, Span
-from mpress.runtime.stage import MpressStage, meta_examples, wrap_stage
+from mpress.runtime.stage import MpressStage, PlainStage, meta_examples, wrap_stage
 from mpress.runtime.swap.store import PeerStores
 from mpress.runtime.tied_grads import TiedGrads
 from mpress.config.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
@@ -234,10 +233,8 @@ class PipelineJob:
                         self.host_steps.append(host_step)
         self.startup_peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" \
             else self.live.peak_bytes
-        """The rank's device at its fullest before the first step, from its first allocation
-        (CUDA: the allocator's peak since the process began; CPU: `LiveBytes`, with the
-        peer pool, each stage's parameters and example microbatch counted from when they
-        were made and the inspection forward and the masters' send-out watched)."""
+        """The device at its fullest before the first step (CUDA: the allocator's peak since the
+        process began; CPU: `LiveBytes`, what start-up makes counted from when it is made)."""
 
     def _adopt_model_data(self) -> None:
         """Count what exists before training on the rank's device: the peer pool it lends,
@@ -291,7 +288,7 @@ class PipelineJob:
                                model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
                                peers=self.peers, program=self.program, live=self.live, optimizer_by_job=True)
             return module, stage, list(stage.runtime.router.layers)
-        stage = _PlainStage(module, s, self.num_stages, device, input_args=meta_examples(x),
+        stage = PlainStage(module, s, self.num_stages, device, input_args=meta_examples(x),
                             output_args=meta_examples(y), group=group, live=self.live, spans=self.spans)
         return module, stage, layer_paths(module, (x,))
 
@@ -501,30 +498,3 @@ class PipelineJob:
         self.masters.close()
         if self.peers is not None:
             self.peers.close(barrier=True)
-
-
-class _PlainStage(PipelineStage):
-    """torch's stage, untouched, that tells the rank's live-bytes tracker which action
-    runs (an out-of-memory error of a plain run names it too) and records it for the trace."""
-
-    def __init__(self, *args: object, live: LiveBytes | None, spans: list[Span], **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.live = live
-        self.spans = spans
-
-    def _run(self, action: Action, run: Callable[[], object]) -> object:
-        if self.live is not None:
-            self.live.context = str(action)
-        start = time.perf_counter()
-        out = run()
-        self.spans.append(Span(action, start, time.perf_counter()))
-        return out
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: object, **kwargs: object) -> object:
-        return self._run(Action(self.stage_index, Kind.F, fwd_chunk_id),
-                         lambda: super(_PlainStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: object, **kwargs: object) -> object:
-        return self._run(Action(self.stage_index, Kind.B, bwd_chunk_id),
-                         lambda: super(_PlainStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs))
-

@@ -24,6 +24,7 @@ from mpress.models import build_stage, lm_loss
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_masters_equal, assert_states_equal
+from tests.support.jobs import resumed
 from tests.support.plans import pipeline_plan
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, batch
@@ -140,13 +141,7 @@ def _run(job: Job, plan_path: str | None, rank: int) -> dict:
     try:
         for step in range(STEPS):
             if step == job.resume_after:
-                saved, rng = pj.state(), torch.get_rng_state()
-                pj.close()
-                pj = PipelineJob(s, plan, torch.device("cpu"))
-                pj.load_state(saved)
-                pj.next_step = step  # what the launcher sets after a resume
-                del saved
-                torch.set_rng_state(rng)
+                pj = resumed(pj, lambda: PipelineJob(s, plan, torch.device("cpu")), step)
             hook = None
             if rank == 0 and step in job.poison:
                 hook = next(pj.modules[0].parameters()).register_hook(_poison_hook)

@@ -35,6 +35,7 @@ from mpress.launcher.job import start_job
 from mpress.models import build_stage, lm_loss
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.trainer import JobSpec
+from tests.support.jobs import resumed
 from tests.support.plans import d2d_rule, op_level_recompute, pipeline_plan, rule
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import (
@@ -180,13 +181,7 @@ def _run(job: Job, plan_path: str | None, rank: int) -> dict:
     losses, norms, lrs = [], [], []
     for step in range(STEPS):
         if step == job.resume_after:
-            saved, rng = pj.state(), torch.get_rng_state()
-            pj.close()
-            pj = start_job(s, plan, torch.device("cpu"))
-            pj.load_state(saved)
-            pj.next_step = step  # what the launcher sets after a resume
-            del saved
-            torch.set_rng_state(rng)
+            pj = resumed(pj, lambda: start_job(s, plan, torch.device("cpu")), step)
         x, y = batch(step, NUM_MICROBATCHES)
         result = pj.step(x, y)
         assert not result.skipped, (rank, step)

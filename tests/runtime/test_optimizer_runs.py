@@ -13,13 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from mpress.contract.actions import Kind
-from mpress.errors import ConfigError
 from mpress.config.model_config import ModelConfig, load_model_config
+from mpress.contract.actions import Kind
 from mpress.contract.plan import Plan, StagePlan, Stripe, TensorRule
+from mpress.errors import ConfigError
 from mpress.runtime.master_weights import Kind as MasterKind
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
+from tests.support.jobs import resumed
 from tests.support.plans import pipeline_plan
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, batch
@@ -116,12 +117,7 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
     losses = []
     for step in range(STEPS):
         if step == job.resume_after:
-            saved, rng = pj.state(), torch.get_rng_state()
-            pj.close()
-            pj = PipelineJob(spec, plan, torch.device("cpu"))
-            pj.load_state(saved)
-            del saved  # the loaded states may share its storages: gone, as in the launcher
-            torch.set_rng_state(rng)
+            pj = resumed(pj, lambda: PipelineJob(spec, plan, torch.device("cpu")), step)
         x, y = batch(step, NUM_MICROBATCHES)
         losses.append(pj.step(x, y).loss)
     live_between_steps = pj.live.live_bytes  # after the last step: what stays on the device

@@ -25,3 +25,17 @@ def run_steps(job, plan: Plan | None, batch: Callable[[int], tuple[torch.Tensor,
                  "recomputed": sum(rt.router.layers_recomputed for rt in job.runtimes),
                  "log": format_actions(job.program.last_log)}
     return {"losses": losses, "state": job.state(), "extra": extra, "peaks": peaks}
+
+
+def resumed(job, make: Callable[[], object], step: int):
+    """`job` stopped before `step` and resumed as the launcher resumes: its state and the
+    RNG saved, the job closed, a new one made by `make()` and loaded, its next step set
+    (the learning rate's index) and the RNG restored. Returns the new job."""
+    saved, rng = job.state(), torch.get_rng_state()
+    job.close()
+    job = make()
+    job.load_state(saved)
+    job.next_step = step
+    del saved  # the loaded states may share its storages: gone, as in the launcher
+    torch.set_rng_state(rng)
+    return job

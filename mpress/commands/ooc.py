@@ -25,35 +25,30 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from mpress.config import limits
 from mpress.commands.flags import add_command, add_flag, bytes_arg
+from mpress.config import limits
 from mpress.config.loader import int_arg, output_path_arg
-from mpress.errors import UserError
-from mpress.hardware.server import Hardware
 from mpress.config.presets import hardware_presets
-from mpress.models.user_module import parse_layers
-from mpress.static.studies.ooc_model import DEFAULT_IMAGE_SIZE, OocModel, host_link_gbps, load_ooc_model, \
-    load_single_device, model_choices
-from mpress.static.studies.ooc_point import POLICIES, OocPoint, PolicyRun, evaluate_point
-from mpress.static.studies.ooc_sweeps import (
-    DEFAULT_BANDWIDTHS_GBPS,
-    BandwidthPoint,
-    bandwidth_sweep,
-    bandwidth_sweep_json,
-    batch_sweep,
-    batch_sweep_json,
-    default_batch_sizes,
-    footprint_bytes,
-    knee_batch,
-    point_json,
-    settings_json,
-)
-from mpress.tiling.networks import NETWORKS
-from mpress.ui import TaskProgress, make_console, print_json
 from mpress.config.units import fmt_bytes, fmt_seconds
+from mpress.errors import UserError
+from mpress.static.studies.ooc_defaults import (
+    DEFAULT_BANDWIDTHS_GBPS,
+    DEFAULT_IMAGE_SIZE,
+    POLICIES,
+    conv_networks,
+    model_choices,
+)
+from mpress.ui import TaskProgress, make_console, print_json
+
+if TYPE_CHECKING:  # the study's modules import torch (the profilers): `run` imports them
+    from mpress.hardware.server import Hardware
+    from mpress.static.studies.ooc_model import OocModel
+    from mpress.static.studies.ooc_point import OocPoint, PolicyRun
+    from mpress.static.studies.ooc_sweeps import BandwidthPoint
 
 DEFAULT_HARDWARE = "hgx-h100"
 DEFAULT_MODEL = "vgg16"
@@ -123,13 +118,15 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.batch_size is not None and args.sweep == "batch":
         raise UserError("--sweep batch takes --batch-sizes, not --batch-size")
     conv_flags = args.image_size != DEFAULT_IMAGE_SIZE or args.width_div != 1
-    if conv_flags and (args.module or (args.model and args.model not in NETWORKS)):
-        raise UserError(f"--image-size and --width-div are for the conv nets ({', '.join(sorted(NETWORKS))})")
+    if conv_flags and (args.module or (args.model and args.model not in conv_networks())):
+        raise UserError(f"--image-size and --width-div are for the conv nets ({', '.join(conv_networks())})")
 
 
 def _default_batch(model: OocModel, hardware: Hardware, sources: dict[str, str]) -> int:
     """The first batch of the default sweep whose footprint passes device memory (else its
     largest)."""
+    from mpress.static.studies.ooc_sweeps import default_batch_sizes, footprint_bytes
+
     sizes = default_batch_sizes(model, hardware)
     for batch in sizes:
         if footprint_bytes(model, hardware, batch) > hardware.usable_memory_bytes:
@@ -141,6 +138,8 @@ def _default_batch(model: OocModel, hardware: Hardware, sources: dict[str, str])
 
 def settings_line(model: OocModel, hardware: Hardware, sources: dict[str, str]) -> str:
     """One line: the model, the device, and each value derived rather than given."""
+    from mpress.static.studies.ooc_model import host_link_gbps
+
     parts = [f"model {model.name} ({model.kind}, microbatch {model.microbatch_size})",
              f"hardware {hardware.name}: one {hardware.device.name}, capacity "
              f"{fmt_bytes(hardware.usable_memory_bytes)}, host link {host_link_gbps(hardware):.3g} GB/s"]
@@ -171,6 +170,8 @@ def point_table(model: OocModel, point: OocPoint) -> Table:
 
 
 def batch_table(model: OocModel, points: list[OocPoint]) -> Table:
+    from mpress.static.studies.ooc_sweeps import knee_batch
+
     knee = knee_batch(points)
     t = Table(title=f"{model.name}: throughput against batch size (footprint past device memory from "
                     f"{knee if knee is not None else 'none of these'})")
@@ -199,6 +200,23 @@ def bandwidth_table(model: OocModel, rows: list[BandwidthPoint]) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mpress.models.user_module import parse_layers
+    from mpress.static.studies.ooc_model import (
+        host_link_gbps,
+        load_ooc_model,
+        load_single_device,
+    )
+    from mpress.static.studies.ooc_point import evaluate_point
+    from mpress.static.studies.ooc_sweeps import (
+        bandwidth_sweep,
+        bandwidth_sweep_json,
+        batch_sweep,
+        batch_sweep_json,
+        default_batch_sizes,
+        point_json,
+        settings_json,
+    )
+
     _check_args(args)
     console = make_console(stderr=args.json)
     hardware = load_single_device(args.hardware, args.capacity)

@@ -15,29 +15,31 @@ and for the out-of-memory verdict (one line with the numbers).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
 from rich.table import Table
 
 from mpress.commands.flags import EXIT_STATUS, add_command, add_flag
-from mpress.errors import TilingError, UserError
-from mpress.tiling.graph import from_sequential
-from mpress.tiling.networks import NETWORKS
-from mpress.tiling.planner import TilingPlan, plan_fixed, plan_for_budget, step_cost
 from mpress.config import limits
 from mpress.config.loader import int_arg
-from mpress.ui import make_console
 from mpress.config.units import fmt_bytes
+from mpress.errors import TilingError, UserError
+from mpress.static.studies.ooc_defaults import conv_networks
+from mpress.ui import make_console
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:  # the tiling planner imports torch: `run` imports it, flag errors come without
+    from mpress.tiling.planner import TilingPlan
+
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+"""--dtype's choices: names of torch dtypes."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `tile` subcommand to the `mpress` parser."""
     p = add_command(subparsers, "tile", help="plan fused-tiled (SFT) execution of a conv network for a giant image",
                     description=__doc__, epilog=EXIT_STATUS)
-    add_flag(p, "model", aliases=("--network",), default="vgg16", choices=sorted(NETWORKS), metavar="NETWORK",
-             help=f"reference conv network ({', '.join(sorted(NETWORKS))}; default: %(default)s)")
+    add_flag(p, "model", aliases=("--network",), default="vgg16", choices=conv_networks(), metavar="NETWORK",
+             help=f"reference conv network ({', '.join(conv_networks())}; default: %(default)s)")
     p.add_argument("--image-size", type=int_arg(1, limits.MAX_IMAGE_SIZE), default=4096, help="square image side in pixels (default: %(default)s)")
     add_flag(p, "device_memory", aliases=("--budget",), default="2GB",
              help="memory budget, e.g. 2GB, 512MB (GB = 1e9 bytes; default: %(default)s)")
@@ -45,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tile every maximal tileable run this many ways per side instead of planning")
     add_flag(p, "microbatch_size", aliases=("--batch",), default=1, help="images per batch (default: %(default)s)")
     p.add_argument("--width-div", type=int_arg(1, limits.MAX_WIDTH), default=1, help="divide every channel count by this (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="(default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="(default: %(default)s)")
     p.add_argument("--detail", action="store_true", help="print every operator's tile sizes")
     p.set_defaults(func=run)
 
@@ -91,6 +93,12 @@ def detail_table(plan: TilingPlan, k: int) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print; see the module docstring."""
+    import torch
+
+    from mpress.tiling.graph import from_sequential
+    from mpress.tiling.networks import NETWORKS
+    from mpress.tiling.planner import plan_fixed, plan_for_budget, step_cost
+
     if args.image_size <= 0:
         raise UserError(f"--image-size must be > 0, got {args.image_size}")
     if args.microbatch_size <= 0 or args.width_div <= 0:
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     budget = args.device_memory
     net = NETWORKS[args.model](width_div=args.width_div)
     shape = (args.microbatch_size, 3, args.image_size, args.image_size)
-    graph = from_sequential(net, shape, DTYPES[args.dtype])
+    graph = from_sequential(net, shape, getattr(torch, args.dtype))
     plan = plan_fixed(graph, (args.tiles, args.tiles)) if args.tiles else plan_for_budget(graph, budget)
     console = make_console()
     px = args.image_size

@@ -13,30 +13,17 @@ import secrets
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mpress.commands.flags import HelpFormatter, add_flag
+from mpress.config.loader import int_arg
+from mpress.config.presets import train_presets
 from mpress.errors import UserError
 from mpress.hardware.cluster import MAX_NODES
-from mpress.config.loader import int_arg
-from mpress.launcher.launch import LaunchSpec, Nodes, launch
-from mpress.launcher.metrics_log import METRICS_FILE
-from mpress.launcher.startup import pool_override
-from mpress.config.overrides import parse_override_args
-from mpress.contract.plan import Plan
-from mpress.runtime.train_config import (
-    PLAN_AUTO,
-    PLAN_NONE,
-    TrainConfig,
-    check_world_size,
-    pipeline_ranks,
-    load_train_config,
-    resolve_backend,
-    train_presets,
-)
-from mpress.config.vocabulary import ScheduleName
+
+if TYPE_CHECKING:
+    from mpress.launcher.launch import Nodes
+    from mpress.runtime.train_config import TrainConfig
 
 DEFAULT_CPU_RANKS = 4
 """Ranks of a CPU run whose config sets no num_stages: the shipped CPU examples' four."""
@@ -118,6 +105,8 @@ def default_nproc(cfg: TrainConfig, num_gpus: int, nnodes: int = 1) -> int:
     """Ranks per machine when --nproc-per-node is not given: what the config asks for
     (num_stages; for interleaved two stages per rank; times dp, over `nnodes` machines),
     else one rank per visible GPU, else `DEFAULT_CPU_RANKS` (see EXAMPLES)."""
+    from mpress.config.vocabulary import ScheduleName
+
     if cfg.num_stages is not None:
         if cfg.schedule is ScheduleName.INTERLEAVED:
             pp = max(1, cfg.num_stages // 2) if cfg.num_stages % 2 == 0 else cfg.num_stages
@@ -131,6 +120,18 @@ def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
     """Everything about the job that can be checked before a rank starts, `nproc` ranks
     on each of `nnodes` machines; returns the backend. Raises `UserError` naming the key
     or flag to change."""
+    import torch
+
+    from mpress.contract.plan import Plan
+    from mpress.launcher.startup import pool_override
+    from mpress.runtime.train_config import (
+        PLAN_AUTO,
+        PLAN_NONE,
+        check_world_size,
+        pipeline_ranks,
+        resolve_backend,
+    )
+
     if nproc < 1:
         raise UserError(f"--nproc-per-node: must be >= 1, got {nproc}")
     check_world_size(cfg, nproc * nnodes)
@@ -153,7 +154,15 @@ def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check the job, then launch it; the exit status as EXAMPLES lists it."""
+    """Check the job, then launch it; the exit status as EXAMPLES lists it. The job's
+    modules (torch among them) are imported here: a flag error has none to wait for."""
+    import torch
+
+    from mpress.config.overrides import parse_override_args
+    from mpress.launcher.launch import LaunchSpec, launch
+    from mpress.launcher.metrics_log import METRICS_FILE
+    from mpress.runtime.train_config import load_train_config
+
     overrides = parse_override_args(list(getattr(args, "extra", [])), args.config)
     cfg = load_train_config(args.config, overrides)
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -186,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
 def nodes_of(args: argparse.Namespace) -> Nodes | None:
     """The machines of the job from --nnodes/--node-rank/--rdzv-endpoint (None: this
     machine only). A `UserError` naming the flag when they do not fit together."""
+    from mpress.launcher.launch import Nodes
+
     if args.nnodes == 1:
         if args.node_rank != 0:
             raise UserError(f"--node-rank: {args.node_rank} needs --nnodes > {args.node_rank}")

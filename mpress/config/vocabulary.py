@@ -27,6 +27,16 @@ class Word(str, enum.Enum):
         return tuple(m.value for m in cls)
 
 
+class ConvNetwork(Word):
+    """The reference conv nets of fused-tiled execution and the out-of-core study
+    (`mpress.tiling.networks.NETWORKS` builds each): named here so that `mpress tile`
+    and `mpress ooc` list them without importing torch."""
+
+    VGG16 = "vgg16"
+    VGG19 = "vgg19"
+    DARKNET19 = "darknet19"
+
+
 def as_word(obj: object, name: str, vocabulary: type[Word]) -> None:
     """Store field `name` of a (frozen) dataclass as a member of `vocabulary`, so code that
     builds one may pass the plain word; an unknown word is a `ConfigError` naming the

@@ -11,10 +11,12 @@ cannot cross (global pooling needs the whole image). DarkNet-19 normalises with
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from mpress.config.vocabulary import ConvNetwork
 
 VGG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
 VGG19 = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
@@ -84,5 +86,6 @@ def darknet19(*, width_div: int = 1, num_classes: int = 10, in_channels: int = 3
     return _network(layers, c, num_classes)
 
 
-NETWORKS: dict[str, Callable[..., nn.Sequential]] = {"vgg16": vgg16, "vgg19": vgg19, "darknet19": darknet19}
+NETWORKS: dict[str, Callable[..., nn.Sequential]] = {ConvNetwork.VGG16: vgg16, ConvNetwork.VGG19: vgg19,
+                                                     ConvNetwork.DARKNET19: darknet19}
 """Reference networks by name (`mpress tile --network`, bench/sft.py)."""

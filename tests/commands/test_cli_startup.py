@@ -26,10 +26,18 @@ TORCH_FREE = [
     ["profile", "--no-such-flag"],
     ["topo", "--no-such-flag"],
     ["maxsize", "--no-such-flag"],
+    ["ooc", "--no-such-flag"],
+    ["ooc", "--model", "vgg16", "--image-size", "3"],
+    ["ooc", "--help"],
+    ["tile", "--no-such-flag"],
+    ["tile", "--dtype", "int8"],
+    ["tile", "--help"],
+    ["train", "--nproc-per-node", "x", "--config", "gpt-tiny-plain"],
+    ["train", "--nnodes", "0", "--config", "gpt-tiny-plain"],
+    ["train", "--help"],
 ]
-"""Invocations that print help, the version or a one-line error (exit 0 or 2). Not yet
-among them: the flags of ooc, tile and train, whose modules still import torch
-(their choices and defaults come from modules that do)."""
+"""Invocations that print help, the version or a one-line error (exit 0 or 2): every
+command's flags, choices and defaults come from modules that do not import torch."""
 
 
 @pytest.mark.parametrize("argv", TORCH_FREE, ids=lambda a: " ".join(a) or "(none)")

@@ -30,18 +30,17 @@ from pathlib import Path
 import torch
 
 from mpress.config import limits
+from mpress.config.model_config import ModelConfig, load_model_config, model_presets
+from mpress.config.vocabulary import ScheduleName
 from mpress.errors import UserError
 from mpress.hardware.server import Hardware, load_hardware
-from mpress.config.model_config import ModelConfig, load_model_config, model_presets
 from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.profile.profile import ModelIdentity, Profile
+from mpress.static.studies.ooc_defaults import DEFAULT_IMAGE_SIZE
 from mpress.tiling.networks import NETWORKS
-from mpress.config.vocabulary import ScheduleName
 
 CONV_LAYERS = ("features.*", "head")
 """A conv net's layers: each conv, activation and pool module, and the classifier head."""
-DEFAULT_IMAGE_SIZE = 224
-"""Square image side of the conv nets, pixels (ImageNet's)."""
 DEFAULT_NUM_CLASSES = 1000
 
 
@@ -60,11 +59,6 @@ class OocModel:
     @property
     def microbatch_size(self) -> int:
         return self.profile.microbatch_size
-
-
-def model_choices() -> list[str]:
-    """Names `--model` takes: the conv nets, then the GPT/BERT presets."""
-    return sorted(NETWORKS) + model_presets()
 
 
 def single_device(hardware: Hardware, capacity_bytes: int | None = None) -> Hardware:

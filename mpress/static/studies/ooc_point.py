@@ -27,17 +27,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mpress.hardware.server import Hardware
+from mpress.config.vocabulary import Strategy, SwapInPolicy
 from mpress.contract.plan import Plan
+from mpress.hardware.server import Hardware
 from mpress.static.emulate.emulator import EmulatorResult
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup, evaluate
-from mpress.static.studies.ooc_model import OocModel, ooc_setup
 from mpress.static.plan.plan_eval import evaluate_plan
 from mpress.static.plan.planner import PlannerOptions, plan_strategy
-from mpress.config.vocabulary import Strategy, SwapInPolicy
+from mpress.static.studies.ooc_defaults import POLICIES
+from mpress.static.studies.ooc_model import OocModel, ooc_setup
 
-POLICIES = (SwapInPolicy.LAYER_AHEAD, SwapInPolicy.CAPACITY)
-"""Both swap-in policies, in the order the tables show them."""
 TOP_STALLS = 3
 """Tensors named per policy as where the stalls are."""
 

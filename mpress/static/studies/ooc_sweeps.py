@@ -33,10 +33,20 @@ from pathlib import Path
 from mpress.errors import UserError
 from mpress.hardware.server import Hardware
 from mpress.static.plan.evaluate import evaluate
-from mpress.static.studies.ooc_model import OocModel, host_link_gbps, ooc_setup, with_host_link
-from mpress.static.studies.ooc_point import POLICIES, OocPoint, PolicyRun, evaluate_point, reemulate
+from mpress.static.studies.ooc_model import (
+    OocModel,
+    host_link_gbps,
+    ooc_setup,
+    with_host_link,
+)
+from mpress.static.studies.ooc_point import (
+    POLICIES,
+    OocPoint,
+    PolicyRun,
+    evaluate_point,
+    reemulate,
+)
 
-DEFAULT_BANDWIDTHS_GBPS = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 450.0)
 """Effective host-link GB/s per direction: PCIe 3 x4 up to NVLink-C2C (Grace Hopper, 450 GB/s
 per direction)."""
 DEFAULT_OVER = 3.0

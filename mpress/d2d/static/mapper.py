@@ -6,8 +6,11 @@ A mapping puts each stage on a distinct device. A stage with overflow stripes it
 linked devices with spare memory; stripes move in parallel, so its swap takes the longest
 stripe time. For one mapping the best striping is exact (`maxflow.py`). Over mappings
 (`map_devices`): on a symmetric topology every mapping is a relabelling of the identity,
-so the search is skipped; otherwise an exact branch and bound (`_Search`), which a time
-budget may cut short, and then the result carries a lower bound so the gap is known.
+so the search is skipped; otherwise an exact branch and bound (`_Search`), which a budget
+may cut short, and then the result carries a lower bound so the gap is known. The budget
+is time or work (bound evaluations): a work budget cuts the search at the same node on
+every machine, so the planner's mappings, and hence its plans, do not depend on how
+fast or how loaded the machine is.
 Objective: fewest unplaced bytes, then the least slowest swap time; ties (within
 `REL_TOL`) go to the identity, then to the lexicographically smallest mapping.
 
@@ -39,7 +42,7 @@ from mpress.d2d.static.maxflow import CutTable
 DEFAULT_TIME_BUDGET_S = 10.0
 """Search time when the caller gives none; the search stops sooner once it has proved optimality."""
 HEURISTIC_SHARE = 0.3
-"""Most of the time budget that the greedy-and-swaps seeding may take."""
+"""Most of the budget (time or work) that the greedy-and-swaps seeding may take."""
 _MAX_AUTOMORPHISMS = 20_000
 
 
@@ -84,11 +87,13 @@ class _Search:
       are explored best bound first. Ties are settled afterwards by `first_optimal`.
     """
 
-    def __init__(self, problem: MappingProblem, deadline: float) -> None:
+    def __init__(self, problem: MappingProblem, deadline: float, work_limit: float = math.inf) -> None:
         n, s = problem.num_devices, problem.num_stages
         idle = problem.idle_spare_bytes
         pseudo = n - s if len(set(idle)) == 1 else 0
         self.problem, self.deadline, self.num_real = problem, deadline, s
+        self.work, self.work_limit = 0, work_limit
+        """Bound evaluations so far, and the most the search may make."""
         self.demand = list(problem.overflow_bytes) + [0] * pseudo
         self.spare = list(problem.spare_bytes) + [idle[0]] * pseudo
         self.pool = len(self.demand) == n
@@ -121,9 +126,15 @@ class _Search:
             t.place(st, d)
         return t
 
+    def spent(self, deadline: float | None = None, work_limit: float | None = None) -> bool:
+        """The budget (default: the whole search's) is used up, in time or in work."""
+        return (self.work >= (self.work_limit if work_limit is None else work_limit)
+                or time.perf_counter() > (self.deadline if deadline is None else deadline))
+
     def key(self, t: CutTable, ref: tuple[int, float] | None = None) -> tuple[int, float]:
         """Bound of t's completions against ref (default: the incumbent); exact when t is
         complete and beats ref."""
+        self.work += 1
         ref_u, ref_t = ref or self.best
         stop = ref_t * (1 - REL_TOL)
         if ref_u == 0:
@@ -135,6 +146,7 @@ class _Search:
         """Value of a complete mapping (pseudo-stages included), exact when it beats ref."""
         self.examined += 1
         if not self.by_cuts:
+            self.work += 1
             return mapping_value(self.problem, mapping[:self.num_real])
         return self.key(self.table(list(enumerate(mapping))), ref)
 
@@ -155,8 +167,9 @@ class _Search:
             device_of[st] = max(free, key=lambda d: (score[d], -d))
         return device_of
 
-    def improve(self, mapping: list[int], until: float) -> None:
-        """Pairwise swaps of device contents until none helps (first improvement)."""
+    def improve(self, mapping: list[int], until: float, work_until: float) -> None:
+        """Pairwise swaps of device contents until none helps (first improvement) or the
+        seeding's share of the budget (`until` in time, `work_until` in work) is spent."""
         current, value = list(mapping), self.value(mapping)
         self.consider(value, current)
         improved = True
@@ -166,7 +179,7 @@ class _Search:
                 trial = [j if d == i else i if d == j else d for d in current]
                 if trial == current:
                     continue  # both devices idle
-                if time.perf_counter() > until:
+                if self.spent(until, work_until):
                     return
                 trial_value = self.value(trial, value)
                 if is_better(trial_value, value):
@@ -186,7 +199,7 @@ class _Search:
     def branch(self, t: CutTable, depth: int, group: list[tuple[int, ...]]) -> bool:
         """Depth-first search below t; True when the deadline stopped it."""
         placed = [(st, t.device_of[st]) for st in self.order[:depth]]
-        if time.perf_counter() > self.deadline:
+        if self.spent():
             self.frontier.append((placed, None))
             return True
         st = self.order[depth]
@@ -216,7 +229,7 @@ class _Search:
 
     def first_optimal(self, t: CutTable, depth: int, limit: float) -> list[int] | None:
         """Lexicographically first mapping with value <= (best unplaced, limit)."""
-        if time.perf_counter() > self.deadline:
+        if self.spent():
             raise TimeoutError
         same = [i for i in range(depth) if (self.demand[i], self.spare[i]) == (self.demand[depth], self.spare[depth])]
         low = t.device_of[same[-1]] if same else -1  # identical stages take increasing devices
@@ -228,6 +241,7 @@ class _Search:
             self.nodes += 1
             prefix = t.device_of[:depth + 1]
             found = None
+            self.work += 1
             if not any(_smaller(g, prefix) for g in self.group) and t.time_bound(self.best[0], stop) <= limit:
                 if depth == len(self.demand) - 1:
                     self.examined += 1
@@ -259,16 +273,24 @@ def _smaller(g: tuple[int, ...], prefix: Sequence[int]) -> bool:
     return next((g[d] < d for d in prefix if g[d] != d), False)
 
 
-def map_devices(problem: MappingProblem, *, time_budget_s: float | None = None) -> MapperResult:
+def map_devices(problem: MappingProblem, *, time_budget_s: float | None = None,
+                work_budget: int | None = None) -> MapperResult:
     """Best stage->device mapping for D2D swap, with its spare assignment.
 
     Objective: fewest unplaced bytes, then the least slowest swap time; ties go to the
     identity, then to the lexicographically smallest mapping. Exact (proved by branch
-    and bound) unless the time budget (default `DEFAULT_TIME_BUDGET_S`) runs out first;
-    `exact` says which, and `lower_bound_s` bounds the optimum either way.
+    and bound) unless the budget runs out first: `work_budget` bound evaluations (the
+    same cut on every machine) or else `time_budget_s` seconds (default
+    `DEFAULT_TIME_BUDGET_S`); `exact` says which, and `lower_bound_s` bounds the optimum
+    either way.
     """
     start = time.perf_counter()
-    budget = DEFAULT_TIME_BUDGET_S if time_budget_s is None else time_budget_s
+    if work_budget is not None:
+        if work_budget < 1:
+            raise ValueError(f"work_budget must be >= 1, got {work_budget}")
+        budget, work = math.inf, float(work_budget)
+    else:
+        budget, work = (DEFAULT_TIME_BUDGET_S if time_budget_s is None else time_budget_s), math.inf
     n, s = problem.num_devices, problem.num_stages
     off_diagonal = {problem.link_gbps[i][j] for i in range(n) for j in range(n) if i != j}
     if (len(off_diagonal) <= 1 and len(set(problem.port_gbps or (0.0,))) == 1
@@ -278,14 +300,14 @@ def map_devices(problem: MappingProblem, *, time_budget_s: float | None = None) 
                             lower_bound_unplaced_bytes=a.unplaced_bytes, mappings_examined=1,
                             nodes_visited=0, search_s=time.perf_counter() - start, skipped_symmetric=True,
                             num_automorphisms=math.factorial(n))
-    search = _Search(problem, start + budget)
+    search = _Search(problem, start + budget, work)
     identity = list(range(len(search.demand)))
     identity_value = search.value(identity)
     # Seed the incumbent: swaps from the identity and from a greedy placement, within a
     # share of the budget so that the bound search has time to prove or to bound.
-    heuristic_end = start + HEURISTIC_SHARE * budget
-    search.improve(identity, heuristic_end)
-    search.improve(search.greedy(), heuristic_end)
+    heuristic_end, heuristic_work = start + HEURISTIC_SHARE * budget, HEURISTIC_SHARE * work
+    search.improve(identity, heuristic_end, heuristic_work)
+    search.improve(search.greedy(), heuristic_end, heuristic_work)
     exact = search.by_cuts and not search.branch(search.table(), 0, search.group)
     if not search.by_cuts:
         search.frontier.append(([], None))  # no search: the whole tree is still open

@@ -45,12 +45,12 @@ class PlanCache:
             self.hits += 1
         return found
 
-    def map_devices(self, problem: MappingProblem, *, time_budget_s: float | None = None) -> MapperResult:
-        """`mapper.map_devices(problem, time_budget_s=...)`, solved once per problem."""
-        key = (problem, time_budget_s)
+    def map_devices(self, problem: MappingProblem, *, work_budget: int) -> MapperResult:
+        """`mapper.map_devices(problem, work_budget=...)`, solved once per problem."""
+        key = (problem, work_budget)
         found = self._mappings.get(key)
         if found is None:
-            found = self._mappings[key] = map_devices(problem, time_budget_s=time_budget_s)
+            found = self._mappings[key] = map_devices(problem, work_budget=work_budget)
         else:
             self.hits += 1
         return found

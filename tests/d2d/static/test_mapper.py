@@ -310,6 +310,32 @@ def test_dgx1_interrupted_search_bounds_the_optimum():
         assert r.lower_bound_s <= best * (1 + 1e-9) <= r.assignment.slowest_swap_s * (1 + 2e-9)
 
 
+@settings(max_examples=25, deadline=None)
+@given(small_problems(), st.sampled_from([1, 3, 10, 40]))
+def test_a_work_budget_cuts_the_search_at_the_same_point_every_time(p, work):
+    # A work budget (bound evaluations, not seconds) stops the search at one node whatever
+    # the machine's speed or load, so the planner's mappings are reproducible; the
+    # bounds hold as under a time budget.
+    first, again = map_devices(p, work_budget=work), map_devices(p, work_budget=work)
+    assert (first.assignment, first.exact, first.lower_bound_s, first.nodes_visited) == \
+        (again.assignment, again.exact, again.lower_bound_s, again.nodes_visited)
+    b = brute_force(p)
+    assert first.lower_bound_unplaced_bytes <= b.unplaced_bytes <= first.assignment.unplaced_bytes
+    if first.assignment.unplaced_bytes == b.unplaced_bytes:
+        assert first.lower_bound_s <= b.slowest_swap_s * (1 + 1e-9)
+
+
+def test_dgx1_work_budget_stops_the_search_and_bounds_the_optimum():
+    p = MappingProblem.from_hardware(load_hardware("dgx1-v100"), DGX1_OVERFLOW, DGX1_SPARE)
+    full = map_devices(p)
+    cut = map_devices(p, work_budget=20)
+    assert full.exact and not cut.exact
+    assert cut.nodes_visited < full.nodes_visited
+    assert cut.lower_bound_s <= full.assignment.slowest_swap_s * (1 + 1e-9) <= cut.assignment.slowest_swap_s * (1 + 2e-9)
+    with pytest.raises(ValueError, match="work_budget"):
+        map_devices(p, work_budget=0)
+
+
 @pytest.mark.slow
 def test_dgx1_search_equals_enumerating_all_8_factorial_mappings():
     p = MappingProblem.from_hardware(load_hardware("dgx1-v100"), DGX1_OVERFLOW, DGX1_SPARE)

@@ -195,8 +195,10 @@ class CutTable:
         self._rows: list[list[float]] = [[0.0] * n]  # rows[mask]: rate from those stages to each device
         self._row_demand = [0]
         self._pool = sorted(spare_bytes)  # spares of stages not yet placed, ascending
+        self._cuts: list[tuple[int, int, list[tuple[float, float]], int]] | None = None  # _families of this state
 
     def place(self, stage: int, device: int) -> None:
+        self._cuts = None
         self.stage_on[device], self.device_of[stage] = stage, device
         self._pool.remove(self._spare[stage])
         b = self._demand[stage]
@@ -207,6 +209,7 @@ class CutTable:
             self._placed.append(stage)
 
     def unplace(self, stage: int) -> None:
+        self._cuts = None
         device = self.device_of[stage]
         self.stage_on[device], self.device_of[stage] = -1, -1
         insort(self._pool, self._spare[stage])
@@ -215,8 +218,14 @@ class CutTable:
             del self._rows[half:], self._row_demand[half:]
             self._placed.pop()
 
-    def _families(self) -> Iterator[tuple[int, int, list[tuple[float, float]], int]]:
-        """Yield (own demand, need, terms, reach) per cut family of the placed stages."""
+    def _families(self) -> list[tuple[int, int, list[tuple[float, float]], int]]:
+        """(own demand, need, terms, reach) per cut family of the placed stages: made once
+        per placement state (a search asks both bounds of each state)."""
+        if self._cuts is None:
+            self._cuts = list(self._cut_families())
+        return self._cuts
+
+    def _cut_families(self) -> Iterator[tuple[int, int, list[tuple[float, float]], int]]:
         occ, spare, ingress = self.stage_on, self._spare, self._ingress
         pool = self._pool[::-1]
         fill = None if self._use_pool else [max(pool[0] if pool else 0, x) for x in self._idle]

@@ -1,8 +1,15 @@
 """Run a test's worker on several CPU ranks: spawned processes in one gloo group.
 
 `spawn(worker, world, plans, *args)` saves the plans (None: plain pipelining) to a
-temporary directory, starts `world` processes with the "spawn" start method, and in each
-joins a gloo group (file init method) and runs `worker(rank, world, plan_paths, *args)`.
+temporary directory, starts `world` processes, and in each joins a gloo group (file init
+method) and runs `worker(rank, world, plan_paths, *args)`.
+
+The processes are forked from a fork server that has imported torch and mpress's runtime
+once (`PRELOAD`): a rank started with the "spawn" method imports them itself, seconds of
+CPU per rank and launch, which made these launches most of the suite's time. A forked
+rank starts from the server's fresh imports, as a spawned one would, not from the test
+process's state; the test process's environment is handed to each rank (the server's is
+the one it had when it started).
 The worker yields one result per job (or returns None: no results); each is saved with
 `torch.save` as it comes, so the parent gets, per job and rank, what the worker got to. A worker that raises writes its
 error to a file and leaves at once, without tearing down the group (its peers may be
@@ -43,8 +50,21 @@ class Spawned:
     """Wall time from the first start to the last exit."""
 
 
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "mpress.runtime.trainer", "tests.support.spawn"]
+"""What the fork server imports once, so that each rank forked from it starts with torch
+and mpress's runtime loaded."""
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _entry(rank: int, world: int, init: str, worker: Callable[..., Iterable[Any] | None], plan_paths: list[str | None],
-           args: tuple, out_dir: str, group_timeout_s: float | None) -> None:
+           args: tuple, out_dir: str, group_timeout_s: float | None, environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the test's, not the fork server's
     torch.set_num_threads(1)
     try:
         timeout = {} if group_timeout_s is None else {"timeout": timedelta(seconds=group_timeout_s)}
@@ -66,7 +86,7 @@ def spawn(worker: Callable[..., Iterable[Any] | None], world: int, plans: list[P
     call fails (None: wait for ever). group_timeout_s: the gloo group's timeout (None:
     torch's default). stop_others_on_error: once a rank has failed, kill the others
     rather than wait for them; False where the test checks how the others notice."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         paths: list[str | None] = []
         for i, plan in enumerate(plans):
@@ -75,7 +95,8 @@ def spawn(worker: Callable[..., Iterable[Any] | None], world: int, plans: list[P
                 plan.save(paths[-1])
         init = os.path.join(tmp, "init")
         start = time.monotonic()
-        procs = [ctx.Process(target=_entry, args=(r, world, init, worker, paths, args, tmp, group_timeout_s))
+        procs = [ctx.Process(target=_entry, args=(r, world, init, worker, paths, args, tmp, group_timeout_s,
+                                                  dict(os.environ)))
                  for r in range(world)]
         for p in procs:
             p.start()

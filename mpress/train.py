@@ -303,6 +303,8 @@ def _optimizer_info(cfg: TrainConfig, result: StepResult, skipped_total: int) ->
         parts.append(f"lr {result.lr:.3g}")
     if result.grad_norm is not None:
         parts.append(f"gnorm {result.grad_norm:.3g}" + (" (step skipped)" if result.skipped else ""))
+    elif result.skipped:  # a non-finite loss without clipping
+        parts.append("step skipped")
     if skipped_total:
         parts.append(f"{skipped_total} skipped")
     return "".join(f"  {p}" for p in parts)

@@ -90,8 +90,8 @@ class OptimizerConfig:
     """Clip gradients to this global 2-norm over every stage (torch's clip_grad_norm_
     rule); also reports the norm and skips steps whose norm is not finite; 0 or null = off."""
     max_skipped_steps: int = field(default=3, metadata={"min": 1, "max": MAX_STEPS})
-    """With clipping: stop the run after this many consecutive steps skipped for a
-    non-finite gradient norm."""
+    """Stop the run after this many consecutive steps skipped for a non-finite loss (or,
+    with clipping, gradient norm)."""
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

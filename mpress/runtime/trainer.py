@@ -166,6 +166,8 @@ class PipelineJob:
         self.stages: list[PipelineStage] = []
         self.params: dict[int, dict[str, list[str]]] = {}
         """Per stage: its parameter names per layer (the optimizer steps one layer at a time)."""
+        self.inputs_meta: dict[int, tuple[torch.Tensor, ...]] = {}
+        """Per stage: its inputs of one microbatch, as meta tensors (evaluation receives them)."""
         self._user_stages: list[tuple[nn.Module, tuple, tuple]] = []
         """A user's model: every stage's module and example (inputs, outputs), from one split."""
         if isinstance(spec.model, UserModel):
@@ -183,7 +185,7 @@ class PipelineJob:
                               modules=self.modules, world=self.world, group=group)
         """Copies of a weight several stages use (tied embeddings): gradients summed each step."""
         last = self.stages[-1]
-        loss = spec.model.loss if isinstance(spec.model, UserModel) else lm_loss
+        self.loss = loss = spec.model.loss if isinstance(spec.model, UserModel) else lm_loss
         loss_fn = last.route_loss(loss) if isinstance(last, MpressStage) else loss
         if interleaved:
             self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=loss_fn)
@@ -280,6 +282,7 @@ class PipelineJob:
             y = y[0] if len(y) == 1 else y
         else:
             module, x, y = self._reference_stage(s)
+        self.inputs_meta[s] = meta_examples(x if isinstance(x, tuple) else (x,))
         if self.live is not None:  # the start-up peak counts them from here
             self._adopt_module(module)
             for what, t in (("example input", x), ("example output", y)):

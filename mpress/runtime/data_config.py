@@ -39,7 +39,7 @@ class DataConfig:
     tokenizer: str | None = None
     """kind: text: a `tokenizers` tokenizer.json, a Hugging Face model directory with
     tokenizer files (loaded with AutoTokenizer, local_files_only), or `train` (a byte-level
-    BPE trained from the data's files, vocabulary = the model's vocab_size, cached)."""
+    BPE trained from the data's training files, vocabulary = the model's vocab_size, cached)."""
     eot_token: str | None = None
     """kind: text: the end-of-text token put between documents; default: the tokenizer's
     eos token, else `<|endoftext|>` (what `train` adds)."""

@@ -102,14 +102,9 @@ class StepGuard:
     skipped_steps: list[int] = field(default_factory=list)
     """The indices of the skipped steps."""
 
-    def check(self, step: int, norm: float) -> bool:
-        """Whether step `step` (0-based) may run given its global gradient norm; a
-        non-finite norm is counted as a skip (`skip`)."""
-        if math.isfinite(norm):
-            self.consecutive = 0
-            return True
-        self.skip(step, f"the gradient norm is {norm}")
-        return False
+    def taken(self) -> None:
+        """A step went ahead: the run of skips is over."""
+        self.consecutive = 0
 
     def skip(self, step: int, what: str) -> None:
         """Count step `step` as skipped for `what` (a clause: "the loss is nan on stage
@@ -174,7 +169,7 @@ def check_step(guard: StepGuard, step: int, place: StepPlace, modules: Sequence[
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=place.dp_group)
             bad = bool(verdict[0])
         if not bad:
-            guard.consecutive = 0
+            guard.taken()
             if max_norm:
                 clip_by_norm(params, norm, float(max_norm))
             return norm_value, False

@@ -27,18 +27,18 @@ STOP = ("mpress train: rank 0: error: step 3: the loss is not finite on stage 1,
         "stages 0, 1, 3 steps in a row (steps 1, 2, 3 skipped); stopping")
 
 
-def config(tmp, **checkpoint: object) -> str:
+def config(tmp, clip: float | None = None, **checkpoint: object) -> str:
     path = tmp / "train.yaml"
     path.write_text(yaml.safe_dump({
         "model": "gpt-tiny", "schedule": "1f1b", "num_stages": 2, "microbatch_size": 2, "num_microbatches": 4,
         "steps": 8, "plan": "none", "seed": 1, "log_every": 1,
-        "optimizer": {"lr": 1e30, "max_skipped_steps": 3},
+        "optimizer": {"lr": 1e30, "max_skipped_steps": 3, "clip_grad_norm": clip},
         "checkpoint": {"dir": str(tmp / "ckpt"), "every_steps": 1, "keep_last": 8, **checkpoint}}))
     return str(path)
 
 
-def mpress_train(tmp, **checkpoint: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpress", "train", "--config", config(tmp, **checkpoint),
+def mpress_train(tmp, clip: float | None = None, **checkpoint: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpress", "train", "--config", config(tmp, clip, **checkpoint),
                            "--nproc-per-node", "2", "--run-dir", str(tmp / "run")],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -68,3 +68,16 @@ def test_a_non_finite_loss_is_skipped_counted_and_stops_the_run_with_exit_2(tmp_
     assert "resuming from" in again.stdout
     errors = [line for line in again.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(STOP), again.stderr[-3000:]
+
+
+def test_under_clipping_a_non_finite_loss_is_skipped_and_stops_alike(tmp_path):
+    """With clipping the loss rides on the norm's one reduction: the steps read gnorm nan,
+    are skipped and counted, and the same line stops the run."""
+    res = mpress_train(tmp_path, clip=1.0)
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(STOP), res.stderr[-3000:]
+    lines = re.findall(r"^step (\d+): loss (\S+)  (.*)$", res.stdout, re.MULTILINE)
+    assert [int(step) for step, _, _ in lines] == [0, 1, 2], res.stdout
+    for step, loss, rest in lines[1:]:
+        assert loss == "nan" and f"  gnorm nan (step skipped)  {step} skipped  (" in rest, rest

@@ -115,9 +115,10 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                    peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"),
                    device_capacity_bytes=cfg.device_memory_bytes if device.type == "cpu" else None)
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
-    # a preset trains on tokens (synthetic or a file); a user's module on synthetic inputs
-    # shaped like its example microbatch (`UserModel.batch`)
-    dataset, val, data_line = (None, None, "") if isinstance(model, UserModel) else _datasets(cfg, model, control)
+    # a preset trains on tokens (synthetic, a file or text); a user's module or HF model on
+    # text, or on synthetic inputs shaped like its example microbatch (`UserModel.batch`)
+    dataset, val, data_line = (None, None, "") if isinstance(model, UserModel) and cfg.data.kind != "text" \
+        else _datasets(cfg, model, control)
     shuffle = cfg.seed if cfg.data.kind == "text" else None  # text windows in a per-epoch permutation
     batch_size = cfg.microbatch_size * cfg.num_microbatches
     num_eval = eval_batch_count(val, batch_size=batch_size, wanted=cfg.eval_batches) if val is not None else 0
@@ -158,6 +159,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             else:
                 x, y = batches(dataset, microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches,
                                step=batch, shuffle_seed=shuffle)
+                if isinstance(model, UserModel):  # text windows as the module or HF model takes them
+                    x, y = model.text_batch(x, y)
             tracing = cfg.trace is not None and step == cfg.steps - 1
             if tracing:
                 run_trace.start(job)
@@ -225,16 +228,18 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     return 0
 
 
-def _datasets(cfg: TrainConfig, model: ModelConfig,
+def _datasets(cfg: TrainConfig, model: ModelConfig | UserModel,
               control: dist.ProcessGroup) -> tuple[TokenDataset, TokenDataset | None, str]:
     """(training set, validation set or None, rank 0's line about the data). Text data is
     tokenized (and its BPE trained) once per node, by the node's first rank, into the
     cache the other ranks then read."""
     if cfg.data.kind != "text":
-        return build_dataset(cfg.data, model, seed=cfg.seed), None, ""
+        return build_dataset(cfg.data, model, seed=cfg.seed), None, ""  # type: ignore[arg-type]  # a preset
+    # a module's or HF model's positions and vocabulary (before the job splits it)
+    seq_len, vocab_size = (model.seq_len, model.vocab_size) if isinstance(model, ModelConfig) else model.text_shape()
 
     def build() -> TextData:
-        return build_text_data(cfg.data, seq_len=model.seq_len, vocab_size=model.vocab_size, seed=cfg.seed)
+        return build_text_data(cfg.data, seq_len=seq_len, vocab_size=vocab_size, seed=cfg.seed)
 
     first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
     text: TextData | UserError | None = None  # set on every path below
@@ -303,6 +308,8 @@ def _optimizer_info(cfg: TrainConfig, result: StepResult, skipped_total: int) ->
         parts.append(f"lr {result.lr:.3g}")
     if result.grad_norm is not None:
         parts.append(f"gnorm {result.grad_norm:.3g}" + (" (step skipped)" if result.skipped else ""))
+    elif result.skipped:  # a non-finite loss without clipping
+        parts.append("step skipped")
     if skipped_total:
         parts.append(f"{skipped_total} skipped")
     return "".join(f"  {p}" for p in parts)

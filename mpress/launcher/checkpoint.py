@@ -8,6 +8,7 @@ global keys
     optimizer.state.<name>.<state>     Adam's exp_avg, exp_avg_sq, step of parameter <name>
     optimizer.param_groups             the hyperparameters (the same on every rank)
     masters.<name>                     fp32 master weights (mixed precision only)
+    skips                              the steps skipped so far (`StepGuard.state_dict`)
     rng.rank<r>                        rank r's generator states
 
 and a resume loads, on every rank, the keys of the parameters it holds now, whatever rank
@@ -65,6 +66,7 @@ from mpress.runtime.trainer import PipelineJob
 
 _STATE = "optimizer.state."
 _GROUPS = "optimizer.param_groups"
+_SKIPS = "skips"
 
 
 class Checkpoints:
@@ -184,12 +186,16 @@ def flatten(state: dict[str, Any]) -> dict[str, Any]:
     # which parameters a group holds differs by rank; the hyperparameters do not
     flat[_GROUPS] = [{k: v for k, v in g.items() if k != "params"} for g in state["optimizer"]["param_groups"]]
     flat.update({f"masters.{name}": t for name, t in state.get("masters", {}).items()})
+    if "skips" in state:
+        flat[_SKIPS] = state["skips"]
     return flat
 
 
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     """The job state of DCP keys (`flatten`'s inverse; `rng.*` keys are left out)."""
     state: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": flat[_GROUPS]}, "masters": {}}
+    if flat.get(_SKIPS) is not None:  # a checkpoint older than the counts has none
+        state["skips"] = flat[_SKIPS]
     for key, value in flat.items():
         if key.startswith("model."):
             state["model"][key[len("model."):]] = value
@@ -213,6 +219,8 @@ def destination(job: PipelineJob, metadata: Metadata, folder: Path, *, rng_of: i
             states.setdefault(name, []).append(key)
 
     dest: dict[str, Any] = {_GROUPS: None}
+    if _SKIPS in saved:
+        dest[_SKIPS] = None
     for m in job.modules:
         for name in m.state_dict():
             key = f"model.{name}"

@@ -11,10 +11,17 @@ no program action runs, and optimizer states offloaded between steps stay where 
 put them. On CPU the forward is counted by the rank's live bytes against its capacity
 like a step. Dropout's random streams are not drawn, so evaluating changes no training loss.
 
+Any model the trainer runs evaluates alike: a preset, a user's module or a Hugging Face
+model (`mpress.models.user`), each stage called on its positional inputs (a user's split
+may pass several tensors between stages: each is sent in order, received into buffers
+shaped as the stage's example inputs, `PipelineJob.inputs_meta`), the loss the job's own
+(`PipelineJob.loss`: `lm_loss` for a preset and a module on text, the HF model's LM loss),
+the text windows given to the model as training gives them (`text_batch`).
+
 Eval batch j (a global batch, microbatch_size x num_microbatches windows, samples
 j*B .. j*B + B - 1 of the validation windows in order) runs on replica j % dp; the loss is
-the mean of the microbatch losses (`lm_loss`, a mean over each microbatch's tokens) over
-every batch, the perplexity exp(loss).
+the mean of the microbatch losses (a mean over each microbatch's tokens) over every
+batch, the perplexity exp(loss).
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from mpress.errors import UserError
-from mpress.models import lm_loss
-from mpress.models.transformer import TORCH_DTYPES
+from mpress.models.user import UserModel
+from mpress.models.user_module import as_args
 from mpress.runtime.data import TokenDataset, batches
 from mpress.runtime.trainer import PipelineJob
 
@@ -61,34 +68,36 @@ def eval_batch_count(val: TokenDataset, *, batch_size: int, wanted: int) -> int:
     return min(wanted, available)
 
 
-def forward_losses(job: PipelineJob, inputs: torch.Tensor, targets: torch.Tensor,
+def forward_losses(job: PipelineJob, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor,
                    num_microbatches: int) -> list[float]:
-    """The pipeline's forward of one global batch, (B, T) inputs and targets, without
-    autograd: the loss of each microbatch on the rank holding the last stage, [] elsewhere.
-    Every rank of the pipeline calls it with the same batch."""
-    spec, device = job.spec, job.device
-    cfg = spec.model
-    width, dtype = cfg.hidden_size, TORCH_DTYPES[cfg.precision]  # type: ignore[union-attr]
+    """The pipeline's forward of one global batch, the first stage's positional inputs
+    (one tensor or several, batch first) and the targets, without autograd: the loss of
+    each microbatch on the rank holding the last stage, [] elsewhere. Every rank of the
+    pipeline calls it with the same batch."""
+    device = job.device
     rank_of = [s % job.world for s in range(job.num_stages)]
-    xs, ys = inputs.tensor_split(num_microbatches), targets.tensor_split(num_microbatches)
+    xs = [t.tensor_split(num_microbatches) for t in (inputs if isinstance(inputs, tuple) else (inputs,))]
+    ys = targets.tensor_split(num_microbatches)
     losses: list[float] = []
     for m in range(num_microbatches):
-        local: torch.Tensor | None = None
+        local: tuple[torch.Tensor, ...] = ()
         for s, module in zip(job.stage_ids, job.modules):
             if s == 0:
-                x = xs[m].to(device)
+                args = tuple(x[m].to(device) for x in xs)
             elif rank_of[s - 1] == job.rank:
-                x = local
+                args = local
             else:
-                x = torch.empty(xs[m].shape[0], xs[m].shape[1], width, dtype=dtype, device=device)
-                dist.recv(x, group=job.group, group_src=rank_of[s - 1])
-            out = module(x)  # (b, T, hidden), or (b, T, vocab) on the last stage
+                args = tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in job.inputs_meta[s])
+                for t in args:
+                    dist.recv(t, group=job.group, group_src=rank_of[s - 1])
+            out = as_args(module(*args))  # (b, T, hidden), or (b, T, vocab) on the last stage
             if s == job.num_stages - 1:
-                losses.append(float(lm_loss(out, ys[m].to(device))))
+                losses.append(float(job.loss(out[0] if len(out) == 1 else out, ys[m].to(device))))
             elif rank_of[s + 1] == job.rank:
                 local = out
             else:
-                dist.send(out.contiguous(), group=job.group, group_dst=rank_of[s + 1])
+                for t in out:
+                    dist.send(t.contiguous(), group=job.group, group_dst=rank_of[s + 1])
     return losses
 
 
@@ -110,7 +119,9 @@ def evaluate(job: PipelineJob, val: TokenDataset, *, microbatch_size: int, num_m
             total, count = 0.0, 0
             for j in range(dp_rank, num_batches, dp):
                 x, y = batches(val, microbatch_size=microbatch_size, num_microbatches=num_microbatches, step=j)
-                for loss in forward_losses(job, x, y, num_microbatches):
+                inputs, targets = job.spec.model.text_batch(x, y) if isinstance(job.spec.model, UserModel) \
+                    else (x, y)
+                for loss in forward_losses(job, inputs, targets, num_microbatches):
                     total, count = total + loss, count + 1
             partial = (total, count)
     finally:

@@ -71,6 +71,17 @@ class HFModel(UserModel):
         """The LM cross-entropy of the logits against the step's targets."""
         return lm_loss(output, target, masked=self.source.masked_lm)
 
+    def text_shape(self) -> tuple[int, int]:
+        """(seq_len, vocab_size) of the model on text (`UserModel.text_shape`)."""
+        return self.source.seq_len, self.vocab_size
+
+    def text_batch(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Text windows as a causal LM takes them: the ids are the targets too (the loss
+        shifts them, as transformers' does), so a window's last next token goes unused."""
+        if self.source.masked_lm:
+            raise UserError(f"data.kind: text: {self.spec} is a masked LM; text trains a causal LM")
+        return (ids,), ids
+
     def batch(self, *, step: int, num_microbatches: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Step `step`'s synthetic token ids (B*M, T) and their targets."""
         ids, targets = batch(self.source, self.microbatch_size * num_microbatches, seed=seed, step=step,

@@ -33,6 +33,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 from mpress.errors import ConfigError, UserError
 from mpress.contract.identity import layer_paths, side_effect_free
+from mpress.models.transformer import lm_loss
 from mpress.models.user_module import (
     UserModule,
     import_factory,
@@ -131,6 +132,10 @@ class UserModel:
     """One microbatch, positional."""
     loss_fn: LossFn
     layers: list[str]
+    text: bool = False
+    """Trains on text (`data.kind: text`): the example input is one (B, T) tensor of token
+    ids, the output (B, T, V) logits, and the loss the next-token cross-entropy against
+    the step's targets (`lm_loss`) instead of the factory's loss."""
     _identity: tuple[str, str] = field(init=False, repr=False)
     """(precision, fingerprint), taken at construction: `split` lets the whole module go."""
 
@@ -210,9 +215,32 @@ class UserModel:
                 args = out
         return io
 
-    def loss(self, output: Any, _target: torch.Tensor) -> torch.Tensor:
-        """The user's loss in the schedule's `(output, target)` form (the target is unused)."""
-        return self.loss_fn(output)
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The user's loss in the schedule's `(output, target)` form (the target is unused);
+        on text, the cross-entropy of the logits against the next tokens `target`."""
+        return lm_loss(output, target) if self.text else self.loss_fn(output)
+
+    def text_shape(self) -> tuple[int, int]:
+        """(seq_len, vocab_size) of the model as a language model on text: the example's
+        positions and the last dimension of its output (one forward of the example, with
+        no trace). Raises `UserError` for a model that does not take token ids."""
+        if self.module is None:
+            raise UserError(f"{self.spec}: text_shape before the split (the whole module is let go after it)")
+        ids = self.example_input[0]
+        if len(self.example_input) != 1 or ids.dim() != 2 or ids.is_floating_point():
+            raise UserError(f"data.kind: text: {self.spec}'s example input must be one (batch, seq_len) tensor of "
+                            f"token ids, got {[(tuple(t.shape), str(t.dtype)) for t in self.example_input]}")
+        with torch.no_grad(), side_effect_free(self.module):
+            out = self.module(ids)
+        if not isinstance(out, torch.Tensor) or out.shape[:2] != ids.shape or out.dim() != 3:
+            raise UserError(f"data.kind: text: {self.spec} must return (batch, seq_len, vocab) logits for its ids "
+                            f"{tuple(ids.shape)}, got {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)}")
+        return int(ids.shape[1]), int(out.shape[2])
+
+    def text_batch(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """A batch of text windows (ids, next tokens) as the trainer passes it: positional
+        inputs and targets."""
+        return (ids,), targets
 
     def batch(self, *, step: int, num_microbatches: int, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Synthetic inputs of step `step` (num_microbatches microbatches along dim 0) shaped

@@ -39,7 +39,7 @@ class DataConfig:
     tokenizer: str | None = None
     """kind: text: a `tokenizers` tokenizer.json, a Hugging Face model directory with
     tokenizer files (loaded with AutoTokenizer, local_files_only), or `train` (a byte-level
-    BPE trained from the data's files, vocabulary = the model's vocab_size, cached)."""
+    BPE trained from the data's training files, vocabulary = the model's vocab_size, cached)."""
     eot_token: str | None = None
     """kind: text: the end-of-text token put between documents; default: the tokenizer's
     eos token, else `<|endoftext|>` (what `train` adds)."""
@@ -48,8 +48,9 @@ class DataConfig:
     contents and the tokenizer); null = `.mpress-cache` beside the data (python-stdlib:
     ~/.cache/mpress/text)."""
     val_fraction: float = field(default=0.0, metadata={"min": 0, "max": 0.5})
-    """kind: text: the share of tokens held out for validation, as whole documents (drawn
-    by `seed`); 0 = no validation set."""
+    """kind: text: the share of the text (in characters) held out for validation, as whole
+    documents (drawn by `seed`); a BPE trained here (`tokenizer: train`) never sees them;
+    0 = no validation set."""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """Element type of a .bin file; default from the file name (`*.uint32.bin`) or the vocabulary size."""
     branching: int = field(default=4, metadata={"min": 1, "max": MAX_BRANCHING})

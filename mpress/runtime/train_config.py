@@ -39,7 +39,7 @@ from mpress.config.limits import (
     MAX_STEPS,
 )
 from mpress.config.model_config import ModelConfig, load_model_config
-from mpress.models.hf_config import hf_presets
+from mpress.models.hf_config import hf_presets, resolve_hf
 from mpress.models.hf_model import check_hf_model, load_hf_model
 from mpress.models.user import UserModel, check_user_module, load_user_model
 from mpress.config.overrides import apply_overrides
@@ -90,8 +90,8 @@ class OptimizerConfig:
     """Clip gradients to this global 2-norm over every stage (torch's clip_grad_norm_
     rule); also reports the norm and skips steps whose norm is not finite; 0 or null = off."""
     max_skipped_steps: int = field(default=3, metadata={"min": 1, "max": MAX_STEPS})
-    """With clipping: stop the run after this many consecutive steps skipped for a
-    non-finite gradient norm."""
+    """Stop the run after this many consecutive steps skipped for a non-finite loss (or,
+    with clipping, gradient norm)."""
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -344,9 +344,10 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
                               checkpoint=ckpt, **outputs)
     check_outputs(cfg, source)
 
-    if cfg.model is None and cfg.data.kind != "synthetic":
+    if cfg.model is None and cfg.data.kind == "file":
         raise ConfigError(source, "data.kind", "a token file feeds a model preset; a module or HF model trains on "
-                                               "synthetic inputs shaped like its example microbatch (kind: synthetic)")
+                                               "synthetic inputs shaped like its example microbatch (kind: synthetic) "
+                                               "or on text (kind: text)")
     if cfg.hf_config is not None:
         num_layers = check_hf_model(cfg.hf_config, seq_len=cfg.seq_len, layers=cfg.layers, source=source,
                                     dtype=cfg.dtype or "fp32")
@@ -381,11 +382,16 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
 
 
 def _check_text_data(cfg: TrainConfig, source: str) -> None:
-    """`data.kind: text` needs a causal model preset and paths that exist."""
+    """`data.kind: text` needs a causal model (a preset, an HF model; a module's example
+    must be token ids, checked when it is built) and paths that exist."""
     data = cfg.data
-    if not load_model_config(cfg.model).causal:
+    if cfg.model is not None and not load_model_config(cfg.model).causal:
         raise ConfigError(source, "data.kind", f"text trains a causal decoder (gpt, llama); {cfg.model} is a masked "
                                                "LM (use kind: synthetic or file)")
+    if cfg.hf_config is not None and resolve_hf(cfg.hf_config, seq_len=cfg.seq_len, layers=cfg.layers,
+                                                dtype=cfg.dtype or "fp32").masked_lm:
+        raise ConfigError(source, "data.kind", f"text trains a causal LM; {cfg.hf_config} is a masked LM "
+                                               "(use kind: synthetic)")
     if data.path is not None and not Path(data.path).exists():
         raise ConfigError(source, "data.path", f"no such file or directory {data.path}")
     if data.tokenizer != TOKENIZER_TRAIN and not Path(data.tokenizer).exists():
@@ -411,7 +417,9 @@ def model_config(cfg: TrainConfig) -> ModelConfig | UserModel:
     set, the user's module `cfg.module` (its factory called under `cfg.seed`), or the
     Hugging Face model `cfg.hf_config` (built under `cfg.seed`, an `HFModel`)."""
     if cfg.module is not None:
-        return load_user_model(cfg.module, layers=cfg.layers, seed=cfg.seed)
+        user = load_user_model(cfg.module, layers=cfg.layers, seed=cfg.seed)
+        user.text = cfg.data.kind == "text"  # a language model: the loss is against the next tokens
+        return user
     if cfg.hf_config is not None:
         return load_hf_model(cfg.hf_config, microbatch_size=cfg.microbatch_size, seq_len=cfg.seq_len,
                              layers=cfg.layers, seed=cfg.seed, dtype=cfg.dtype or "fp32")

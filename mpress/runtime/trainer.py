@@ -35,7 +35,7 @@ from mpress.models.user import UserModel
 from mpress.contract.plan import Plan
 from mpress.contract.plan_check import Shape, check_plan
 from mpress.runtime.data_parallel import replicate_stages
-from mpress.runtime.grad_clip import StepGuard, clip_by_norm, global_grad_norm
+from mpress.runtime.grad_clip import StepGuard, StepPlace, check_step
 from mpress.runtime.job_state import Chunk, load_state, save_state
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.master_weights import Kind as MasterKind
@@ -83,7 +83,8 @@ class JobSpec:
     clip_grad_norm: float | None = None
     """Clip gradients to this global norm over the pipeline (`grad_clip`); None or 0: off."""
     max_skipped_steps: int = 3
-    """With clipping: consecutive steps with a non-finite norm skipped before the run stops."""
+    """Consecutive steps skipped for a non-finite loss (or, with clipping, gradient norm)
+    before the run stops."""
     host_pool_bytes: int | None = None
     """Pinned pool per stage; None = the plan's pinned-host bytes (with slack)."""
     peer_pool_bytes: int | None = None
@@ -114,7 +115,7 @@ class StepResult:
     grad_norm: float | None = None
     """With clipping: the global gradient norm over the pipeline before clipping."""
     skipped: bool = False
-    """The optimizer step was skipped (a non-finite gradient norm): nothing changed."""
+    """The optimizer step was skipped (a non-finite loss or gradient norm): nothing changed."""
     lr: float | None = None
     """The learning rate of the step (its first parameter group's)."""
 
@@ -165,6 +166,8 @@ class PipelineJob:
         self.stages: list[PipelineStage] = []
         self.params: dict[int, dict[str, list[str]]] = {}
         """Per stage: its parameter names per layer (the optimizer steps one layer at a time)."""
+        self.inputs_meta: dict[int, tuple[torch.Tensor, ...]] = {}
+        """Per stage: its inputs of one microbatch, as meta tensors (evaluation receives them)."""
         self._user_stages: list[tuple[nn.Module, tuple, tuple]] = []
         """A user's model: every stage's module and example (inputs, outputs), from one split."""
         if isinstance(spec.model, UserModel):
@@ -182,7 +185,7 @@ class PipelineJob:
                               modules=self.modules, world=self.world, group=group)
         """Copies of a weight several stages use (tied embeddings): gradients summed each step."""
         last = self.stages[-1]
-        loss = spec.model.loss if isinstance(spec.model, UserModel) else lm_loss
+        self.loss = loss = spec.model.loss if isinstance(spec.model, UserModel) else lm_loss
         loss_fn = last.route_loss(loss) if isinstance(last, MpressStage) else loss
         if interleaved:
             self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=loss_fn)
@@ -214,8 +217,9 @@ class PipelineJob:
         self.next_step = 0
         """The index of the next step (its learning rate); a resume sets it."""
         self.guard = StepGuard(max_skipped=spec.max_skipped_steps)
-        """Steps skipped for a non-finite gradient norm."""
+        """Steps skipped for a non-finite loss or gradient norm (saved with the state)."""
         self.group = group
+        self.place = StepPlace(device, self.stage_ids, self.num_stages, group, dp_group)
         self.offloads: dict[int, OptimizerOffload] = {}
         self.host_steps: list[HostOptimizerStep] = []
         if self.live is not None:
@@ -278,6 +282,7 @@ class PipelineJob:
             y = y[0] if len(y) == 1 else y
         else:
             module, x, y = self._reference_stage(s)
+        self.inputs_meta[s] = meta_examples(x if isinstance(x, tuple) else (x,))
         if self.live is not None:  # the start-up peak counts them from here
             self._adopt_module(module)
             for what, t in (("example input", x), ("example output", y)):
@@ -348,19 +353,19 @@ class PipelineJob:
         program (one layer at a time without a plan). step: the step's 0-based index in
         the job, which sets its learning rate (default: `next_step`); `next_step` becomes
         step + 1. A non-finite norm skips the optimizer step on every rank (raises
-        `UserError` after `max_skipped_steps` in a row)."""
+        `UserError` after `max_skipped_steps` in a row), and so does a non-finite loss
+        with or without clipping (`grad_clip.check_step`)."""
         index = self.next_step if step is None else step
         live = self.live
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             live.reset_peak()
-        grad_norm, skipped = None, False
         with live.watch() if live is not None else contextlib.nullcontext():
             losses = self._run_schedule(inputs, targets)
             self.tied.sum_gradients()
-            if self.spec.clip_grad_norm:
-                grad_norm, skipped = self._clip(index)
+            grad_norm, skipped = check_step(self.guard, index, self.place, self.modules, losses,
+                                            max_norm=self.spec.clip_grad_norm, skip=self.tied.repeated())
             if self.spec.lr_schedule is not None:
                 self.spec.lr_schedule.apply(self.optimizer, index, self.base_lrs)
             self._optimizer_steps(skip=skipped)
@@ -370,18 +375,6 @@ class PipelineJob:
         if self.device.type == "cuda":
             return StepResult(loss=loss, peak_bytes=torch.cuda.max_memory_allocated(self.device), **extra)
         return StepResult(loss=loss, peak_bytes=live.peak_bytes, peak_context=live.peak_context, **extra)
-
-    def _clip(self, index: int) -> tuple[float, bool]:
-        """The global gradient norm over the pipeline (one all_reduce), and whether step
-        `index` is skipped for it; gradients clipped in place when it is not."""
-        params = [p for m in self.modules for p in m.parameters()]
-        with torch.profiler.record_function("mpress:clip_grad_norm"):
-            norm = global_grad_norm(params, self.device, group=self.group, skip=self.tied.repeated())
-            value = float(norm)
-            if not self.guard.check(index, value):
-                return value, True
-            clip_by_norm(params, norm, float(self.spec.clip_grad_norm))
-        return value, False
 
     def _optimizer_steps(self, *, skip: bool = False) -> None:
         """The optimizer steps of the rank's stages; skip: drop the gradients instead (the
@@ -467,14 +460,17 @@ class PipelineJob:
         time; offloaded optimizer data comes to the device one layer's chunk at a time
         (`mpress.runtime.job_state`). Parameter names are the whole model's, so the
         ranks' states merge into the whole model's (a checkpoint resumes on another
-        world size or stage split: `mpress.launcher.checkpoint`)."""
-        return save_state(self.modules, self.masters, self._chunks())
+        world size or stage split: `mpress.launcher.checkpoint`); and `skips`, the
+        steps skipped so far (`StepGuard.state_dict`), so a resume counts on."""
+        return {**save_state(self.modules, self.masters, self._chunks()), "skips": self.guard.state_dict()}
 
     def load_state(self, state: dict[str, dict]) -> None:
         """Copy `state` (host tensors in `state()`'s layout; it may hold parameters of
         other ranks, which are not read) into this rank's tensors in place, offloaded
         chunks one at a time."""
         load_state(self.modules, self.masters, self._chunks(), state)
+        if "skips" in state:  # the skipped-step counts (a checkpoint older than them: none)
+            self.guard.load_state_dict(state["skips"])
         for host_step in self.host_steps:
             host_step.after_step()
         if self.live is not None:

@@ -189,6 +189,10 @@ JOBS = {
     "non-finite-skipped": Job(plan=plan_of({0: [OFFLOAD], 1: [rule("layers.3.**", "recompute")]}, host_step=(1,)),
                               poison=(1,)),
     "non-finite-stops": Job(poison=(1, 2, 3), max_skipped_steps=2),
+    # the counts of skipped steps are part of the saved state: a resume counts on
+    "non-finite-skipped-resumed": Job(plan=plan_of({0: [OFFLOAD], 1: [rule("layers.3.**", "recompute")]},
+                                                   host_step=(1,)), poison=(1,), resume_after=3),
+    "non-finite-stops-resumed": Job(poison=(1, 2, 3), max_skipped_steps=2, resume_after=2),
 }
 
 
@@ -265,4 +269,20 @@ def test_a_non_finite_gradient_skips_the_step_on_every_rank(runs):
 def test_too_many_skips_in_a_row_stop_every_rank_naming_the_step(runs):
     for run in runs["non-finite-stops"]:
         assert run["skipped"] == [False, True]  # step 1 skipped, step 2 the second in a row
-        assert run["error"].startswith("step 2: the gradient norm is inf, 2 steps in a row (steps 1, 2 skipped)"), run["error"]
+        assert run["error"].startswith("step 2: the gradient norm is inf, non-finite gradients on stage 0, 2 steps in "
+                                       "a row (steps 1, 2 skipped)"), run["error"]
+
+
+@pytest.mark.slow
+def test_a_resume_counts_the_skipped_steps_on_as_an_uninterrupted_run(runs):
+    """Resumed after the skipped step 1 (at 3), the run ends with the same state and count
+    as the uninterrupted one; resumed between two skips in a row (at 2), it stops at the
+    same step with the same line: the consecutive count came back too."""
+    for rank, (whole, run) in enumerate(zip(runs["non-finite-skipped"], runs["non-finite-skipped-resumed"])):
+        assert run["skipped"] == [False, True, False, False, False], rank
+        assert run["skipped_total"] == whole["skipped_total"] == 1, rank
+        assert_states_equal(whole["state"], run["state"])
+        assert run["state"]["skips"] == whole["state"]["skips"] == \
+            {"skipped_total": 1, "consecutive": 0, "skipped_steps": [1]}, rank
+    for whole, run in zip(runs["non-finite-stops"], runs["non-finite-stops-resumed"]):
+        assert run["skipped"] == whole["skipped"] and run["error"] == whole["error"]

@@ -36,6 +36,8 @@ def test_norm_and_clipped_gradients_match_torch(scale):
         assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=0)
     if scale < 1:  # under the threshold: untouched
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, params_with_grads(scale)))
+    # a rank whose loss is not finite makes the norm nan (every rank then skips the step)
+    assert math.isnan(float(global_grad_norm(ours, torch.device("cpu"), poisoned=True)))
 
 
 def test_skipped_parameters_and_missing_gradients_add_nothing():
@@ -54,13 +56,18 @@ def test_a_half_precision_gradient_is_summed_in_fp32():
 
 def test_guard_counts_skips_and_stops_after_max_consecutive():
     guard = StepGuard(max_skipped=2)
-    assert guard.check(0, 1.0)
-    assert not guard.check(1, math.inf)
-    assert guard.check(2, 0.5)  # a good step resets the run of skips
-    assert not guard.check(3, math.nan)
-    assert guard.skipped_total == 2 and guard.skipped_steps == [1, 3]
-    with pytest.raises(UserError, match=r"step 4: the gradient norm is nan, 2 steps in a row \(steps 3, 4 skipped\)"):
-        guard.check(4, math.nan)
+    guard.taken()
+    guard.skip(1, "the gradient norm is inf")
+    guard.taken()  # a good step resets the run of skips
+    guard.skip(3, "the loss is not finite on stage 1")
+    assert guard.skipped_total == 2 and guard.skipped_steps == [1, 3] and guard.consecutive == 1
+    saved = guard.state_dict()
+    again = StepGuard(max_skipped=2)
+    again.load_state_dict(saved)  # what a resume loads: the run of skips goes on
+    for g in (guard, again):
+        with pytest.raises(UserError, match=r"step 4: the gradient norm is nan, 2 steps in a row "
+                                            r"\(steps 3, 4 skipped\)"):
+            g.skip(4, "the gradient norm is nan")
 
 
 def test_a_weight_tied_across_stages_is_counted_once_on_its_first_stage():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mpress.errors import ConfigError, UserError
+from mpress.models.user import load_user_model
 from mpress.runtime.data import batches
 from mpress.runtime.data_config import DataConfig
 from mpress.runtime.train_config import TrainConfig, load_train_config
@@ -202,3 +203,43 @@ def test_a_text_config_loads_with_paths_relative_to_its_file(tmp_path):
     (tmp_path / "gone.yaml").write_text("model: gpt-text-tiny\ndata: {kind: text, path: nope, tokenizer: train}\n")
     with pytest.raises(ConfigError, match="data.path.*no such file or directory"):
         load_train_config(tmp_path / "gone.yaml")
+
+
+def test_a_module_or_hf_model_on_text_must_be_a_causal_lm(tmp_path):
+    """An HF masked LM is refused text (and any HF model a token file) before any rank
+    starts; `text_shape`: the positions and vocabulary a module trains on text with, from
+    its example and one forward; a module of another shape is refused in one line."""
+    pytest.importorskip("transformers")
+    corpus_dir(tmp_path)
+    (tmp_path / "hf.yaml").write_text("hf_config: bert-tiny\ndata: {kind: text, path: corpus, tokenizer: train}\n")
+    with pytest.raises(ConfigError, match="data.kind.*text trains a causal LM; bert-tiny is a masked LM"):
+        load_train_config(tmp_path / "hf.yaml")
+    (tmp_path / "file.yaml").write_text("hf_config: gpt2-tiny\ndata: {kind: file, path: corpus}\n")
+    with pytest.raises(ConfigError, match="data.kind.*a token file feeds a model preset"):
+        load_train_config(tmp_path / "file.yaml")
+    lm = load_user_model("tests.support.user_model:make_text_lm", layers=["embed", "blocks.*", "head"])
+    assert lm.text_shape() == (8, 300)
+    skipnet = load_user_model("examples.own_model.mymodel:make", layers=["embed", "blocks.*", "head"])
+    with pytest.raises(UserError, match=r"example input must be one \(batch, seq_len\) tensor of token ids, got "
+                                        r"\[\(\(2, 8, 16\), 'torch.float32'\)\]"):
+        skipnet.text_shape()
+
+
+def test_the_trained_bpe_never_sees_the_validation_documents(tmp_path):
+    """`tokenizer: train` learns its merges from the training documents alone: its file is
+    byte for byte the BPE `train_bpe` makes from them (deterministic, tested above), and not
+    the one the whole corpus makes; the held-out documents still get tokenized with it."""
+    root = corpus_dir(tmp_path)
+    data = build_text_data(text_config(root, val_fraction=0.25), seq_len=4, vocab_size=300, seed=0)
+    train_docs, val_docs = data.split
+    assert val_docs.size and not set(train_docs.tolist()) & set(val_docs.tolist())
+    docs = list(find_corpus(root, text_key="body").documents())
+    (trained,) = (tmp_path / "cache").glob("bpe-300-*.json")
+    only_train = train_bpe([docs[i] for i in train_docs], vocab_size=300, out=tmp_path / "train-only.json")
+    every = train_bpe(docs, vocab_size=300, out=tmp_path / "every.json")
+    assert trained.read_bytes() == only_train.read_bytes()
+    assert trained.read_bytes() != every.read_bytes()
+    assert data.val is not None and np.asarray(data.val.tokens).size > 0
+    # another split (seed) trains another BPE, cached beside the first
+    build_text_data(text_config(root, val_fraction=0.25), seq_len=4, vocab_size=300, seed=1)
+    assert len(list((tmp_path / "cache").glob("bpe-300-*.json"))) == 2

@@ -75,6 +75,28 @@ def make(*, vocab: int = 64, hidden: int = 32, heads: int = 2, num_blocks: int =
     return model, ids, lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class SkipLM(UserModel):
+    """`UserModel` whose embedding output also skips every block to the head, as the
+    example's SkipNet does: a split hands two tensors across every stage boundary."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        skip = self.embed(ids)
+        x = skip
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x + skip)
+
+
+def make_text_lm():
+    """A language model for text data (`data.kind: text`): SkipLM over 300 token ids (a
+    byte-level BPE's 257 symbols and some merges), one microbatch of 2 x 8 ids, and a
+    next-token loss on them (what the profiler runs; on text the trainer takes `lm_loss`)."""
+    torch.manual_seed(0)
+    model = SkipLM(vocab=300, hidden=16, heads=2, num_blocks=3)
+    ids = torch.randint(0, 300, (2, 8))
+    return model, ids, lambda logits: F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
 def make_10b():
     """About 10 billion parameters (50 blocks of width 4096): 40 GB of fp32 weights."""
     return make(vocab=1024, hidden=4096, heads=32, num_blocks=50, batch=2, seq=32)

@@ -1,5 +1,11 @@
-"""`data.kind: text` end to end: corpus -> tokenizer (loaded, or trained and cached) ->
-packed, cached stream -> training and validation windows (`TextData`).
+"""`data.kind: text` end to end: corpus -> validation split -> tokenizer (loaded, or
+trained on the training documents only and cached) -> packed, cached stream -> training
+and validation windows (`TextData`).
+
+The split comes first and is by the documents' sizes in characters, so it does not depend
+on the tokenizer: a BPE trained here (`tokenizer: train`) sees the training documents and
+never the held-out ones, whose text would otherwise leak into the vocabulary the
+validation loss is measured with.
 
 Every rank may call `build_text_data`; the expensive parts (training the BPE, tokenizing)
 run once per cache: `mpress.train` lets each node's first rank build the cache before the
@@ -8,8 +14,11 @@ others read it. Everything after the cache is a pure function of (files, tokeniz
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from mpress.errors import UserError
 from mpress.runtime.data_config import TOKENIZER_TRAIN, DataConfig
@@ -32,6 +41,8 @@ class TextData:
     """The whole stream (cache_hit says whether it came from the cache)."""
     num_docs: tuple[int, int]
     """Documents in (training, validation)."""
+    split: tuple[np.ndarray, np.ndarray]
+    """The corpus's document indices in (training, validation), each sorted."""
 
 
 def cache_dir_of(data: DataConfig) -> Path:
@@ -39,22 +50,34 @@ def cache_dir_of(data: DataConfig) -> Path:
     return Path(data.cache_dir) if data.cache_dir is not None else default_cache_dir(data.path, data.source)
 
 
-def trained_tokenizer_path(corpus: Corpus, vocab_size: int, cache_dir: Path) -> Path:
-    """The cached BPE for `corpus` at `vocab_size`: trained now when it is not there."""
-    path = cache_dir / f"bpe-{vocab_size}-{corpus.content_hash()[:24]}.json"
+def document_sizes(corpus: Corpus) -> np.ndarray:
+    """(D,) int64: the end of each document in characters, documents one after another
+    (what `split_documents` splits by)."""
+    return np.cumsum(np.asarray([len(doc) for doc in corpus.documents()], dtype=np.int64))
+
+
+def trained_tokenizer_path(corpus: Corpus, vocab_size: int, cache_dir: Path, train_docs: np.ndarray) -> Path:
+    """The cached BPE trained on the documents `train_docs` (sorted indices) of `corpus`
+    at `vocab_size`: trained now when it is not there. Its name hashes the corpus and
+    which documents it was trained on."""
+    key = hashlib.sha256(f"{corpus.content_hash()}\ndocs={','.join(map(str, train_docs.tolist()))}".encode())
+    path = cache_dir / f"bpe-{vocab_size}-{key.hexdigest()[:24]}.json"
     if not path.is_file():
+        keep = set(train_docs.tolist())
+        documents = (doc for i, doc in enumerate(corpus.documents()) if i in keep)
         try:
-            train_bpe(corpus.documents(), vocab_size=vocab_size, out=path)
+            train_bpe(documents, vocab_size=vocab_size, out=path)
         except OSError as exc:
             raise UserError(f"data.cache_dir: cannot write the tokenizer in {cache_dir}: {exc.strerror} "
                             "(set data.cache_dir to a writable directory)") from None
     return path
 
 
-def resolve_tokenizer(data: DataConfig, corpus: Corpus, *, vocab_size: int) -> TextTokenizer:
-    """The tokenizer `data.tokenizer` names, checked against the model's vocabulary."""
+def resolve_tokenizer(data: DataConfig, corpus: Corpus, *, vocab_size: int, train_docs: np.ndarray) -> TextTokenizer:
+    """The tokenizer `data.tokenizer` names (`train`: trained on the documents
+    `train_docs`), checked against the model's vocabulary."""
     if data.tokenizer == TOKENIZER_TRAIN:
-        path = trained_tokenizer_path(corpus, vocab_size, cache_dir_of(data))
+        path = trained_tokenizer_path(corpus, vocab_size, cache_dir_of(data), train_docs)
         where = f"the BPE trained in {path}"
     else:
         path = Path(data.tokenizer)  # type: ignore[arg-type]
@@ -70,12 +93,15 @@ def build_text_data(data: DataConfig, *, seq_len: int, vocab_size: int, seed: in
     """Training and validation windows of seq_len tokens for `data` (kind: text), for a
     model of `vocab_size` ids. Raises `UserError` naming the file or key at fault."""
     corpus = find_corpus(data.path, source=data.source, text_key=data.text_key)
-    tokenizer = resolve_tokenizer(data, corpus, vocab_size=vocab_size)
+    sizes = document_sizes(corpus)
+    if sizes.size == 0:
+        raise UserError(f"data: no documents in {', '.join(str(f) for f in corpus.files[:3])}")
+    train_docs, val_docs = split_documents(sizes, val_fraction=data.val_fraction, seed=seed)
+    tokenizer = resolve_tokenizer(data, corpus, vocab_size=vocab_size, train_docs=train_docs)
     packed = pack(corpus, tokenizer, cache_dir_of(data))
-    train_docs, val_docs = split_documents(packed.doc_ends, val_fraction=data.val_fraction, seed=seed)
     what = data.path or data.source
     train = TextWindows(gather(packed, train_docs), seq_len, what=f"{what} (training part)")
     val = TextWindows(gather(packed, val_docs), seq_len, what=f"{what} (validation part)") \
         if val_docs.size else None
     return TextData(train=train, val=val, tokenizer=tokenizer, packed=packed,
-                    num_docs=(int(train_docs.size), int(val_docs.size)))
+                    num_docs=(int(train_docs.size), int(val_docs.size)), split=(train_docs, val_docs))

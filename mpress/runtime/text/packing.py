@@ -9,7 +9,8 @@ cache and tokenizes again (the old files stay, harmless).
 
 The validation split is by whole documents: the documents are permuted by the seed and
 taken, in that order, into the validation set until it holds `val_fraction` of the
-tokens (at least one document, never all). Each side is packed on its own, in corpus
+text (its characters: the split is made before any tokenizer, `mpress.runtime.text.dataset`;
+at least one document, never all). Each side is packed on its own, in corpus
 order, so no window mixes training and validation text. `TextWindows` cuts one side into
 non-overlapping causal windows like `mpress.runtime.data.TokenFile`: window i is tokens
 [i*T, i*T + T] (T + 1 tokens, neighbours share one), inputs the first T, targets the last T.
@@ -103,7 +104,8 @@ def pack(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: str | Path) -> Pac
 def split_documents(doc_ends: np.ndarray, *, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(training, validation) document indices, each sorted: the documents in the order of
     a permutation drawn from `seed` go to validation until it holds at least
-    `val_fraction` of the tokens. No validation set for val_fraction 0; otherwise at least
+    `val_fraction` of the total size. `doc_ends`: each document's end offset with the
+    documents one after another, in any unit (characters, tokens). No validation set for val_fraction 0; otherwise at least
     one document each (`UserError` for a corpus of one document)."""
     num_docs = int(doc_ends.shape[0])
     every = np.arange(num_docs)

@@ -9,8 +9,9 @@
 optimizer (`mpress.own_loop.optimizer.wrap_optimizer`): the plan's model-data decisions
 (optimizer-state offload, the optimizer step on the host) are then carried out by the
 wrapped optimizer, so they are accepted here. What the loop cannot carry out is refused
-here, in one line naming what is missing: a plan without a program, a plan that D2D-swaps
-without the peer pools it needs, a stage module whose layers are not the plan's.
+here, in one line naming what is missing: a plan without a program, a plan for another
+world size, a stage module whose layers are not the plan's, a rank of several stages
+whose plan D2D-swaps without the peer pools set up for it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpress.contract.plan import Plan
+from mpress.d2d.runtime.peer_pool import setup_peer_pools
 from mpress.errors import PlanError
 from mpress.runtime.program import RankProgram
 from mpress.runtime.stage import MpressStage, wrap_stage
@@ -55,10 +57,12 @@ def apply_mpress(module: nn.Module, plan: Plan | str | Path, stage_index: int, *
     module, as a `PipelineStage` for the user's own torch schedule.
 
     input_args/output_args: one microbatch's example input and output (static shapes;
-    on gloo they avoid shape inference). group: the pipeline's process group. peers: the
-    job's D2D side (`mpress.d2d.runtime.peer_pool.setup_peer_pools(plan, stage_ids,
-    device)` on every rank), needed when the plan D2D-swaps or lends peer pools.
-    program: the rank's program when it runs several stages (`rank_program`).
+    on gloo they avoid shape inference). group: the pipeline's process group.
+    peers: the job's D2D side, when the plan D2D-swaps or lends peer pools: set up here
+    (a collective over `group`) for a rank that runs one stage; a rank that runs several
+    passes `mpress.d2d.runtime.peer_pool.setup_peer_pools(plan, stage_ids, device)`,
+    called once on every rank. program: the rank's program when it runs several stages
+    (`rank_program`).
     model_fingerprint: when given, the plan must have been made for that model.
     Pass `stage.route_loss(loss_fn)` as the last stage's loss, and wrap the optimizer
     over the rank's stages with `wrap_optimizer`: the plan lists the optimizer's steps
@@ -69,20 +73,40 @@ def apply_mpress(module: nn.Module, plan: Plan | str | Path, stage_index: int, *
     elif not plan.actions:
         raise PlanError("the plan has no program (actions:), which a loop of your own needs: make the plan "
                         "with mpress plan")
+    device = torch.device(device)
+    owned = None
     if plan.uses_peer_pools and peers is None:
-        raise PlanError(f"stage {stage_index}: the plan D2D-swaps or lends peer pools, but no peer pools were "
-                        "given: call mpress.d2d.runtime.peer_pool.setup_peer_pools on every rank and pass its "
-                        "result as peers")
-    stage = wrap_stage(module, plan, stage_index, device=torch.device(device), input_args=input_args,
-                       output_args=output_args, group=group, model_fingerprint=model_fingerprint,
-                       peers=peers, program=program, optimizer_by_job=True)
+        if program is not None:
+            raise PlanError(f"stage {stage_index}: the plan D2D-swaps or lends peer pools; a rank running several "
+                            "stages sets them up once: pass peers=mpress.d2d.runtime.peer_pool.setup_peer_pools("
+                            "plan, stage_ids, device), called on every rank")
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        # a collective: every rank wraps its stage, so every rank is here
+        peers = owned = setup_peer_pools(plan, plan.stages_of_rank(rank), device, group=group)
+    try:
+        stage = wrap_stage(module, plan, stage_index, device=device, input_args=input_args,
+                           output_args=output_args, group=group, model_fingerprint=model_fingerprint,
+                           peers=peers, program=program, optimizer_by_job=True)
+    except BaseException:
+        if owned is not None:
+            owned.close()
+        raise
+    _OWNED_PEERS[id(stage)] = owned
     return stage
 
 
+_OWNED_PEERS: dict[int, PeerStores | None] = {}
+"""Peer pools `apply_mpress` set up for a stage (by the stage's id), which `close` frees."""
+
+
 def close(stages: list[MpressStage]) -> None:
-    """Stop the stages' swap workers and free their pools (at the end of training)."""
+    """Stop the stages' swap workers and free their pools, the peer pools `apply_mpress`
+    set up among them (at the end of training, on every rank: that is a collective)."""
     for stage in stages:
         stage.runtime.close()
+        peers = _OWNED_PEERS.pop(id(stage), None)
+        if peers is not None:
+            peers.close(barrier=True)
 
 
 __all__ = ["apply_mpress", "close", "load_plan", "rank_program"]

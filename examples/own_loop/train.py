@@ -73,7 +73,7 @@ def main() -> None:
     model = Net()
     layers = model.layer_names()
     plan = mpress.load_plan(args.plan) if args.plan else None  # mpress
-    if plan is not None:  # mpress: the plan's split
+    if plan is not None:  # mpress
         first, end = plan.stage(rank).first_layer, plan.stage(rank).end_layer  # mpress
     else:
         per = math.ceil(len(layers) / world)
@@ -97,12 +97,14 @@ def main() -> None:
 
     def loss_fn(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
         return loss(output)
-    schedule = Schedule1F1B(stage, MICROBATCHES,
-                            loss_fn=stage.route_loss(loss_fn) if plan is not None else loss_fn)  # mpress
+    if plan is not None:  # mpress
+        schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=stage.route_loss(loss_fn))  # mpress
+    else:
+        schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=loss_fn)
 
     def state(step: int) -> dict:
-        if plan is not None:  # mpress: keyed by parameter name, offloaded state included
-            optim = optimizer.state_dict()  # mpress
+        if plan is not None:  # mpress
+            optim = optimizer.state_dict()  # mpress: by parameter name, offloaded state included
         else:
             optim = get_optimizer_state_dict(stage_module, optimizer, options=FLAT)
         return {"model": stage_module.state_dict(), "optim": optim, "scheduler": scheduler.state_dict(),

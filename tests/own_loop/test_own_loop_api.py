@@ -180,3 +180,34 @@ def test_a_plan_without_a_program_or_for_another_world_is_refused_in_one_line(gr
         mpress.apply_mpress(Net().keep(["embed", "blocks.0", "blocks.1"]), plans["offload"], 0, device="cpu",
                             input_args=x, output_args=x)
     assert "\n" not in str(e.value)
+
+
+def test_the_readme_diff_is_the_examples_mpress_lines_in_full():
+    """README.md's diff for a loop of your own: its `+` lines are the example's lines marked
+    `# mpress` (all of them, but the `if plan is not None:` that lets one script run both
+    ways), its `-` lines the example's lines without mpress, its context lines the
+    example's own."""
+    from tests.support.own_loop import EXAMPLE
+
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    section = readme.split("## Your own training loop", 1)[1]
+    diff = section.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
+    code = [(line.split("  # mpress")[0].strip(), "  # mpress" in line)
+            for line in (EXAMPLE / "train.py").read_text().splitlines()]
+
+    def marked(text: str) -> set[bool]:
+        return {m for c, m in code if c.startswith(text)}
+
+    added = [d[1:].strip() for d in diff if d.startswith("+")]
+    for d in diff:
+        text = d[1:].strip()
+        if d.strip() == "...":
+            continue
+        assert marked(text), f"not in train.py: {d}"
+        if d.startswith("+"):
+            assert True in marked(text), f"not marked # mpress in train.py: {d}"
+        if d.startswith("-"):
+            assert False in marked(text), f"train.py runs this only with mpress: {d}"
+    for c, m in code:
+        if m and not c.startswith("if plan is not None"):
+            assert any(c.startswith(a) for a in added), f"train.py's mpress line missing from the README diff: {c}"

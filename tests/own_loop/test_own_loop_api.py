@@ -33,7 +33,8 @@ def plans(tmp_path_factory):
     rules = {0: [rule("optim:*", "host"), rule("blocks.1.**", "host"), rule("blocks.2.**", "host"),
                  rule("blocks.3.**", "recompute")]}
     return {"offload": example_plan(out / "offload.yaml", 1, rules),
-            "host_step": example_plan(out / "host_step.yaml", 1, {0: rules[0][1:]}, host_step=(0,))}
+            "host_step": example_plan(out / "host_step.yaml", 1, {0: rules[0][1:]}, host_step=(0,)),
+            "none": example_plan(out / "none.yaml", 1, {})}
 
 
 def factor(step: int) -> float:
@@ -43,11 +44,12 @@ def factor(step: int) -> float:
 class Loop:
     """The user's loop on one rank, with or without mpress."""
 
-    def __init__(self, plan) -> None:
+    def __init__(self, plan, dtype: torch.dtype = torch.float32) -> None:
         torch.manual_seed(0)
-        self.module = Net()
-        self.plan = plan
-        x, y = torch.zeros(MICROBATCH), torch.zeros(*MICROBATCH[:2], CLASSES, requires_grad=True)
+        self.module = Net().to(dtype)
+        self.plan, self.dtype = plan, dtype
+        x = torch.zeros(MICROBATCH, dtype=dtype)
+        y = torch.zeros(*MICROBATCH[:2], CLASSES, dtype=dtype, requires_grad=True)
         if plan is None:
             self.stage = PipelineStage(self.module, 0, 1, torch.device("cpu"), input_args=x, output_args=y)
         else:
@@ -64,7 +66,7 @@ class Loop:
     def run(self, steps: range) -> None:
         for step in steps:
             g = torch.Generator().manual_seed(step)
-            x = torch.randn((MICROBATCH[0] * 4, *MICROBATCH[1:]), generator=g)
+            x = torch.randn((MICROBATCH[0] * 4, *MICROBATCH[1:]), generator=g).to(self.dtype)
             self.optimizer.zero_grad()
             self.schedule.step(x, target=torch.zeros(x.shape[0]))
             self.optimizer.step()
@@ -123,6 +125,42 @@ def test_wrapped_loop_equals_the_plain_loop_and_resumes_exactly(group, plans, ki
     assert resumed.optimizer.param_groups[0]["lr"] == 0.01 * factor(2)  # the saved rate, as torch's load does
     resumed.run(range(2, STEPS))
     assert all(torch.equal(want[n], p) for n, p in params(resumed.module).items())
+    resumed.close()
+
+
+def test_bf16_master_weights_offloaded_or_stepped_on_the_host_change_nothing(group, plans, tmp_path):
+    """Under bf16 the wrapped optimizer steps fp32 masters (the user's AdamW, retargeted):
+    kept on the device, offloaded with the optimizer states between steps, or stepped on
+    the host, the parameters, masters and states are the same bits; a checkpoint carries
+    the masters and resumes exactly."""
+    runs = {}
+    for kind in ("none", "offload", "host_step"):
+        loop = Loop(plans[kind], torch.bfloat16)
+        loop.run(range(STEPS))
+        runs[kind] = (params(loop.module), loop.optimizer.state_dict())
+        loop.close()
+    want, want_state = runs["none"]
+    assert set(want_state["masters"]) == set(want) and all(p.dtype == torch.bfloat16 for p in want.values())
+    for kind in ("offload", "host_step"):
+        got, state = runs[kind]
+        assert all(torch.equal(want[n], p) for n, p in got.items()), kind
+        assert all(torch.equal(want_state["masters"][n], m) for n, m in state["masters"].items()), kind
+        assert all(torch.equal(want_state["state"][n][k], v) for n, st in state["state"].items()
+                   for k, v in st.items()), kind
+    first = Loop(plans["offload"], torch.bfloat16)
+    first.run(range(2))
+    dcp.save(first.state(), checkpoint_id=tmp_path / "ckpt")
+    first.close()
+    resumed = Loop(plans["offload"], torch.bfloat16)
+    template = resumed.state()
+    dcp.load(template, checkpoint_id=tmp_path / "ckpt")
+    resumed.module.load_state_dict(template["model"])
+    resumed.optimizer.load_state_dict(template["optim"])
+    resumed.scheduler.load_state_dict(template["scheduler"])
+    resumed.run(range(2, STEPS))
+    assert all(torch.equal(want[n], p) for n, p in params(resumed.module).items())
+    assert all(torch.equal(want_state["masters"][n], m)
+               for n, m in resumed.optimizer.state_dict()["masters"].items())
     resumed.close()
 
 

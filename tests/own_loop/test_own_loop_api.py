@@ -249,3 +249,45 @@ def test_the_readme_diff_is_the_examples_mpress_lines_in_full():
     for c, m in code:
         if m and not c.startswith("if plan is not None"):
             assert any(c.startswith(a) for a in added), f"train.py's mpress line missing from the README diff: {c}"
+
+
+def test_a_rank_of_two_stages_walks_one_program(group, plans, tmp_path):
+    """Interleaved 1F1B with both stages on one rank: `rank_program` shared by the two
+    `apply_mpress` calls, one wrapped optimizer over both stages (optimizer offload on
+    one, the host step on the other) -- the same parameters as the plain loop."""
+    import copy
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    plan = example_plan(tmp_path / "interleaved.yaml", 1,
+                        {0: [rule("optim:*", "host"), rule("blocks.0.**", "host")], 1: [rule("blocks.4.**", "recompute")]},
+                        host_step=(1,), num_stages=2)
+    torch.manual_seed(0)
+    model = Net()
+    layers = model.layer_names()
+    modules = [copy.deepcopy(model).keep(layers[:4]), copy.deepcopy(model).keep(layers[4:])]
+    program = mpress.rank_program(plan)
+    x = torch.zeros(MICROBATCH)
+    ys = [torch.zeros(MICROBATCH, requires_grad=True), torch.zeros(*MICROBATCH[:2], CLASSES, requires_grad=True)]
+    stages = [mpress.apply_mpress(m, plan, s, device="cpu", input_args=x.requires_grad_(s > 0), output_args=ys[s],
+                                  program=program) for s, m in enumerate(modules)]
+    with pytest.raises(PlanError, match="steps the optimizer of stage 1, which was not passed") as e:
+        mpress.wrap_optimizer(torch.optim.AdamW(modules[0].parameters()), stages[0])
+    assert "\n" not in str(e.value)
+    optimizer = mpress.wrap_optimizer(torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=0.01),
+                                      stages)
+    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=stages[-1].route_loss(lambda out, _t: loss(out)))
+    reference = Loop(None)  # the plain loop, with the optimizer used here: one group, a constant rate
+    reference.optimizer = torch.optim.AdamW(reference.module.parameters(), lr=0.01)
+    reference.scheduler = LambdaLR(reference.optimizer, lambda _s: 1.0)
+    reference.run(range(STEPS))
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        optimizer.zero_grad()
+        schedule.step(torch.randn((MICROBATCH[0] * 4, *MICROBATCH[1:]), generator=g), target=torch.zeros(8))
+        optimizer.step()
+    got = {n: p for m in modules for n, p in params(m).items()}
+    want = params(reference.module)
+    assert got.keys() == want.keys() and all(torch.equal(want[n], p) for n, p in got.items())
+    mpress.close(stages)
+    optimizer.close()

@@ -19,25 +19,30 @@ NUM_LAYERS = 8
 
 
 def example_plan(out: Path, world: int, rules: dict[int, list[TensorRule]], *, host_step: tuple[int, ...] = (),
-                 peer_pools: dict[int, int] | None = None) -> Plan:
+                 peer_pools: dict[int, int] | None = None, num_stages: int | None = None) -> Plan:
     """A complete plan for the example on `world` CPU ranks (1F1B, 4 microbatches of 2):
     stage s holds an even share of the layers, with `rules[s]`, its optimizer stepped on
     the host when s is in `host_step`, a peer pool of `peer_pools[s]` bytes lent by its
-    device. Written to `out` and returned."""
+    device. `num_stages` (a multiple of `world`): interleaved 1F1B, stage s on rank
+    s % world. Written to `out` and returned."""
+    n = num_stages or world
+    schedule = "interleaved" if n != world else "1f1b"
     model = model_config(load_train_config(EXAMPLE / "train.yaml", [("module", SPEC), ("plan", "none")]))
-    per = -(-NUM_LAYERS // world)
-    stages = [StagePlan(stage=s, device=s, first_layer=s * per, end_layer=min(NUM_LAYERS, (s + 1) * per),
+    per = -(-NUM_LAYERS // n)
+    stages = [StagePlan(stage=s, device=s % world, first_layer=s * per, end_layer=min(NUM_LAYERS, (s + 1) * per),
                         rules=rules.get(s, []), optimizer_step="host" if s in host_step else "device",
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
-              for s in range(world)]
+              for s in range(n)]
+    hardware = load_hardware("cpu-local", num_devices=world, memory_bytes=1 << 30)
     hand = Plan(strategy="hand", model=SPEC, model_fingerprint=model.fingerprint(), dtype="fp32",
                 profile_fingerprint="hand", hardware="cpu-local", num_devices=world, device_memory_bytes=1 << 30,
-                hardware_fingerprint=hardware_fingerprint(load_hardware("cpu-local", num_devices=world,
-                                                                        memory_bytes=1 << 30)), schedule="1f1b", num_stages=world, num_ranks=world,
-                num_microbatches=4, microbatch_size=2, stage_to_device=list(range(world)), stages=stages, fits=True)
+                hardware_fingerprint=hardware_fingerprint(hardware), schedule=schedule, num_stages=n,
+                num_ranks=world, num_microbatches=4, microbatch_size=2, stage_to_device=[s % world for s in range(n)],
+                stages=stages, fits=True)
     hand_path = out.with_suffix(".hand.yaml")
     hand.save(hand_path)
-    cfg = load_train_config(EXAMPLE / "train.yaml", [("module", SPEC), ("plan", str(hand_path))])
-    plan = plan_for(cfg, model, world, world).plan
+    cfg = load_train_config(EXAMPLE / "train.yaml", [("module", SPEC), ("plan", str(hand_path)),
+                                                      ("schedule", schedule)])
+    plan = plan_for(cfg, model, n, world).plan
     plan.save(out)
     return plan

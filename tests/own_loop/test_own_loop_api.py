@@ -18,8 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 import mpress.own_loop as mpress
 from examples.own_loop.model import CLASSES, MICROBATCH, Net, loss
 from mpress.errors import PlanError, UserError
-from tests.support.own_loop import example_plan
-from tests.support.plans import rule
+from tests.support.plans import OWN_LOOP, own_loop_plan, rule
 
 STEPS = 4
 
@@ -32,9 +31,9 @@ def plans(tmp_path_factory):
     out = tmp_path_factory.mktemp("plans")
     rules = {0: [rule("optim:*", "host"), rule("blocks.1.**", "host"), rule("blocks.2.**", "host"),
                  rule("blocks.3.**", "recompute")]}
-    return {"offload": example_plan(out / "offload.yaml", 1, rules),
-            "host_step": example_plan(out / "host_step.yaml", 1, {0: rules[0][1:]}, host_step=(0,)),
-            "none": example_plan(out / "none.yaml", 1, {})}
+    return {"offload": own_loop_plan(out / "offload.yaml", 1, rules),
+            "host_step": own_loop_plan(out / "host_step.yaml", 1, {0: rules[0][1:]}, host_step=(0,)),
+            "none": own_loop_plan(out / "none.yaml", 1, {})}
 
 
 def factor(step: int) -> float:
@@ -208,7 +207,7 @@ def test_a_plan_without_a_program_or_for_another_world_is_refused_in_one_line(gr
     with pytest.raises(PlanError, match="no program") as e:
         mpress.load_plan(bare)
     assert "\n" not in str(e.value)
-    two = example_plan(tmp_path / "two.yaml", 2, {})
+    two = own_loop_plan(tmp_path / "two.yaml", 2, {})
     x = torch.zeros(MICROBATCH)
     with pytest.raises(PlanError, match="made for 2 ranks, this job has 1") as e:
         mpress.apply_mpress(Net().keep(["embed", "blocks.0", "blocks.1", "blocks.2"]), two, 0, device="cpu",
@@ -225,13 +224,11 @@ def test_the_readme_diff_is_the_examples_mpress_lines_in_full():
     `# mpress` (all of them, but the `if plan is not None:` that lets one script run both
     ways), its `-` lines the example's lines without mpress, its context lines the
     example's own."""
-    from tests.support.own_loop import EXAMPLE
-
-    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    readme = (OWN_LOOP.parents[1] / "README.md").read_text()
     section = readme.split("## Your own training loop", 1)[1]
     diff = section.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
     code = [(line.split("  # mpress")[0].strip(), "  # mpress" in line)
-            for line in (EXAMPLE / "train.py").read_text().splitlines()]
+            for line in (OWN_LOOP / "train.py").read_text().splitlines()]
 
     def marked(text: str) -> set[bool]:
         return {m for c, m in code if c.startswith(text)}
@@ -259,7 +256,7 @@ def test_a_rank_of_two_stages_walks_one_program(group, plans, tmp_path):
 
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
-    plan = example_plan(tmp_path / "interleaved.yaml", 1,
+    plan = own_loop_plan(tmp_path / "interleaved.yaml", 1,
                         {0: [rule("optim:*", "host"), rule("blocks.0.**", "host")], 1: [rule("blocks.4.**", "recompute")]},
                         host_step=(1,), num_stages=2)
     torch.manual_seed(0)

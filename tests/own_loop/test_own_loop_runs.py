@@ -27,8 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from mpress.contract.actions import Kind
 from mpress.launcher.checkpoint import read_step
 from tests.support.documented import REPO, run_documented
-from tests.support.own_loop import EXAMPLE, example_plan
-from tests.support.plans import d2d_rule, rule
+from tests.support.plans import OWN_LOOP, d2d_rule, own_loop_plan, rule
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +55,7 @@ def losses(stdout: str) -> list[str]:
 
 def example_dir(tmp: Path) -> Path:
     for f in ("model.py", "train.py", "train.yaml"):
-        shutil.copy(EXAMPLE / f, tmp / f)
+        shutil.copy(OWN_LOOP / f, tmp / f)
     return tmp
 
 
@@ -82,7 +81,7 @@ PLANS = {
 @pytest.mark.parametrize("world", [2, 4])
 def test_own_loop_equals_plain_loop_and_mpress_train(tmp_path, plain, world):
     cwd = example_dir(tmp_path)
-    plan = example_plan(cwd / "plan.yaml", world, **PLANS[world])
+    plan = own_loop_plan(cwd / "plan.yaml", world, **PLANS[world])
     kinds = {a.kind for r in range(world) for a in plan.program(r)}
     want = {Kind.SO, Kind.SI, Kind.DR, Kind.RC, Kind.OI, Kind.OO} | ({Kind.DO, Kind.DI} if world == 4 else set())
     assert want <= kinds, kinds - want  # every technique, optimizer offload included

@@ -10,7 +10,7 @@ optimizer (`mpress.own_loop.optimizer.wrap_optimizer`): the plan's model-data de
 (optimizer-state offload, the optimizer step on the host) are then carried out by the
 wrapped optimizer, so they are accepted here. What the loop cannot carry out is refused
 here, in one line naming what is missing: a plan without a program, a plan for another
-world size, a stage module whose layers are not the plan's, a rank of several stages
+world size or microbatch size, a stage module whose layers are not the plan's, a rank of several stages
 whose plan D2D-swaps without the peer pools set up for it.
 """
 
@@ -73,6 +73,11 @@ def apply_mpress(module: nn.Module, plan: Plan | str | Path, stage_index: int, *
     elif not plan.actions:
         raise PlanError("the plan has no program (actions:), which a loop of your own needs: make the plan "
                         "with mpress plan")
+    first = next((t for t in (input_args if isinstance(input_args, tuple) else (input_args,))
+                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if first is not None and first.shape[0] != plan.microbatch_size:
+        raise PlanError(f"stage {stage_index}: the plan is made for microbatches of {plan.microbatch_size}, the "
+                        f"stage's example input holds {first.shape[0]} (input_args: one microbatch)")
     device = torch.device(device)
     owned = None
     if plan.uses_peer_pools and peers is None:

@@ -213,6 +213,10 @@ def test_a_plan_without_a_program_or_for_another_world_is_refused_in_one_line(gr
         mpress.apply_mpress(Net().keep(["embed", "blocks.0", "blocks.1", "blocks.2"]), two, 0, device="cpu",
                             input_args=x, output_args=x)
     assert "\n" not in str(e.value)
+    with pytest.raises(PlanError, match="made for microbatches of 2, the stage's example input holds 4") as e:
+        mpress.apply_mpress(Net(), plans["offload"], 0, device="cpu", input_args=torch.zeros(4, 8, 16),
+                            output_args=torch.zeros(4, 8, CLASSES))
+    assert "\n" not in str(e.value)
     with pytest.raises(PlanError, match="the stage module holds 3 layers") as e:  # not the plan's stage
         mpress.apply_mpress(Net().keep(["embed", "blocks.0", "blocks.1"]), plans["offload"], 0, device="cpu",
                             input_args=x, output_args=x)

@@ -39,6 +39,7 @@ GROUPS = {
     "d2d.static": "mpress.d2d.static",
     "d2d.runtime": "mpress.d2d.runtime",
     "launcher": "mpress.launcher",
+    "own_loop": "mpress.own_loop",
     "commands": "mpress.commands",
     "tiling": "mpress.tiling",
     "models": "mpress.models",
@@ -55,11 +56,12 @@ HALVES = ("static", *STATIC_LOOP[1:])
 FORBIDDEN = (
     {(s, r) for s in HALVES for r in ("runtime", "d2d.runtime")}
     | {(r, s) for s in HALVES for r in ("runtime",)}
+    | {(r, "own_loop") for r in ("runtime", "d2d.runtime", "launcher", "commands")}
     | {("runtime", "d2d.static"), ("runtime", "d2d.runtime"), ("d2d.static", "runtime"),
        ("d2d.static", "d2d.runtime")}
     | {(leaf, other) for leaf in ("contract", "config", "hardware")
        for other in ("static", *STATIC_LOOP[1:], "runtime", "d2d.static", "d2d.runtime", "launcher",
-                     "commands", "tiling", "models", "entry", "cli", "main")}
+                     "commands", "tiling", "models", "entry", "cli", "main", "own_loop")}
     | {("config", "hardware"), ("config", "contract"), ("hardware", "contract")}
 )
 

@@ -22,15 +22,18 @@ Values are untouched by any of this, so training is bit-identical to keeping eve
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from mpress.contract.actions import Action, UnitId, UnitKind
 from mpress.contract.actions import Kind as ActionKind
 from mpress.errors import PlanError
 from mpress.contract.identity import TensorKey
+from mpress.runtime.job_state import Chunk
 from mpress.runtime.master_weights import Kind, MasterWeights
 from mpress.runtime.memory.manager import Category, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
@@ -214,3 +217,93 @@ class HostOptimizerStep:
                 if tensor is not None and not manager.is_tracked(key):
                     manager.track(key, tensor.numel() * tensor.element_size(), Category.OPTIMIZER,
                                   Residency.HOST)
+
+
+class RankOptimizer:
+    """The optimizer side of one rank's stages, as the plan says: the tensors the
+    optimizer steps (`MasterWeights`: host copies for stages stepped on the host, masters
+    of offloaded layers made away), the offload of the layers the plan streams
+    (`OptimizerOffload`), the host step's accounting (`HostOptimizerStep`), and the
+    program's optimizer actions around each chunk's step. One implementation for
+    `PipelineJob` and for a user's own loop (`mpress.own_loop`).
+
+    modules, stage_ids: the rank's stage modules and their indices; runtimes: each
+    stage's `StageRuntime` (None: a stage without a plan); params: per stage, its
+    parameter names per layer; make_optimizer(names, tensors): the optimizer over the
+    stepped tensors of the parameters `names` (the modules' parameters, in order).
+    The offload starts with `start()` (the trainer counts what it makes)."""
+
+    def __init__(self, modules: list[nn.Module], stage_ids: list[int], runtimes: list, program,
+                 params: dict[int, dict[str, list[str]]], make_optimizer) -> None:
+        named = {name: p for m in modules for name, p in m.named_parameters()}
+        planned = [(s, m, rt) for s, m, rt in zip(stage_ids, modules, runtimes) if rt is not None]
+        # staging: one pinned slab per stage stepped on the host, as the static half counts them
+        slabs = [[name for name, _p in m.named_parameters()] for _s, m, rt in planned if steps_on_host(rt)]
+        # masters of the layers whose optimizer data the plan offloads start away: made and
+        # sent out one layer at a time (`start`), never all on the device at once
+        away = [name for s, _m, rt in planned for layer in planned_routes(rt) for name in params[s][layer]]
+        self.masters = MasterWeights(named, lambda tensors: make_optimizer(list(named), tensors),
+                                     host=[name for slab in slabs for name in slab], slabs=slabs, away=away)
+        self.optimizer = self.masters.optimizer
+        self.modules, self.stage_ids, self.program, self.params = modules, stage_ids, program, params
+        self._planned = planned
+        self.offloads: dict[int, OptimizerOffload] = {}
+        self.host_steps: list[HostOptimizerStep] = []
+
+    def start(self) -> None:
+        """Send the planned layers' optimizer data away and report the host step's data."""
+        for s, module, runtime in self._planned:
+            offload = OptimizerOffload.from_plan(self.masters, module, runtime)
+            if offload is not None:
+                self.offloads[s] = offload
+            host_step = HostOptimizerStep.from_plan(self.masters, module, runtime)
+            if host_step is not None:
+                self.host_steps.append(host_step)
+
+    def step(self, *, skip: bool = False, on_stage: Any = None) -> None:
+        """The optimizer steps of the rank's stages, as the program lists them (one layer
+        at a time without a plan; `on_stage(s)` is told each stage first); skip: drop the
+        gradients instead (the program's actions still run, so offloaded chunks come and
+        go as planned)."""
+        if self.program is None:
+            for s in self.stage_ids:
+                if on_stage is not None:
+                    on_stage(s)
+                for names in self.params[s].values():
+                    self._step_or_discard(names, skip)
+            return
+        for action in self.program.optimizer_actions():
+            self.program.begin(action)
+            layers = [unit_layer(action)] if action.tensor else list(self.params[action.stage])
+            offload = self.offloads.get(action.stage)
+            with torch.profiler.record_function(f"mpress:{action}"):
+                for layer in layers:
+                    if offload is not None:
+                        offload.home(layer)
+                    self._step_or_discard(self.params[action.stage][layer], skip)
+            self.program.end()
+        self.program.end_step()
+        self.after_change()
+
+    def _step_or_discard(self, names: list[str], skip: bool) -> None:
+        if skip:
+            self.masters.discard_grads(names)
+        else:
+            self.masters.step(names)
+
+    def after_change(self) -> None:
+        """After a step or a load: report the host step's new optimizer states."""
+        for host_step in self.host_steps:
+            host_step.after_step()
+
+    def chunks(self) -> list[Chunk]:
+        """Each layer's parameters of each stage, with what brings the layer's offloaded
+        optimizer data home (checkpoints read and write it one chunk at a time)."""
+        chunks = []
+        for s in self.stage_ids:
+            offload = self.offloads.get(s)
+            for layer, names in self.params[s].items():
+                home = functools.partial(offload.chunk_home, layer) if offload is not None \
+                    else contextlib.nullcontext
+                chunks.append(Chunk(names=names, home=home))
+        return chunks

@@ -175,8 +175,8 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
     optimizer_by_job: the caller carries out the plan's model-data decisions (`optim:` and
         `stash:` rules, `optimizer_step: host`) around its optimizer -- `PipelineJob` does.
         A stage wrapped on its own cannot: a plan with such decisions is refused rather
-        than half executed (use `mpress.runtime.trainer.PipelineJob`, which takes any
-        `nn.Module` through `mpress.models.user`, or `mpress train`).
+        than half executed (use `mpress.own_loop`, whose `wrap_optimizer` carries them out
+        in a loop of your own, `mpress.runtime.trainer.PipelineJob`, or `mpress train`).
     Pass `stage.route_loss(loss_fn)` to the schedule of the last stage.
     """
     if not optimizer_by_job:
@@ -218,11 +218,13 @@ def _refuse_model_data(plan: Plan, stage_index: int) -> None:
     stage_plan = plan.stage(stage_index)
     if stage_plan.optimizer_step is OptimizerStep.HOST:
         raise PlanError(f"stage {stage_index}: the plan steps the optimizer on the host (optimizer_step: host), which a "
-                        "stage wrapped on its own cannot do: train with PipelineJob or mpress train")
+                        "stage wrapped on its own cannot do: use mpress.own_loop (apply_mpress, wrap_optimizer), "
+                        "or train with PipelineJob or mpress train")
     for i, rule in enumerate(stage_plan.rules):
         if rule.tensor.startswith(tuple(f"{kind}:" for kind in MODEL_DATA_KINDS)):
             raise PlanError(f"stage {stage_index}: rule {i} ({rule.tensor} -> {rule.technique}) moves model data, "
-                            "which a stage wrapped on its own cannot do: train with PipelineJob or mpress train")
+                            "which a stage wrapped on its own cannot do: use mpress.own_loop (apply_mpress, "
+                            "wrap_optimizer), or train with PipelineJob or mpress train")
 
 
 class PlainStage(PipelineStage):

@@ -9,7 +9,6 @@ steps. The launcher (`mpress.train`) and the multi-process tests drive it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -24,7 +23,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from mpress.contract.actions import Action
 from mpress.errors import PlanError, SwapError, UserError
 from mpress.contract.identity import layer_paths
 from mpress.contract.live_bytes import LiveBytes
@@ -36,23 +34,16 @@ from mpress.contract.plan import Plan
 from mpress.contract.plan_check import Shape, check_plan
 from mpress.runtime.data_parallel import replicate_stages
 from mpress.runtime.grad_clip import StepGuard, StepPlace, check_step
-from mpress.runtime.job_state import Chunk, load_state, save_state
+from mpress.runtime.job_state import load_state, save_state
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.master_weights import Kind as MasterKind
-from mpress.runtime.master_weights import MasterWeights
-from mpress.runtime.optimizer_offload import (
-    HostOptimizerStep,
-    OptimizerOffload,
-    layer_params,
-    planned_routes,
-    unit_layer,
-)
+from mpress.runtime.optimizer_offload import RankOptimizer, layer_params
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, build_optimizer, no_decay_names
 from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.stage import MpressStage, PlainStage, meta_examples, wrap_stage
 from mpress.runtime.swap.store import PeerStores
 from mpress.runtime.tied_grads import TiedGrads
-from mpress.config.vocabulary import RUNNABLE_SCHEDULES, OptimizerStep, ScheduleName, as_word
+from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, as_word
 
 SCHEDULES = {ScheduleName.GPIPE: ScheduleGPipe, ScheduleName.ONE_F_ONE_B: Schedule1F1B}
 """torch's schedules for one stage per rank (interleaved 1F1B takes several)."""
@@ -196,21 +187,16 @@ class PipelineJob:
         # them in parameter order, so checkpoints read the same whatever the plan. torch's
         # default Adam (one tensor at a time on host copies; static/emulate/host_step_time.py costs
         # that): fused=True would change the last bits the bit-for-bit tests compare.
-        params = {name: p for m in self.modules for name, p in m.named_parameters()}
-        slabs = [[name for name, _p in m.named_parameters()] for m, st in zip(self.modules, self.stages)
-                 if isinstance(st, MpressStage) and st.runtime.stage_plan.optimizer_step is OptimizerStep.HOST]
-        host = [name for slab in slabs for name in slab]  # staging: one pinned slab per stage
         # Parameter groups (weight decay or not) by the whole model's parameter names, so
         # every rank and every plan has the same groups.
         tied = {name for g in getattr(spec.model, "tied_groups", []) for _s, name in g}
         exempt = no_decay_names(self.modules, spec.no_decay, tied=tied)
-        # masters of the layers whose optimizer data the plan offloads start away: made and
-        # sent out one layer at a time (OptimizerOffload), never all on the device at once
-        away = [name for s, st in zip(self.stage_ids, self.stages) if isinstance(st, MpressStage)
-                for layer in planned_routes(st.runtime) for name in self.params[s][layer]]
-        self.masters = MasterWeights(params, lambda tensors: build_optimizer(
-            spec.optimizer, list(params), tensors, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-            weight_decay=spec.weight_decay, no_decay=exempt), host=host, slabs=slabs, away=away)
+        runtimes = [st.runtime if isinstance(st, MpressStage) else None for st in self.stages]
+        self.model_data = RankOptimizer(self.modules, self.stage_ids, runtimes, self.program, self.params,
+                                        lambda names, tensors: build_optimizer(
+                                            spec.optimizer, names, tensors, lr=spec.lr, betas=spec.betas,
+                                            eps=spec.eps, weight_decay=spec.weight_decay, no_decay=exempt))
+        self.masters = self.model_data.masters
         self.optimizer = self.masters.optimizer
         self.base_lrs = [spec.lr for _g in self.optimizer.param_groups]
         """Each group's peak rate, which the schedule scales (`LambdaLR`'s `base_lrs`)."""
@@ -220,21 +206,14 @@ class PipelineJob:
         """Steps skipped for a non-finite loss or gradient norm (saved with the state)."""
         self.group = group
         self.place = StepPlace(device, self.stage_ids, self.num_stages, group, dp_group)
-        self.offloads: dict[int, OptimizerOffload] = {}
-        self.host_steps: list[HostOptimizerStep] = []
+        self.offloads = self.model_data.offloads
+        self.host_steps = self.model_data.host_steps
         if self.live is not None:
             self._adopt_model_data()
         # the offload makes the masters it sends out, one layer at a time: counted as a
         # step's operators are
         with self.live.watch() if self.live is not None else contextlib.nullcontext():
-            for s, module, stage in zip(self.stage_ids, self.modules, self.stages):
-                if isinstance(stage, MpressStage):
-                    offload = OptimizerOffload.from_plan(self.masters, module, stage.runtime)
-                    if offload is not None:
-                        self.offloads[s] = offload
-                    host_step = HostOptimizerStep.from_plan(self.masters, module, stage.runtime)
-                    if host_step is not None:
-                        self.host_steps.append(host_step)
+            self.model_data.start()
         self.startup_peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" \
             else self.live.peak_bytes
         """The device at its fullest before the first step (CUDA: the allocator's peak since the
@@ -377,39 +356,11 @@ class PipelineJob:
         return StepResult(loss=loss, peak_bytes=live.peak_bytes, peak_context=live.peak_context, **extra)
 
     def _optimizer_steps(self, *, skip: bool = False) -> None:
-        """The optimizer steps of the rank's stages; skip: drop the gradients instead (the
-        program's actions still run, so offloaded chunks come and go as planned)."""
-        if self.program is None:
-            for s in self.stage_ids:
-                if self.live is not None:
-                    self.live.context = f"{s}OPT"
-                for names in self.params[s].values():
-                    self._step_or_discard(names, skip)
-            return
-        for action in self.program.optimizer_actions():
-            self.program.begin(action)
-            self._optimizer_step(action, skip=skip)
-            self.program.end()
-        self.program.end_step()
-        for host_step in self.host_steps:
-            host_step.after_step()
-
-    def _optimizer_step(self, action: Action, *, skip: bool = False) -> None:
-        """The optimizer step of a stage (layer by layer) or of one layer's chunk, with
-        that chunk's offloaded data home first (skip: its gradients dropped instead)."""
-        layers = [unit_layer(action)] if action.tensor else list(self.params[action.stage])
-        offload = self.offloads.get(action.stage)
-        with torch.profiler.record_function(f"mpress:{action}"):
-            for layer in layers:
-                if offload is not None:
-                    offload.home(layer)
-                self._step_or_discard(self.params[action.stage][layer], skip)
-
-    def _step_or_discard(self, names: list[str], skip: bool) -> None:
-        if skip:
-            self.masters.discard_grads(names)
-        else:
-            self.masters.step(names)
+        """The optimizer steps of the rank's stages (`RankOptimizer.step`)."""
+        def on_stage(s: int) -> None:
+            if self.live is not None:
+                self.live.context = f"{s}OPT"
+        self.model_data.step(skip=skip, on_stage=on_stage)
 
     def _run_schedule(self, inputs: torch.Tensor | tuple[torch.Tensor, ...],
                       targets: torch.Tensor) -> list[torch.Tensor]:
@@ -462,31 +413,18 @@ class PipelineJob:
         ranks' states merge into the whole model's (a checkpoint resumes on another
         world size or stage split: `mpress.launcher.checkpoint`); and `skips`, the
         steps skipped so far (`StepGuard.state_dict`), so a resume counts on."""
-        return {**save_state(self.modules, self.masters, self._chunks()), "skips": self.guard.state_dict()}
+        return {**save_state(self.modules, self.masters, self.model_data.chunks()), "skips": self.guard.state_dict()}
 
     def load_state(self, state: dict[str, dict]) -> None:
         """Copy `state` (host tensors in `state()`'s layout; it may hold parameters of
         other ranks, which are not read) into this rank's tensors in place, offloaded
         chunks one at a time."""
-        load_state(self.modules, self.masters, self._chunks(), state)
+        load_state(self.modules, self.masters, self.model_data.chunks(), state)
         if "skips" in state:  # the skipped-step counts (a checkpoint older than them: none)
             self.guard.load_state_dict(state["skips"])
-        for host_step in self.host_steps:
-            host_step.after_step()
+        self.model_data.after_change()
         if self.live is not None:
             self._adopt_model_data()  # the loaded states were made outside a step
-
-    def _chunks(self) -> list[Chunk]:
-        """Each layer's parameters of each stage, with what brings the layer's offloaded
-        optimizer data home."""
-        chunks = []
-        for s in self.stage_ids:
-            offload = self.offloads.get(s)
-            for layer, names in self.params[s].items():
-                home = functools.partial(offload.chunk_home, layer) if offload is not None \
-                    else contextlib.nullcontext
-                chunks.append(Chunk(names=names, home=home))
-        return chunks
 
     def close(self) -> None:
         for rt in self.runtimes:

@@ -1,11 +1,12 @@
 """Plans built in code for tests: rules, a two-stage plan for the contract's own tests, a
-plan for the tiny pipeline that the runtime tests train, and D2D plans over pipeline
-stages on given devices."""
+plan for the tiny pipeline that the runtime tests train, D2D plans over pipeline
+stages on given devices, and plans for the own-loop example."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 from mpress.hardware.server import load_hardware
 from mpress.config.model_config import ModelConfig, load_model_config
@@ -137,3 +138,46 @@ def d2d_plan(devices: list[int], *, stripes: dict[int, dict[int, float]] | None 
 def three_stage_d2d_plan(pool1: int = 8 * MiB, pool2: int = 8 * MiB) -> Plan:
     """Stage 0 (device 0) stripes 3:1 to devices 1 and 2, whose stages reserve pools."""
     return d2d_plan([0, 1, 2], stripes={0: {1: 0.75, 2: 0.25}}, pools={1: pool1, 2: pool2})
+
+
+OWN_LOOP = Path(__file__).resolve().parents[2] / "examples" / "own_loop"
+OWN_LOOP_SPEC = "examples.own_loop.model:make"
+"""The example's factory, importable from the repository root."""
+OWN_LOOP_LAYERS = 8
+"""The example model's layers: embed, blocks.0-5, head."""
+
+
+def own_loop_plan(out: Path, world: int, rules: dict[int, list[TensorRule]], *, host_step: tuple[int, ...] = (),
+                  peer_pools: dict[int, int] | None = None, num_stages: int | None = None) -> Plan:
+    """A complete plan for the own-loop example (`examples/own_loop`), made as `mpress
+    train` makes a plan file written by hand (the program, pinned pools and peaks from
+    the static half, `mpress.launcher.startup.plan_for`), on `world` CPU ranks (1F1B,
+    4 microbatches of 2): stage s holds an even share of the layers, with `rules[s]`, its optimizer stepped on
+    the host when s is in `host_step`, a peer pool of `peer_pools[s]` bytes lent by its
+    device. `num_stages` (a multiple of `world`): interleaved 1F1B, stage s on rank
+    s % world. Written to `out` and returned."""
+    # what mpress train does with a plan written by hand
+    from mpress.launcher.startup import plan_for
+    from mpress.runtime.train_config import load_train_config, model_config
+
+    n = num_stages or world
+    schedule = "interleaved" if n != world else "1f1b"
+    model = model_config(load_train_config(OWN_LOOP / "train.yaml", [("module", OWN_LOOP_SPEC), ("plan", "none")]))
+    per = -(-OWN_LOOP_LAYERS // n)
+    stages = [StagePlan(stage=s, device=s % world, first_layer=s * per, end_layer=min(OWN_LOOP_LAYERS, (s + 1) * per),
+                        rules=rules.get(s, []), optimizer_step="host" if s in host_step else "device",
+                        peer_pool_bytes=(peer_pools or {}).get(s, 0))
+              for s in range(n)]
+    hardware = load_hardware("cpu-local", num_devices=world, memory_bytes=1 << 30)
+    hand = Plan(strategy="hand", model=OWN_LOOP_SPEC, model_fingerprint=model.fingerprint(), dtype="fp32",
+                profile_fingerprint="hand", hardware="cpu-local", num_devices=world, device_memory_bytes=1 << 30,
+                hardware_fingerprint=hardware_fingerprint(hardware), schedule=schedule, num_stages=n,
+                num_ranks=world, num_microbatches=4, microbatch_size=2, stage_to_device=[s % world for s in range(n)],
+                stages=stages, fits=True)
+    hand_path = out.with_suffix(".hand.yaml")
+    hand.save(hand_path)
+    cfg = load_train_config(OWN_LOOP / "train.yaml", [("module", OWN_LOOP_SPEC), ("plan", str(hand_path)),
+                                                      ("schedule", schedule)])
+    plan = plan_for(cfg, model, n, world).plan
+    plan.save(out)
+    return plan

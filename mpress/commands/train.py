@@ -21,6 +21,7 @@ from mpress.commands.flags import HelpFormatter, add_flag
 from mpress.errors import UserError
 from mpress.hardware.cluster import MAX_NODES
 from mpress.config.loader import int_arg
+from mpress.launcher.directories import claim_run
 from mpress.launcher.launch import LaunchSpec, Nodes, launch
 from mpress.launcher.metrics_log import METRICS_FILE
 from mpress.launcher.startup import pool_override
@@ -165,22 +166,20 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / f"mpress-train-{run_id}"
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir: {run_dir} is a file, not a directory")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--run-dir: cannot create {run_dir}: {exc.strerror}") from None
-    report: Path | None = None
-    if args.json:  # rank 0 writes the report where the config says, or into the run directory
-        report = Path(cfg.report) if cfg.report is not None else run_dir / "report.json"
-        if cfg.report is None:
-            overrides = [*overrides, ("report", str(report))]
-    if cfg.metrics is None and (nodes is None or nodes.node_rank == 0):  # rank 0's node keeps the run's metrics
-        overrides = [*overrides, ("metrics", str((run_dir / METRICS_FILE).resolve()))]
-    where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
-    print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
-          file=sys.stderr if args.json else sys.stdout, flush=True)
-    return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir, run_id=run_id,
-                             json_report=report, nodes=nodes))
+    # one run per directory: refused here, before a rank starts, while the other run lives
+    with claim_run(cfg, run_dir, node_rank=nodes.node_rank if nodes is not None else 0, run_id=run_id):
+        report: Path | None = None
+        if args.json:  # rank 0 writes the report where the config says, or into the run directory
+            report = Path(cfg.report) if cfg.report is not None else run_dir / "report.json"
+            if cfg.report is None:
+                overrides = [*overrides, ("report", str(report))]
+        if cfg.metrics is None and (nodes is None or nodes.node_rank == 0):  # rank 0's node keeps the run's metrics
+            overrides = [*overrides, ("metrics", str((run_dir / METRICS_FILE).resolve()))]
+        where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
+        print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+        return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir,
+                                 run_id=run_id, json_report=report, nodes=nodes))
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:

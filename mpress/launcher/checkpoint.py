@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from mpress.config.loader import to_dict
+from mpress.config.units import fmt_bytes
 from mpress.contract.plan import fingerprint
 from mpress.errors import ConfigError, MpressError, UserError
 from mpress.launcher.checkpoint_manifest import (
@@ -142,10 +143,14 @@ class Checkpoints:
         path = getattr(cause, "filename", None) or tmp
         what = f"{cause.strerror} ({errno.errorcode.get(cause.errno, cause.errno)})" \
             if isinstance(cause, OSError) and cause.strerror else f"{type(cause).__name__}: {cause}"
+        try:  # torch's writer may report a full disk as a short write ("unexpected pos"): say how full
+            free = f" ({fmt_bytes(shutil.disk_usage(self.root).free)} free on its filesystem)"  # type: ignore[arg-type]
+        except OSError:
+            free = ""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         return CheckpointWriteError(f"checkpoint of step {step} not saved: rank {rank} could not write {path}: "
-                                    f"{what}; the partial save {tmp} is removed")
+                                    f"{what}{free}; the partial save {tmp} is removed")
 
     def _manifest(self, step: int) -> Manifest:
         spec, plan = self.job.spec, self.job.plan

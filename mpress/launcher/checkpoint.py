@@ -130,7 +130,7 @@ class Checkpoints:
                 publish(tmp, final)
             except OSError as exc:
                 raise self._failed(step, tmp, exc) from None
-            prune(self.root, self.cfg.checkpoint.keep_last, self.lineage)
+            prune(self.root, self.cfg.checkpoint.keep_last, self.lineage, upto=step)
             print(f"checkpoint of step {step} saved to {final} ({manifest.total_bytes / 1e6:.2f} MB)", flush=True)
         dist.barrier(group=self.control)  # no rank leaves before the step is complete
 

@@ -177,7 +177,7 @@ def _verify(folder: Path, manifest: Manifest) -> str:
         except OSError as exc:
             return f"{name} cannot be read ({exc.strerror})"
         if actual != saved:
-            return f"{name} does not match its {HASH} in manifest.json (its content changed after the save)"
+            return f"{name} does not match its {HASH} in manifest.json: its content changed after the save"
     if METADATA not in manifest.files:
         return f"manifest.json does not list {METADATA}"
     try:
@@ -226,15 +226,20 @@ def lineage_of(manifest: Manifest) -> str:
     return manifest.lineage or manifest.run_id
 
 
-def prune(root: Path, keep_last: int, lineage: str) -> list[Path]:
+def prune(root: Path, keep_last: int, lineage: str, *, upto: int | None = None) -> list[Path]:
     """Remove the complete steps of `lineage` (this run's and those of the runs it resumed
-    from) older than its newest `keep_last`, and every temporary entry (left by killed
-    saves; call when no save of this job is under way). Returns what was removed. Other
-    lineages' steps are never removed (a run numbered from 0 must not delete its own
-    newest step for an unrelated older run's higher numbers), nor folders named
-    `stepNNNNNN` that are not complete (not this format's; a user may want them)."""
+    from) numbered up to `upto` (the step just saved; None: all) older than the newest
+    `keep_last` of them, and every temporary entry (left by killed saves; call when no
+    save of this job is under way). Returns what was removed. Steps numbered above `upto`
+    are another branch of the lineage (a resume from an earlier step, the newer ones
+    passed over): never counted, never removed here (the run replaces each as it saves
+    that step). Other lineages' steps are never removed (a run numbered from 0 must not
+    delete its own newest step for an unrelated older run's higher numbers), nor folders
+    named `stepNNNNNN` that are not complete (not this format's; a user may want them).
+    Completeness here is by sizes (`read_complete` without `verify`): no step is hashed
+    on every save."""
     removed: list[Path] = []
-    complete = [folder for _step, folder in step_folders(root)
+    complete = [folder for step, folder in step_folders(root) if upto is None or step <= upto
                 if (m := read_complete(folder)[0]) is not None and lineage_of(m) == lineage]
     for folder in complete[:-keep_last]:
         shutil.rmtree(folder)

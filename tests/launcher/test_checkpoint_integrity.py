@@ -97,6 +97,17 @@ def test_keep_last_counts_the_steps_of_every_run_of_one_lineage(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step000004", "step000005", "step000006", "step000009"]
 
 
+def test_keep_last_leaves_the_steps_above_the_one_saved_alone(tmp_path):
+    """Run A saved 0-5; run B resumed from step 1 (2-5 passed over) and saved step 2: the
+    lineage's steps up to 2 are counted (1 and 2 kept, 0 removed), 3-5 are not touched
+    (they would otherwise count as the newest and remove the step just saved)."""
+    for step in range(6):
+        save_step(tmp_path, step, run_id="A")
+    save_step(tmp_path, 2, run_id="B", lineage="A")
+    prune(tmp_path, keep_last=2, lineage="A", upto=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step{s:06d}" for s in range(1, 6)]
+
+
 def test_a_directory_held_by_a_run_is_refused_until_it_ends(tmp_path):
     with DirectoryLock(tmp_path / "d", "checkpoint.dir", run_id="first"):
         with pytest.raises(UserError) as err:

@@ -108,8 +108,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="node 0's address and a free port there, the same on every node (needed with --nnodes > 1)")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
-                        help="where the ranks' logs go (default: a new mpress-train-<id> directory under "
-                             f"{tempfile.gettempdir()})")
+                        help="where the ranks' logs go, one run at a time (default: a new mpress-train-<id> "
+                             f"directory under {tempfile.gettempdir()})")
     add_flag(parser, "json", help="print the end-of-run report (per rank) as JSON on stdout; rank 0's output "
                                   "goes to stderr")
     parser.set_defaults(func=run, takes_overrides=True)

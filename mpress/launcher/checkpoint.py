@@ -142,7 +142,7 @@ class Checkpoints:
             rank, (cause, _trace) = next(iter(sorted(exc.failures.items())))
         path = getattr(cause, "filename", None) or tmp
         what = f"{cause.strerror} ({errno.errorcode.get(cause.errno, cause.errno)})" \
-            if isinstance(cause, OSError) and cause.strerror else f"{type(cause).__name__}: {cause}"
+            if isinstance(cause, OSError) and cause.strerror else f"{type(cause).__name__}: {_first_line(cause)}"
         try:  # torch's writer may report a full disk as a short write ("unexpected pos"): say how full
             free = f" ({fmt_bytes(shutil.disk_usage(self.root).free)} free on its filesystem)"  # type: ignore[arg-type]
         except OSError:
@@ -199,7 +199,7 @@ class Checkpoints:
         except CheckpointException as exc:
             rank, (cause, _trace) = next(iter(sorted(exc.failures.items())))
             raise UserError(f"{folder}: rank {rank} cannot read the checkpoint ({type(cause).__name__}: "
-                            f"{str(cause).strip().splitlines()[0] if str(cause).strip() else ''})") from None
+                            f"{_first_line(cause)})") from None
         job.load_state(unflatten(dest))
         if same_layout:
             set_rng_state(dest[f"rng.rank{self.rank}"], job.device)
@@ -220,7 +220,8 @@ class Checkpoints:
                      "name, each rank's RNG reseeded from (seed, step, rank)")
         plan = None if job.plan is None else fingerprint(to_dict(job.plan))
         if plan != m.plan_fingerprint:  # the state is keyed by parameter name: any plan can load it
-            line += f"; made under another plan ({m.plan_fingerprint}, now {plan}): carried, keyed by parameter name"
+            line += (f"; made under another plan ({m.plan_fingerprint or 'none'}, now {plan or 'none'}): carried, "
+                     "the state is keyed by parameter name")
         if skipped:
             line += f"; passed over {'; '.join(skipped)}"
         return line + ")"
@@ -229,6 +230,11 @@ class Checkpoints:
 class CheckpointWriteError(MpressError):
     """A checkpoint could not be written (a full disk, a permission taken away): the
     message names the step, the path and the cause."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _ranks(pp: int, dp: int) -> str:

@@ -14,7 +14,11 @@ and a resume loads, on every rank, the keys of the parameters it holds now, what
 saved them: a checkpoint of 4 ranks resumes on 2, or on another stage split or plan.
 Data-parallel replicas (`dp`) hold one state: replica 0's ranks save it (the others only
 their generators), and every replica loads it, so a checkpoint resumes on any `dp`. The
-files, the manifest and what makes a step complete: `mpress.launcher.checkpoint_manifest`.
+files, the manifest, what makes a step complete and how a resume verifies it (each
+rank hashes the files it wrote; rank 0 records the hashes; a resume checks them before
+DCP reads a byte): `mpress.launcher.checkpoint_manifest`. A save that fails (a full
+disk) removes its temporary folder and stops the run with a `CheckpointWriteError`
+naming the path.
 
 No checkpoint takes device memory the plan has not planned: the state is built on the
 host one tensor at a time (offloaded optimizer data one layer's chunk at a time) and DCP

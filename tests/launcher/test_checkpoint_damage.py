@@ -10,6 +10,8 @@
   bit (state and loss: the parameters it loaded are the ones saved at the step it names;
   any other state would train to another one);
 - every step damaged: exit 2 and one line naming each, no step trained;
+- a checkpoint of another seed: one line naming the manifest and the field, exit 2;
+  one of another world size: carried (resharded by parameter name), the line says so;
 - a second run on a checkpoint or run directory in use: refused in one line, exit 2;
 - a dangling symlink as `checkpoint.dir`: refused, nothing made where it points;
 - a full disk during a save (a tmpfs of 5 MB in a user and mount namespace): one line
@@ -48,9 +50,9 @@ SAVED = 6  # the source run's steps 0-5, every one kept
 RANK0, RANK1 = "__0_0.distcp", "__1_0.distcp"
 
 
-def config(tmp: Path, ckpt: Path, steps: int, **checkpoint: object) -> Path:
+def config(tmp: Path, ckpt: Path, steps: int, job: dict | None = None, **checkpoint: object) -> Path:
     cfg = {"model": "gpt-tiny", "schedule": "1f1b", "num_stages": 2, "microbatch_size": 2, "num_microbatches": 4,
-           "steps": steps, "plan": "none", "seed": 0, "log_every": 1,
+           "steps": steps, "plan": "none", "seed": 0, "log_every": 1, **(job or {}),
            "checkpoint": {"dir": str(ckpt), "every_steps": 1, "keep_last": 10, **checkpoint}}
     path = tmp / f"train-{ckpt.name}-{steps}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -177,6 +179,20 @@ def test_no_step_that_verifies_is_one_line_and_exit_2_before_any_step(source, tm
     line = one_line_error(code, err, f"{ck}: checkpoint.resume: no complete checkpoint to resume from: ",
                           *(f"step{s:06d} ({r}" for s, r in why.items()))
     assert not losses(out), line
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_seed_is_refused_and_another_world_size_is_carried(source, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(source[0], ck, ignore=shutil.ignore_patterns(".mpress.lock"))
+    code, out, err = train(config(tmp_path, ck, SAVED + 1, {"seed": 5}, resume=True), tmp_path / "run")
+    one_line_error(code, err, f"{step_folder(ck, SAVED - 1) / MANIFEST}: seed: the checkpoint's is 0, this run's 5")
+    assert not losses(out)
+    code, out, err = train(config(tmp_path, ck, SAVED + 1, {"num_stages": 1}, resume=True), tmp_path / "run")
+    assert code == 0, err[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("resuming from "))
+    assert f"(step {SAVED - 1} of run " in line and "saved on 2 ranks" in line and "now 1 ranks" in line
+    assert "resharded by parameter name" in line and losses(out).keys() == {SAVED}
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from mpress.errors import UserError
 from mpress.launcher import run_trace
 from mpress.launcher.checkpoint import Checkpoints
 from mpress.launcher.checkpoint_manifest import check_checkpoint_dir
+from mpress.launcher.directories import claim_for_rank
 from mpress.launcher.control import (
     COLLECTIVE_TIMEOUT_S,
     broadcast,
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_train_config(args.config, parse_override_args(rest, args.config))
         check_checkpoint_dir(cfg)  # before any training: a bad directory or another run's checkpoint
+        lock = claim_for_rank(cfg, rank)  # noqa: F841 -- held for the process's life (torchrun: no launcher's claim)
         run_trace.check_options(cfg, args.config)  # a memory snapshot needs CUDA
         nccl_error_handling()
         # a bounded timeout: with NCCL a hung peer would otherwise block the others for 10 minutes

@@ -94,8 +94,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="node 0's address and a free port there, the same on every node (needed with --nnodes > 1)")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
-                        help="where the ranks' logs go (default: a new mpress-train-<id> directory under "
-                             f"{tempfile.gettempdir()})")
+                        help="where the ranks' logs go, one run at a time (default: a new mpress-train-<id> "
+                             f"directory under {tempfile.gettempdir()})")
     add_flag(parser, "json", help="print the end-of-run report (per rank) as JSON on stdout; rank 0's output "
                                   "goes to stderr")
     parser.set_defaults(func=run, takes_overrides=True)
@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mpress.config.overrides import parse_override_args
+    from mpress.launcher.directories import claim_run
     from mpress.launcher.launch import LaunchSpec, launch
     from mpress.launcher.metrics_log import METRICS_FILE
     from mpress.runtime.train_config import load_train_config
@@ -174,22 +175,20 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / f"mpress-train-{run_id}"
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir: {run_dir} is a file, not a directory")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--run-dir: cannot create {run_dir}: {exc.strerror}") from None
-    report: Path | None = None
-    if args.json:  # rank 0 writes the report where the config says, or into the run directory
-        report = Path(cfg.report) if cfg.report is not None else run_dir / "report.json"
-        if cfg.report is None:
-            overrides = [*overrides, ("report", str(report))]
-    if cfg.metrics is None and (nodes is None or nodes.node_rank == 0):  # rank 0's node keeps the run's metrics
-        overrides = [*overrides, ("metrics", str((run_dir / METRICS_FILE).resolve()))]
-    where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
-    print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
-          file=sys.stderr if args.json else sys.stdout, flush=True)
-    return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir, run_id=run_id,
-                             json_report=report, nodes=nodes))
+    # one run per directory: refused here, before a rank starts, while the other run lives
+    with claim_run(cfg, run_dir, node_rank=nodes.node_rank if nodes is not None else 0, run_id=run_id):
+        report: Path | None = None
+        if args.json:  # rank 0 writes the report where the config says, or into the run directory
+            report = Path(cfg.report) if cfg.report is not None else run_dir / "report.json"
+            if cfg.report is None:
+                overrides = [*overrides, ("report", str(report))]
+        if cfg.metrics is None and (nodes is None or nodes.node_rank == 0):  # rank 0's node keeps the run's metrics
+            overrides = [*overrides, ("metrics", str((run_dir / METRICS_FILE).resolve()))]
+        where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
+        print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+        return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir,
+                                 run_id=run_id, json_report=report, nodes=nodes))
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:

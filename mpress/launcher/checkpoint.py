@@ -15,7 +15,11 @@ and a resume loads, on every rank, the keys of the parameters it holds now, what
 saved them: a checkpoint of 4 ranks resumes on 2, or on another stage split or plan.
 Data-parallel replicas (`dp`) hold one state: replica 0's ranks save it (the others only
 their generators), and every replica loads it, so a checkpoint resumes on any `dp`. The
-files, the manifest and what makes a step complete: `mpress.launcher.checkpoint_manifest`.
+files, the manifest, what makes a step complete and how a resume verifies it (each
+rank hashes the files it wrote; rank 0 records the hashes; a resume checks them before
+DCP reads a byte): `mpress.launcher.checkpoint_manifest`. A save that fails (a full
+disk) removes its temporary folder and stops the run with a `CheckpointWriteError`
+naming the path.
 
 No checkpoint takes device memory the plan has not planned: the state is built on the
 host one tensor at a time (offloaded optimizer data one layer's chunk at a time) and DCP
@@ -34,7 +38,9 @@ run on its own layout bit for bit). The resume line says which of the two happen
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import shutil
 import uuid
 import warnings
 from pathlib import Path
@@ -43,15 +49,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from mpress.config.loader import to_dict
-from mpress.errors import ConfigError
+from mpress.config.units import fmt_bytes
+from mpress.contract.plan import fingerprint
+from mpress.errors import ConfigError, MpressError, UserError
 from mpress.launcher.checkpoint_manifest import (
     MANIFEST,
+    METADATA,
     Manifest,
     check_resumable,
+    file_digest,
     identity,
+    lineage_of,
     newest_complete,
     prune,
     publish,
@@ -60,7 +72,6 @@ from mpress.launcher.checkpoint_manifest import (
     write_manifest,
 )
 from mpress.launcher.control import broadcast
-from mpress.contract.plan import fingerprint
 from mpress.runtime.train_config import TrainConfig
 from mpress.runtime.trainer import PipelineJob
 
@@ -86,13 +97,19 @@ class Checkpoints:
         self.rank = dist.get_rank(control)
         self.run_id = str(broadcast(uuid.uuid4().hex[:12], control)) if self.root is not None else ""
         """One id for this launch, rank 0's: names its temporary folders and its manifests."""
+        self.lineage = self.run_id
+        """The first run of the chain of resumes this run continues (`resume` sets it):
+        `keep_last` counts its steps."""
 
     # ---- save --------------------------------------------------------------------------
 
     def save(self, step: int) -> None:
-        """Save the job's state after `step`: every rank's keys into a temporary folder, rank
-        0's manifest, then the rename that makes the step complete; older steps beyond
-        `keep_last` and stale temporary folders are removed. Rank 0 prints one line."""
+        """Save the job's state after `step`: every rank's keys into a temporary folder
+        (each rank hashes the files it wrote), rank 0's manifest, then the rename that
+        makes the step complete; older steps of the lineage beyond `keep_last` and stale
+        temporary folders are removed. Rank 0 prints one line. A write that fails (a full
+        disk) removes the temporary folder and raises `CheckpointWriteError` naming the
+        path, on every rank DCP's save reaches."""
         if self.root is None:
             return
         job = self.job
@@ -100,17 +117,46 @@ class Checkpoints:
         flat = flatten(job.state()) if self.dp_rank == 0 else {}
         flat[f"rng.rank{self.rank}"] = rng_state(job.device)
         # the keys are flat already: values that are lists (the groups) are saved whole
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.control,
-                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        try:
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.control,
+                     planner=dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+            # DCP names a rank's data files after its rank in the group: `__<rank>_<n>.distcp`
+            own = {p.name: file_digest(p) for p in tmp.glob(f"__{self.rank}_*")}
+        except (CheckpointException, OSError) as exc:
+            raise self._failed(step, tmp, exc) from None
         del flat
+        digests: list[dict[str, str]] | None = [{} for _ in range(dist.get_world_size(self.control))] \
+            if self.rank == 0 else None
+        dist.gather_object(own, digests, group=self.control, group_dst=0)
         if self.rank == 0:  # every rank's files are written: DCP's save ends in a collective
             manifest = self._manifest(step)
-            write_manifest(tmp, manifest)
             final = step_folder(self.root, step)
-            publish(tmp, final)
-            prune(self.root, self.cfg.checkpoint.keep_last, self.run_id)
+            try:
+                write_manifest(tmp, manifest, {k: v for d in digests or [] for k, v in d.items()})
+                publish(tmp, final)
+            except OSError as exc:
+                raise self._failed(step, tmp, exc) from None
+            prune(self.root, self.cfg.checkpoint.keep_last, self.lineage, upto=step)
             print(f"checkpoint of step {step} saved to {final} ({manifest.total_bytes / 1e6:.2f} MB)", flush=True)
         dist.barrier(group=self.control)  # no rank leaves before the step is complete
+
+    def _failed(self, step: int, tmp: Path, exc: BaseException) -> CheckpointWriteError:
+        """The error of a save that failed; rank 0 removes its temporary folder (DCP's
+        failure reaches every rank once every rank's writes have ended)."""
+        rank, cause = self.rank, exc
+        if isinstance(exc, CheckpointException):  # the first rank's own error
+            rank, (cause, _trace) = next(iter(sorted(exc.failures.items())))
+        path = getattr(cause, "filename", None) or tmp
+        what = f"{cause.strerror} ({errno.errorcode.get(cause.errno, cause.errno)})" \
+            if isinstance(cause, OSError) and cause.strerror else f"{type(cause).__name__}: {_first_line(cause)}"
+        try:  # torch's writer may report a full disk as a short write ("unexpected pos"): say how full
+            free = f" ({fmt_bytes(shutil.disk_usage(self.root).free)} free on its filesystem)"  # type: ignore[arg-type]
+        except OSError:
+            free = ""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointWriteError(f"checkpoint of step {step} not saved: rank {rank} could not write {path}: "
+                                    f"{what}{free}; the partial save {tmp} is removed")
 
     def _manifest(self, step: int) -> Manifest:
         spec, plan = self.job.spec, self.job.plan
@@ -118,32 +164,48 @@ class Checkpoints:
                         **identity(spec.model, spec.seed),  # type: ignore[arg-type]
                         plan_fingerprint=None if plan is None else fingerprint(to_dict(plan)),
                         world_size=self.job.world, stage_split=[list(r) for r in spec.ranges],
-                        schedule=str(spec.schedule), config=to_dict(self.cfg), dp=self.cfg.dp)
+                        schedule=str(spec.schedule), config=to_dict(self.cfg), dp=self.cfg.dp,
+                        lineage=self.lineage)
 
     # ---- resume ------------------------------------------------------------------------
 
     def resume(self) -> int:
-        """Load the newest complete step when `checkpoint.resume` is set; returns the next
-        step to run (0 without one). Rank 0 prints one line saying what was loaded and
-        how (resharded or not, RNG restored or reseeded). A checkpoint of another model,
-        dtype or seed: a `ConfigError` naming its manifest and the field."""
+        """Load the newest complete, verified step when `checkpoint.resume` is set;
+        returns the next step to run (0 without one). Rank 0 prints one line saying what
+        was loaded and how (resharded or not, RNG restored or reseeded, newer steps passed
+        over and why). Step folders none of which verifies, or a checkpoint of another
+        model, dtype or seed: a `UserError` naming the folder or manifest and the field."""
         if self.root is None or not self.cfg.checkpoint.resume:
             return 0
-        # rank 0 reads the directory: every rank loads the same step
-        folder, manifest, skipped = broadcast(newest_complete(self.root) if self.rank == 0 else None,
+        # rank 0 reads and verifies the directory: every rank loads the same step
+        folder, manifest, skipped = broadcast(newest_complete(self.root, verify=True) if self.rank == 0 else None,
                                               self.control)  # type: ignore[misc]
         if manifest is None:
+            if skipped:  # never a silent restart from step 0 over steps that are there
+                raise ConfigError(str(self.root), "checkpoint.resume",
+                                  f"no step verifies: {'; '.join(skipped)}; move them away or set resume: false "
+                                  "to start at step 0")
             if self.rank == 0:
-                print(f"no complete checkpoint in {self.root}: starting at step 0"
-                      + (f" (passed over {', '.join(skipped)})" if skipped else ""), flush=True)
+                print(f"no complete checkpoint in {self.root}: starting at step 0", flush=True)
             return 0
         job = self.job
         check_resumable(manifest, folder, identity(job.spec.model, job.spec.seed))
+        self.lineage = lineage_of(manifest)
         split = [list(r) for r in job.spec.ranges]
         same_layout = manifest.world_size == job.world and manifest.stage_split == split and manifest.dp == self.cfg.dp
         reader = dcp.FileSystemReader(folder)
-        dest = destination(job, reader.read_metadata(), folder, rng_of=self.rank if same_layout else None)
-        dcp.load(dest, storage_reader=reader, process_group=self.control, planner=_planner())
+        try:
+            metadata = reader.read_metadata()
+        except Exception as exc:  # noqa: BLE001 -- verified, then changed: whatever unpickling raises
+            raise UserError(f"{folder / METADATA}: not torch.distributed.checkpoint metadata "
+                            f"({type(exc).__name__}: {exc})") from None
+        dest = destination(job, metadata, folder, rng_of=self.rank if same_layout else None)
+        try:
+            dcp.load(dest, storage_reader=reader, process_group=self.control, planner=_planner())
+        except CheckpointException as exc:
+            rank, (cause, _trace) = next(iter(sorted(exc.failures.items())))
+            raise UserError(f"{folder}: rank {rank} cannot read the checkpoint ({type(cause).__name__}: "
+                            f"{_first_line(cause)})") from None
         job.load_state(unflatten(dest))
         if same_layout:
             set_rng_state(dest[f"rng.rank{self.rank}"], job.device)
@@ -163,11 +225,22 @@ class Checkpoints:
             line += (f", stages {m.stage_split}; now {_ranks(job.world, self.cfg.dp)}, stages {split}: resharded by parameter "
                      "name, each rank's RNG reseeded from (seed, step, rank)")
         plan = None if job.plan is None else fingerprint(to_dict(job.plan))
-        if plan != m.plan_fingerprint:
-            line += "; the plan differs"
+        if plan != m.plan_fingerprint:  # the state is keyed by parameter name: any plan can load it
+            line += (f"; made under another plan ({m.plan_fingerprint or 'none'}, now {plan or 'none'}): carried, "
+                     "the state is keyed by parameter name")
         if skipped:
-            line += f"; passed over incomplete {', '.join(skipped)}"
+            line += f"; passed over {'; '.join(skipped)}"
         return line + ")"
+
+
+class CheckpointWriteError(MpressError):
+    """A checkpoint could not be written (a full disk, a permission taken away): the
+    message names the step, the path and the cause."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _ranks(pp: int, dp: int) -> str:
@@ -215,7 +288,7 @@ def destination(job: PipelineJob, metadata: Metadata, folder: Path, *, rng_of: i
     states: dict[str, list[str]] = {}
     for key in saved:
         if key.startswith(_STATE):
-            name, _, part = key[len(_STATE):].rpartition(".")
+            name, _, _part = key[len(_STATE):].rpartition(".")
             states.setdefault(name, []).append(key)
 
     dest: dict[str, Any] = {_GROUPS: None}

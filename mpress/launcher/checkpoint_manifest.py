@@ -11,8 +11,14 @@ A step is written into a temporary folder and renamed to `stepNNNNNN` once every
 written its files and rank 0 its manifest, so a folder named `stepNNNNNN` never mixes two
 runs. It is *complete* only when its manifest parses and every file the manifest lists is
 there with the size it lists (a kill during a write, a copy cut short, a file removed by
-hand: not complete, never resumed). `prune` keeps the newest `keep_last` complete steps
-and removes temporary folders that no running save owns.
+hand: not complete, never resumed). A resume also *verifies* the step it takes
+(`read_complete(verify=True)`): every listed file's sha256 equals the manifest's (a byte
+flipped in place, another run's file of the same size: caught), `.metadata` parses as
+DCP's metadata, and every data file it reads from is listed. A step that fails is passed
+over, named with the file and the reason, for the newest one that verifies. `prune`
+keeps the newest `keep_last` complete steps of the run's lineage (the runs that resumed
+one from another) and removes temporary folders; only one run uses a directory at a
+time (`mpress.launcher.directories`), so no other save is under way.
 
 What must match for a resume (`identity`): the model's dtype, the model (its
 fingerprint: layer shapes, sizes, dropout, dtype) and the seed (the seed also draws the synthetic data). The
@@ -23,6 +29,7 @@ and resharded on load (`mpress.launcher.checkpoint`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import shutil
@@ -31,15 +38,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from mpress.config.loader import check_output_path, to_dict
-from mpress.errors import ConfigError
 from mpress.config.model_config import ModelConfig
+from mpress.errors import ConfigError
+from mpress.launcher.directories import check_no_dangling_link
 from mpress.runtime.train_config import TrainConfig, model_config
 
 MANIFEST = "manifest.json"
-FORMAT = 1
-"""Version of the manifest and of the checkpoint's key layout."""
+METADATA = ".metadata"
+"""DCP's index of the step: which file holds each key, at which offset."""
+FORMAT = 2
+"""Version of the manifest and of the checkpoint's key layout (2: with sha256 and lineage)."""
+HASH = "sha256"
 TEMP_PREFIX = ".tmp-"
 """Names of folders (and files) being written; what a save leaves under it when killed."""
 _STEP = re.compile(r"step(\d{6,})")
@@ -70,6 +82,12 @@ class Manifest:
     """The run's training config, as loaded."""
     files: dict[str, int] = field(default_factory=dict)
     """Every file of the step but the manifest: name -> bytes."""
+    sha256: dict[str, str] = field(default_factory=dict)
+    """Every file of `files`: name -> its content's sha256 (hex)."""
+    lineage: str = ""
+    """The run id of the first run of the chain this step belongs to: a run that resumed
+    continues its checkpoint's lineage, any other starts its own (`keep_last` counts
+    the steps of one lineage)."""
     dp: int = 1
     """Data-parallel replicas of the pipeline that saved it (they hold one state: dp rank
     0's is saved); a resume may run any number of them."""
@@ -93,18 +111,37 @@ def temp_folder(root: Path, run_id: str, step: int) -> Path:
     return root / f"{TEMP_PREFIX}{run_id}-step{step:06d}"
 
 
-def write_manifest(folder: Path, manifest: Manifest) -> None:
-    """List the files in `folder` into `manifest` and write it there (through a temporary
-    file: the manifest is whole or absent)."""
-    manifest.files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
-                      if p.is_file() and p.name != MANIFEST and not p.name.startswith(TEMP_PREFIX)}
+def file_digest(path: Path) -> str:
+    """The sha256 of `path`'s content (hex), read in chunks (`hashlib.file_digest`).
+    Remembered per process by (device, inode, size, modification time): a step the
+    start-up check verified is not read a second time by the resume."""
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        with open(path, "rb") as f:
+            _DIGESTS[key] = hashlib.file_digest(f, HASH).hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple[int, int, int, int], str] = {}
+
+
+def write_manifest(folder: Path, manifest: Manifest, digests: dict[str, str] | None = None) -> None:
+    """List the files in `folder` into `manifest`, with their sizes and sha256, and write it
+    there (through a temporary file: the manifest is whole or absent). `digests`: the
+    sha256 of files hashed already (each rank hashes the files it wrote)."""
+    names = [p.name for p in sorted(folder.iterdir())
+             if p.is_file() and p.name != MANIFEST and not p.name.startswith(TEMP_PREFIX)]
+    manifest.files = {name: (folder / name).stat().st_size for name in names}
+    manifest.sha256 = {name: (digests or {}).get(name) or file_digest(folder / name) for name in names}
     tmp = folder / f"{TEMP_PREFIX}{MANIFEST}"
     tmp.write_text(json.dumps(to_dict(manifest), indent=1))
     tmp.replace(folder / MANIFEST)
 
 
-def read_complete(folder: Path) -> tuple[Manifest | None, str]:
-    """The manifest of `folder` if the step is complete, else None and why not."""
+def read_complete(folder: Path, *, verify: bool = False) -> tuple[Manifest | None, str]:
+    """The manifest of `folder` if the step is complete (and, with `verify`, its content
+    verified: see the module docstring), else None and why not (naming the file)."""
     path = folder / MANIFEST
     try:
         data = json.loads(path.read_text())
@@ -124,7 +161,34 @@ def read_complete(folder: Path) -> tuple[Manifest | None, str]:
             return None, f"{name} listed in manifest.json is missing"
         if actual != size:
             return None, f"{name} is {actual} bytes, manifest.json lists {size}"
-    return manifest, ""
+    why = _verify(folder, manifest) if verify else ""
+    return (None, why) if why else (manifest, "")
+
+
+def _verify(folder: Path, manifest: Manifest) -> str:
+    """Why the complete step `folder` cannot be loaded ("": it can): a file whose content
+    is not the one saved, DCP's metadata unreadable, or a data file it reads unlisted."""
+    for name in manifest.files:
+        saved = manifest.sha256.get(name)
+        if saved is None:
+            return f"{name} has no {HASH} in manifest.json"
+        try:
+            actual = file_digest(folder / name)
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror})"
+        if actual != saved:
+            return f"{name} does not match its {HASH} in manifest.json: its content changed after the save"
+    if METADATA not in manifest.files:
+        return f"manifest.json does not list {METADATA}"
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+        read_from = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    except Exception as exc:  # noqa: BLE001 -- a pickle of anything else: unpickling may raise any error
+        return f"{METADATA} is not torch.distributed.checkpoint metadata ({type(exc).__name__}: {exc})"
+    unlisted = sorted(read_from - set(manifest.files))
+    if unlisted:
+        return f"{METADATA} reads {', '.join(unlisted)}, which manifest.json does not list"
+    return ""
 
 
 def step_folders(root: Path) -> list[tuple[int, Path]]:
@@ -135,12 +199,12 @@ def step_folders(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def newest_complete(root: Path) -> tuple[Path | None, Manifest | None, list[str]]:
-    """The newest complete step: its folder and manifest (None, None if there is none),
-    and one note per newer folder passed over as incomplete."""
+def newest_complete(root: Path, *, verify: bool = False) -> tuple[Path | None, Manifest | None, list[str]]:
+    """The newest complete (with `verify`: and verified) step: its folder and manifest
+    (None, None if there is none), and one note per newer folder passed over, with why."""
     skipped: list[str] = []
     for _step, folder in reversed(step_folders(root)):
-        manifest, why = read_complete(folder)
+        manifest, why = read_complete(folder, verify=verify)
         if manifest is not None:
             return folder, manifest, skipped
         skipped.append(f"{folder.name} ({why})")
@@ -158,15 +222,25 @@ def check_resumable(manifest: Manifest, folder: Path, expected: dict[str, object
                               "checkpoint (set checkpoint.resume: false or use another checkpoint.dir)")
 
 
-def prune(root: Path, keep_last: int, run_id: str) -> list[Path]:
-    """Remove this run's complete steps older than its newest `keep_last`, and every
-    temporary entry (left by killed saves; call when no save of this job is under way).
-    Returns what was removed. Other runs' steps are never removed (a run numbered from 0
-    must not delete its own newest step for an older run's higher numbers), nor folders
-    named `stepNNNNNN` that are not complete (not this format's; a user may want them)."""
+def lineage_of(manifest: Manifest) -> str:
+    return manifest.lineage or manifest.run_id
+
+
+def prune(root: Path, keep_last: int, lineage: str, *, upto: int | None = None) -> list[Path]:
+    """Remove the complete steps of `lineage` (this run's and those of the runs it resumed
+    from) numbered up to `upto` (the step just saved; None: all) older than the newest
+    `keep_last` of them, and every temporary entry (left by killed saves; call when no
+    save of this job is under way). Returns what was removed. Steps numbered above `upto`
+    are another branch of the lineage (a resume from an earlier step, the newer ones
+    passed over): never counted, never removed here (the run replaces each as it saves
+    that step). Other lineages' steps are never removed (a run numbered from 0 must not
+    delete its own newest step for an unrelated older run's higher numbers), nor folders
+    named `stepNNNNNN` that are not complete (not this format's; a user may want them).
+    Completeness here is by sizes (`read_complete` without `verify`): no step is hashed
+    on every save."""
     removed: list[Path] = []
-    complete = [folder for _step, folder in step_folders(root)
-                if (m := read_complete(folder)[0]) is not None and m.run_id == run_id]
+    complete = [folder for step, folder in step_folders(root) if upto is None or step <= upto
+                if (m := read_complete(folder)[0]) is not None and lineage_of(m) == lineage]
     for folder in complete[:-keep_last]:
         shutil.rmtree(folder)
         removed.append(folder)
@@ -193,13 +267,15 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
     """Start-up check of `checkpoint.dir`, before any training: a directory that can be
     made and written (the rule every output path of a config follows,
     `mpress.config.loader.output_path_problem`), and under `checkpoint.resume` its newest
-    complete step must be this run's (`identity`). Every failure is one `ConfigError`.
-    Reads only: safe to call on every rank at once."""
+    complete step must verify (`read_complete(verify=True)`) and be this run's
+    (`identity`). Every failure is one `UserError`. Reads only: safe to call on every
+    rank at once."""
     if cfg.checkpoint.dir is None:
         return
     root = Path(cfg.checkpoint.dir)
     check_output_path(root, "", "checkpoint.dir", "dir")
-    folder, manifest, skipped = newest_complete(root)
+    check_no_dangling_link(root, "checkpoint.dir")
+    folder, manifest, skipped = newest_complete(root, verify=cfg.checkpoint.resume)
     if not cfg.checkpoint.resume:
         if manifest is not None:  # a new run's steps beside them: a later resume would take the highest number
             raise ConfigError(str(root), "checkpoint.resume", f"false, but the directory holds complete "
@@ -216,6 +292,6 @@ def check_checkpoint_dir(cfg: TrainConfig) -> None:
         check_resumable(manifest, folder, identity(model, cfg.seed))
     elif skipped:  # step folders, none of them a checkpoint: never restart from step 0 unasked
         raise ConfigError(str(root), "checkpoint.resume", f"no complete checkpoint to resume from: "
-                                                         f"{'; '.join(skipped)} (not written by this mpress, or "
-                                                         "its save never finished); move them away or set "
-                                                         "resume: false to start at step 0")
+                                                         f"{'; '.join(skipped)} (not written by this mpress, "
+                                                         "its save never finished, or damaged since); move them "
+                                                         "away or set resume: false to start at step 0")

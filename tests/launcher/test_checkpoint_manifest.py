@@ -38,7 +38,7 @@ from tests.support.plans import one_line
 MODEL = load_model_config("gpt-tiny")
 
 
-def save_step(root: Path, step: int, *, run_id: str = "run", seed: int = 0) -> Path:
+def save_step(root: Path, step: int, *, run_id: str = "run", seed: int = 0, lineage: str = "") -> Path:
     """A complete step as a save makes it: DCP's files in a temporary folder, the
     manifest, the rename."""
     tmp = temp_folder(root, run_id, step)
@@ -47,7 +47,7 @@ def save_step(root: Path, step: int, *, run_id: str = "run", seed: int = 0) -> P
         dcp.save({"model.w": torch.full((4,), float(step))}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
     write_manifest(tmp, Manifest(step=step, run_id=run_id, model=MODEL.name, **identity(MODEL, seed),
                                  plan_fingerprint=None, world_size=1, stage_split=[[0, 6]], schedule="1f1b",
-                                 config={}))
+                                 config={}, lineage=lineage))
     publish(tmp, step_folder(root, step))
     return step_folder(root, step)
 
@@ -88,18 +88,18 @@ def test_keep_last_keeps_the_newest_complete_steps_and_removes_temporary_entries
     (tmp_path / "step000009").mkdir()  # not this format's: left alone
     temp_folder(tmp_path, "killed", 7).mkdir()
     (tmp_path / f"{TEMP_PREFIX}{MANIFEST}").write_bytes(b"")  # a 0-byte temporary file
-    removed = prune(tmp_path, keep_last=2, run_id="run")
+    removed = prune(tmp_path, keep_last=2, lineage="run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step000003", "step000004", "step000009"]
     assert len(removed) == 5
 
 
 def test_keep_last_never_removes_another_runs_steps_or_this_runs_newest(tmp_path):
     """An older run's steps 100-300 and a new run numbered from 0: keep_last counts this
-    run's steps only, so its newest step is never pruned for the older run's higher numbers."""
+    run's lineage only, so its newest step is never pruned for the older run's higher numbers."""
     for step in (100, 200, 300):
         save_step(tmp_path, step, run_id="old")
     save_step(tmp_path, 9, run_id="new")
-    assert prune(tmp_path, keep_last=3, run_id="new") == []
+    assert prune(tmp_path, keep_last=3, lineage="new") == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step000009", "step000100", "step000200", "step000300"]
 
 

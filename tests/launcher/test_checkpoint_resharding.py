@@ -19,6 +19,7 @@ import yaml
 
 from mpress.launcher.checkpoint import read_step
 from mpress.launcher.checkpoint_manifest import TEMP_PREFIX
+from mpress.launcher.directories import LOCK_FILE
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import TensorRule
 from tests.launcher.test_train_launcher import ROOT, launch, losses
@@ -91,7 +92,7 @@ def test_keep_last_keeps_the_newest_complete_steps_and_no_temporary_files(source
     lines = saved_lines(stdout)
     assert [line.split(" saved")[0] for line in lines] == [f"checkpoint of step {s}" for s in range(SOURCE_STEPS)]
     assert all(line.endswith(" MB)") for line in lines)
-    assert sorted(p.name for p in root.iterdir()) == ["step000001", "step000002"]
+    assert sorted(p.name for p in root.iterdir()) == [LOCK_FILE, "step000001", "step000002"]  # rank 0 held it
     assert sorted(p.name for p in (root / "step000002").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "manifest.json"]
 
@@ -118,7 +119,7 @@ def test_a_checkpoint_resumes_on_another_world_size_as_an_uninterrupted_run(sour
     line = next(x for x in resumed.stdout.splitlines() if x.startswith("resuming from"))
     assert "step000002 (step 2 of run" in line and f"saved on {saved_on} ranks" in line
     assert f"now {resumed_on} ranks" in line and "resharded by parameter name" in line
-    assert "passed over incomplete step000003 (__1_0.distcp listed in manifest.json is missing)" in line
+    assert "passed over step000003 (__1_0.distcp listed in manifest.json is missing)" in line
     assert "resuming at step 3" in resumed.stdout
     a, r = losses(reference.stdout), losses(resumed.stdout)
     assert sorted(r) == [3, 4]
@@ -128,7 +129,7 @@ def test_a_checkpoint_resumes_on_another_world_size_as_an_uninterrupted_run(sour
     assert_masters_equal(x, y)
     assert (precision == "bf16") == bool(x["masters"])
     # the stale temporary folder is gone; the incomplete step is not this format's to delete
-    assert sorted(p.name for p in resume_dir.iterdir()) == ["step000002", "step000003", "step000004"]
+    assert sorted(p.name for p in resume_dir.iterdir()) == [LOCK_FILE, "step000002", "step000003", "step000004"]
 
 
 def one_line_before_training(res, *needles: str) -> str:

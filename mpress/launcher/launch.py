@@ -47,6 +47,7 @@ import torch.distributed as dist
 from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV
 from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
 from mpress.launcher.rank_watch import STOP_WAIT_S
+from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
 from mpress.launcher.verdict import RankEnd, diagnose
 from mpress.config.overrides import Override, override_argv
 
@@ -96,6 +97,8 @@ class Nodes:
     host: str
     """The endpoint's host: node 0's address, as the other nodes reach it."""
     port: int
+    timeout_s: float = RDZV_TIMEOUT_S
+    """Bound on this launcher's wait for the endpoint (`rendezvous.py`)."""
 
 
 def threads_per_rank(nproc: int, cores: int | None = None) -> int:
@@ -157,11 +160,16 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     nodes = spec.nodes
     # the store outlives every rank: on one machine this launcher's; over several, node 0's
-    # at the endpoint (listening on every interface), which the other nodes' ranks join
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nodes is None \
-        else dist.TCPStore(nodes.host, nodes.port, is_master=True, wait_for_workers=False) if nodes.node_rank == 0 \
-        else None
-    port = store.port if store is not None else nodes.port  # type: ignore[union-attr]
+    # at the endpoint (listening on every interface), which the other nodes' launchers and
+    # ranks join, each checked first with a bounded wait (rendezvous.py)
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nodes is None \
+            else host_store(nodes.host, nodes.port, timeout_s=nodes.timeout_s) if nodes.node_rank == 0 \
+            else join_store(nodes.host, nodes.port, timeout_s=nodes.timeout_s)
+    except RendezvousError as exc:
+        print(f"mpress train: {exc}", file=err, flush=True)
+        return 1
+    port = store.port
     first = nodes.node_rank * spec.nproc if nodes is not None else 0  # this node's first global rank
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []

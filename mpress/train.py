@@ -46,12 +46,13 @@ from mpress.launcher.control import (
     root_cause,
     root_kind,
     single_process_env,
+    start_phase,
 )
 from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
 from mpress.launcher.evaluate import eval_batch_count, evaluate
 from mpress.launcher.job import start_job
 from mpress.launcher.metrics_log import MetricsLog, Throughput, rates_text
-from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, start_rank_watch
+from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, early_rank_watch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
 from mpress.config.overrides import parse_override_args
@@ -83,6 +84,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     dp_rank, pp_rank = replica_coordinates(rank, world, cfg.dp)
     pp_world = world // cfg.dp
     payload: object = None
+    start_phase("plan", rank)
     if rank == 0:
         try:
             payload = plan_for(cfg, model, num_stages, pp_world)
@@ -121,6 +123,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     shuffle = cfg.seed if cfg.data.kind == "text" else None  # text windows in a per-epoch permutation
     batch_size = cfg.microbatch_size * cfg.num_microbatches
     num_eval = eval_batch_count(val, batch_size=batch_size, wanted=cfg.eval_batches) if val is not None else 0
+    start_phase("build", rank)
     if replicas is None:
         job = start_job(spec, plan, device, control_group=control)
     else:  # peer pools stay inside a replica: their handshake on the replica's gloo group
@@ -317,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     single_process_env()
     rank = int(os.environ.get("RANK", "0"))
+    try:  # watched from here on: a rank that dies or stops during start-up is named by the others
+        watch = early_rank_watch(rank=rank, world=int(os.environ.get("WORLD_SIZE", "1")))
+    except RuntimeError as exc:  # the launcher's store is not there (DistNetworkError, DistStoreError)
+        say_line(f"mpress.train: rank {rank}: cannot reach the job's store at {os.environ.get('MASTER_ADDR')}:"
+                 f"{os.environ.get('MASTER_PORT')}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}")
+        return 1
+    start_phase("init", rank)
     try:
         cfg = load_train_config(args.config, parse_override_args(rest, args.config))
         check_checkpoint_dir(cfg)  # before any training: a bad directory or another run's checkpoint
@@ -327,11 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if rank == 0:
             say_line(f"mpress.train: error: {exc}")
+        if watch is not None:
+            watch.stop()  # every rank found the same: its leaving is no failure
         return 2
-    watch: RankWatch | None = None
     try:
         control = control_group()
-        watch = start_rank_watch(control, rank=rank, world=dist.get_world_size())
+        watch = watch or start_rank_watch(rank=rank, world=dist.get_world_size())
         code = train(cfg, control=control, watch=watch)
         watch.stop()  # also after an early return: every rank returned the same
         return code

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
+import time
 
 import torch.distributed as dist
 
@@ -79,3 +81,21 @@ def _innermost(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None and not isinstance(exc, MpressError):
         exc = exc.__cause__
     return exc
+
+
+START_PAUSE_ENV = "MPRESS_START_PAUSE"
+"""`RANK:PHASE`: hold rank RANK at start-up phase PHASE (`start_phase`); fault tests only."""
+START_PAUSE_S = 120.0
+"""How long a held rank sleeps before it goes on (a bound: nothing waits for it forever)."""
+
+
+def start_phase(phase: str, rank: int) -> None:
+    """Rank `rank` reaches start-up phase `phase` ("init": before the process group,
+    "plan": before the plan's broadcast, "build": before the stages are built). With
+    $MPRESS_START_PAUSE=RANK:PHASE that rank says so on stderr and sleeps there, so that a
+    fault test kills or stops it while the other ranks wait for it in the phase's
+    collective (a fault at a known start-up phase, as `step 0: loss` marks one mid-run)."""
+    if os.environ.get(START_PAUSE_ENV) != f"{rank}:{phase}":
+        return
+    print(f"mpress start-up: rank {rank} held at {phase}", file=sys.stderr, flush=True)
+    time.sleep(START_PAUSE_S)

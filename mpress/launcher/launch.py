@@ -33,20 +33,22 @@ the torchrun form keeps working.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
-from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV
+from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, ProcessId
 from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
-from mpress.launcher.rank_watch import STOP_WAIT_S
+from mpress.launcher.rank_watch import STOP_WAIT_S, RankProcess, held_stopped, register, this_machine, watch_store
 from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
 from mpress.launcher.verdict import RankEnd, diagnose
 from mpress.config.overrides import Override, override_argv
@@ -57,6 +59,10 @@ GRACE_S = STOP_WAIT_S + 5.0
 """After the first bad end, how long the other ranks get to stop by themselves (their
 watches name the failed rank within a second and wait at most `STOP_WAIT_S` for each
 other) before the launcher kills what is left."""
+START_GRACE_S = 60.0
+"""How long the grace period may wait for ranks still starting (importing torch, not yet
+watching: no heartbeat in the store) when another rank ended badly during start-up: each
+names the failed rank as soon as its watch runs."""
 TERM_WAIT_S = 5.0
 """After the launcher was interrupted: from SIGTERM to the ranks until SIGKILL."""
 
@@ -170,6 +176,7 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
         print(f"mpress train: {exc}", file=err, flush=True)
         return 1
     port = store.port
+    watched = watch_store(store)  # where the ranks' watches look each other up (rank_watch.py)
     first = nodes.node_rank * spec.nproc if nodes is not None else 0  # this node's first global rank
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
@@ -185,8 +192,12 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
                         [sys.executable, "-m", "mpress.train", "--config", spec.config, *override_argv(spec.overrides)],
                         stdin=subprocess.DEVNULL, stdout=rank0_out if rank == 0 else f, stderr=f,
                         env=rank_env(spec, rank, port), process_group=0 if rank == 0 else procs[0].pid))
+                # known to the other ranks' watches from spawn: a rank killed before it runs a
+                # line of its own is named by its pid (same machine) like one killed mid-run
+                register(watched, RankProcess(rank=first + rank, machine=this_machine(),
+                                              process=ProcessId.of(procs[-1].pid)))
             _write_run_file(spec, procs)
-            _watch(procs, killed, interrupted)
+            _watch(procs, killed, interrupted, functools.partial(_started, watched, first))
         finally:
             for rank, p in enumerate(procs):  # the launcher itself failed: leave nothing behind
                 if p.poll() is None:
@@ -195,7 +206,7 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
                     p.wait()
     _end_group(procs)
     sweep_segments(spec.run_id)
-    del store
+    del watched, store
     ends = [RankEnd(rank=first + r, pid=p.pid, returncode=p.returncode, killed_by_launcher=r in killed, log=logs[r])
             for r, p in enumerate(procs)]
     if interrupted.signum is not None:
@@ -225,10 +236,21 @@ def _print_report(path: Path, err) -> int:
     return 0
 
 
-def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interrupted) -> None:
-    """Until every rank has ended: after a bad end, the grace period and the killing of
-    stopped or left-over ranks; on a signal to the launcher, SIGTERM then SIGKILL."""
+def _started(watched: dist.Store, first: int, local: int) -> bool:
+    """True when local rank `local`'s watch has beaten (it runs and watches the others)."""
+    try:
+        return int(watched.add(f"beat/{first + local}", 0)) > 0
+    except RuntimeError:
+        return True  # no store to ask: nothing to wait for
+
+
+def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interrupted,
+           started: Callable[[int], bool]) -> None:
+    """Until every rank has ended: after a bad end, the grace period (from when every rank
+    still there watches, `START_GRACE_S` at most) and the killing of stopped or left-over
+    ranks; on a signal to the launcher, SIGTERM then SIGKILL."""
     first_bad: float | None = None
+    grace_from = 0.0
     terminated_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
@@ -245,10 +267,12 @@ def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interr
             elif now - terminated_at > TERM_WAIT_S:
                 _kill(procs, alive, killed)
         elif first_bad is None and any(c not in (None, 0) for c in codes):
-            first_bad = now
+            first_bad = grace_from = now
         elif first_bad is not None:
-            stopped = [r for r in alive if _stopped(procs[r].pid)]
-            if len(stopped) == len(alive) or now - first_bad > GRACE_S:
+            stopped = [r for r in alive if held_stopped(procs[r].pid)]
+            if now - first_bad < START_GRACE_S and any(not started(r) for r in alive if r not in stopped):
+                grace_from = now
+            if len(stopped) == len(alive) or now - grace_from > GRACE_S:
                 _kill(procs, alive, killed)
         time.sleep(POLL_S)
 
@@ -257,15 +281,6 @@ def _kill(procs: list[subprocess.Popen], ranks: list[int], killed: set[int]) -> 
     for r in ranks:
         killed.add(r)
         procs[r].kill()  # SIGKILL ends a stopped process too
-
-
-def _stopped(pid: int) -> bool:
-    """True when the kernel holds process `pid` stopped (SIGSTOP, or traced)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def _end_group(procs: list[subprocess.Popen]) -> None:

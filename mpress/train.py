@@ -36,11 +36,13 @@ from mpress.d2d.runtime.liveness import die_with_parent
 from mpress.errors import UserError
 from mpress.launcher import run_trace
 from mpress.launcher.checkpoint import Checkpoints
-from mpress.launcher.checkpoint_manifest import check_checkpoint_dir
+from mpress.launcher.checkpoint_manifest import check_checkpoint_dir, step_folder
 from mpress.launcher.control import (
     COLLECTIVE_TIMEOUT_S,
     broadcast,
+    catch_interrupts,
     control_group,
+    interrupted,
     is_own_failure,
     nccl_error_handling,
     root_cause,
@@ -153,6 +155,9 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     # lived objects -- swap records, events, saved-tensor names -- and full collections of
     # torch's start-up objects cost milliseconds per step; bench/swap_overhead.py)
     gc.freeze()
+    if watch is not None and rank == 0:
+        watch.training()  # a Ctrl-C to mpress train now stops the ranks at a step boundary
+    stopped_after: int | None = None  # the step after which an interrupt stopped the job
     with progress:
         for step in range(first, cfg.steps):
             batch = step * cfg.dp + dp_rank  # replica k trains on batches k, dp + k, 2 dp + k, ...
@@ -170,14 +175,15 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             run_trace.stop_recorders(recorders, say=progress.console.print if rank == 0 else None)
             # the last stage's loss and every rank's peak in one object collective on the
             # gloo group: on the default (NCCL) group it would copy through, and sync, the GPU
-            stats: list[tuple[float | None, int]] = [(None, 0)] * world
-            dist.all_gather_object(stats, (result.loss, result.peak_bytes), group=control)
+            # with whether it got SIGINT: every rank then stops after the same step
+            stats: list[tuple[float | None, int, bool]] = [(None, 0, False)] * world
+            dist.all_gather_object(stats, (result.loss, result.peak_bytes, interrupted()), group=control)
             # the mean over the replicas' last stages (replica k's ranks start at k * pp)
             loss = sum(float(stats[k * pp_world + job.last_rank][0] or 0.0) for k in range(cfg.dp)) / cfg.dp
             elapsed = time.perf_counter() - t0
             if result.peak_bytes >= peak:
                 peak, peak_at = result.peak_bytes, result.peak_context
-            peaks = [p for _, p in stats]
+            peaks = [p for _, p, _ in stats]
             opt_info = _optimizer_info(cfg, result, job.guard.skipped_total)
             record = step_record(step, loss, result, elapsed, throughput, peaks)
             info = (f"loss {loss:.4f}  {rates_text(record)}  peak/rank "
@@ -206,9 +212,15 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             if logged:  # the step's line, with the validation loss where it was evaluated
                 metrics.write(record)
             every = cfg.checkpoint.every_steps
-            if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
+            stop = any(asked for _, _, asked in stats)
+            if (every and (step + 1) % every == 0) or step == cfg.steps - 1 or stop:
                 checkpoints.save(step)
+            if stop:
+                stopped_after = step
+                break
     metrics.close()
+    if stopped_after is not None:
+        return _interrupted(checkpoints, stopped_after, watch)
     rows: list[dict[str, object]] = [{} for _ in range(world)]
     row = rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[pp_rank], measured_bytes=peak,
                       measured_at=peak_at)
@@ -226,6 +238,17 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         watch.stop()  # this rank is done: its leaving is no failure
     job.close()
     return 0
+
+
+def _interrupted(checkpoints: Checkpoints, step: int, watch: RankWatch | None) -> int:
+    """The job stopped after `step` on Ctrl-C (`control.catch_interrupts`), its checkpoint
+    saved: every rank's line (`mpress train` prints it as its one line), status 130."""
+    saved = (f"checkpoint of step {step} saved to {step_folder(checkpoints.root, step)}"
+             if checkpoints.root is not None else "no checkpoint saved (checkpoint.dir is not set)")
+    say_line(f"mpress.train: interrupted: after step {step}, {saved}")
+    if watch is not None:
+        watch.stop()  # leaving now is no failure
+    return 130
 
 
 def _datasets(cfg: TrainConfig, model: ModelConfig,
@@ -315,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     """One rank: `--config CFG [--<dotted.key> VALUE ...]` (the overrides `mpress train`
     checked before it launched this rank; mpress/config/overrides.py)."""
     die_with_parent()  # no rank outlives its launcher (mpress train, torchrun's agent)
+    catch_interrupts()  # SIGINT: stop at the next step boundary, never a KeyboardInterrupt
     parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="training config: configs/train/<name>.yaml or a name")
     args, rest = parser.parse_known_args(argv)

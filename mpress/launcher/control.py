@@ -1,12 +1,15 @@
 """The job's control plane: the process group set-up (NCCL's error handling included), a
-gloo group for object collectives, and the one line a failure is reported as."""
+gloo group for object collectives, the one line a failure is reported as, a rank's
+interrupt (SIGINT: stop at a step boundary) and the fault tests' start-up hold."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -99,3 +102,19 @@ def start_phase(phase: str, rank: int) -> None:
         return
     print(f"mpress start-up: rank {rank} held at {phase}", file=sys.stderr, flush=True)
     time.sleep(START_PAUSE_S)
+
+
+_interrupt = threading.Event()
+
+
+def catch_interrupts() -> None:
+    """SIGINT to a rank asks the job to stop at the next step boundary (`interrupted`),
+    saving a checkpoint first, instead of raising KeyboardInterrupt wherever the rank is
+    (`mpress train`'s launcher sends it on Ctrl-C once the job trains; a terminal's Ctrl-C
+    under torchrun reaches the ranks themselves)."""
+    signal.signal(signal.SIGINT, lambda _signum, _frame: _interrupt.set())
+
+
+def interrupted() -> bool:
+    """True once this rank got SIGINT (`catch_interrupts`)."""
+    return _interrupt.is_set()

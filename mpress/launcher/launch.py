@@ -48,9 +48,17 @@ import torch.distributed as dist
 
 from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, ProcessId
 from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
-from mpress.launcher.rank_watch import STOP_WAIT_S, RankProcess, held_stopped, register, this_machine, watch_store
+from mpress.launcher.rank_watch import (
+    STOP_WAIT_S,
+    RankProcess,
+    held_stopped,
+    is_training,
+    register,
+    this_machine,
+    watch_store,
+)
 from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
-from mpress.launcher.verdict import RankEnd, diagnose
+from mpress.launcher.verdict import RankEnd, diagnose, interrupted_line
 from mpress.config.overrides import Override, override_argv
 
 POLL_S = 0.1
@@ -65,6 +73,9 @@ watching: no heartbeat in the store) when another rank ended badly during start-
 names the failed rank as soon as its watch runs."""
 TERM_WAIT_S = 5.0
 """After the launcher was interrupted: from SIGTERM to the ranks until SIGKILL."""
+INTERRUPT_WAIT_S = 120.0
+"""After Ctrl-C (SIGINT) while the job trains: how long the ranks get to finish their step,
+save a checkpoint and leave, before the launcher ends them (a second Ctrl-C: at once)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,8 @@ class _Interrupted:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.count = 0
+        """Signals received (a second Ctrl-C ends the ranks without waiting for their save)."""
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> _Interrupted:
@@ -152,6 +165,7 @@ class _Interrupted:
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.signum = self.signum or signum
+        self.count += 1
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._old.items():
@@ -197,7 +211,8 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
                 register(watched, RankProcess(rank=first + rank, machine=this_machine(),
                                               process=ProcessId.of(procs[-1].pid)))
             _write_run_file(spec, procs)
-            _watch(procs, killed, interrupted, functools.partial(_started, watched, first))
+            _watch(procs, killed, interrupted, functools.partial(_started, watched, first),
+                   functools.partial(_training, watched))
         finally:
             for rank, p in enumerate(procs):  # the launcher itself failed: leave nothing behind
                 if p.poll() is None:
@@ -210,9 +225,7 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     ends = [RankEnd(rank=first + r, pid=p.pid, returncode=p.returncode, killed_by_launcher=r in killed, log=logs[r])
             for r, p in enumerate(procs)]
     if interrupted.signum is not None:
-        name = signal.Signals(interrupted.signum).name
-        print(f"mpress train: interrupted ({name}): stopped {spec.nproc} ranks; logs in {spec.run_dir}",
-              file=err, flush=True)
+        print(interrupted_line(ends, interrupted.signum, spec.run_dir), file=err, flush=True)
         return 128 + interrupted.signum
     verdict = diagnose(ends, spec.run_dir)
     if verdict is not None:
@@ -244,13 +257,23 @@ def _started(watched: dist.Store, first: int, local: int) -> bool:
         return True  # no store to ask: nothing to wait for
 
 
+def _training(watched: dist.Store) -> bool:
+    try:
+        return is_training(watched)
+    except RuntimeError:  # node 0's store is gone: the job no longer trains
+        return False
+
+
 def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interrupted,
-           started: Callable[[int], bool]) -> None:
+           started: Callable[[int], bool], training: Callable[[], bool]) -> None:
     """Until every rank has ended: after a bad end, the grace period (from when every rank
     still there watches, `START_GRACE_S` at most) and the killing of stopped or left-over
-    ranks; on a signal to the launcher, SIGTERM then SIGKILL."""
+    ranks; on a signal to the launcher, SIGTERM then SIGKILL -- but for a Ctrl-C while the
+    job trains: SIGINT to every rank, which stop at a step boundary after saving a
+    checkpoint (`INTERRUPT_WAIT_S` at most, or until a second signal)."""
     first_bad: float | None = None
     grace_from = 0.0
+    asked_until: float | None = None  # SIGINT forwarded: the ranks' time to save and leave
     terminated_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
@@ -259,12 +282,17 @@ def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interr
             return
         now = time.monotonic()
         if interrupted.signum is not None:
-            if terminated_at is None:
+            if asked_until is None and terminated_at is None and interrupted.signum == signal.SIGINT \
+                    and interrupted.count == 1 and training():
+                asked_until = now + INTERRUPT_WAIT_S
+                for r in alive:
+                    procs[r].send_signal(signal.SIGINT)
+            elif terminated_at is None and (asked_until is None or interrupted.count > 1 or now > asked_until):
                 terminated_at = now
                 for r in alive:
                     killed.add(r)
                     procs[r].terminate()
-            elif now - terminated_at > TERM_WAIT_S:
+            elif terminated_at is not None and now - terminated_at > TERM_WAIT_S:
                 _kill(procs, alive, killed)
         elif first_bad is None and any(c not in (None, 0) for c in codes):
             first_bad = grace_from = now

@@ -106,6 +106,15 @@ def watch_store(store: dist.Store) -> dist.PrefixStore:
     return dist.PrefixStore(f"mpress/rank-watch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
+_TRAINING = "training"
+
+
+def is_training(store: dist.Store) -> bool:
+    """True once the job's step loop has begun (`RankWatch.training`); `store`: the
+    watches' part of the job's store (`watch_store`)."""
+    return store.check([_TRAINING])
+
+
 def held_stopped(pid: int) -> bool:
     """True when the kernel holds process `pid` stopped (SIGSTOP, or traced)."""
     try:
@@ -271,6 +280,12 @@ class RankWatch:
             self._count_stopped()
         except Exception:  # noqa: BLE001 - no store: nobody left to tell
             pass
+
+    def training(self) -> None:
+        """The job has entered its step loop (rank 0 says so): from now on `mpress train`'s
+        launcher answers Ctrl-C by asking the ranks to stop at a step boundary (SIGINT,
+        `control.catch_interrupts`) rather than ending them (`is_training`)."""
+        self._store.set(_TRAINING, "1")
 
     def _wait_for_the_others(self) -> None:
         """Until every rank has stopped or finished (a dead or stalled one excepted), at

@@ -84,7 +84,8 @@ exit status:
        error with its stage, microbatch and tensor, a rank killed or stalled, ...)
   2    bad input: config, override, flag, plan (one line on stderr; no rank started,
        unless a rank found it: then one line too)
-  128+N  mpress train got signal N (Ctrl-C: 130); the ranks were stopped
+  128+N  mpress train got signal N (Ctrl-C: 130); the ranks were stopped (a Ctrl-C while
+       the job trains: after their step, a checkpoint saved first when checkpoint.dir is set)
 
 presets: {presets}
 """.format(cpu=DEFAULT_CPU_RANKS, presets="{presets}")

@@ -66,7 +66,7 @@ from mpress.runtime.text.dataset import TextData, build_text_data
 from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.lr_schedule import LrSchedule
-from mpress.runtime.trainer import JobSpec, StepResult
+from mpress.runtime.trainer import JobSpec, PipelineJob, StepResult
 from mpress.ui import TaskProgress, make_console, say_line
 from mpress.config.units import fmt_bytes
 
@@ -220,7 +220,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                 break
     metrics.close()
     if stopped_after is not None:
-        return _interrupted(checkpoints, stopped_after, watch)
+        return _interrupted(checkpoints, stopped_after, watch, job)
     rows: list[dict[str, object]] = [{} for _ in range(world)]
     row = rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[pp_rank], measured_bytes=peak,
                       measured_at=peak_at)
@@ -240,7 +240,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     return 0
 
 
-def _interrupted(checkpoints: Checkpoints, step: int, watch: RankWatch | None) -> int:
+def _interrupted(checkpoints: Checkpoints, step: int, watch: RankWatch | None, job: PipelineJob) -> int:
     """The job stopped after `step` on Ctrl-C (`control.catch_interrupts`), its checkpoint
     saved: every rank's line (`mpress train` prints it as its one line), status 130."""
     saved = (f"checkpoint of step {step} saved to {step_folder(checkpoints.root, step)}"
@@ -248,6 +248,7 @@ def _interrupted(checkpoints: Checkpoints, step: int, watch: RankWatch | None) -
     say_line(f"mpress.train: interrupted: after step {step}, {saved}")
     if watch is not None:
         watch.stop()  # leaving now is no failure
+    job.close()
     return 130
 
 

@@ -2,6 +2,10 @@
 
 import sys
 
-from mpress.cli import main
+try:  # Ctrl-C while torch is imported: one line and 130, as once `main` runs
+    from mpress.cli import main
+except KeyboardInterrupt:
+    print("mpress: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

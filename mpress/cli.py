@@ -99,6 +99,14 @@ def command_of(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # Ctrl-C at any moment (importing a subcommand's torch included): one line, 130
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("mpress: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(command_of(argv))
     try:
@@ -116,9 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"mpress {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("mpress: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

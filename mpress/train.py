@@ -36,23 +36,26 @@ from mpress.d2d.runtime.liveness import die_with_parent
 from mpress.errors import UserError
 from mpress.launcher import run_trace
 from mpress.launcher.checkpoint import Checkpoints
-from mpress.launcher.checkpoint_manifest import check_checkpoint_dir
+from mpress.launcher.checkpoint_manifest import check_checkpoint_dir, step_folder
 from mpress.launcher.directories import claim_for_rank
 from mpress.launcher.control import (
     COLLECTIVE_TIMEOUT_S,
     broadcast,
+    catch_interrupts,
     control_group,
+    interrupted,
     is_own_failure,
     nccl_error_handling,
     root_cause,
     root_kind,
     single_process_env,
+    start_phase,
 )
 from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
 from mpress.launcher.evaluate import eval_batch_count, evaluate
 from mpress.launcher.job import start_job
 from mpress.launcher.metrics_log import MetricsLog, Throughput, rates_text
-from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, start_rank_watch
+from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, early_rank_watch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
 from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
 from mpress.config.overrides import parse_override_args
@@ -64,7 +67,7 @@ from mpress.runtime.text.dataset import TextData, build_text_data
 from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.lr_schedule import LrSchedule
-from mpress.runtime.trainer import JobSpec, StepResult
+from mpress.runtime.trainer import JobSpec, PipelineJob, StepResult
 from mpress.ui import TaskProgress, make_console, say_line
 from mpress.config.units import fmt_bytes
 
@@ -84,6 +87,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     dp_rank, pp_rank = replica_coordinates(rank, world, cfg.dp)
     pp_world = world // cfg.dp
     payload: object = None
+    start_phase("plan", rank)
     if rank == 0:
         try:
             payload = plan_for(cfg, model, num_stages, pp_world)
@@ -123,6 +127,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     shuffle = cfg.seed if cfg.data.kind == "text" else None  # text windows in a per-epoch permutation
     batch_size = cfg.microbatch_size * cfg.num_microbatches
     num_eval = eval_batch_count(val, batch_size=batch_size, wanted=cfg.eval_batches) if val is not None else 0
+    start_phase("build", rank)
     if replicas is None:
         job = start_job(spec, plan, device, control_group=control)
     else:  # peer pools stay inside a replica: their handshake on the replica's gloo group
@@ -152,6 +157,9 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     # lived objects -- swap records, events, saved-tensor names -- and full collections of
     # torch's start-up objects cost milliseconds per step; bench/swap_overhead.py)
     gc.freeze()
+    if watch is not None and rank == 0:
+        watch.training()  # a Ctrl-C to mpress train now stops the ranks at a step boundary
+    stopped_after: int | None = None  # the step after which an interrupt stopped the job
     with progress:
         for step in range(first, cfg.steps):
             batch = step * cfg.dp + dp_rank  # replica k trains on batches k, dp + k, 2 dp + k, ...
@@ -171,14 +179,15 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             run_trace.stop_recorders(recorders, say=progress.console.print if rank == 0 else None)
             # the last stage's loss and every rank's peak in one object collective on the
             # gloo group: on the default (NCCL) group it would copy through, and sync, the GPU
-            stats: list[tuple[float | None, int]] = [(None, 0)] * world
-            dist.all_gather_object(stats, (result.loss, result.peak_bytes), group=control)
+            # with whether it got SIGINT: every rank then stops after the same step
+            stats: list[tuple[float | None, int, bool]] = [(None, 0, False)] * world
+            dist.all_gather_object(stats, (result.loss, result.peak_bytes, interrupted()), group=control)
             # the mean over the replicas' last stages (replica k's ranks start at k * pp)
             loss = sum(float(stats[k * pp_world + job.last_rank][0] or 0.0) for k in range(cfg.dp)) / cfg.dp
             elapsed = time.perf_counter() - t0
             if result.peak_bytes >= peak:
                 peak, peak_at = result.peak_bytes, result.peak_context
-            peaks = [p for _, p in stats]
+            peaks = [p for _, p, _ in stats]
             opt_info = _optimizer_info(cfg, result, job.guard.skipped_total)
             record = step_record(step, loss, result, elapsed, throughput, peaks)
             info = (f"loss {loss:.4f}  {rates_text(record)}  peak/rank "
@@ -207,9 +216,15 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
             if logged:  # the step's line, with the validation loss where it was evaluated
                 metrics.write(record)
             every = cfg.checkpoint.every_steps
-            if (every and (step + 1) % every == 0) or step == cfg.steps - 1:
+            stop = any(asked for _, _, asked in stats)
+            if (every and (step + 1) % every == 0) or step == cfg.steps - 1 or stop:
                 checkpoints.save(step)
+            if stop:
+                stopped_after = step
+                break
     metrics.close()
+    if stopped_after is not None:
+        return _interrupted(checkpoints, stopped_after, watch, job)
     rows: list[dict[str, object]] = [{} for _ in range(world)]
     row = rank_report(job, plan, predicted_bytes=start.predicted_peak_bytes[pp_rank], measured_bytes=peak,
                       measured_at=peak_at)
@@ -227,6 +242,18 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         watch.stop()  # this rank is done: its leaving is no failure
     job.close()
     return 0
+
+
+def _interrupted(checkpoints: Checkpoints, step: int, watch: RankWatch | None, job: PipelineJob) -> int:
+    """The job stopped after `step` on Ctrl-C (`control.catch_interrupts`), its checkpoint
+    saved: every rank's line (`mpress train` prints it as its one line), status 130."""
+    saved = (f"checkpoint of step {step} saved to {step_folder(checkpoints.root, step)}"
+             if checkpoints.root is not None else "no checkpoint saved (checkpoint.dir is not set)")
+    say_line(f"mpress.train: interrupted: after step {step}, {saved}")
+    if watch is not None:
+        watch.stop()  # leaving now is no failure
+    job.close()
+    return 130
 
 
 def _datasets(cfg: TrainConfig, model: ModelConfig | UserModel,
@@ -320,11 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     """One rank: `--config CFG [--<dotted.key> VALUE ...]` (the overrides `mpress train`
     checked before it launched this rank; mpress/config/overrides.py)."""
     die_with_parent()  # no rank outlives its launcher (mpress train, torchrun's agent)
+    catch_interrupts()  # SIGINT: stop at the next step boundary, never a KeyboardInterrupt
     parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="training config: configs/train/<name>.yaml or a name")
     args, rest = parser.parse_known_args(argv)
     single_process_env()
     rank = int(os.environ.get("RANK", "0"))
+    try:  # watched from here on: a rank that dies or stops during start-up is named by the others
+        watch = early_rank_watch(rank=rank, world=int(os.environ.get("WORLD_SIZE", "1")))
+    except RuntimeError as exc:  # the launcher's store is not there (DistNetworkError, DistStoreError)
+        say_line(f"mpress.train: rank {rank}: cannot reach the job's store at {os.environ.get('MASTER_ADDR')}:"
+                 f"{os.environ.get('MASTER_PORT')}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}")
+        return 1
+    start_phase("init", rank)
     try:
         cfg = load_train_config(args.config, parse_override_args(rest, args.config))
         check_checkpoint_dir(cfg)  # before any training: a bad directory or another run's checkpoint
@@ -336,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if rank == 0:
             say_line(f"mpress.train: error: {exc}")
+        if watch is not None:
+            watch.stop()  # every rank found the same: its leaving is no failure
         return 2
-    watch: RankWatch | None = None
     try:
         control = control_group()
-        watch = start_rank_watch(control, rank=rank, world=dist.get_world_size())
+        watch = watch or start_rank_watch(rank=rank, world=dist.get_world_size())
         code = train(cfg, control=control, watch=watch)
         watch.stop()  # also after an early return: every rank returned the same
         return code

@@ -20,6 +20,7 @@ from mpress.config.loader import int_arg
 from mpress.config.presets import train_presets
 from mpress.errors import UserError
 from mpress.hardware.cluster import MAX_NODES
+from mpress.launcher.rendezvous import RDZV_TIMEOUT_S
 
 if TYPE_CHECKING:
     from mpress.launcher.launch import Nodes
@@ -70,7 +71,8 @@ exit status:
        error with its stage, microbatch and tensor, a rank killed or stalled, ...)
   2    bad input: config, override, flag, plan (one line on stderr; no rank started,
        unless a rank found it: then one line too)
-  128+N  mpress train got signal N (Ctrl-C: 130); the ranks were stopped
+  128+N  mpress train got signal N (Ctrl-C: 130); the ranks were stopped (a Ctrl-C while
+       the job trains: after their step, a checkpoint saved first when checkpoint.dir is set)
 
 presets: {presets}
 """.format(cpu=DEFAULT_CPU_RANKS, presets="{presets}")
@@ -93,12 +95,26 @@ def register(subparsers: Any) -> None:
                         help="this machine's place among them, 0 .. N-1 (default 0)")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="node 0's address and a free port there, the same on every node (needed with --nnodes > 1)")
+    parser.add_argument("--rdzv-timeout", type=_seconds, default=RDZV_TIMEOUT_S, metavar="S",
+                        help="how long each node waits for the endpoint before it gives up with one line "
+                             f"(default {RDZV_TIMEOUT_S:.0f})")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help="where the ranks' logs go, one run at a time (default: a new mpress-train-<id> "
                              f"directory under {tempfile.gettempdir()})")
     add_flag(parser, "json", help="print the end-of-run report (per rank) as JSON on stdout; rank 0's output "
                                   "goes to stderr")
     parser.set_defaults(func=run, takes_overrides=True)
+
+
+def _seconds(text: str) -> float:
+    """argparse `type=` for --rdzv-timeout: seconds in [0.5, 3600]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0.5 <= value <= 3600:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in [0.5, 3600] seconds, got {text}")
+    return value
 
 
 def default_nproc(cfg: TrainConfig, num_gpus: int, nnodes: int = 1) -> int:
@@ -207,4 +223,5 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
     host, _, port = args.rdzv_endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"--rdzv-endpoint: expected HOST:PORT with a port in 1..65535, got {args.rdzv_endpoint!r}")
-    return Nodes(nnodes=args.nnodes, node_rank=args.node_rank, host=host.strip("[]"), port=int(port))
+    return Nodes(nnodes=args.nnodes, node_rank=args.node_rank, host=host.strip("[]"), port=int(port),
+                 timeout_s=args.rdzv_timeout)

@@ -1,11 +1,16 @@
 """The job's control plane: the process group set-up (NCCL's error handling included), a
-gloo group for object collectives, and the one line a failure is reported as."""
+gloo group for object collectives, the one line a failure is reported as, a rank's
+interrupt (SIGINT: stop at a step boundary) and the fault tests' start-up hold."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -79,3 +84,37 @@ def _innermost(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None and not isinstance(exc, MpressError):
         exc = exc.__cause__
     return exc
+
+
+START_PAUSE_ENV = "MPRESS_START_PAUSE"
+"""`RANK:PHASE`: hold rank RANK at start-up phase PHASE (`start_phase`); fault tests only."""
+START_PAUSE_S = 120.0
+"""How long a held rank sleeps before it goes on (a bound: nothing waits for it forever)."""
+
+
+def start_phase(phase: str, rank: int) -> None:
+    """Rank `rank` reaches start-up phase `phase` ("init": before the process group,
+    "plan": before the plan's broadcast, "build": before the stages are built). With
+    $MPRESS_START_PAUSE=RANK:PHASE that rank says so on stderr and sleeps there, so that a
+    fault test kills or stops it while the other ranks wait for it in the phase's
+    collective (a fault at a known start-up phase, as `step 0: loss` marks one mid-run)."""
+    if os.environ.get(START_PAUSE_ENV) != f"{rank}:{phase}":
+        return
+    print(f"mpress start-up: rank {rank} held at {phase}", file=sys.stderr, flush=True)
+    time.sleep(START_PAUSE_S)
+
+
+_interrupt = threading.Event()
+
+
+def catch_interrupts() -> None:
+    """SIGINT to a rank asks the job to stop at the next step boundary (`interrupted`),
+    saving a checkpoint first, instead of raising KeyboardInterrupt wherever the rank is
+    (`mpress train`'s launcher sends it on Ctrl-C once the job trains; a terminal's Ctrl-C
+    under torchrun reaches the ranks themselves)."""
+    signal.signal(signal.SIGINT, lambda _signum, _frame: _interrupt.set())
+
+
+def interrupted() -> bool:
+    """True once this rank got SIGINT (`catch_interrupts`)."""
+    return _interrupt.is_set()

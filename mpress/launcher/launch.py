@@ -33,21 +33,32 @@ the torchrun form keeps working.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
-from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV
+from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, ProcessId
 from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
-from mpress.launcher.rank_watch import STOP_WAIT_S
-from mpress.launcher.verdict import RankEnd, diagnose
+from mpress.launcher.rank_watch import (
+    STOP_WAIT_S,
+    RankProcess,
+    held_stopped,
+    is_training,
+    register,
+    this_machine,
+    watch_store,
+)
+from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
+from mpress.launcher.verdict import RankEnd, diagnose, interrupted_line
 from mpress.config.overrides import Override, override_argv
 
 POLL_S = 0.1
@@ -56,8 +67,15 @@ GRACE_S = STOP_WAIT_S + 5.0
 """After the first bad end, how long the other ranks get to stop by themselves (their
 watches name the failed rank within a second and wait at most `STOP_WAIT_S` for each
 other) before the launcher kills what is left."""
+START_GRACE_S = 60.0
+"""How long the grace period may wait for ranks still starting (importing torch, not yet
+watching: no heartbeat in the store) when another rank ended badly during start-up: each
+names the failed rank as soon as its watch runs."""
 TERM_WAIT_S = 5.0
 """After the launcher was interrupted: from SIGTERM to the ranks until SIGKILL."""
+INTERRUPT_WAIT_S = 120.0
+"""After Ctrl-C (SIGINT) while the job trains: how long the ranks get to finish their step,
+save a checkpoint and leave, before the launcher ends them (a second Ctrl-C: at once)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,8 @@ class Nodes:
     host: str
     """The endpoint's host: node 0's address, as the other nodes reach it."""
     port: int
+    timeout_s: float = RDZV_TIMEOUT_S
+    """Bound on this launcher's wait for the endpoint (`rendezvous.py`)."""
 
 
 def threads_per_rank(nproc: int, cores: int | None = None) -> int:
@@ -134,6 +154,8 @@ class _Interrupted:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.count = 0
+        """Signals received (a second Ctrl-C ends the ranks without waiting for their save)."""
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> _Interrupted:
@@ -143,6 +165,7 @@ class _Interrupted:
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.signum = self.signum or signum
+        self.count += 1
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._old.items():
@@ -157,11 +180,17 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     nodes = spec.nodes
     # the store outlives every rank: on one machine this launcher's; over several, node 0's
-    # at the endpoint (listening on every interface), which the other nodes' ranks join
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nodes is None \
-        else dist.TCPStore(nodes.host, nodes.port, is_master=True, wait_for_workers=False) if nodes.node_rank == 0 \
-        else None
-    port = store.port if store is not None else nodes.port  # type: ignore[union-attr]
+    # at the endpoint (listening on every interface), which the other nodes' launchers and
+    # ranks join, each checked first with a bounded wait (rendezvous.py)
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nodes is None \
+            else host_store(nodes.host, nodes.port, timeout_s=nodes.timeout_s) if nodes.node_rank == 0 \
+            else join_store(nodes.host, nodes.port, timeout_s=nodes.timeout_s)
+    except RendezvousError as exc:
+        print(f"mpress train: {exc}", file=err, flush=True)
+        return 1
+    port = store.port
+    watched = watch_store(store)  # where the ranks' watches look each other up (rank_watch.py)
     first = nodes.node_rank * spec.nproc if nodes is not None else 0  # this node's first global rank
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
@@ -177,8 +206,13 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
                         [sys.executable, "-m", "mpress.train", "--config", spec.config, *override_argv(spec.overrides)],
                         stdin=subprocess.DEVNULL, stdout=rank0_out if rank == 0 else f, stderr=f,
                         env=rank_env(spec, rank, port), process_group=0 if rank == 0 else procs[0].pid))
+                # known to the other ranks' watches from spawn: a rank killed before it runs a
+                # line of its own is named by its pid (same machine) like one killed mid-run
+                register(watched, RankProcess(rank=first + rank, machine=this_machine(),
+                                              process=ProcessId.of(procs[-1].pid)))
             _write_run_file(spec, procs)
-            _watch(procs, killed, interrupted)
+            _watch(procs, killed, interrupted, functools.partial(_started, watched, first),
+                   functools.partial(_training, watched))
         finally:
             for rank, p in enumerate(procs):  # the launcher itself failed: leave nothing behind
                 if p.poll() is None:
@@ -187,13 +221,11 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
                     p.wait()
     _end_group(procs)
     sweep_segments(spec.run_id)
-    del store
+    del watched, store
     ends = [RankEnd(rank=first + r, pid=p.pid, returncode=p.returncode, killed_by_launcher=r in killed, log=logs[r])
             for r, p in enumerate(procs)]
     if interrupted.signum is not None:
-        name = signal.Signals(interrupted.signum).name
-        print(f"mpress train: interrupted ({name}): stopped {spec.nproc} ranks; logs in {spec.run_dir}",
-              file=err, flush=True)
+        print(interrupted_line(ends, interrupted.signum, spec.run_dir), file=err, flush=True)
         return 128 + interrupted.signum
     verdict = diagnose(ends, spec.run_dir)
     if verdict is not None:
@@ -217,10 +249,31 @@ def _print_report(path: Path, err) -> int:
     return 0
 
 
-def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interrupted) -> None:
-    """Until every rank has ended: after a bad end, the grace period and the killing of
-    stopped or left-over ranks; on a signal to the launcher, SIGTERM then SIGKILL."""
+def _started(watched: dist.Store, first: int, local: int) -> bool:
+    """True when local rank `local`'s watch has beaten (it runs and watches the others)."""
+    try:
+        return int(watched.add(f"beat/{first + local}", 0)) > 0
+    except RuntimeError:
+        return True  # no store to ask: nothing to wait for
+
+
+def _training(watched: dist.Store) -> bool:
+    try:
+        return is_training(watched)
+    except RuntimeError:  # node 0's store is gone: the job no longer trains
+        return False
+
+
+def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interrupted,
+           started: Callable[[int], bool], training: Callable[[], bool]) -> None:
+    """Until every rank has ended: after a bad end, the grace period (from when every rank
+    still there watches, `START_GRACE_S` at most) and the killing of stopped or left-over
+    ranks; on a signal to the launcher, SIGTERM then SIGKILL -- but for a Ctrl-C while the
+    job trains: SIGINT to every rank, which stop at a step boundary after saving a
+    checkpoint (`INTERRUPT_WAIT_S` at most, or until a second signal)."""
     first_bad: float | None = None
+    grace_from = 0.0
+    asked_until: float | None = None  # SIGINT forwarded: the ranks' time to save and leave
     terminated_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
@@ -229,18 +282,25 @@ def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interr
             return
         now = time.monotonic()
         if interrupted.signum is not None:
-            if terminated_at is None:
+            if asked_until is None and terminated_at is None and interrupted.signum == signal.SIGINT \
+                    and interrupted.count == 1 and training():
+                asked_until = now + INTERRUPT_WAIT_S
+                for r in alive:
+                    procs[r].send_signal(signal.SIGINT)
+            elif terminated_at is None and (asked_until is None or interrupted.count > 1 or now > asked_until):
                 terminated_at = now
                 for r in alive:
                     killed.add(r)
                     procs[r].terminate()
-            elif now - terminated_at > TERM_WAIT_S:
+            elif terminated_at is not None and now - terminated_at > TERM_WAIT_S:
                 _kill(procs, alive, killed)
         elif first_bad is None and any(c not in (None, 0) for c in codes):
-            first_bad = now
+            first_bad = grace_from = now
         elif first_bad is not None:
-            stopped = [r for r in alive if _stopped(procs[r].pid)]
-            if len(stopped) == len(alive) or now - first_bad > GRACE_S:
+            stopped = [r for r in alive if held_stopped(procs[r].pid)]
+            if now - first_bad < START_GRACE_S and any(not started(r) for r in alive if r not in stopped):
+                grace_from = now
+            if len(stopped) == len(alive) or now - grace_from > GRACE_S:
                 _kill(procs, alive, killed)
         time.sleep(POLL_S)
 
@@ -249,15 +309,6 @@ def _kill(procs: list[subprocess.Popen], ranks: list[int], killed: set[int]) -> 
     for r in ranks:
         killed.add(r)
         procs[r].kill()  # SIGKILL ends a stopped process too
-
-
-def _stopped(pid: int) -> bool:
-    """True when the kernel holds process `pid` stopped (SIGSTOP, or traced)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def _end_group(procs: list[subprocess.Popen]) -> None:

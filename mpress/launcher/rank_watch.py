@@ -6,8 +6,13 @@ the collective timeout; under NCCL the watchdog then kills it with a stack dump,
 under torchrun the agent kills the ranks still running as soon as the first one exits,
 before they could say why. So:
 
-- at start-up every rank publishes its process (pid and start time, and the machine it
-  runs on) over the gloo control group;
+- the watch starts as the rank starts, before the process group is made (when a launcher
+  hosts the job's store: `mpress train`, torchrun), so that every phase from spawn is
+  watched -- a rank killed while others wait in the rendezvous, the plan's broadcast or the
+  stages' set-up is named as it would be mid-run. Each rank publishes its process (pid and
+  start time, and the machine it runs on) in the store as its watch starts, and
+  `mpress train`'s launcher publishes each rank's as it spawns it, so that a rank killed
+  before its first line of Python is named too;
 - a rank that fails prints its own line, posts the failure in the job's store (its kind,
   e.g. SwapError), and waits (at most `STOP_WAIT_S`) until every other rank has stopped;
 - a thread on every rank polls the store and the processes on its own machine every
@@ -19,7 +24,9 @@ before they could say why. So:
 - every watch beats (a counter in the store) at each poll, and a rank whose beat has not
   moved for `HEARTBEAT_TIMEOUT_S` counts as stalled (SIGSTOPped, or a machine that
   froze): the others stop naming it, without waiting for it, as they wait for no dead
-  rank; this also covers ranks on other machines, whose pids cannot be checked;
+  rank; this also covers ranks on other machines, whose pids cannot be checked. A rank
+  that has not beaten yet may still be importing torch: it counts as stalled only when
+  the kernel has held its process stopped for as long (same machine);
 - a rank whose parent (the launcher: `mpress train` or torchrun's agent) is gone stops
   too (its launcher also asks the kernel to kill it then, `lifeline.py`; this is the
   watch's own check).
@@ -30,11 +37,11 @@ Nothing here depends on D2D: every job, with or without peer pools, is watched.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
@@ -80,22 +87,60 @@ class RankProcess:
     process: ProcessId
 
 
+def register(store: dist.Store, process: RankProcess) -> None:
+    """Publish a rank's process in the watch's store (`watch_store`), for the others'
+    watches: by the rank as its watch starts, by `mpress train`'s launcher as it spawns it."""
+    store.set(f"proc/{process.rank}", json.dumps([process.machine, process.process.pid, process.process.start_ticks]))
+
+
+def _registered(store: dist.Store, rank: int) -> RankProcess | None:
+    if not store.check([f"proc/{rank}"]):
+        return None
+    machine, pid, ticks = json.loads(store.get(f"proc/{rank}"))
+    return RankProcess(rank=rank, machine=machine, process=ProcessId(pid, ticks))
+
+
+def watch_store(store: dist.Store) -> dist.PrefixStore:
+    """The part of the job's store the watches use: one per start of the job (torchrun's
+    restarts count up `TORCHELASTIC_RESTART_COUNT`)."""
+    return dist.PrefixStore(f"mpress/rank-watch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
+_TRAINING = "training"
+
+
+def is_training(store: dist.Store) -> bool:
+    """True once the job's step loop has begun (`RankWatch.training`); `store`: the
+    watches' part of the job's store (`watch_store`)."""
+    return store.check([_TRAINING])
+
+
+def held_stopped(pid: int) -> bool:
+    """True when the kernel holds process `pid` stopped (SIGSTOP, or traced)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 class RankWatch:
     """The watch over a job's ranks, from one rank (see the module docstring).
 
     store: the job's key-value store, under a prefix of this job's own (every rank the
-    same). ranks: every rank's process, by rank. heartbeat_timeout_s: silence after which
+    same). ranks: every rank's process, by rank; None for one not known yet (the watch
+    then reads it from the store once it is `register`ed there). heartbeat_timeout_s: silence after which
     a rank counts as stalled. exit: ends the process with a status (tests pass a
     recorder); err: where the lines go.
     """
 
-    def __init__(self, store: dist.Store, ranks: list[RankProcess], *, rank: int,
+    def __init__(self, store: dist.Store, ranks: list[RankProcess | None], *, rank: int,
                  interval_s: float = POLL_INTERVAL_S, stop_wait_s: float = STOP_WAIT_S,
                  heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, exit: Callable[[int], None] = os._exit, err: TextIO | None = None) -> None:
         self._store = store
         self._ranks = ranks
         self._rank = rank
-        self._machine = ranks[rank].machine
+        self._machine = ranks[rank].machine  # type: ignore[union-attr]
         self._interval_s = interval_s
         self._stop_wait_s = stop_wait_s
         self._exit = exit
@@ -108,12 +153,15 @@ class RankWatch:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._parent = os.getppid()
         now = time.monotonic()
-        self._beats: dict[int, tuple[int, float]] = {p.rank: (-1, now) for p in ranks if p.rank != rank}
+        self._beats: dict[int, tuple[int, float]] = {r: (-1, now) for r in range(len(ranks)) if r != rank}
         """Other rank -> (its beat count last seen, when this watch saw it change)."""
+        self._held: dict[int, float] = {}
+        """Other rank that has not beaten yet -> since when its process is seen stopped."""
         self._gone: set[int] = set()
         """Ranks found dead or stalled: they will never count themselves as stopped."""
 
     def start(self) -> RankWatch:
+        register(self._store, self._ranks[self._rank])  # type: ignore[arg-type]
         self._beat()
         self._thread.start()
         return self
@@ -131,21 +179,32 @@ class RankWatch:
                     failed.add(r)
                     out.append(f"rank {r} failed ({self._store.get(f'failed/{r}').decode()})")
         now = time.monotonic()
-        for p in self._ranks:
-            if p.rank == self._rank or p.rank in failed or self._store.check([f"finished/{p.rank}"]):
+        for r in range(len(self._ranks)):
+            if r == self._rank or r in failed or self._store.check([f"finished/{r}"]):
                 continue
-            if p.machine == self._machine and not p.process.alive():
-                self._gone.add(p.rank)
-                out.append(f"rank {p.rank} (pid {p.process.pid}) has died")
+            p = self._ranks[r] or _registered(self._store, r)
+            self._ranks[r] = p
+            here = p is not None and p.machine == self._machine
+            if here and not p.process.alive():  # type: ignore[union-attr]
+                self._gone.add(r)
+                out.append(f"rank {r} (pid {p.process.pid}) has died")  # type: ignore[union-attr]
                 continue
-            beat = int(self._store.add(f"beat/{p.rank}", 0))
-            seen, since = self._beats[p.rank]
+            beat = int(self._store.add(f"beat/{r}", 0))
+            seen, since = self._beats[r]
             if beat != seen:
-                self._beats[p.rank] = (beat, now)
-            elif now - since > self._heartbeat_timeout_s:
-                self._gone.add(p.rank)
-                out.append(f"rank {p.rank} (pid {p.process.pid}) has stalled (no heartbeat for "
+                self._beats[r] = (beat, now)
+            elif beat > 0 and now - since > self._heartbeat_timeout_s:
+                self._gone.add(r)
+                out.append(f"rank {r} (pid {p.process.pid if p else '?'}) has stalled (no heartbeat for "
                            f"{now - since:.0f} s)")
+            elif beat == 0 and here and held_stopped(p.process.pid):  # type: ignore[union-attr]
+                held = now - self._held.setdefault(r, now)
+                if held > self._heartbeat_timeout_s:
+                    self._gone.add(r)
+                    out.append(f"rank {r} (pid {p.process.pid}) has stalled (held stopped for "  # type: ignore[union-attr]
+                               f"{held:.0f} s before its first heartbeat)")
+            else:
+                self._held.pop(r, None)
         if os.getppid() != self._parent:
             out.append(f"this rank's launcher (pid {self._parent}) has gone")
         return out
@@ -222,6 +281,12 @@ class RankWatch:
         except Exception:  # noqa: BLE001 - no store: nobody left to tell
             pass
 
+    def training(self) -> None:
+        """The job has entered its step loop (rank 0 says so): from now on `mpress train`'s
+        launcher answers Ctrl-C by asking the ranks to stop at a step boundary (SIGINT,
+        `control.catch_interrupts`) rather than ending them (`is_training`)."""
+        self._store.set(_TRAINING, "1")
+
     def _wait_for_the_others(self) -> None:
         """Until every rank has stopped or finished (a dead or stalled one excepted), at
         most `stop_wait_s`: a rank that leaves first would have torchrun end the others
@@ -255,15 +320,28 @@ class RankWatch:
         say_line(line, self._err)
 
 
-def start_rank_watch(group: dist.ProcessGroup | None, *, rank: int, world: int) -> RankWatch:
-    """Gather every rank's process over `group` (the gloo control group: one object
-    collective), and start this rank's watch. Call on every rank, once, early."""
-    mine = (RankProcess(rank=rank, machine=this_machine(), process=ProcessId.current()), uuid.uuid4().hex)
-    gathered: list[tuple[RankProcess, str]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, mine, group=group)
-    job = gathered[0][1]  # rank 0's: this start of the job, apart from any earlier one under the same store
-    store = dist.PrefixStore(f"mpress/rank-watch/{job}/", _own_store_connection())
-    return RankWatch(store, [p for p, _ in gathered], rank=rank).start()
+def early_rank_watch(*, rank: int, world: int) -> RankWatch | None:
+    """This rank's watch, started as the rank starts, before its process group: when a
+    launcher hosts the job's store (`mpress train`, torchrun: TORCHELASTIC_USE_AGENT_STORE)
+    at MASTER_ADDR:MASTER_PORT, a connection of the watch's own to it. None otherwise
+    (rank 0 hosts the store: `start_rank_watch` once the process group is made)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    return _started(store, rank=rank, world=world)
+
+
+def start_rank_watch(*, rank: int, world: int) -> RankWatch:
+    """This rank's watch once the process group is made, on a connection of its own to the
+    group's store. Call on every rank, once, early."""
+    return _started(_own_store_connection(), rank=rank, world=world)
+
+
+def _started(store: dist.Store, *, rank: int, world: int) -> RankWatch:
+    ranks: list[RankProcess | None] = [None] * world
+    ranks[rank] = RankProcess(rank=rank, machine=this_machine(), process=ProcessId.current())
+    return RankWatch(watch_store(store), ranks, rank=rank).start()
 
 
 def _own_store_connection() -> dist.Store:

@@ -8,7 +8,9 @@ The ranks' lines (mpress/train.py, launcher/rank_watch.py) are, one per rank at 
 - `mpress.train: rank R: error: <message>` -- bad input rank R found, exit status 2;
 - `mpress.train: error: <message>` -- bad input, said once by rank 0, exit status 2;
 - `mpress.train: rank R: stopping: <reasons>` -- rank R stopped because another rank
-  failed, died, stalled, or its launcher left, exit status 1.
+  failed, died, stalled, or its launcher left, exit status 1;
+- `mpress.train: interrupted: after step N, <checkpoint>` -- every rank, stopped at a step
+  boundary by Ctrl-C (`interrupted_line`), exit status 130.
 
 The verdict names the cause once: a rank ended by a signal that the launcher did not
 send first (the others' errors then echo its death), else a rank's own failure line (the
@@ -28,6 +30,7 @@ from pathlib import Path
 _OWN = re.compile(r"^mpress\.train: rank (\d+): (?!stopping: )(.*)$")
 _ERROR = re.compile(r"^mpress\.train: error: (.*)$")
 _STOP = re.compile(r"^mpress\.train: rank (\d+): stopping: (.*)$")
+_INTERRUPTED = re.compile(r"^mpress\.train: interrupted: (.*)$")
 _NAMED = re.compile(r"\brank (\d+)\b")
 _STALLED = re.compile(r"\brank (\d+) \(pid \d+\) has stalled[^;]*")
 _MAX_LOG_BYTES = 1 << 20
@@ -96,6 +99,14 @@ def diagnose(ends: list[RankEnd], run_dir: Path) -> tuple[str, int] | None:
     last = _last_line(e.log)
     return (f"mpress train: rank {e.rank} (pid {e.pid}) exited with status {e.returncode}"
             f"{f': {last}' if last else ''}{tail(e.rank)}", 1)
+
+
+def interrupted_line(ends: list[RankEnd], signum: int, run_dir: Path) -> str:
+    """The one line of a job the launcher was asked to stop (signal `signum`): the step the
+    ranks stopped after and the checkpoint they saved, where they said so."""
+    said = next((m.group(1) for e in ends for m in map(_INTERRUPTED.match, rank_lines(e.log)) if m), None)
+    return (f"mpress train: interrupted ({_signal_name(signum)}){f' {said};' if said else ':'} "
+            f"stopped {len(ends)} ranks; logs in {run_dir}")
 
 
 def _named_in(line: str) -> set[int]:

@@ -4,7 +4,9 @@ recorder in place of os._exit (one test ends a real process)."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mpress.d2d.runtime.liveness import ProcessId
-from mpress.launcher.rank_watch import RankProcess, RankWatch, this_machine
+from mpress.launcher.rank_watch import RankProcess, RankWatch, register, this_machine
 from tests.support.peers import exited_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,8 +124,9 @@ def test_the_watch_ends_a_real_process_blocked_elsewhere() -> None:
 
 
 def test_a_rank_whose_heartbeat_stops_is_named_as_stalled() -> None:
-    """Rank 1's process is alive (it is this one) but its watch never beats, as a SIGSTOPped rank's."""
+    """Rank 1's process is alive (it is this one) but its watch beat once and no more, as a SIGSTOPped rank's."""
     store = dist.HashStore()
+    store.add("beat/1", 1)
     watch, exits, err = _watch(store, _ranks(2), 0, heartbeat_timeout_s=0.3)
     watch.start()
     assert exits.called.wait(HANG_S)
@@ -163,3 +166,37 @@ def test_a_failure_that_echoes_a_dead_peer_names_the_peer_instead() -> None:
                       others_first_s=HANG_S)
     assert err.getvalue() == f"mpress.train: rank 0: stopping: rank 1 (pid {dead.pid}) has died\n"
     assert not store.check(["failed/0"])
+
+
+def test_a_rank_not_yet_beating_is_stalled_only_when_held_stopped() -> None:
+    """Before its first beat a rank may still be importing torch (running, no watch yet):
+    not stalled. Held stopped by the kernel that long (SIGSTOP at start-up): stalled."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ranks = _ranks(2)
+        ranks[1] = None  # not known to this watch: it reads the process the launcher registered
+        store = dist.HashStore()
+        register(store, RankProcess(rank=1, machine=this_machine(), process=ProcessId.of(child.pid)))
+        watch, exits, err = _watch(store, ranks, 0, heartbeat_timeout_s=0.3)
+        watch.start()
+        assert not exits.called.wait(1.5)  # five heartbeat timeouts without a beat, but running
+        os.kill(child.pid, signal.SIGSTOP)
+        assert exits.called.wait(HANG_S)
+        assert re.fullmatch(rf"mpress\.train: rank 0: stopping: rank 1 \(pid {child.pid}\) has stalled \(held "
+                            r"stopped for \d+ s before its first heartbeat\)\n", err.getvalue()), err.getvalue()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_registered_process_that_dies_before_its_watch_starts_is_named() -> None:
+    """The launcher registered rank 1 as it spawned it; it was killed before its watch ran."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    store = dist.HashStore()
+    register(store, RankProcess(rank=1, machine=this_machine(), process=ProcessId.of(child.pid)))
+    child.kill()
+    child.wait()
+    ranks = _ranks(2)
+    ranks[1] = None
+    watch, _, _ = _watch(store, ranks, 0)
+    assert watch.reasons() == [f"rank 1 (pid {child.pid}) has died"]

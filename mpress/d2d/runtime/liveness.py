@@ -26,7 +26,12 @@ class ProcessId:
 
     @staticmethod
     def current() -> ProcessId:
-        return ProcessId(os.getpid(), _start_ticks(os.getpid()) or 0)
+        return ProcessId.of(os.getpid())
+
+    @staticmethod
+    def of(pid: int) -> ProcessId:
+        """Process `pid` as it is now (a launcher's child, before it is reaped)."""
+        return ProcessId(pid, _start_ticks(pid) or 0)
 
     def alive(self) -> bool:
         """False when the process exited (also when it is a zombie or the pid was reused)."""

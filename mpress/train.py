@@ -35,9 +35,9 @@ from mpress.config.loader import write_text_atomic
 from mpress.d2d.runtime.liveness import die_with_parent
 from mpress.errors import UserError
 from mpress.launcher import run_trace
-from mpress.launcher.checkpoint import Checkpoints
-from mpress.launcher.checkpoint_manifest import check_checkpoint_dir, step_folder
-from mpress.launcher.directories import claim_for_rank
+from mpress.launcher.checkpoints.checkpoint import Checkpoints
+from mpress.launcher.checkpoints.manifest import check_checkpoint_dir, step_folder
+from mpress.launcher.checkpoints.directories import claim_for_rank
 from mpress.launcher.control import (
     COLLECTIVE_TIMEOUT_S,
     broadcast,

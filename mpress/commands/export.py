@@ -5,7 +5,7 @@ model.safetensors under the original parameter names, a tied weight once), which
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads; a preset's or a user
 module's becomes one model.safetensors of the full state dict keyed by module path plus
 mpress_model.json (the model's config). CHECKPOINT_DIR is `checkpoint.dir` (its newest
-complete step is exported) or one step folder of it. See `mpress/launcher/export.py`.
+complete step is exported) or one step folder of it. See `mpress/launcher/checkpoints/export.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from mpress.commands.flags import EXIT_STATUS, HelpFormatter
 from mpress.errors import UserError
-from mpress.launcher.export import export_checkpoint
+from mpress.launcher.checkpoints.export import export_checkpoint
 
 EPILOG = """\
 examples:

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mpress.config.overrides import parse_override_args
-    from mpress.launcher.directories import claim_run
+    from mpress.launcher.checkpoints.directories import claim_run
     from mpress.launcher.launch import LaunchSpec, launch
     from mpress.launcher.metrics_log import METRICS_FILE
     from mpress.runtime.train_config import load_train_config

@@ -21,7 +21,7 @@ the states of several ranks merge into one): `{"model": name -> tensor, "optimiz
 [name, ...]}]}, "masters": name -> fp32 tensor}` (`masters` only under mixed precision).
 It does not depend on where the plan keeps anything, nor on which rank holds which
 parameter, so a checkpoint resumes on another world size or stage split
-(`mpress.launcher.checkpoint`). torch's own `get_state_dict`/`set_state_dict` do not fit
+(`mpress.launcher.checkpoints.checkpoint`). torch's own `get_state_dict`/`set_state_dict` do not fit
 here: the optimizer steps fp32 masters and host copies (not the module's parameters), and
 the offloaded states are not in `optimizer.state` between steps.
 """

@@ -411,7 +411,7 @@ class PipelineJob:
         time; offloaded optimizer data comes to the device one layer's chunk at a time
         (`mpress.runtime.job_state`). Parameter names are the whole model's, so the
         ranks' states merge into the whole model's (a checkpoint resumes on another
-        world size or stage split: `mpress.launcher.checkpoint`); and `skips`, the
+        world size or stage split: `mpress.launcher.checkpoints.checkpoint`); and `skips`, the
         steps skipped so far (`StepGuard.state_dict`), so a resume counts on."""
         return {**save_state(self.modules, self.masters, self.model_data.chunks()), "skips": self.guard.state_dict()}
 

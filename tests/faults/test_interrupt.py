@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mpress.launcher.checkpoint_manifest import step_folder
+from mpress.launcher.checkpoints.manifest import step_folder
 from tests.faults.run import START_S, WORLD, TrainRun, tiny_config, wait_until_gone
 
 STEPS = 12

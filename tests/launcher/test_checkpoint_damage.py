@@ -32,15 +32,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mpress.launcher.checkpoint import read_step
-from mpress.launcher.checkpoint_manifest import (
+from mpress.launcher.checkpoints.checkpoint import read_step
+from mpress.launcher.checkpoints.manifest import (
     MANIFEST,
     METADATA,
     TEMP_PREFIX,
     file_digest,
     step_folder,
 )
-from mpress.launcher.directories import DirectoryLock
+from mpress.launcher.checkpoints.directories import DirectoryLock
 from tests.faults.run import TrainRun
 from tests.launcher.test_checkpoint_integrity import flip, rewrite_manifest
 from tests.support.compare import assert_states_equal
@@ -237,7 +237,7 @@ def test_a_full_disk_removes_the_partial_save_and_names_its_path(tmp_path):
     disk.mkdir()
     ck = disk / "ck"
     cfg = config(tmp_path, ck, 3, keep_last=1)
-    verify = (f"from pathlib import Path; from mpress.launcher.checkpoint_manifest import read_complete; "
+    verify = (f"from pathlib import Path; from mpress.launcher.checkpoints.manifest import read_complete; "
               f"m, why = read_complete(Path({str(step_folder(ck, 0))!r}), verify=True); print('step 0 verifies:', "
               "m is not None and m.step == 0, why)")
     script = (f"mount -t tmpfs -o size=5m tmpfs {disk} && {sys.executable} -m mpress train --config {cfg} "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mpress.errors import UserError
-from mpress.launcher.checkpoint_manifest import (
+from mpress.launcher.checkpoints.manifest import (
     MANIFEST,
     METADATA,
     file_digest,
@@ -25,7 +25,7 @@ from mpress.launcher.checkpoint_manifest import (
     read_complete,
     step_folder,
 )
-from mpress.launcher.directories import LOCK_FILE, DirectoryLock
+from mpress.launcher.checkpoints.directories import LOCK_FILE, DirectoryLock
 from tests.launcher.test_checkpoint_manifest import save_step
 
 DATA = "__0_0.distcp"
@@ -119,7 +119,7 @@ def test_a_directory_held_by_a_run_is_refused_until_it_ends(tmp_path):
 
 
 def test_a_killed_holder_leaves_the_directory_free(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from mpress.launcher.directories import DirectoryLock; "
+    code = ("import sys, time; from pathlib import Path; from mpress.launcher.checkpoints.directories import DirectoryLock; "
             f"lock = DirectoryLock(Path({str(tmp_path / 'd')!r}), '--run-dir'); print('held', flush=True); "
             "time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

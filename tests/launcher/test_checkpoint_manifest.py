@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mpress.errors import ConfigError
-from mpress.launcher.checkpoint_manifest import (
+from mpress.launcher.checkpoints.manifest import (
     MANIFEST,
     TEMP_PREFIX,
     Manifest,

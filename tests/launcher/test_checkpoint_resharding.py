@@ -6,7 +6,7 @@ stale temporary folder passed over and cleaned; a checkpoint of another seed or 
 a directory that is a file refused in one line before training.
 
 `dropout: 0`: dropout draws from each rank's generator, a stream tied to the ranks' stage
-split, so a resume on another world size reseeds it (mpress.launcher.checkpoint) and
+split, so a resume on another world size reseeds it (mpress.launcher.checkpoints.checkpoint) and
 cannot equal an uninterrupted run's draws; without dropout nothing draws from it."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mpress.launcher.checkpoint import read_step
-from mpress.launcher.checkpoint_manifest import TEMP_PREFIX
-from mpress.launcher.directories import LOCK_FILE
+from mpress.launcher.checkpoints.checkpoint import read_step
+from mpress.launcher.checkpoints.manifest import TEMP_PREFIX
+from mpress.launcher.checkpoints.directories import LOCK_FILE
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import TensorRule
 from tests.launcher.test_train_launcher import ROOT, launch, losses

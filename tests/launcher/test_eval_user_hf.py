@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpress.launcher.checkpoint import read_step
+from mpress.launcher.checkpoints.checkpoint import read_step
 from mpress.models import lm_loss
 from mpress.models.hf_model import load_hf_model
 from mpress.runtime.data import batches

@@ -1,4 +1,4 @@
-"""`mpress export CHECKPOINT_DIR --out DIR` (`mpress.launcher.export`): a tiny GPT-2 (its
+"""`mpress export CHECKPOINT_DIR --out DIR` (`mpress.launcher.checkpoints.export`): a tiny GPT-2 (its
 tied embedding split over 2 ranks) and a tiny Llama trained by `mpress train` come back
 through `transformers.AutoModelForCausalLM.from_pretrained` with no missing or unexpected
 key, and their logits on a fixed batch are `torch.equal` (fp32) to mpress's chain loaded
@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from mpress.cli import main
-from mpress.launcher.export import read_model_state
+from mpress.launcher.checkpoints.export import read_model_state
 from tests.support.documented import run_documented
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from mpress.launcher.checkpoint import read_step
+from mpress.launcher.checkpoints.checkpoint import read_step
 from tests.support.compare import assert_states_equal
 from tests.support.documented import one_line_error, run_documented
 

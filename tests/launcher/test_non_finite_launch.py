@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 
-from mpress.launcher.checkpoint import read_step
+from mpress.launcher.checkpoints.checkpoint import read_step
 from tests.launcher.test_train_launcher import ROOT
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from mpress.launcher.checkpoint import read_step
+from mpress.launcher.checkpoints.checkpoint import read_step
 from tests.launcher.test_train_launcher import base_config, launch, losses, plan_file  # noqa: F401 (fixture)
 from tests.support.compare import assert_states_equal
 

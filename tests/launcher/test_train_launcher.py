@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mpress.launcher.checkpoint import read_step
+from mpress.launcher.checkpoints.checkpoint import read_step
 from mpress.contract.plan import TensorRule
 from tests.support.compare import assert_states_equal
 from tests.support.plans import pipeline_plan

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mpress.launcher.checkpoint import read_step
+from mpress.launcher.checkpoints.checkpoint import read_step
 from tests.support.compare import assert_states_equal
 from tests.support.documented import run_documented
 

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mpress.contract.actions import Kind
-from mpress.launcher.checkpoint import read_step
+from mpress.launcher.checkpoints.checkpoint import read_step
 from tests.support.documented import REPO, run_documented
 from tests.support.plans import OWN_LOOP, d2d_rule, own_loop_plan, rule
 

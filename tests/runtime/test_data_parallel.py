@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mpress.errors import UserError
-from mpress.launcher.checkpoint import Checkpoints
+from mpress.launcher.checkpoints.checkpoint import Checkpoints
 from mpress.launcher.job import start_job
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import Plan, TensorRule

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from mpress.launcher.checkpoint import Checkpoints
+from mpress.launcher.checkpoints.checkpoint import Checkpoints
 from mpress.contract.live_bytes import LiveBytes, tensors_in
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import TensorRule

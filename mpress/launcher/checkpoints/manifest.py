@@ -18,12 +18,12 @@ DCP's metadata, and every data file it reads from is listed. A step that fails i
 over, named with the file and the reason, for the newest one that verifies. `prune`
 keeps the newest `keep_last` complete steps of the run's lineage (the runs that resumed
 one from another) and removes temporary folders; only one run uses a directory at a
-time (`mpress.launcher.directories`), so no other save is under way.
+time (`mpress.launcher.checkpoints.directories`), so no other save is under way.
 
 What must match for a resume (`identity`): the model's dtype, the model (its
 fingerprint: layer shapes, sizes, dropout, dtype) and the seed (the seed also draws the synthetic data). The
 world size, the stage split and the plan may differ: the state is keyed by parameter name
-and resharded on load (`mpress.launcher.checkpoint`).
+and resharded on load (`mpress.launcher.checkpoints.checkpoint`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch.distributed.checkpoint as dcp
 from mpress.config.loader import check_output_path, to_dict
 from mpress.config.model_config import ModelConfig
 from mpress.errors import ConfigError
-from mpress.launcher.directories import check_no_dangling_link
+from mpress.launcher.checkpoints.directories import check_no_dangling_link
 from mpress.runtime.train_config import TrainConfig, model_config
 
 MANIFEST = "manifest.json"

@@ -17,7 +17,7 @@ Data-parallel replicas (`dp`) hold one state: replica 0's ranks save it (the oth
 their generators), and every replica loads it, so a checkpoint resumes on any `dp`. The
 files, the manifest, what makes a step complete and how a resume verifies it (each
 rank hashes the files it wrote; rank 0 records the hashes; a resume checks them before
-DCP reads a byte): `mpress.launcher.checkpoint_manifest`. A save that fails (a full
+DCP reads a byte): `mpress.launcher.checkpoints.manifest`. A save that fails (a full
 disk) removes its temporary folder and stops the run with a `CheckpointWriteError`
 naming the path.
 
@@ -56,7 +56,7 @@ from mpress.config.loader import to_dict
 from mpress.config.units import fmt_bytes
 from mpress.contract.plan import fingerprint
 from mpress.errors import ConfigError, MpressError, UserError
-from mpress.launcher.checkpoint_manifest import (
+from mpress.launcher.checkpoints.manifest import (
     MANIFEST,
     METADATA,
     Manifest,

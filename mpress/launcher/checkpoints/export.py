@@ -1,6 +1,6 @@
 """A trained model out of a checkpoint, in a form other tools load.
 
-A checkpoint (`mpress.launcher.checkpoint`) is one torch.distributed.checkpoint (DCP)
+A checkpoint (`mpress.launcher.checkpoints.checkpoint`) is one torch.distributed.checkpoint (DCP)
 folder per step, keyed by the whole model's module paths (`model.<name>`), with the
 job's config in its manifest. `export_checkpoint` reads the model's keys offline -- DCP's
 own loader in this one process (`dcp.load(..., no_dist=True)`), no process group -- and
@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from mpress.config.loader import to_dict
 from mpress.config.model_config import load_model_config
 from mpress.errors import UserError
-from mpress.launcher.checkpoint_manifest import MANIFEST, Manifest, newest_complete, read_complete
+from mpress.launcher.checkpoints.manifest import MANIFEST, Manifest, newest_complete, read_complete
 
 STEP_NAME = re.compile(r"step\d+")
-"""A step folder's name (`stepNNNNNN`, `mpress.launcher.checkpoint_manifest.step_folder`)."""
+"""A step folder's name (`stepNNNNNN`, `mpress.launcher.checkpoints.manifest.step_folder`)."""
 MODEL_PREFIX = "model."
 """The checkpoint's keys of the model's parameters and buffers."""
 WEIGHTS_FILE = "model.safetensors"

@@ -185,9 +185,11 @@ def in_recompute() -> contextlib.AbstractContextManager:
     return _Functions(cc) if cc is not None else contextlib.nullcontext()
 
 
-def _dropout(func: Any, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False,
-             **_kw: Any) -> torch.Tensor:
-    """Dropout as CUDA runs it: the fused `native_dropout` (its bool mask saved)."""
+def _dropout(func: Any, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
+             train: bool | None = None) -> torch.Tensor:
+    """Dropout as CUDA runs it: the fused `native_dropout` (its bool mask saved).
+    `F.dropout(input, p, training, inplace)` or `torch.dropout(input, p, train)`."""
+    training = training if train is None else train
     if training and 0 < p < 1 and not inplace and input.numel() > 0:
         return torch.native_dropout(input, p, True)[0]
     return func(input, p, training, inplace) if func is F.dropout else func(input, p, training)

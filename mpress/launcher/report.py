@@ -12,14 +12,35 @@ from mpress.runtime.trainer import PipelineJob
 from mpress.config.units import fmt_bytes, fmt_seconds
 
 
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """What torch's cuBLAS (and cuBLASLt) workspaces hold in the caching allocator of
+    `device` now; 0 off CUDA. `max_memory_allocated` counts them (torch allocates one per
+    handle and stream there, `CUBLAS_WORKSPACE_CONFIG`'s size, 8 MiB + 128 KiB by
+    default, 32 MiB on Hopper) while the plan's prediction has them in the device's
+    reserve (`mpress.hardware.gpu_reserve`, cuBLAS). Measured by freeing them
+    (`torch._C._cuda_clearCublasWorkspaces`; the next matrix product makes them again),
+    so whatever the version, the configuration and the number of handles: call it when
+    the run's matrix products are over."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch._C._cuda_clearCublasWorkspaces()
+    return max(0, before - torch.cuda.memory_allocated(device))
+
+
 def rank_report(job: PipelineJob, plan: Plan | None, *, predicted_bytes: int, measured_bytes: int,
                 measured_at: str) -> dict[str, object]:
     """This rank's figures for the final tables (summed over its stages): the predicted
     peak of its device (the emulator, same program) and the measured one (every byte:
-    `LiveBytes` on CPU, the allocator on CUDA), with the action running at that moment,
-    and the start-up peak (before the first step, from the rank's first allocation)."""
+    `LiveBytes` on CPU, the allocator on CUDA less cuBLAS's workspaces, which the
+    prediction counts in the reserve: `cublas_workspace_bytes`), with the action running
+    at that moment, and the start-up peak (before the first step, from the rank's first
+    allocation). Call it after the last step."""
+    workspaces = cublas_workspace_bytes(job.device)
     out: dict[str, object] = {"rank": job.rank, "stage": ",".join(map(str, job.stage_ids)),
-                              "predicted": predicted_bytes, "measured": measured_bytes, "at": measured_at,
+                              "predicted": predicted_bytes, "measured": measured_bytes - workspaces,
+                              "cublas_workspaces": workspaces, "at": measured_at,
                               "startup": job.startup_peak_bytes,
                               "cuda_reserved": torch.cuda.max_memory_reserved(job.device)
                               if job.device.type == "cuda" else None}
@@ -50,7 +71,8 @@ def report_tables(rows: list[dict[str, object]]) -> list[Table]:
         v = r.get(key)
         return fmt_bytes(v) if isinstance(v, int) and v else "-"
 
-    memory = Table(title="per rank: device memory, predicted (emulator, same program) and measured (every byte)")
+    memory = Table(title="per rank: device memory, predicted (emulator, same program) and measured (every byte "
+                         "but cuBLAS's workspaces, which the reserve counts)")
     for c in ["rank", "stage", "plan", "need w/o mpress", "predicted peak", "measured peak", "measured / predicted",
               "measured peak during", "start-up peak", "CUDA reserved peak"]:
         memory.add_column(c, justify="right")

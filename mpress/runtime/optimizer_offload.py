@@ -41,7 +41,10 @@ from mpress.config.vocabulary import OptimizerStep, Technique
 
 OFFLOADED_STATES = ("exp_avg", "exp_avg_sq")
 MASTER = "master"
-"""The last part of a master weight's key (`optim:<param>:master`)."""
+"""The last part of a master weight's key (`optim:<param>:master`, a host-step stage's) and
+of a chunk's master group (`optim:LAYER:master`)."""
+STATES = "states"
+"""The last part of a chunk's Adam-state group key (`optim:LAYER:states`)."""
 
 
 def layer_params(module: nn.Module, layers: list[str]) -> dict[str, list[str]]:
@@ -101,8 +104,9 @@ class OptimizerOffload:
         self.routes = routes
         self.params = params
         self.runtime = runtime
-        self.handles: dict[str, dict[tuple[str, str], SwapHandle]] = {layer: {} for layer in routes}
-        """layer -> (parameter name, state name or MASTER) -> the swap holding it while away."""
+        self.handles: dict[str, list[tuple[SwapHandle, list[tuple[str, str]]]]] = {layer: [] for layer in routes}
+        """layer -> each swap group holding its data while away, with the (parameter name,
+        state name or MASTER) of each of the group's tensors, in order."""
         program = runtime.program
         program.on(ActionKind.OI, runtime.stage_index, lambda a: self.bring_in(unit_layer(a)))
         program.on(ActionKind.OO, runtime.stage_index, lambda a: self.send_out(unit_layer(a)))
@@ -120,7 +124,7 @@ class OptimizerOffload:
     def bring_in(self, layer: str) -> None:
         """Start the copies of `layer`'s chunk back to the device (an `OI`)."""
         engine, _weights = self.routes[layer]
-        for handle in self.handles[layer].values():
+        for handle, _parts in self.handles[layer]:
             engine.prefetch(handle)
 
     def home(self, layer: str) -> None:
@@ -129,31 +133,36 @@ class OptimizerOffload:
         if layer not in self.routes:
             return
         engine, _weights = self.routes[layer]
-        for (name, part), handle in self.handles[layer].items():
-            tensor = engine.fetch(handle)
-            if part == MASTER:
-                self.masters.restore(name, tensor)
-            else:
-                self.optimizer.state[self.masters.target(name)][part] = tensor
+        for handle, parts in self.handles[layer]:
+            for (name, part), tensor in zip(parts, engine.fetch_group(handle)):
+                if part == MASTER:
+                    self.masters.restore(name, tensor)
+                else:
+                    self.optimizer.state[self.masters.target(name)][part] = tensor
         self.handles[layer].clear()
 
     def send_out(self, layer: str) -> None:
-        """Send `layer`'s states and masters out (an `OO`); no device copy is kept."""
+        """Send `layer`'s states and masters out (an `OO`) as two swap groups (see the
+        module docstring); no device copy is kept."""
         engine, weights = self.routes[layer]
+        states: list[tuple[tuple[str, str], Any]] = []
+        masters: list[tuple[tuple[str, str], Any]] = []
         for name in self.params[layer]:
-            target = self.masters.target(name)
-            st = self.optimizer.state.get(target)
+            st = self.optimizer.state.get(self.masters.target(name))
             for part in OFFLOADED_STATES if st else ():
-                tensor = st.get(part)
-                if tensor is None:
-                    continue
-                self.handles[layer][(name, part)] = engine.swap_out(
-                    _key(self.runtime, name, part), tensor, category=Category.OPTIMIZER, weights=weights)
-                del st[part]
+                tensor = st.pop(part, None)
+                if tensor is not None:
+                    states.append(((name, part), tensor))
             if self.masters.kind(name) is Kind.DEVICE_MASTER:
                 master = self.masters.make_away(name) if self.masters.unmade(name) else self.masters.release(name)
-                self.handles[layer][(name, MASTER)] = engine.swap_out(
-                    _key(self.runtime, name, MASTER), master, category=Category.MASTER, weights=weights)
+                masters.append(((name, MASTER), master))
+        for group, category, parts in ((STATES, Category.OPTIMIZER, states), (MASTER, Category.MASTER, masters)):
+            if not parts:
+                continue
+            named = [(name if part == MASTER else f"{name}:{part}", tensor) for (name, part), tensor in parts]
+            handle = engine.swap_out_group(_key(self.runtime, layer, group), named, category=category,
+                                           weights=weights)
+            self.handles[layer].append((handle, [where for where, _t in parts]))
 
     @contextlib.contextmanager
     def chunk_home(self, layer: str) -> Iterator[None]:

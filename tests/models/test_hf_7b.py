@@ -4,7 +4,10 @@ and its saved bytes equal those of a real run of the same architecture at a smal
 scaled by the shape: every saved tensor of the small run, its dimensions mapped to the
 big model's (hidden 24 -> 4096, heads 4 -> 32, head dim 6 -> 128, FFN 44 -> 11008, vocab
 56 -> 32000, sequence 10 -> 1024), is the big run's tensor of the same name, and its
-bytes scale by the element count. The small run is measured for real (`fake=False`).
+bytes scale by the element count. The small run is measured for real (`fake=False`) on
+the CPU; the big one is profiled for an A100, whose fused attention kernel also keeps its
+RNG state where the CPU's keeps none (`cuda_kernels.py`: flash, two uint64 tensors of
+24 B; efficient, when the model passes a mask, two int64 scalars of 16 B).
 
 The time each command takes is printed (`pytest -s`), not asserted.
 """
@@ -62,8 +65,13 @@ def test_llama_2_7b_profiled_and_planned_with_saved_bytes_of_a_small_run_scaled(
     total = 0
     for layer in big.layers:
         like = layers["blocks.0" if layer.name.startswith("blocks.") else layer.name]
-        assert len(like.saved) == len(layer.saved), layer.name
-        for s, b in zip(like.saved, layer.saved):
+        rng = [b for b in layer.saved if b.dtype in ("uint64", "int64") and b.shape in ([], [2])
+               and b.op.startswith("aten._scaled_dot_product_")]  # the GPU's attention kernel's alone
+        assert sum(b.bytes for b in rng) in ((24, 16) if layer.name.startswith("blocks.") else (0,)), layer.name
+        total += sum(b.bytes for b in rng)
+        saved = [b for b in layer.saved if b not in rng]
+        assert len(like.saved) == len(saved), layer.name
+        for s, b in zip(like.saved, saved):
             assert s.id.replace("blocks.0.", f"{layer.name}.") == b.id and s.dtype == b.dtype
             assert [DIMS.get(d, d) for d in s.shape] == b.shape, (b.id, s.shape, b.shape)
             scaled = s.bytes * math.prod(b.shape) // max(1, math.prod(s.shape))

@@ -18,6 +18,7 @@ from mpress.contract.actions import Kind
 from mpress.contract.plan import Plan, StagePlan, Stripe, TensorRule
 from mpress.errors import ConfigError
 from mpress.runtime.master_weights import Kind as MasterKind
+from mpress.runtime.optimizer_offload import layer_params
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
 from tests.support.jobs import resumed
@@ -121,6 +122,12 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
         x, y = batch(step, NUM_MICROBATCHES)
         losses.append(pj.step(x, y).loss)
     live_between_steps = pj.live.live_bytes  # after the last step: what stays on the device
+    swaps = {}  # before `state()`, which brings each chunk home and sends it out again
+    for s, rt in zip(pj.stage_ids, pj.runtimes):
+        if s in pj.offloads:
+            rt.engine.wait_idle()
+            swaps[s] = {"out": rt.engine.stats.num_out, "in": rt.engine.stats.num_in,
+                        "activation_rules": any(not r.tensor.startswith("optim:") for r in rt.stage_plan.rules)}
     executed = ([str(a) for a in pj.program.last_log], [str(a) for a in pj.program.actions]) \
         if pj.program is not None else None
     stages = []
@@ -132,8 +139,9 @@ def _run_one(job: Job, plan_path: str | None, rank: int) -> dict:
                        "masters": report["categories"]["master"]["num_tensors"],
                        "num_params": sum(p.numel() for p in module.parameters()),
                        "num_tensors": len(list(module.parameters())),
+                       "chunks": sum(1 for names in layer_params(module, list(rt.router.layers)).values() if names),
                        "bytes_out": rt.engine.stats.bytes_out if rt.engine is not None else 0})
-    result = {"losses": losses, "state": pj.state(), "stages": stages, "live_bytes": live_between_steps, **startup,
+    result = {"losses": losses, "state": pj.state(), "stages": stages, "swaps": swaps, "live_bytes": live_between_steps, **startup,
               "executed": executed, "num_params": {s: sum(p.numel() for p in m.parameters())
                                                     for s, m in zip(pj.stage_ids, pj.modules)},
               "dtypes": {p.dtype for m in pj.modules for p in m.parameters()}}
@@ -252,13 +260,35 @@ def test_optimizer_data_off_the_device_is_in_the_managers_report(results, name):
         sp = plan.stage(s)
         off = sp.optimizer_step == "host" or OFFLOAD in sp.rules
         assert st["host_bytes"] == (BYTES_PER_PARAM_OFF_DEVICE * st["num_params"] if off else 0), s
-        assert st["masters"] == (st["num_tensors"] if off else 0), s
+        # a host step tracks each parameter's host copy; an offload moves each layer's
+        # masters as one group (`optimizer_offload.py`)
+        host = sp.optimizer_step == "host"
+        assert st["masters"] == (st["num_tensors"] if host else st["chunks"] if off else 0), s
         # the swap engine carries what the program sends out: offloaded chunks (OO) and
         # activations (SO; none where B follows F at once); a host step moves nothing
         swaps_optimizer = sp.optimizer_step == "device" and OFFLOAD in sp.rules
         sends = {a.kind for a in plan.program(s % WORLD) if a.stage == s and a.kind in (Kind.SO, Kind.OO)}
         assert (Kind.OO in sends) == swaps_optimizer, s
         assert (st["bytes_out"] > 0) == bool(sends), s
+
+
+@pytest.mark.slow
+def test_each_offloaded_chunk_moves_as_two_grouped_copies_per_direction(results):
+    """An offloaded layer's optimizer data moves as two swap groups (its Adam states, its
+    masters), each one copy batch per direction, whatever its number of parameters: sent
+    out at start-up (masters only: Adam makes its states in the first step), brought in
+    for each step (masters only in the first) and sent out after it (both groups). One
+    swap per tensor made 3 per parameter and step."""
+    counted = 0
+    for r in results["bf16-offload"]:
+        for s, sw in r["swaps"].items():
+            if sw["activation_rules"]:
+                continue  # its engine swaps activations too
+            layers = stage_records([r])[s]["chunks"]
+            assert sw["out"] == layers * (1 + 2 * STEPS), (s, sw)
+            assert sw["in"] == layers * (1 + 2 * (STEPS - 1)), (s, sw)
+            counted += 1
+    assert counted
 
 
 @pytest.mark.slow

@@ -13,18 +13,18 @@ class FakeCudart:
         self.registered: dict[int, int] = {}
         self.calls: list[str] = []
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - the CUDA name
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         self.calls.append(f"register {size} flags {flags}")
         if self.fail:
             return 2  # cudaErrorMemoryAllocation
         self.registered[ptr] = size
         return 0
 
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, ptr: int) -> int:
         self.calls.append("unregister")
         return 0 if self.registered.pop(ptr, None) is not None else 712  # cudaErrorHostMemoryNotRegistered
 
-    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+    def cudaGetErrorString(self, error: int) -> str:
         return {2: "out of memory", 712: "not registered"}[int(error)]
 
 
@@ -54,3 +54,26 @@ def as_if_cuda(monkeypatch, cudart: FakeCudart) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+class FakeAllocator:
+    """torch's CUDA caching allocator as its counters show it, with cuBLAS workspaces:
+    `allocated` bytes of tensors, `workspaces` bytes of workspaces that torch's clear frees,
+    `peak` the high-water mark of both."""
+
+    def __init__(self, allocated: int, workspaces: int) -> None:
+        self.allocated = allocated
+        self.workspaces = workspaces
+        self.peak = allocated + workspaces
+
+    def install(self, monkeypatch) -> None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated + self.workspaces)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak)
+        monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", self.clear, raising=False)
+
+    def clear(self) -> None:
+        self.workspaces = 0

@@ -151,11 +151,20 @@ class _Stage:
 
     def optim_pool_bytes(self, layer_name: str) -> int:
         """What one layer's offloaded optimizer data takes in a pool: each parameter's
-        two Adam states and fp32 master move as their own blocks, each rounded up to the
-        pools' alignment (at most one alignment unit more each)."""
+        two Adam states and fp32 master lie in it each rounded up to the pools' alignment
+        (at most one alignment unit more each; the runtime moves them as two groups,
+        `optim_group_block_bytes`)."""
         layer = next(x for x in self.costs.layers if x.name == layer_name)
         blocks = layer.param_tensors * (3 if layer.master_bytes else 2)
         return layer.optim_bytes + layer.master_bytes + blocks * ALIGNMENT_BYTES
+
+    def optim_group_block_bytes(self, layer_name: str) -> int:
+        """The largest pool block one layer's offloaded optimizer data takes: the runtime
+        moves a chunk as two swap groups (`runtime/optimizer_offload.py`), its Adam states
+        in one block and its masters in another, so the states' block (two fp32 states per
+        parameter, each tensor rounded up to the alignment) is the largest."""
+        layer = next(x for x in self.costs.layers if x.name == layer_name)
+        return layer.optim_bytes + 2 * layer.param_tensors * ALIGNMENT_BYTES
 
     def optim_lead(self) -> int:
         """Prefetch lead of the first offloaded optimizer chunk's rule."""
@@ -292,7 +301,7 @@ def _stream_optimizer(st: _Stage, chunks: list[tuple[str, TensorRule | None, int
     names = [str(UnitId(stage, UnitKind.OPTIM, layer=layer)) for layer, _r, _b, _p in chunks]
     offloaded = [n for n, (_l, rule, _b, _p) in zip(names, chunks) if rule]
     for name, (layer, rule, nbytes, num_params) in zip(names, chunks):
-        largest = round_up(next(x for x in st.costs.layers if x.name == layer).largest_param_bytes, ALIGNMENT_BYTES)
+        largest = st.optim_group_block_bytes(layer)
         info = _info(rule, nbytes, st.optim_pool_bytes(layer), largest) if rule else TensorInfo(bytes=nbytes)
         tensors[name] = TensorInfo(bytes=info.bytes, compute_s=optimizer_step_s(num_params, hardware),
                                    stripes=info.stripes, pool_bytes=info.pool_bytes,

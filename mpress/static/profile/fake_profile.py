@@ -6,7 +6,10 @@ tensor (`torch._subclasses.fake_tensor.FakeTensorMode`) on the fake device (the 
 and the measured profiler's instrumentation (`measured.instrument`: saved-tensor hooks,
 `FlopCounterMode`, the memory probe) runs on them: saved tensors, their storage bytes,
 FLOPs and what each layer holds come out exactly as a real run on the CPU gives them,
-while nothing is computed or allocated. A 10-billion-parameter model takes seconds.
+while nothing is computed or allocated. A 10-billion-parameter model takes seconds. For
+a GPU target (a hardware preset whose device is no CPU stand-in) the run saves what the
+GPU's kernels save instead: its dropout masks, LayerNorm statistics and fused attention
+kernel (`cuda_kernels.py`).
 
 Why meta first, then fake: parameters made inside `FakeTensorMode` cannot be cast or
 moved (`module.to()` swaps tensors, and fake ones carry weak references that forbid it),
@@ -27,6 +30,7 @@ module for real when it fits.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,6 +53,7 @@ from mpress.contract.live_bytes import tensors_in
 from mpress.config.model_config import ModelConfig
 from mpress.models.transformer import build_model, example_batch, lm_loss
 from mpress.static.profile.analytic import flops_time_s
+from mpress.static.profile.cuda_kernels import CudaKernels, compute_capability
 from mpress.static.profile.measured import (
     _precision,
     available_bytes,
@@ -69,10 +74,10 @@ from mpress.models.user_module import (
 )
 
 FAKE_DEVICE = torch.device("cpu")
-"""The device fake tensors stand on: a CPU-only torch cannot fake CUDA tensors (its
-autograd engine asks for the device), so fake profiles have the CPU's kernels' dtypes
-(LayerNorm statistics of half activations are half, as on the CPU, where CUDA keeps them
-fp32) and a host scalar a forward makes is on the device."""
+"""The device fake tensors stand on: no torch runs autograd on fake CUDA tensors without a
+GPU (`cuda_kernels.py` says why), so a host scalar a forward makes is on the device, and
+for a GPU target `cuda_kernels.CudaKernels` makes the CPU's fake kernels save what CUDA's
+save (dropout masks, LayerNorm statistics, the fused attention kernel's)."""
 
 FITS_FRACTION = 0.8
 """A real measurement is made only when its estimated need is within this share of the
@@ -147,8 +152,9 @@ def fake_profile(factory: Factory, *, model_name: str, hardware: Hardware, layer
     _fake_module(user.module, mode)
     module = user.module.train()
     args = tuple(_fake_input(a, mode) for a in user.args)
+    cc = compute_capability(hardware)  # None: a CPU target, whose kernels these are
     try:
-        with mode, warnings.catch_warnings():
+        with mode, CudaKernels(cc) if cc else contextlib.nullcontext(), warnings.catch_warnings():
             # the shared namer's parameter set reads data_ptr (0 here); our namer does not use it
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             found = instrument(module, args, user.loss_fn, layers)

@@ -35,6 +35,7 @@ from torch import nn
 from mpress.contract.identity import side_effect_free
 from mpress.contract.live_bytes import LiveBytes, tensors_in
 from mpress.contract.selective import LayerOps, cached_ops, recompute_menu, run_recomputed, trace_layer_ops
+from mpress.static.profile.cuda_kernels import in_recompute
 from mpress.static.profile.profile import LayerMemory
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -116,7 +117,13 @@ class _Checkpointed(nn.Module):
         self.cached = cached
 
     def forward(self, *args: Any) -> Any:
-        return run_recomputed(self.layer, self.ops, self.cached, *args)
+        layer = self.layer
+
+        def run(*inputs: Any) -> Any:  # the recompute runs a GPU's kernels too (`cuda_kernels.in_recompute`)
+            with in_recompute():
+                return layer(*inputs)
+
+        return run_recomputed(run, self.ops, self.cached, *args)
 
 
 @dataclass(frozen=True)

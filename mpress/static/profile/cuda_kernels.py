@@ -1,0 +1,195 @@
+"""What CUDA's kernels save for backward, on fake CPU tensors: fake profiles for a GPU.
+
+A fake profile (`fake_profile.py`) runs the model's forward and backward on fake tensors
+standing on the CPU, so by default autograd saves what the CPU's kernels save. A GPU
+training run saves something else for three kinds of operator (torch 2.11 and 2.13):
+
+=====================  ==========================================  ==========================================
+operator               CPU kernel saves                            CUDA kernel saves (CUDA - CPU, bytes)
+=====================  ==========================================  ==========================================
+dropout (train,        `_dropout`: the noise, act dtype            `native_dropout`: a bool mask
+0 < p < 1)             (itemsize B/element)                        (numel x (1 - itemsize))
+`native_layer_norm`    mean and rstd in the input's dtype          mean and rstd fp32, rows x 1 each
+of fp16/bf16 input     (rows x itemsize each)                      (2 x rows x (4 - itemsize))
+scaled dot-product     training with dropout: the math path        flash (sm80+, fp16/bf16, head dim <= 256
+attention              (fp32 scores, probabilities and noise,      and % 8, no mask): q, k, v, out, logsumexp
+                       B x H x Tq x Tk each); without: CPU flash   B x H x Tq fp32, RNG state uint64[2] + uint64
+                       (q, k, v, out, logsumexp B x H x Tq fp32)   (24 B); else efficient: logsumexp
+                                                                   B x H x ceil(Tq/32)*32 fp32, seed and offset
+                                                                   int64 (16 B), the mask as an additive bias
+=====================  ==========================================  ==========================================
+
+`CudaKernels` makes the fake CPU run save what the GPU saves, at the source, so every
+figure the profile derives from the saved tensors (kept bytes, peaks, recompute choices)
+follows: dropout calls `native_dropout` (CPU has that kernel), attention calls the CUDA
+kernel the target GPU picks (`attention_kernel`: torch's fake implementations of
+`_scaled_dot_product_flash_attention` and `_scaled_dot_product_efficient_attention` run
+on CPU fake tensors, forward and backward), and LayerNorm's statistics come out fp32
+(`CUDA_STATISTICS`). `tests/static/profile/test_cuda_kernels.py` checks each row
+against torch's own fake CUDA tensors under a CUDA build of torch.
+
+Why not fake CUDA tensors themselves: without a GPU, a CUDA build of torch runs their
+forward (saved tensors as the GPU's kernels have them) but its autograd engine stops in
+the backward ("hasPrimaryContext expects a valid device index"), a CPU-only build aborts
+the process once autograd sees them, and SDPA cannot ask the device which kernel it runs
+(it falls back to the math path). The forward alone is what the test compares.
+
+Not covered (a GPU saves them as the CPU's table row says): the math attention path
+(a head dimension no fused kernel takes), `native_group_norm` and `rms_norm` statistics,
+in-place dropout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from typing import Any, Self
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpress.hardware.server import Hardware
+
+HALF = (torch.float16, torch.bfloat16)
+
+COMPUTE_CAPABILITY = {"V100": (7, 0), "T4": (7, 5), "A100": (8, 0), "A10": (8, 6), "A40": (8, 6),
+                      "L4": (8, 9), "L40": (8, 9), "H100": (9, 0), "H200": (9, 0), "H800": (9, 0),
+                      "B200": (10, 0)}
+"""Compute capability by GPU model (the word in a preset's device name)."""
+UNKNOWN_GPU = (8, 0)
+"""A GPU whose model the table does not know: assumed to run flash attention."""
+
+CUDA_STATISTICS = {torch.ops.aten.native_layer_norm.default: (1, 2)}
+"""Outputs CUDA's kernel returns (and autograd saves) in fp32 whatever the input's dtype:
+LayerNorm's mean and rstd."""
+
+EFFICIENT_MASK_ALIGNMENT = 16
+"""torch pads an additive attention bias's last dimension to a multiple of this for the
+efficient kernel and saves the padded storage (`attention.cpp`, `preprocess_mask`)."""
+
+
+def compute_capability(hardware: Hardware) -> tuple[int, int] | None:
+    """The target's CUDA compute capability; None for a CPU stand-in (a device named CPU)."""
+    name = hardware.device.name
+    if re.search(r"\bCPU\b", name, re.IGNORECASE):
+        return None
+    words = set(re.findall(r"[A-Z]+\d+", name.upper()))
+    return next((cc for model, cc in COMPUTE_CAPABILITY.items() if model in words), UNKNOWN_GPU)
+
+
+def attention_kernel(cc: tuple[int, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None, enable_gqa: bool = False) -> str:
+    """"flash", "efficient" or "math": the kernel SDPA runs on a GPU of compute capability
+    `cc` (torch's order: flash, then efficient, then math; their main conditions)."""
+    if query.dim() != 4 or key.dim() != 4 or (enable_gqa and query.size(1) != key.size(1)):
+        return "math"
+    head, dtype = query.size(-1), query.dtype
+    if cc >= (8, 0) and dtype in HALF and attn_mask is None and head == value.size(-1) \
+            and head % 8 == 0 and head <= 256:
+        return "flash"
+    aligned = head % (4 if dtype == torch.float32 else 8) == 0 and value.size(-1) % 8 == 0
+    if aligned and (dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and cc >= (8, 0))):
+        return "efficient"
+    return "math"
+
+
+def _bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """An SDPA mask as the efficient kernel takes it: additive, in the query's dtype, last
+    dimension padded to `EFFICIENT_MASK_ALIGNMENT` (then viewed back), expanded to B x H x Tq x Tk."""
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    else:
+        mask = mask.to(query.dtype)
+    tk = mask.size(-1)
+    pad = -tk % EFFICIENT_MASK_ALIGNMENT
+    if pad:
+        mask = F.pad(mask, (0, pad))[..., :tk]
+    return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+
+
+class _Statistics(TorchDispatchMode):
+    """Returns `CUDA_STATISTICS` outputs of fp16/bf16 inputs in fp32, as CUDA's kernels do."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        which = CUDA_STATISTICS.get(func)
+        if which is None or args[0].dtype not in HALF:
+            return out
+        return tuple(t.float() if i in which else t for i, t in enumerate(out))
+
+
+class _Functions(TorchFunctionMode):
+    """Attention and dropout as a GPU of compute capability `cc` runs them."""
+
+    def __init__(self, cc: tuple[int, int]) -> None:
+        super().__init__()
+        self.cc = cc
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        if func in (F.dropout, torch.dropout):
+            return _dropout(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        kernel = attention_kernel(self.cc, query, key, value, attn_mask, enable_gqa)
+        if kernel == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if kernel == "efficient":
+            bias = _bias(attn_mask, query, key) if attn_mask is not None else None
+            grad = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_ACTIVE: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("mpress_cuda_kernels", default=None)
+"""The compute capability of the `CudaKernels` block the calling thread is in."""
+
+
+class CudaKernels:
+    """Within it, fake CPU tensors save for backward what a GPU of compute capability
+    `cc` saves (see the module docstring). Enter it inside the fake mode. A checkpointed
+    forward enters `in_recompute()` as well: torch function modes are not active in the
+    backward, where a checkpoint recomputes."""
+
+    def __init__(self, cc: tuple[int, int]) -> None:
+        self.cc = cc
+        self._modes = contextlib.ExitStack()
+
+    def __enter__(self) -> Self:
+        self._token = _ACTIVE.set(self.cc)
+        self._modes.enter_context(_Statistics())
+        self._modes.enter_context(_Functions(self.cc))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._modes.close()
+        _ACTIVE.reset(self._token)
+
+
+def in_recompute() -> contextlib.AbstractContextManager:
+    """What a checkpointed forward enters so that its recompute runs the kernels its
+    forward ran: the attention and dropout of the enclosing `CudaKernels`, if any (its
+    statistics mode, a dispatch mode, stays active in the backward by itself)."""
+    cc = _ACTIVE.get()
+    return _Functions(cc) if cc is not None else contextlib.nullcontext()
+
+
+def _dropout(func: Any, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
+             train: bool | None = None) -> torch.Tensor:
+    """Dropout as CUDA runs it: the fused `native_dropout` (its bool mask saved).
+    `F.dropout(input, p, training, inplace)` or `torch.dropout(input, p, train)`."""
+    training = training if train is None else train
+    if training and 0 < p < 1 and not inplace and input.numel() > 0:
+        return torch.native_dropout(input, p, True)[0]
+    return func(input, p, training, inplace) if func is F.dropout else func(input, p, training)

@@ -1,0 +1,178 @@
+"""Fake profiles for a GPU save what CUDA's kernels save (`cuda_kernels.py`).
+
+The first tests run on any torch: a GPU target's fake profile differs from the CPU
+target's by the module docstring's table, byte for byte. The others check the table
+against torch's own fake CUDA tensors, which only a CUDA build of torch has (the GPU
+machines' 2.11+cu130; `.ci/torch-2.11` runs them): each operator's saved tensors on
+fake CUDA equal those of the fake CPU run under `CudaKernels`. Without a GPU, fake CUDA
+tensors run a forward but no backward, so only forwards' saves are compared."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+from mpress.hardware.server import load_hardware
+from mpress.static.profile.cuda_kernels import (
+    CudaKernels,
+    attention_kernel,
+    compute_capability,
+)
+from mpress.static.profile.fake_profile import fake_profile
+
+B, T, HEADS, HEAD_DIM = 2, 100, 4, 16
+HIDDEN = HEADS * HEAD_DIM
+H100, V100 = (9, 0), (7, 0)
+cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                reason="fake CUDA tensors need a CUDA build of torch (no GPU needed)")
+
+
+class Block(nn.Module):
+    """LayerNorm, causal self-attention (SDPA), dropout: one of each row of the table."""
+
+    def __init__(self, attn_dropout: float = 0.0, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(HIDDEN, dtype=dtype)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN, dtype=dtype)
+        self.drop = nn.Dropout(0.1)
+        self.attn_dropout = attn_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln(x)).view(B, T, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_dropout)
+        return x + self.drop(a.transpose(1, 2).reshape(B, T, HIDDEN))
+
+
+def _factory():
+    model = nn.Sequential(Block())
+    return model, torch.randn(B, T, HIDDEN, dtype=torch.bfloat16), lambda out: out.float().square().mean()
+
+
+def test_a_gpu_targets_fake_profile_differs_from_the_cpus_by_the_table():
+    """bf16, no attention dropout: CUDA saves a bool mask for the dropout (1 B/element
+    less than the CPU's bf16 noise), fp32 LayerNorm statistics (2 B/row more, twice),
+    and flash attention's RNG state (24 B) beside the logsumexp both flash kernels keep."""
+    gpu = fake_profile(_factory, model_name="block", hardware=load_hardware("hgx-h100"))
+    cpu = fake_profile(_factory, model_name="block", hardware=load_hardware("cpu-local"))
+    rows = B * T
+    expected = -B * T * HIDDEN * (2 - 1) + 2 * rows * (4 - 2) + 24
+    assert sum(x.saved_bytes for x in gpu.layers) - sum(x.saved_bytes for x in cpu.layers) == expected
+    dtypes = {x.dtype for layer in gpu.layers for x in layer.saved}
+    assert "bool" in dtypes and "uint64" in dtypes, dtypes
+    kept = [x.memory.kept_bytes for x in gpu.layers], [x.memory.kept_bytes for x in cpu.layers]
+    assert sum(kept[0]) - sum(kept[1]) == expected  # the probe's figures follow
+
+
+def test_the_target_gpu_picks_the_attention_kernel():
+    q = torch.empty(B, HEADS, T, HEAD_DIM, dtype=torch.bfloat16, device="meta")
+    mask = torch.empty(B, 1, T, T, dtype=torch.bool, device="meta")
+    assert attention_kernel(H100, q, q, q, None) == "flash"
+    assert attention_kernel(H100, q, q, q, mask) == "efficient"  # flash takes no mask
+    assert attention_kernel(V100, q.half(), q.half(), q.half(), None) == "efficient"  # no flash before sm80
+    assert attention_kernel(V100, q, q, q, None) == "math"  # no bf16 kernel on sm70
+    wide = torch.empty(B, HEADS, T, 512, dtype=torch.float16, device="meta")
+    assert attention_kernel(H100, wide, wide, wide, None) == "efficient"  # flash: head dim <= 256
+    assert compute_capability(load_hardware("dgx1-v100")) == V100
+    assert compute_capability(load_hardware("hgx-h100")) == H100
+    assert compute_capability(load_hardware("cpu-local")) is None
+
+
+# ---- against fake CUDA tensors (a CUDA build of torch) ------------------------------
+
+def _saves(fn, *args) -> list[tuple[str, tuple[int, ...], int]]:
+    """(dtype, shape, storage bytes) of each tensor autograd saves in `fn(*args)`'s forward."""
+    out = []
+
+    def pack(t):
+        out.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return out
+
+
+def _both(fn, make, cc=H100, cuda_mode=contextlib.nullcontext):
+    """`fn`'s forward saves on fake CUDA tensors (the reference) and on fake CPU ones
+    under `CudaKernels(cc)`; `make(device)` builds the inputs."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with cuda_mode():
+            on_cuda = _saves(fn, *make("cuda"))
+        with CudaKernels(cc):
+            on_cpu = _saves(fn, *make("cpu"))
+    return on_cuda, on_cpu
+
+
+def _act(device, dtype, shape=(B, T, HIDDEN)):
+    return torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
+
+
+@cuda_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dropout_and_layer_norm_save_as_on_cuda(dtype):
+    on_cuda, on_cpu = _both(lambda x: F.dropout(x, 0.1, True), lambda d: (_act(d, dtype),))
+    assert on_cuda == on_cpu and on_cuda[0][0] == "bool"
+    on_cuda, on_cpu = _both(lambda x, w: F.layer_norm(x, (HIDDEN,), w, w),
+                            lambda d: (_act(d, dtype), _act(d, dtype, (HIDDEN,))))
+    assert on_cuda == on_cpu and ("float32", (B, T, 1), B * T * 4) in on_cuda
+
+
+class _Kernel(TorchFunctionMode):
+    """On fake CUDA tensors SDPA cannot ask the device (it takes the math path): this
+    calls the given CUDA kernel, as a GPU of the test's kind would."""
+
+    def __init__(self, kernel: str) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        q, k, v = args[:3]
+        kw = kwargs or {}
+        if self.kernel == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, kw.get("dropout_p", 0.0), kw.get("is_causal", False))[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, kw.get("dropout_p", 0.0), kw.get("is_causal", False))[0]
+
+
+@cuda_build
+@pytest.mark.parametrize("cc, dtype, kernel", [(H100, torch.bfloat16, "flash"), (V100, torch.float16, "efficient"),
+                                               (H100, torch.float32, "efficient")])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_attention_saves_as_the_gpus_kernel(cc, dtype, kernel, dropout):
+    """Flash: logsumexp B x H x T fp32 and RNG state; efficient: logsumexp padded to 32
+    columns and seed and offset; neither the math path's T x T scores the CPU keeps."""
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+
+    def make(device):
+        return tuple(_act(device, dtype, (B, HEADS, T, HEAD_DIM)) for _ in range(3))
+
+    on_cuda, on_cpu = _both(attend, make, cc, lambda: _Kernel(kernel))
+    assert on_cuda == on_cpu
+    columns = T if kernel == "flash" else -(-T // 32) * 32
+    assert ("float32", (B, HEADS, columns), B * HEADS * columns * 4) in on_cuda
+    assert all(shape[-2:] != (T, T) for _d, shape, _n in on_cuda)
+
+
+@cuda_build
+def test_a_blocks_forward_saves_as_on_cuda():
+    """A whole block (bf16, dropout on, causal attention) saves on fake CPU tensors under
+    `CudaKernels` what it saves on fake CUDA ones, where torch's own CUDA dropout and
+    LayerNorm kernels run (only the attention kernel is given, as on an H100)."""
+    def make(device):
+        with torch.device(device):
+            block = Block(attn_dropout=0.1)
+        return block, _act(device, torch.bfloat16)
+
+    on_cuda, on_cpu = _both(lambda block, x: block(x), make, H100, lambda: _Kernel("flash"))
+    assert on_cuda == on_cpu
+    assert sum(n for _d, _s, n in on_cuda) > 0

@@ -165,6 +165,7 @@ class SwapEngine(EngineWorkers):
         what one layer saves under one rule). Host work is per group, not per tensor."""
         self.check()
         self._reap_dropped()  # frees their blocks and keys before this one needs them
+        self.store.await_room(key.tensor, self.timeout_s)  # a swap-in completing frees it: not under the lock
         layouts: list[Layout] = []
         sources: list[torch.Tensor] = []
         device, strided, source_of = self.device, torch.strided, Layout.source
@@ -186,7 +187,7 @@ class SwapEngine(EngineWorkers):
                 owned = self._claim_key(key, nbytes, category)
                 record = SwapRecord(key, [name for name, _t in tensors], layouts, sources, None, owned)  # type: ignore[arg-type]
                 try:
-                    record.placement = self.store.reserve(str(key), record.span_bytes, weights)
+                    record.placement = self.store.reserve(str(key), record.span_bytes, weights, key.tensor)
                     record.out_batch = self.store.pair(record.placement, record.pieces(sources))
                 except Exception as exc:
                     if owned:

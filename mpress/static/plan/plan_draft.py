@@ -25,6 +25,7 @@ from mpress.contract.plan import (
 from mpress.static.emulate.host_memory import pinned_bytes
 from mpress.static.memory.stage_memory import WHOLE
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup
+from mpress.static.plan.peer_quotas import with_peer_quotas
 from mpress.config.units import ALIGNMENT_BYTES, round_up
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
 
@@ -129,6 +130,8 @@ class PlanWriter:
                 peer_quotas=[PeerQuota(device=dev, quota_bytes=b) for dev, b in (d.quotas[s] if d.quotas else ())],
                 need_bytes=self.setup.memory[s].total_bytes, predicted_peak_bytes=peak,
             ))
+        if predicted is not None and any(predicted.peer_quotas):  # the quotas the program's D2D slots need
+            stages = with_peer_quotas(stages, predicted.peer_quotas)
         return Plan(
             strategy=self.strategy, model=self.setup.model.name, model_fingerprint=self.setup.model.fingerprint(),
             dtype=self.setup.profile.dtype, profile_fingerprint=profile_fingerprint(self.setup), hardware=self.hw.name,

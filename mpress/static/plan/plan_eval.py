@@ -13,6 +13,7 @@ from mpress.contract.plan import Plan
 from mpress.contract.plan_check import Shape, check_plan
 from mpress.static.emulate.emulator import emulate
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup
+from mpress.static.plan.peer_quotas import check_quotas, pool_bytes_by_device, program_quotas, with_peer_quotas
 from mpress.static.emulate.host_memory import pinned_bytes
 from mpress.static.emulate.lowering import build_program, late_frees, lower_rank_traced, rank_static_bytes
 from mpress.static.memory.model import memory_model
@@ -51,9 +52,10 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
     if setup.schedule.weight_stashing:  # the live weights stay when the stashed versions go
         offloaded = [o - (c.param_bytes if gone else 0)
                      for o, c, gone in zip(offloaded, setup.costs, stash_offloaded(rw.schedule))]
-    pools = [0] * setup.hardware.num_devices
-    for device, nbytes in plan.peer_pool_bytes_by_device().items():
-        pools[device] = nbytes
+    quotas = program_quotas(rw.schedule, rw.tensors)
+    if plan.actions:  # a finished plan: its quotas must hold what its program puts in them
+        check_quotas(plan, quotas)
+    pools = pool_bytes_by_device(plan, quotas, setup.hardware.num_devices)
     devices = list(plan.stage_to_device)
 
     def lower(schedule: Schedule) -> Program:
@@ -88,18 +90,21 @@ def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:
                            memory=memory_model(setup.costs, setup.schedule, setup.hardware, devices,
                                                setup.data_parallel, host_step_stages=host_step_stages(plan)))
     return Evaluation(setup=placed_setup, schedule=schedule, program=program, result=emulate(program),
-                      tensors=rw.tensors)
+                      tensors=rw.tensors, peer_quotas=quotas)
 
 
 def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     """`plan` with what a plan written by hand leaves out, and its evaluation: the program
     its rules make on `setup` (`actions`, checked against the carried one when there is
-    one), each stage's pinned pool sized for that program where it gives none, and each
+    one), each stage's pinned pool sized for that program where it gives none, its D2D
+    quotas and peer pools sized for that program where no stage gives any, and each
     stage's predicted peak (its device's emulated peak) where it gives none."""
     ev = evaluate_plan(setup, plan)
     pinned = pinned_bytes(ev.schedule, ev.tensors)
     peaks = ev.result.peak_bytes
     stages = [replace(sp, pinned_host_bytes=sp.pinned_host_bytes or pinned[sp.stage],
                       predicted_peak_bytes=sp.predicted_peak_bytes or peaks[sp.device]) for sp in plan.stages]
+    if not any(sp.peer_quotas for sp in plan.stages):  # D2D quotas and pools as the program needs them
+        stages = with_peer_quotas(stages, ev.peer_quotas)
     actions = plan.actions or [format_actions(list(r)) for r in ev.schedule.ranks]
     return replace(plan, stages=stages, actions=actions), ev

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from mpress.config.units import fmt_bytes
+from mpress.config.vocabulary import Technique
 from mpress.contract.actions import Kind, Schedule
 from mpress.contract.plan import PeerQuota, Plan, StagePlan
-from mpress.config.vocabulary import Technique
 from mpress.d2d.static.pool_slots import MIN_QUOTA_BYTES, quota_need
 from mpress.errors import PlanError
 from mpress.static.emulate.lowering import TensorInfo

@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 
 from mpress.config.units import ALIGNMENT_BYTES
 from mpress.contract.actions import Action, Kind
-from mpress.d2d.static.pool_slots import MIN_QUOTA_BYTES, quota_need, unit_slot_counts, unit_stripes
+from mpress.d2d.static.pool_slots import (
+    MIN_QUOTA_BYTES,
+    quota_need,
+    unit_slot_counts,
+    unit_stripes,
+)
 from mpress.errors import SwapError
 from mpress.static.schedules import one_f_one_b
 from tests.support.d2d_replay import replay

@@ -92,8 +92,9 @@ def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:
         the runtime refuses a host rule without a pinned pool, even one that moves nothing."""
         moved = {a.stage for r in range(variant.num_ranks) for a in variant.program(r)
                  if a.kind in (Kind.SO, Kind.DO)}
-        return with_program(replace(variant, actions=[], stages=[
-            sp if sp.stage in moved else replace(sp, rules=[]) for sp in variant.stages]), cfg)
+        return with_program(replace(variant, actions=[], stages=[  # D2D quotas and pools made again
+            replace(sp if sp.stage in moved else replace(sp, rules=[]), peer_quotas=[], peer_pool_bytes=0)
+            for sp in variant.stages]), cfg)
 
     keep = written(lambda sp: [])
     routed = written(lambda sp: [TensorRule(tensor="*", technique="keep")])

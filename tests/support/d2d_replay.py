@@ -57,7 +57,7 @@ def replay(actions: Sequence[Action], stage: int, quotas: Mapping[int, int], uni
     every block the runtime could give back was given back. `unit_bytes`: the group bytes
     each DO reserves (what the runtime's group spans)."""
     pools = Quotas(stage, quotas, unit_slot_counts(actions, stage) if laid_out else None)
-    first = next(iter(unit_weights.values()))
+    first = next(unit_weights[a.tensor] for a in actions if a.stage == stage and a.kind is Kind.DO)  # type: ignore[index]
     store = PeerStore(pools, stage, CPU, first)
     held: dict[tuple[str, int], object] = {}
     in_flight: dict[tuple[str, int], object] = {}  # DI issued: the completer may free it

@@ -5,6 +5,7 @@ the allocator carves exactly that need, and a byte less runs out; plus the plan 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 from pathlib import Path
@@ -15,15 +16,18 @@ from hypothesis import strategies as st
 
 from mpress.config.units import ALIGNMENT_BYTES
 from mpress.contract.actions import Action, Kind
+from mpress.contract.plan import PeerQuota
 from mpress.d2d.static.pool_slots import (
     MIN_QUOTA_BYTES,
     quota_need,
     unit_slot_counts,
     unit_stripes,
 )
-from mpress.errors import SwapError
+from mpress.errors import PlanError, SwapError
+from mpress.static.plan.peer_quotas import check_quotas
 from mpress.static.schedules import one_f_one_b
 from tests.support.d2d_replay import replay
+from tests.support.plans import three_stage_d2d_plan
 
 
 @st.composite
@@ -102,6 +106,25 @@ def test_slot_counts_follow_the_program():
             if a.microbatch % 2:
                 actions.append(Action(0, Kind.DO, a.microbatch, "b"))
     assert unit_slot_counts(actions, 0) == {"a": 4, "b": 2}
+
+
+def test_the_plan_check_refuses_a_quota_below_the_programs_need():
+    """What `evaluate_plan` runs on a finished plan: one line naming the key and the need."""
+    plan = three_stage_d2d_plan()
+    need = [{1: 3 * ALIGNMENT_BYTES, 2: ALIGNMENT_BYTES}, {}, {}]
+    quotas = {1: 3 * ALIGNMENT_BYTES, 2: ALIGNMENT_BYTES}
+    fits = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], peer_quotas=[
+        PeerQuota(device=d, quota_bytes=b) for d, b in quotas.items()]), *plan.stages[1:]])
+    check_quotas(fits, need)  # accepted: exactly the need
+    short = dataclasses.replace(fits, stages=[dataclasses.replace(fits.stages[0], peer_quotas=[
+        PeerQuota(device=1, quota_bytes=2 * ALIGNMENT_BYTES), PeerQuota(device=2, quota_bytes=ALIGNMENT_BYTES)]),
+        *fits.stages[1:]])
+    with pytest.raises(PlanError, match=r"^plan: stages\[0\]\.peer_quotas\[0\]\.quota_bytes: 1024 bytes on device 1, "
+                                        r"the program's D2D slots there need 1536"):
+        check_quotas(short, need)
+    with pytest.raises(PlanError, match=r"stages\[0\]\.peer_quotas: .* device 2 and the stage has no quota there"):
+        check_quotas(dataclasses.replace(fits, stages=[dataclasses.replace(fits.stages[0], peer_quotas=[
+            PeerQuota(device=1, quota_bytes=3 * ALIGNMENT_BYTES)]), *fits.stages[1:]]), need)
 
 
 def _bench():

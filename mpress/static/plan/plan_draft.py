@@ -24,7 +24,7 @@ from mpress.contract.plan import (
 from mpress.static.emulate.host_memory import pinned_bytes
 from mpress.static.memory.stage_memory import WHOLE
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup
-from mpress.static.plan.peer_quotas import with_peer_quotas
+from mpress.static.plan.plan_eval import with_peer_quotas
 from mpress.config.units import ALIGNMENT_BYTES, round_up
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
 

@@ -24,9 +24,9 @@ from mpress.d2d.static.pool_slots import (
     unit_stripes,
 )
 from mpress.errors import PlanError, SwapError
-from mpress.static.plan.peer_quotas import check_quotas
+from mpress.static.plan.plan_eval import check_quotas
 from mpress.static.schedules import one_f_one_b
-from tests.support.d2d_replay import replay
+from tests.support.peers import replay
 from tests.support.plans import three_stage_d2d_plan
 
 

@@ -5,6 +5,7 @@ the allocator carves exactly that need, and a byte less runs out; plus the plan 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import random
@@ -145,11 +146,13 @@ def test_bench_d2d_variant_fits_its_quotas():
     from mpress.launcher.startup import plan_for
     from mpress.runtime.train_config import load_train_config, model_config
     from mpress.static.plan.evaluate import setup_pipeline
+    from mpress.static.plan.plan_draft import peer_quota_bytes
     from mpress.static.plan.plan_eval import evaluate_plan
 
     tcfg = load_train_config("gpt-tiny-mixed")
     cfg = model_config(tcfg)
-    plan = dict(_bench().variants(plan_for(tcfg, cfg, 4, 4).plan, cfg))["mpress, d2d-only (2 peers each)"]
+    variants = dict(_bench().variants(plan_for(tcfg, cfg, 4, 4).plan, cfg))
+    plan = variants["mpress, d2d-only (2 peers each)"]
     hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     setup = setup_pipeline(cfg, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
@@ -165,3 +168,16 @@ def test_bench_d2d_variant_fits_its_quotas():
         for seed in range(3):
             pools = replay(actions, sp.stage, quotas, planned, weights, random.Random(seed))
             assert {d: p.in_use_bytes for d, p in pools.pools.items()} == quotas
+    # before: first fit in quotas of half the host variant's pinned pool (with the
+    # planner's old slack), larger than the slots need, ran out as the bench did
+    stage0 = plan.stages[0]
+    old = peer_quota_bytes(variants["mpress, host-swap-only"].stages[0].pinned_host_bytes / 2)
+    assert old > max(q.quota_bytes for q in stage0.peer_quotas)
+    failures = []
+    for seed in range(10):
+        with contextlib.suppress(SwapError):
+            replay(plan.program(0), 0, {q.device: old for q in stage0.peer_quotas}, planned, weights,
+                   random.Random(seed), laid_out=False)
+            continue
+        failures.append(seed)
+    assert failures, "first fit no longer fragments: the regression shows nothing"

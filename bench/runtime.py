@@ -15,8 +15,9 @@ In one run, on the same process group, one after the other:
 Every variant but the last is a plan written here (rules only), so each gets the program
 its rules make, as `mpress plan` would write it (the static rewriter's action lists),
 and pools sized for that program: pinned pools for what it holds at once, D2D quotas
-for half of that per peer (the planner's quota slack on top); the plan's pinned figure
-includes its fragmentation headroom (`mpress.static.emulate.host_memory`). Jobs are started as the launcher starts them
+and peer pools for the slots its D2D units take (`mpress.d2d.static.pool_slots`, the
+layout the runtime's quotas allocate by); the plan's pinned figure includes its
+fragmentation headroom (`mpress.static.emulate.host_memory`). Jobs are started as the launcher starts them
 (`start_job`: peer pools first when a plan uses them).
 The variants run in interleaved rounds of a few steps each, so load drift on the machine
 hits them alike. Per variant: median step time, its ratio to plain, and the largest
@@ -51,12 +52,11 @@ from mpress.hardware.server import load_hardware
 from mpress.launcher.job import start_job
 from mpress.config.model_config import ModelConfig
 from mpress.models import layer_names
-from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule
+from mpress.contract.plan import Plan, StagePlan, Stripe, TensorRule
 from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec
 from mpress.static.plan.evaluate import setup_pipeline
-from mpress.static.plan.plan_draft import peer_quota_bytes
 from mpress.static.plan.plan_eval import complete_plan
 
 WORLD = 4
@@ -66,8 +66,8 @@ STEPS_PER_ROUND = 4
 def with_program(plan: Plan, model: ModelConfig) -> Plan:
     """`plan` (rules written by hand) with the program its rules make for `model` on the
     plan's hardware and its pinned pools sized for that program, as `plan_for` completes
-    a plan file without a program (`complete_plan`). Peer pools and quotas are left as
-    `plan` gives them."""
+    a plan file without a program (`complete_plan`), with the D2D quotas and peer pools
+    that program needs where `plan` gives none."""
     hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
@@ -92,8 +92,9 @@ def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:
         the runtime refuses a host rule without a pinned pool, even one that moves nothing."""
         moved = {a.stage for r in range(variant.num_ranks) for a in variant.program(r)
                  if a.kind in (Kind.SO, Kind.DO)}
-        return with_program(replace(variant, actions=[], stages=[
-            sp if sp.stage in moved else replace(sp, rules=[]) for sp in variant.stages]), cfg)
+        return with_program(replace(variant, actions=[], stages=[  # D2D quotas and pools made again
+            replace(sp if sp.stage in moved else replace(sp, rules=[]), peer_quotas=[], peer_pool_bytes=0)
+            for sp in variant.stages]), cfg)
 
     keep = written(lambda sp: [])
     routed = written(lambda sp: [TensorRule(tensor="*", technique="keep")])
@@ -104,16 +105,6 @@ def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:
     peers = {sp.stage: [(sp.device + k) % n for k in (1, 2)] for sp in plan.stages}
     d2d = swapping(written(lambda sp: [TensorRule(tensor="*", technique="d2d", stripes=[
         Stripe(device=d, fraction=0.5) for d in peers[sp.stage]])]))
-    peers = {sp.stage: peers[sp.stage] for sp in d2d.stages if sp.rules}
-    # D2D units are the host variant's, striped half to each peer: a stage's quota on a
-    # peer is half what host swap pins at once (each tensor block-aligned) with the
-    # headroom, plus the planner's slack for stripe rounding; a device's pool holds its
-    # exporters' quotas
-    quota = {sp.stage: peer_quota_bytes(sp.pinned_host_bytes / 2) for sp in host.stages}
-    d2d = replace(d2d, stages=[
-        replace(sp, peer_quotas=[PeerQuota(device=d, quota_bytes=quota[sp.stage]) for d in peers.get(sp.stage, [])],
-                peer_pool_bytes=sum(quota[e] for e, ds in peers.items() if sp.device in ds))
-        for sp in d2d.stages])
     return [("plain pipelining", None), ("mpress, keep-all plan", keep),
             ("mpress, keep rule (every tensor routed)", routed), ("mpress, recompute-only", recompute),
             ("mpress, host-swap-only", host), ("mpress, d2d-only (2 peers each)", d2d),

@@ -1,5 +1,6 @@
 """Stand-ins for CUDA's runtime on a machine without a GPU: what the pinned pools register
-(`FakeCudart`) and the events the host step waits on (`FakeEvent`), so CPU tests can take
+(`FakeCudart`), the events the host step and the swap copies record (`FakeEvent`) and the
+compute stream a release point orders after them (`FakeStream`), so CPU tests can take
 the code paths a GPU run takes and check what they ask of CUDA."""
 
 from __future__ import annotations
@@ -42,6 +43,23 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         pass
+
+    def elapsed_time(self, _end) -> float:
+        return 0.0
+
+
+class FakeStream:
+    """torch.cuda.current_stream() on a machine without CUDA: records each event it was
+    told to wait on (`waited`), and what `on_wait` returns at that moment (`seen`)."""
+
+    def __init__(self, on_wait=lambda: None) -> None:
+        self.waited: list = []
+        self.seen: list = []
+        self.on_wait = on_wait
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+        self.seen.append(self.on_wait())
 
 
 def as_if_cuda(monkeypatch, cudart: FakeCudart) -> None:

@@ -5,8 +5,9 @@ peer_pool_bytes`, the importer) allocates it in one piece and exports it (`trans
 CUDA IPC on GPUs, shared memory on CPU); the handles go to every rank in one
 `all_gather_object`; each exporter stage opens the pools its stripes go to (on CUDA
 after checking `can_device_access_peer`; torch enables peer access when the first copy
-runs) and keeps, per pool, a `QuotaPool`: a `BlockPool` over its own slice of the pool
-(its quota, `pool_layout.py`). From then on the importer takes no part: exporters carve
+runs) and keeps, per pool, a `QuotaPool` over its own slice of the pool (its quota,
+`pool_layout.py`), laid out in per-unit slot regions as the plan's program says
+(`slot_pool.py`, `d2d/static/pool_slots.py`), so it cannot fragment. From then on the importer takes no part: exporters carve
 their quota and copy stripes with one-sided copies on their own streams (`PeerStore`).
 
 The rank holding a pool never opens its own export: an idle GPU's pool (a lender no
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -33,9 +35,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpress.config.vocabulary import Technique
+from mpress.contract.plan import Plan
 from mpress.d2d.runtime.liveness import ProcessId
 from mpress.d2d.runtime.peer_store import PeerStore
-from mpress.d2d.runtime.pool_layout import Quota, exporter_peers, plan_quotas, pool_holders
+from mpress.d2d.runtime.pool_layout import (
+    Quota,
+    exporter_peers,
+    plan_quotas,
+    pool_holders,
+)
+from mpress.d2d.runtime.slot_pool import SlotPool
 from mpress.d2d.runtime.transport import (
     PoolTransport,
     attach_shared_memory,
@@ -43,23 +53,23 @@ from mpress.d2d.runtime.transport import (
     make_transport,
     release_segments,
 )
+from mpress.d2d.static.pool_slots import unit_slot_counts
 from mpress.errors import PlanError, SwapError, TopologyError
-from mpress.contract.plan import Plan
-from mpress.runtime.memory.block_pool import Block, BlockPool
-from mpress.config.units import ALIGNMENT_BYTES
-from mpress.config.vocabulary import Technique
+from mpress.runtime.memory.block_pool import Block
 
 _LEDGER_FIELDS = 3  # per quota: bytes in use (aligned blocks), high-water mark, tensor bytes held
 
 
 # ---- the ledger and an exporter's quota ----------------------------------------------------
 
-class QuotaPool(BlockPool):
-    """An exporter's quota of a peer pool: blocks carved locally, use published in the
-    pool's ledger so the importer sees it."""
+class QuotaPool(SlotPool):
+    """An exporter's quota of a peer pool: slots of its units' regions (`slot_pool.py`,
+    sized by the program's `counts`), use published in the pool's ledger so the importer
+    sees it."""
 
-    def __init__(self, buffer: torch.Tensor, *, quota: Quota, ledger: torch.Tensor, slot: int) -> None:
-        super().__init__(buffer, alignment_bytes=ALIGNMENT_BYTES,
+    def __init__(self, buffer: torch.Tensor, *, quota: Quota, ledger: torch.Tensor, slot: int,
+                 counts: Mapping[str, int] | None = None) -> None:
+        super().__init__(buffer, counts=counts,
                          name=f"peer pool quota of stage {quota.stage} on device {quota.device}")
         self.quota = quota
         self.ledger_counters = ledger
@@ -74,6 +84,11 @@ class QuotaPool(BlockPool):
         self._publish(block.nbytes)
         return block
 
+    def allocate_slot(self, unit: str, nbytes: int, owner: str) -> Block:
+        block = super().allocate_slot(unit, nbytes, owner)
+        self._publish(block.nbytes)
+        return block
+
     def free(self, block: Block) -> None:
         super().free(block)
         self._publish(-block.nbytes)
@@ -81,8 +96,8 @@ class QuotaPool(BlockPool):
     def _publish(self, data_delta: int) -> None:
         with self._ledger_lock:  # the out worker allocates while the in worker frees
             self._data_bytes += data_delta
-            self.ledger_slot[0] = self.in_use_bytes
-            self.ledger_slot[1] = self.high_water_bytes
+            self.ledger_slot[0] = self.used_bytes
+            self.ledger_slot[1] = self.used_high_water_bytes
             self.ledger_slot[2] = self._data_bytes
 
 
@@ -316,7 +331,9 @@ def _open_quotas(infos: list[_RankInfo], stage_ids: list[int], device: torch.dev
             buffer, counters = buffers[peer]
             slot, quota = next((i, q) for i, q in enumerate(export.quotas) if q.stage == stage)
             view = buffer[quota.offset_bytes:quota.offset_bytes + quota.nbytes]
-            opened[(stage, peer)] = QuotaPool(view, quota=quota, ledger=counters, slot=slot)
+            counts = unit_slot_counts(plan.program(plan.rank_of_stage(stage)), stage) if plan.actions else None
+            opened[(stage, peer)] = QuotaPool(view, quota=quota, ledger=counters, slot=slot,
+                                              counts=counts)
     return opened
 
 

@@ -30,7 +30,9 @@ from typing import Protocol
 
 import torch
 
+from mpress.d2d.runtime.slot_pool import SlotPool
 from mpress.d2d.runtime.stripe_table import StripeState, StripeTable
+from mpress.d2d.static.pool_slots import unit_stripes
 from mpress.d2d.static.striping import DEFAULT_MIN_STRIPE_BYTES, StripeSpreader
 from mpress.errors import SwapError
 from mpress.runtime.memory.block_pool import BlockPool
@@ -47,7 +49,6 @@ from mpress.runtime.swap.store import (
     issue_copies,
     segments,
 )
-
 
 
 class PoolQuotas(Protocol):
@@ -118,16 +119,24 @@ class PeerStore(SwapStore):
 
     # ---- SwapStore ---------------------------------------------------------------------
 
-    def reserve(self, owner: str, nbytes: int, weights: Weights | None = None) -> Placement:
-        spreader = self.spreader(weights or self.default_weights)
-        stripes = spreader.split(nbytes)
+    def reserve(self, owner: str, nbytes: int, weights: Weights | None = None, unit: str | None = None) -> Placement:
+        """Stripes of `nbytes` in this stage's quotas. With `unit` and quotas laid out by the
+        program (`SlotPool`), each stripe takes a slot of the unit's region (`pool_slots.
+        unit_stripes`: a fixed split); otherwise (no program) the spreader decides and
+        blocks are carved first fit."""
+        weights = weights or self.default_weights
+        spreader = self.spreader(weights)
+        slotted = unit is not None and all(getattr(self.pools.quota(self.stage, p), "laid_out", False)
+                                               for p, _ in weights)
+        stripes = unit_stripes(nbytes, weights) if slotted else spreader.split(nbytes)
         slots: list[Slot] = []
         offset = 0
         try:
             for peer, _ in stripes:
                 self.pools.check_peer(peer)
             for peer, size in stripes:
-                block = self.pools.quota(self.stage, peer).allocate(size, owner)
+                quota = self.pools.quota(self.stage, peer)
+                block = quota.allocate_slot(unit, size, owner) if slotted else quota.allocate(size, owner)  # type: ignore[attr-defined]
                 slots.append(Slot(peer, block, offset, size))
                 offset += size
             placement = Placement(tuple(slots), entry_id=next(self._ids))
@@ -135,9 +144,16 @@ class PeerStore(SwapStore):
         except SwapError:
             for slot in slots:
                 slot.block.pool.free(slot.block)
-            spreader.undo(stripes)
+            if not slotted:
+                spreader.undo(stripes)
             raise
         return placement
+
+    def await_room(self, unit: str, timeout_s: float) -> None:
+        for peer in sorted(self._peers):
+            quota = self.pools.quota(self.stage, peer)
+            if isinstance(quota, SlotPool) and quota.laid_out:
+                quota.wait_slot(unit, timeout_s)
 
     def release(self, placement: Placement) -> None:
         for slot in placement.slots:

@@ -23,11 +23,15 @@ not per tensor.
 
 Ordering is by CUDA events, never by a host-wide synchronisation: the out copy waits on an
 event recorded on the compute stream when `swap_out` was called; the consumer's stream
-waits on the in copy's event. Only the worker threads block on the host (on their own
-copy's event), which is what lets a device tensor's storage go back to the caching
-allocator exactly when its copy completed and a pool block be reused only after the copy
-that read it finished. No store calls `record_stream` on what its copies read or write
-(the engine holds those tensors until it saw the copies complete); `fetch_group` records
+waits on the in copy's event; at a release point (`wait_outs`, with
+`hold_until_release`) the compute stream waits on the out copies' events before the
+sources are let go, so the host never waits for the GPU there. Only the worker threads
+block on the host (on their own copy's event), which is what lets a device tensor's
+storage go back to the caching allocator when its copy completed (without
+`hold_until_release`) and a pool block be reused only after the copy that read it
+finished. No store calls `record_stream` on what its copies read or write (the engine
+holds those tensors until the copies completed or the compute stream was ordered after
+them); `fetch_group` records
 the consumer's stream on what it hands over, in case that is not the stream `prefetch`
 allocated on.
 On CPU there are no streams or events: the same code runs with synchronous copies and the
@@ -165,6 +169,7 @@ class SwapEngine(EngineWorkers):
         what one layer saves under one rule). Host work is per group, not per tensor."""
         self.check()
         self._reap_dropped()  # frees their blocks and keys before this one needs them
+        self.store.await_room(key.tensor, self.timeout_s)  # a swap-in completing frees it: not under the lock
         layouts: list[Layout] = []
         sources: list[torch.Tensor] = []
         device, strided, source_of = self.device, torch.strided, Layout.source
@@ -186,7 +191,7 @@ class SwapEngine(EngineWorkers):
                 owned = self._claim_key(key, nbytes, category)
                 record = SwapRecord(key, [name for name, _t in tensors], layouts, sources, None, owned)  # type: ignore[arg-type]
                 try:
-                    record.placement = self.store.reserve(str(key), record.span_bytes, weights)
+                    record.placement = self.store.reserve(str(key), record.span_bytes, weights, key.tensor)
                     record.out_batch = self.store.pair(record.placement, record.pieces(sources))
                 except Exception as exc:
                     if owned:
@@ -288,21 +293,34 @@ class SwapEngine(EngineWorkers):
         return tensors
 
     def wait_outs(self) -> None:
-        """Block until every swap-out issued so far has completed, and give up its device
-        storage: a release point of the rank's program. At most `timeout_s`."""
+        """Give up the device storage of every swap-out issued so far: a release point of
+        the rank's program. The host waits only until each copy is enqueued (the issuer
+        never waits for the GPU; at most `timeout_s`); on CUDA the current (compute)
+        stream then waits on each copy's event, and only after that are the sources let
+        go. The caching allocator reuses a freed block only for work on the stream that
+        allocated it, the compute stream, which is now ordered after the copies that read
+        it: the memory is safe without draining the GPU's queue (and without
+        `record_stream`). On CPU a copy is done when it is enqueued."""
         with self._lock:
             records = list(self._outs)
         deadline = time.perf_counter() + self.timeout_s
         for record in records:
-            while not record.out_done.wait(POLL_S):
+            while not record.out_issued.wait(POLL_S):
                 self.check()
                 if time.perf_counter() >= deadline:
                     raise SwapError(f"timed out after {self.timeout_s:g} s waiting for the swap-out of "
-                                    f"{record.describe()} (state {record.state.value})")
+                                    f"{record.describe()} to be issued (state {record.state.value})")
+        self.check()
+        events = [e for record in records for e in record.out_events]
+        if events:
+            stream = torch.cuda.current_stream(self.device)
+            for event in events:
+                stream.wait_event(event)
         with self._lock:
             for record in records:  # held until now (`hold_until_release`): the storage goes here
                 self._check_versions(record)
                 record.src = None
+                record.out_batch = None  # (it holds the sources too)
             self._outs.difference_update(records)
         self.check()
 
@@ -421,6 +439,7 @@ class SwapEngine(EngineWorkers):
                 self._error = error
             self._outs.discard(record)
             record.out_done.set()
+            record.out_issued.set()
             record.in_ready.set()
 
     def _cancel(self, record: SwapRecord, reason: str) -> None:
@@ -432,6 +451,7 @@ class SwapEngine(EngineWorkers):
         self._forget_owned(record)
         self._outs.discard(record)
         record.out_done.set()
+        record.out_issued.set()
         record.in_ready.set()
 
     def _release_block(self, record: SwapRecord) -> None:

@@ -75,6 +75,8 @@ class SwapRecord:
         self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
         self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies
         self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
+        self.out_issued = threading.Event()  # out copy enqueued, `out_events` recorded (CPU: done; or failed/cancelled)
+        self.out_events: list[torch.cuda.Event] = []  # out streams, after the out copies
         self.in_ready = threading.Event()    # in copy enqueued (or failed/cancelled)
         self.in_requested = False
         self.copy_started_s = 0.0            # when a worker issued its latest copy (traces)

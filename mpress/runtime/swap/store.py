@@ -170,9 +170,16 @@ class SwapStore(abc.ABC):
         self.cuda = device.type == "cuda"
 
     @abc.abstractmethod
-    def reserve(self, owner: str, nbytes: int, weights: Any = None) -> Placement:
+    def reserve(self, owner: str, nbytes: int, weights: Any = None, unit: str | None = None) -> Placement:
         """Room for `nbytes`; raises SwapError naming `owner` when there is none.
-        `weights`: how to spread it (D2D stripe weights; the host store ignores it)."""
+        `weights`: how to spread it (D2D stripe weights; the host store ignores it).
+        `unit`: the program's name of what is swapped (its size class in a store that
+        allocates by the program, `PeerStore`; the host store ignores it)."""
+
+    def await_room(self, unit: str, timeout_s: float) -> None:  # noqa: B027 - most stores never wait
+        """Wait (without the engine's lock) until a `reserve` for `unit` can find room that
+        is only held by swaps whose release needs no help from the training thread (a
+        swap-in completing); at most `timeout_s`, then `reserve` says what is short."""
 
     @abc.abstractmethod
     def release(self, placement: Placement) -> None:
@@ -228,7 +235,7 @@ class HostStore(SwapStore):
         op per tensor per swap, not per copy. Dict operations only (atomic): `release`
         runs on worker threads."""
 
-    def reserve(self, owner: str, nbytes: int, weights: Any = None) -> Placement:
+    def reserve(self, owner: str, nbytes: int, weights: Any = None, unit: str | None = None) -> Placement:
         return Placement((Slot(None, self.pool.allocate(nbytes, owner=owner), 0, nbytes),))
 
     def release(self, placement: Placement) -> None:

@@ -96,10 +96,14 @@ class EngineWorkers:
             if self._fault is not None:
                 self._fault(record.key, "out")
             with traced("mpress:swap_out_copy"):
-                return self.store.copy_out(record.placement, record.out_batch, record.ready_event)
+                copies = self.store.copy_out(record.placement, record.out_batch, record.ready_event)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self._fail(record, "swap-out", exc)
             return None
+        with self._lock:  # the release point may now order the compute stream after these copies
+            record.out_events = [c.done for c in copies if c.done is not None]
+            record.out_issued.set()
+        return copies
 
     def _finish_out(self, record: SwapRecord, copies: list) -> None:
         """Wait for `record`'s out copies, then free its device storage (drop `src`)."""

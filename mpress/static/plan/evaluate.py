@@ -58,6 +58,9 @@ class Evaluation:
     result: EmulatorResult
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     """What the memory actions of `schedule` move (the rewriter's)."""
+    peer_quotas: list[dict[int, int]] = field(default_factory=list)
+    """Per stage, per peer device: the quota its D2D data needs under `schedule`
+    (`mpress.d2d.static.pool_slots.quota_need`, what the runtime's quotas allocate by)."""
 
 
 def setup_pipeline(model: ModelConfig, hardware: Hardware, *, schedule: ScheduleName, num_stages: int,

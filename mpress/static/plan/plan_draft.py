@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from mpress.contract.actions import format_actions
 from mpress.hardware.server import Hardware
 from mpress.contract.plan import (
-    PeerQuota,
     Plan,
     StagePlan,
     Stripe,
@@ -25,6 +24,7 @@ from mpress.contract.plan import (
 from mpress.static.emulate.host_memory import pinned_bytes
 from mpress.static.memory.stage_memory import WHOLE
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup
+from mpress.static.plan.plan_eval import with_peer_quotas
 from mpress.config.units import ALIGNMENT_BYTES, round_up
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
 
@@ -125,10 +125,12 @@ class PlanWriter:
             stages.append(StagePlan(
                 stage=s, device=d.stage_to_device[s], first_layer=c.first_layer, end_layer=c.end_layer,
                 rules=rules, pinned_host_bytes=pinned[s],
-                peer_pool_bytes=sum(b for dev, b in d.pool_bytes.items() if dev == d.stage_to_device[s]),
-                peer_quotas=[PeerQuota(device=dev, quota_bytes=b) for dev, b in (d.quotas[s] if d.quotas else ())],
                 need_bytes=self.setup.memory[s].total_bytes, predicted_peak_bytes=peak,
             ))
+        if predicted is not None and any(predicted.peer_quotas):
+            # the quotas the program's D2D slots need (a draft carries none: its evaluation
+            # charges the lenders those same pools, `plan_eval.evaluate_plan`)
+            stages = with_peer_quotas(stages, predicted.peer_quotas)
         return Plan(
             strategy=self.strategy, model=self.setup.model.name, model_fingerprint=self.setup.model.fingerprint(),
             dtype=self.setup.profile.dtype, profile_fingerprint=profile_fingerprint(self.setup), hardware=self.hw.name,

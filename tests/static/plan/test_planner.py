@@ -14,7 +14,7 @@ from mpress.contract.plan import TensorRule
 from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.memory.model import memory_model
 from mpress.static.memory.stage_costs import stage_costs
-from mpress.static.plan.plan_draft import peer_quota_bytes
+from mpress.config.units import ALIGNMENT_BYTES, round_up
 from mpress.static.plan.plan_eval import check_plan_for_setup, evaluate_plan
 from mpress.static.plan.planner import (
     PlannerOptions,
@@ -135,9 +135,11 @@ def test_short_lived_expensive_tensor_gets_d2d():
     assert [technique(r.plan, 0, "x.op#0", m) for m in range(4)] == ["d2d"] * 4
     lender = r.plan.stage_to_device[1]
     assert r.peers[0] == [lender]
-    # 4 in flight x 0.75 GB, plus the quota's slack for the runtime's stripe alignment
-    assert r.plan.stages[1].peer_pool_bytes == peer_quota_bytes(3 * GB)
-    assert [(q.device, q.quota_bytes) for q in r.plan.stages[0].peer_quotas] == [(lender, peer_quota_bytes(3 * GB))]
+    # 4 in flight: four slots of x's 0.75 GB unit (rounded up to the pools' alignment),
+    # what the runtime's quota carves for them
+    slots = 4 * round_up(int(0.75 * GB), ALIGNMENT_BYTES)
+    assert r.plan.stages[1].peer_pool_bytes == slots
+    assert [(q.device, q.quota_bytes) for q in r.plan.stages[0].peer_quotas] == [(lender, slots)]
     rec = plan_strategy(setup, "recompute")
     assert rec.fits and r.evaluation.result.iteration_s < rec.evaluation.result.iteration_s
 

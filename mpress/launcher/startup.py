@@ -127,10 +127,8 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
     source = cfg.plan
     plan = Plan.load(source)
     _check_job(plan, cfg, model, num_stages, world, source=source)
-    try:
-        hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
-    except UserError as exc:
-        raise refusal(source, "hardware", str(exc)) from None
+    hardware = job_hardware(cfg, plan)
+    check_plan(plan, source=source, hardware=hardware)  # the job's hardware, before anything is laid out on it
     if cuda:
         check_topology(hardware)
     profile = profile_for(cfg, model, hardware)
@@ -139,6 +137,22 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
                    ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
     check_plan_for_setup(plan, setup, source=source)
     return plan, setup
+
+
+def job_hardware(cfg: TrainConfig, plan: Plan) -> Hardware:
+    """The hardware a job under the plan file `plan` runs on: the config's `hardware`
+    (the CPU ranks' stand-in, or the GPUs' preset) with the plan's device count and the
+    config's `device_memory` (the plan's where the config gives none); with `hardware:
+    detect`, the plan's own (the GPUs' topology is checked against it, `check_topology`).
+    A one-line `PlanError` naming the plan's `hardware` when the config's cannot take
+    the plan's device count; the plan check compares the rest (`hardware_fingerprint`)."""
+    name = plan.hardware if cfg.hardware == HARDWARE_DETECT else cfg.hardware
+    memory = cfg.device_memory_bytes if cfg.hardware != HARDWARE_DETECT and cfg.device_memory_bytes else None
+    try:
+        return load_hardware(name, num_devices=plan.num_devices, memory_bytes=memory or plan.device_memory_bytes)
+    except UserError as exc:
+        raise refusal(cfg.plan, "hardware", f"made for {plan.hardware!r} ({plan.num_devices} devices); this job's "
+                                            f"hardware is {cfg.hardware!r} (the config's hardware): {exc}") from None
 
 
 def profile_for(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware) -> Profile:

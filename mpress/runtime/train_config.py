@@ -188,8 +188,8 @@ class TrainConfig:
     """With `plan: auto`: the planner strategy (mpress = the cheapest technique per tensor,
     D2D rounds included; the others use one technique only)."""
     hardware: str = "cpu-local"
-    """Hardware preset or YAML that `plan: auto` plans for; `detect` = the GPUs of this
-    machine as pynvml reports them. On CUDA the detected topology must match a named
+    """Hardware preset or YAML that `plan: auto` plans for, and that a plan file must have
+    been made for; `detect` = the GPUs of this machine as pynvml reports them. On CUDA the detected topology must match a named
     preset's, or training does not start."""
     device_memory: str | None = None
     """The per-device memory, e.g. "3MB" (GB = 1e9): what `plan: auto` plans for (instead of

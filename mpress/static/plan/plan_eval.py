@@ -13,6 +13,7 @@ from mpress.contract.plan import Plan
 from mpress.contract.plan_check import Shape, check_plan
 from mpress.static.emulate.emulator import emulate
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup
+from mpress.static.plan.plan_draft import profile_fingerprint
 from mpress.static.emulate.host_memory import pinned_bytes
 from mpress.static.emulate.lowering import build_program, late_frees, lower_rank_traced, rank_static_bytes
 from mpress.static.memory.model import memory_model
@@ -95,10 +96,23 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     """`plan` with what a plan written by hand leaves out, and its evaluation: the program
     its rules make on `setup` (`actions`, checked against the carried one when there is
     one), each stage's pinned pool sized for that program where it gives none, and each
-    stage's predicted peak (its device's emulated peak) where it gives none."""
+    stage's predicted peak (its device's emulated peak) where it gives none.
+
+    A peak the plan gives must be the one its program has here, as the planner emulated
+    it (`PlanError` naming `stages[S].predicted_peak_bytes` otherwise): a plan made from
+    this profile (its `profile_fingerprint` is the setup's) states figures that follow
+    from its content, and an edited one no longer does. A plan made from another profile
+    (a measured one) keeps its peaks: this profile cannot recompute them."""
     ev = evaluate_plan(setup, plan)
     pinned = pinned_bytes(ev.schedule, ev.tensors)
     peaks = ev.result.peak_bytes
+    if plan.profile_fingerprint == profile_fingerprint(setup):
+        for sp in plan.stages:
+            if sp.predicted_peak_bytes and sp.predicted_peak_bytes != peaks[sp.device]:
+                raise PlanError(f"stages[{sp.stage}].predicted_peak_bytes: {sp.predicted_peak_bytes} in the plan, but "
+                                f"its program peaks at {peaks[sp.device]} bytes on device {sp.device} (the planner's "
+                                "emulation of this plan's rules on its profile); plan again, or drop the key to "
+                                "re-derive it")
     stages = [replace(sp, pinned_host_bytes=sp.pinned_host_bytes or pinned[sp.stage],
                       predicted_peak_bytes=sp.predicted_peak_bytes or peaks[sp.device]) for sp in plan.stages]
     actions = plan.actions or [format_actions(list(r)) for r in ev.schedule.ranks]

@@ -189,12 +189,13 @@ class TrainConfig:
     D2D rounds included; the others use one technique only)."""
     hardware: str = "cpu-local"
     """Hardware preset or YAML that `plan: auto` plans for, and that a plan file must have
-    been made for; `detect` = the GPUs of this machine as pynvml reports them. On CUDA the detected topology must match a named
-    preset's, or training does not start."""
-    device_memory: str | None = None
-    """The per-device memory, e.g. "3MB" (GB = 1e9): what `plan: auto` plans for (instead of
-    the preset's) and, on CPU runs with any plan (`none` included), the capacity of each
-    rank's stand-in device: live bytes over it stop the run with an out-of-memory error."""
+    been made for; `detect` = the GPUs of this machine as pynvml reports them. On CUDA the
+    detected topology must match a named preset's, or training does not start."""
+    device_memory: str | int | None = None
+    """The per-device memory, e.g. "3MB" (GB = 1e9) or a plain number of bytes (3000000):
+    what `plan: auto` plans for (instead of the preset's) and, on CPU runs with any plan
+    (`none` included), the capacity of each rank's stand-in device: live bytes over it
+    stop the run with an out-of-memory error."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto = nccl where CUDA is available, else gloo."""
     seed: int = field(default=0, metadata={"min": 0, "max": MAX_SEED})

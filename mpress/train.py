@@ -46,6 +46,7 @@ from mpress.launcher.control import (
     root_cause,
     root_kind,
     single_process_env,
+    rank_from_env,
 )
 from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
 from mpress.launcher.evaluate import eval_batch_count, evaluate
@@ -315,8 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="training config: configs/train/<name>.yaml or a name")
     args, rest = parser.parse_known_args(argv)
+    try:
+        rank = rank_from_env()
+    except UserError as exc:  # every process says it: none knows its rank for sure
+        say_line(f"mpress.train: error: {exc}")
+        return 2
     single_process_env()
-    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = load_train_config(args.config, parse_override_args(rest, args.config))
         check_checkpoint_dir(cfg)  # before any training: a bad directory or another run's checkpoint

@@ -30,7 +30,7 @@ from mpress.static.profile.fake_profile import fake_profile
 from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile.profile import Profile
 from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
-from mpress.config.units import MAX_BYTES
+from mpress.config.units import MAX_BYTES, fmt_bytes
 from mpress.config.vocabulary import ScheduleName
 
 
@@ -140,16 +140,24 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
 
 
 def job_hardware(cfg: TrainConfig, plan: Plan) -> Hardware:
-    """The hardware a job under the plan file `plan` runs on: the config's `hardware`
-    (the CPU ranks' stand-in, or the GPUs' preset) with the plan's device count and the
-    config's `device_memory` (the plan's where the config gives none); with `hardware:
-    detect`, the plan's own (the GPUs' topology is checked against it, `check_topology`).
-    A one-line `PlanError` naming the plan's `hardware` when the config's cannot take
-    the plan's device count; the plan check compares the rest (`hardware_fingerprint`)."""
+    """The hardware a job under the plan file `plan` runs on, as the plan must describe
+    it: the config's `hardware` (the CPU ranks' stand-in, or the GPUs' preset) with the
+    plan's device count and memory; with `hardware: detect`, the plan's own (the GPUs'
+    topology is checked against it, `check_topology`). The plan check compares the rest
+    (`hardware_fingerprint`).
+
+    The config's `device_memory` (on CPU, each rank's capacity) may exceed the plan's (a
+    plan that fits less memory fits more: room for what the memory model leaves out),
+    never fall short of it. A one-line `PlanError` naming the plan's key otherwise, or
+    when the config's hardware cannot take the plan's device count."""
+    if cfg.device_memory_bytes is not None and cfg.device_memory_bytes < plan.device_memory_bytes:
+        raise refusal(cfg.plan, "device_memory_bytes",
+                      f"made for {fmt_bytes(plan.device_memory_bytes)} per device; this job's devices have "
+                      f"{fmt_bytes(cfg.device_memory_bytes)} (the config's device_memory): give at least the plan's, "
+                      "or plan again for them")
     name = plan.hardware if cfg.hardware == HARDWARE_DETECT else cfg.hardware
-    memory = cfg.device_memory_bytes if cfg.hardware != HARDWARE_DETECT and cfg.device_memory_bytes else None
     try:
-        return load_hardware(name, num_devices=plan.num_devices, memory_bytes=memory or plan.device_memory_bytes)
+        return load_hardware(name, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     except UserError as exc:
         raise refusal(cfg.plan, "hardware", f"made for {plan.hardware!r} ({plan.num_devices} devices); this job's "
                                             f"hardware is {cfg.hardware!r} (the config's hardware): {exc}") from None

@@ -66,6 +66,10 @@ CASES = [
          ("--out", "plan.txt: unknown format '.txt'; give a name ending in .yaml, .yml, .json")),
     Case("config-a-directory", ("train", "--config", "{d}/cfg.yaml"), {}, ("cfg.yaml: is a directory, not a file",),
          mkdirs=("cfg.yaml",)),
+    Case("plan-a-directory", TRAIN, {"train.yaml": ONE_STAGE + "plan: plans\n"},
+         ("train.yaml: plan:", "plans is a directory, not a file"), mkdirs=("plans",)),
+    Case("token-file-a-directory", TRAIN, {"train.yaml": ONE_STAGE + "data: {kind: file, path: tokens}\n"},
+         ("train.yaml: data.path:", "tokens is a directory, not a file"), mkdirs=("tokens",)),
     Case("emulate-a-directory", ("emulate", "{d}/plans"), {}, ("plans: is a directory, not a file",),
          mkdirs=("plans",)),
 ]
@@ -80,11 +84,13 @@ def test_refused_in_one_line_before_anything_starts(case, tmp_path):
     (("train", "--config", "{d}/fifo.yaml"), "fifo.yaml"),
     (("emulate", "{d}/fifo.yaml"), "fifo.yaml"),
     (("plan", "--model", "gpt-tiny", "--out", "{d}/fifo.yaml"), "--out"),
+    (("train", "--config", "{d}/train.yaml", "--nproc-per-node", "1"), "train.yaml: plan:"),
 ])
 def test_a_fifo_is_named_as_such_and_never_opened(tmp_path, argv, where):
     """Opening a FIFO to read or write waits for the other end: the type is read first.
     A real process, so a hang would end in the documented runner's timeout."""
     os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "train.yaml").write_text(ONE_STAGE + "plan: fifo.yaml\n")
     code, _out, err = run_documented([a.replace("{d}", str(tmp_path)) for a in argv], cwd=tmp_path)
     one_line_error(code, err, where, "is a FIFO (named pipe), not a file")
 

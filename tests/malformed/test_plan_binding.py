@@ -121,6 +121,17 @@ def test_an_edited_stage_peak_is_refused_naming_the_stage(plans, tmp_path, stage
                                            f"but its program peaks at {planned} bytes on device {stage}")
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("predicted_iteration_s", 1e-9, "predicted_iteration_s: 1e-09 s in the plan, but its program takes"),
+    ("fits", False, "fits: false in the plan, but its program fits the devices' memory"),
+])
+def test_an_edited_plan_figure_is_refused_naming_it(plans, tmp_path, key, value, words):
+    bad = edited(tmp_path, plans["cpu"], lambda d: d.update({key: value}))
+    with pytest.raises(UserError) as info:
+        start_up(config(tmp_path, bad))
+    assert one_line(info.value).startswith(f"{bad}: {words}")
+
+
 def test_an_edited_program_is_refused_naming_the_rank(plans, tmp_path):
     def swap_first_two(data: dict) -> None:
         actions = data["actions"][1].split()
@@ -146,3 +157,4 @@ def test_every_strategys_plan_trains_with_its_figures_unchanged(tmp_path, strate
     assert start.plan == plan
     assert any(sp.rules for sp in plan.stages) and all(sp.predicted_peak_bytes > 0 for sp in plan.stages)
     assert start.predicted_peak_bytes == [sp.predicted_peak_bytes for sp in plan.stages]
+    assert plan.fits and plan.predicted_iteration_s > 0

@@ -99,7 +99,8 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     stage's predicted peak (its device's emulated peak) where it gives none.
 
     A peak the plan gives must be the one its program has here, as the planner emulated
-    it (`PlanError` naming `stages[S].predicted_peak_bytes` otherwise): a plan made from
+    it (`PlanError` naming `stages[S].predicted_peak_bytes` otherwise), and so must its
+    iteration time and whether it fits (`predicted_iteration_s`, `fits`): a plan made from
     this profile (its `profile_fingerprint` is the setup's) states figures that follow
     from its content, and an edited one no longer does. A plan made from another profile
     (a measured one) keeps its peaks: this profile cannot recompute them."""
@@ -113,6 +114,14 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
                                 f"its program peaks at {peaks[sp.device]} bytes on device {sp.device} (the planner's "
                                 "emulation of this plan's rules on its profile); plan again, or drop the key to "
                                 "re-derive it")
+        if plan.predicted_iteration_s and plan.predicted_iteration_s != ev.result.iteration_s:
+            raise PlanError(f"predicted_iteration_s: {plan.predicted_iteration_s} s in the plan, but its program "
+                            f"takes {ev.result.iteration_s} s (the planner's emulation of this plan's rules on its "
+                            "profile); plan again, or drop the key to re-derive it")
+        if plan.fits != ev.result.fits:
+            raise PlanError(f"fits: {str(plan.fits).lower()} in the plan, but its program "
+                            f"{'fits' if ev.result.fits else 'does not fit'} the devices' memory (the planner's "
+                            "emulation of this plan's rules on its profile); plan again")
     stages = [replace(sp, pinned_host_bytes=sp.pinned_host_bytes or pinned[sp.stage],
                       predicted_peak_bytes=sp.predicted_peak_bytes or peaks[sp.device]) for sp in plan.stages]
     actions = plan.actions or [format_actions(list(r)) for r in ev.schedule.ranks]

@@ -60,12 +60,18 @@ class _Refused(yaml.YAMLError):
 
 class _StrictLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML's spec forbids
-    it; PyYAML keeps the last silently) and documents whose aliases expand past
+    it; PyYAML keeps the last silently), documents of more than `MAX_YAML_NODES` nodes
+    (counted while composing) and documents whose aliases expand past
     `ALIAS_EXPANSION_LIMIT` nodes (checked on the composed node graph, before anything is
     constructed)."""
 
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.nodes = 0
+        """Nodes composed so far: at most `MAX_YAML_NODES`, refused as they come."""
+
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        self.nodes = getattr(self, "nodes", 0) + 1
+        self.nodes += 1
         if self.nodes > MAX_YAML_NODES:
             mark = self.peek_event().start_mark
             raise _Refused(f"line {mark.line + 1}: more than {MAX_YAML_NODES} values in one document; a config, "

@@ -116,8 +116,10 @@ def _main(argv: list[str] | None) -> int:
     except SystemExit as exc:  # bad flags (already reported in one line) or --help
         return int(exc.code or 0)
     args.extra = extra
-    if not getattr(args, "func", None):
-        parser.print_help()
+    if not getattr(args, "func", None):  # a short usage: `--help` has the rest
+        print(f"usage: mpress COMMAND [flags]   (commands: {', '.join(SUBCOMMANDS)})\n"
+              "mpress: error: give a command; `mpress --help` describes each, `mpress COMMAND --help` its flags",
+              file=sys.stderr)
         return 2
     try:
         return int(args.func(args) or 0)

@@ -49,6 +49,7 @@ from mpress.launcher.control import (
     root_cause,
     root_kind,
     single_process_env,
+    rank_from_env,
     start_phase,
 )
 from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
@@ -351,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpress.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="training config: configs/train/<name>.yaml or a name")
     args, rest = parser.parse_known_args(argv)
+    try:
+        rank = rank_from_env()
+    except UserError as exc:  # every process says it: none knows its rank for sure
+        say_line(f"mpress.train: error: {exc}")
+        return 2
     single_process_env()
-    rank = int(os.environ.get("RANK", "0"))
     try:  # watched from here on: a rank that dies or stops during start-up is named by the others
         watch = early_rank_watch(rank=rank, world=int(os.environ.get("WORLD_SIZE", "1")))
     except RuntimeError as exc:  # the launcher's store is not there (DistNetworkError, DistStoreError)

@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              help="strategy whose plan is written (default: %(default)s); all are compared")
     add_flag(p, "swap_in_policy", default=SwapInPolicy.CAPACITY.value,
              help="swap-in policy the plan is emulated with (default: %(default)s)")
-    p.add_argument("--out", type=output_path_arg(), default=None, metavar="FILE",
+    p.add_argument("--out", type=output_path_arg(suffixes=(".yaml", ".yml", ".json")), default=None, metavar="FILE",
                    help="write the plan (YAML, or JSON for .json); without it no plan file is written")
     add_flag(p, "module", default=None, help="plan a user module: profile it first (see `mpress profile --module`)")
     add_flag(p, "layers", default=None)

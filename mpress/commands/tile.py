@@ -91,6 +91,19 @@ def detail_table(plan: TilingPlan, k: int) -> Table:
     return t
 
 
+def _check_tiles_taken(plan: TilingPlan, tiles: int) -> None:
+    """--tiles asks for `tiles` per side of every segment; a segment whose output has fewer
+    rows or columns than that can have no more (the tiler would give it fewer): refused,
+    naming the largest count every segment takes."""
+    short = [(sp, n) for sp in plan.segments for n, d in zip(sp.num_tiles, (2, 3))
+             if d in sp.segment.tile_dims and n < tiles]
+    if short:
+        sp, most = min(short, key=lambda x: x[1])
+        raise UserError(f"--tiles {tiles}: segment {_name(plan, sp.segment.positions[0])}.."
+                        f"{_name(plan, sp.segment.positions[-1])} can be cut into {most} tiles per side at most; "
+                        f"give --tiles {most} or fewer")
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan and print; see the module docstring."""
     import torch
@@ -110,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     shape = (args.microbatch_size, 3, args.image_size, args.image_size)
     graph = from_sequential(net, shape, getattr(torch, args.dtype))
     plan = plan_fixed(graph, (args.tiles, args.tiles)) if args.tiles else plan_for_budget(graph, budget)
+    if args.tiles:
+        _check_tiles_taken(plan, args.tiles)
     console = make_console()
     px = args.image_size
     console.print(f"{args.model} on {args.microbatch_size} x 3 x {px} x {px} {args.dtype}, budget {fmt_bytes(budget)}: "

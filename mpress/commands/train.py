@@ -9,6 +9,7 @@ the ranks and reduces how they ended to one line.
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 import tempfile
@@ -76,6 +77,12 @@ exit status:
 
 presets: {presets}
 """.format(cpu=DEFAULT_CPU_RANKS, presets="{presets}")
+
+
+RANKS_PER_CORE = 4
+"""Ranks one machine may start per CPU core it lets this process use: every rank is a
+process with its own torch (hundreds of MB); four CPU ranks on two cores is a shipped
+example's setup, a thousand would exhaust the machine before any check in a rank ran."""
 
 
 def register(subparsers: Any) -> None:
@@ -150,6 +157,10 @@ def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
 
     if nproc < 1:
         raise UserError(f"--nproc-per-node: must be >= 1, got {nproc}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > RANKS_PER_CORE * cores:  # before anything starts: each rank is a process with its own torch
+        raise UserError(f"--nproc-per-node: {nproc} ranks on this machine's {cores} cores; at most "
+                        f"{RANKS_PER_CORE * cores} ({RANKS_PER_CORE} per core)")
     check_world_size(cfg, nproc * nnodes)
     pp = pipeline_ranks(cfg, nproc * nnodes)
     if nnodes > 1 and nproc % pp:
@@ -215,6 +226,9 @@ def nodes_of(args: argparse.Namespace) -> Nodes | None:
     if args.nnodes == 1:
         if args.node_rank != 0:
             raise UserError(f"--node-rank: {args.node_rank} needs --nnodes > {args.node_rank}")
+        if args.rdzv_endpoint is not None:  # ignored, it would hide a forgotten --nnodes
+            raise UserError(f"--rdzv-endpoint: {args.rdzv_endpoint} joins machines, and --nnodes is 1: give --nnodes "
+                            "N for a job over N machines, or drop --rdzv-endpoint to train on this one")
         return None
     if args.node_rank >= args.nnodes:
         raise UserError(f"--node-rank: must be in 0..{args.nnodes - 1} with --nnodes {args.nnodes}, got {args.node_rank}")

@@ -40,3 +40,11 @@ MAX_IMAGE_SIZE = 2**18
 """Side of a square image in pixels (`mpress tile --image-size`; whole-slide images are 10-20k)."""
 MAX_ITERS = 10_000
 """Warm-up and timed iterations of a measured profile."""
+MAX_FILE_BYTES = 4 * 2**20
+"""Size of a config, plan, profile or HF config.json file read (4 MiB): checked before a
+byte is parsed. A plan for gpt-20.4b on dgx1-v100 with 256 microbatches is 0.27 MB; a
+100 MB file of comments took minutes to scan, a 100 MB list ended in a MemoryError."""
+MAX_YAML_NODES = 100_000
+"""Nodes (scalars, lists, mappings) of one YAML document, counted as it is composed and
+before any value is built: that plan has under a thousand (its programs are strings); a
+4 MB list of a million numbers took over a minute to compose."""

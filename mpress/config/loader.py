@@ -29,6 +29,8 @@ import enum
 import json
 import math
 import os
+import stat
+import tempfile
 import types
 import typing
 from pathlib import Path
@@ -36,6 +38,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
+from mpress.config.limits import MAX_FILE_BYTES, MAX_YAML_NODES
 from mpress.errors import ConfigError, UserError
 
 T = TypeVar("T")
@@ -57,9 +60,23 @@ class _Refused(yaml.YAMLError):
 
 class _StrictLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (YAML's spec forbids
-    it; PyYAML keeps the last silently) and documents whose aliases expand past
+    it; PyYAML keeps the last silently), documents of more than `MAX_YAML_NODES` nodes
+    (counted while composing) and documents whose aliases expand past
     `ALIAS_EXPANSION_LIMIT` nodes (checked on the composed node graph, before anything is
     constructed)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.nodes = 0
+        """Nodes composed so far: at most `MAX_YAML_NODES`, refused as they come."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self.nodes += 1
+        if self.nodes > MAX_YAML_NODES:
+            mark = self.peek_event().start_mark
+            raise _Refused(f"line {mark.line + 1}: more than {MAX_YAML_NODES} values in one document; a config, "
+                           "plan or profile holds far fewer")
+        return super().compose_node(parent, index)
 
     def get_single_node(self) -> yaml.Node | None:
         node = super().get_single_node()
@@ -138,8 +155,9 @@ def load_yaml(path: str | Path) -> Any:
     one-line `UserError` naming the file (and the line where YAML gives one).
     """
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such file")
+    problem = input_file_problem(p)
+    if problem is not None:
+        raise UserError(f"{p}: {problem}")
     fmt = "JSON" if p.suffix == ".json" else "YAML"
     try:
         text = p.read_text()
@@ -155,6 +173,30 @@ def load_yaml(path: str | Path) -> Any:
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{p}: not valid {fmt}: {first}") from None
+
+
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def input_file_problem(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> str | None:
+    """Why `path` cannot be read as an input file (None when it can), from its `stat`
+    alone, so nothing is opened: missing, not a regular file (a directory, a FIFO, whose
+    open would wait for a writer, ...: named as such), or larger than `max_bytes`."""
+    try:
+        st = Path(path).stat()
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+    for test, kind in _NOT_FILES:
+        if test(st.st_mode):
+            return f"is {kind}, not a file"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_size > max_bytes:
+        return f"is {st.st_size} bytes, more than the {max_bytes} ({max_bytes // 2**20} MiB) an input file may have"
+    return None
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -359,26 +401,31 @@ def _join(prefix: str, name: str) -> str:
 OutputKind = Literal["file", "dir", "prefix"]
 
 
-def output_path_problem(path: str | Path, kind: OutputKind = "file") -> str | None:
+def output_path_problem(path: str | Path, kind: OutputKind = "file", suffixes: tuple[str, ...] = ()) -> str | None:
     """Why `path` cannot be written (None when it can), checked before any work.
 
     kind: "file" (written as one file; may exist, must not be a directory), "dir" (a
     directory made if missing; must not be a file), "prefix" (files named `<path>.<x>` are
     written beside it). The writers make missing parent directories, so the nearest
-    existing ancestor must be a directory this process may write into.
+    existing ancestor must be a directory this process can make a file in (tried).
+    suffixes: the names the writer's formats take (".yaml", ...); another is refused.
     """
     text = str(path)
     if not text.strip():
         return "an empty path (give a file name)"
     p = Path(text).expanduser()
+    if suffixes and p.suffix not in suffixes:
+        return f"{p}: unknown format {p.suffix or '(no suffix)'!r}; give a name ending in {', '.join(suffixes)}"
     if kind != "prefix" and p.exists():
         if kind == "file" and p.is_dir():
             return f"{p} is a directory; give a file name"
+        if kind == "file" and not p.is_file():
+            return f"{p} {input_file_problem(p)}; give a regular file's name"
         if kind == "dir" and not p.is_dir():
             return f"{p} is an existing file, not a directory"
         if not os.access(p, os.W_OK):
             return f"{p} is not writable"
-        return None
+        return None if kind == "file" else _probe(p)
     ancestor = p.parent if kind == "prefix" or not p.exists() else p
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
@@ -386,7 +433,17 @@ def output_path_problem(path: str | Path, kind: OutputKind = "file") -> str | No
         return f"cannot write under {ancestor}: it is a file, not a directory"
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"cannot write under {ancestor}: permission denied"
-    return None
+    return _probe(ancestor)
+
+
+def _probe(directory: Path) -> str | None:
+    """Whether a file can be made in `directory`: made and gone at once (an unnamed
+    temporary file). `os.access` says yes to root everywhere, /proc included."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as exc:
+        return f"cannot write under {directory}: making a file there failed ({exc.strerror or exc})"
 
 
 def check_output_path(path: str | Path, source: str, key: str, kind: OutputKind = "file") -> None:
@@ -397,11 +454,11 @@ def check_output_path(path: str | Path, source: str, key: str, kind: OutputKind 
         raise ConfigError(source, key, problem)
 
 
-def output_path_arg(kind: OutputKind = "file") -> "typing.Callable[[str], str]":
+def output_path_arg(kind: OutputKind = "file", suffixes: tuple[str, ...] = ()) -> "typing.Callable[[str], str]":
     """argparse `type=` for an output flag: the path as given, or argparse's one-line
     error (exit status 2) when `output_path_problem` finds a reason it cannot be written."""
     def check(text: str) -> str:
-        problem = output_path_problem(text, kind)
+        problem = output_path_problem(text, kind, suffixes)
         if problem is not None:
             raise argparse.ArgumentTypeError(problem)
         return text

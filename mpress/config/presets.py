@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpress.config.loader import input_file_problem
 from mpress.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -29,8 +30,9 @@ def resolve_config(name_or_path: str | Path, directory: Path, what: str) -> Path
     """Path of a preset name (`directory/<name>.yaml`) or of an existing file."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml", ".json") or p.exists():
-        if not p.is_file():
-            raise UserError(f"{p}: no such file")
+        problem = input_file_problem(p)  # a directory or a FIFO named as such
+        if problem is not None:
+            raise UserError(f"{p}: {problem}")
         return p
     candidate = directory / f"{name_or_path}.yaml"
     if candidate.is_file():

@@ -99,6 +99,10 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
         raise refusal(source, "model_fingerprint", f"made for model {plan.model!r}, not {name} (fingerprints differ: "
                                                    f"the plan's {plan.model_fingerprint}, this model's "
                                                    f"{model_fingerprint}); plan again for this model")
+    if isinstance(model, ModelConfig) and plan.model != model.name:  # a preset or model YAML: it names itself
+        raise refusal(source, "model", f"made for {plan.model!r}, but this model is {model.name!r} (a fingerprint "
+                                       f"leaves out the name: the plan's {plan.model_fingerprint} is that of "
+                                       f"{model.name!r}); plan again for {model.name!r}")
     if shape is not None:
         _check_shape(plan, source, shape, runtime)
     if world_size is not None:
@@ -109,8 +113,14 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
                                                            f"model's last layer (the model has {num_layers} layers)")
     if hardware is not None:
         if plan.hardware_fingerprint != hardware_fingerprint(hardware):
-            raise refusal(source, "hardware_fingerprint", f"made for hardware {plan.hardware!r}, not "
-                                                          f"{hardware.name!r} (device count, memory or topology differ)")
+            raise refusal(source, "hardware_fingerprint",
+                          f"made for hardware {plan.hardware!r} ({plan.num_devices} devices of "
+                          f"{fmt_bytes(plan.device_memory_bytes)}), not this {hardware.name!r} ({hardware.num_devices} "
+                          f"devices of {fmt_bytes(hardware.device.memory_bytes)}; device count, memory or topology "
+                          "differ): plan again for this hardware")
+        if plan.hardware != hardware.name:
+            raise refusal(source, "hardware", f"made for {plan.hardware!r}, not {hardware.name!r} (whose fingerprint "
+                                              f"the plan carries); plan again for {hardware.name!r}")
         _check_devices(plan, source, hardware)
         _check_pools(plan, source, hardware)
         if host_step_bytes:

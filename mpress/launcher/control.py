@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from mpress.errors import MpressError
+from mpress.errors import MpressError, UserError
 
 COLLECTIVE_TIMEOUT_S = 300
 """Longest a collective or pipeline send/recv may wait for a peer before the rank fails.
@@ -33,6 +33,39 @@ def nccl_error_handling() -> None:
     """Set NCCL's error handling for this process (read when a NCCL process group is
     made: call before `init_process_group`)."""
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
+
+
+def rank_from_env() -> int:
+    """This process's global rank from the environment torchrun (or `mpress train`) sets,
+    checked before anything waits on it. A one-line `UserError` naming the variable for
+    RANK or WORLD_SIZE set alone or not a whole number, a rank outside the world (its
+    rendezvous would wait for ranks that never come), a LOCAL_RANK that is not a whole
+    number, or a world of several ranks without MASTER_ADDR and a MASTER_PORT in 1..65535.
+    Neither RANK nor WORLD_SIZE set: a world of one (`single_process_env`), rank 0."""
+    env = os.environ
+    if ("RANK" in env) != ("WORLD_SIZE" in env):
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise UserError(f"{given}={env[given]} without {missing}: set both (as torchrun does) or neither (a world "
+                        "of one)")
+    if "RANK" not in env:
+        return 0
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        if name in env:
+            text = env[name].strip()
+            if not text.isdigit():
+                raise UserError(f"{name}={env[name]!r}: expected a whole number >= 0")
+            numbers[name] = int(text)
+    rank, world = numbers["RANK"], numbers["WORLD_SIZE"]
+    if not 0 <= rank < world:
+        raise UserError(f"RANK={rank}: must be in 0..{world - 1} with WORLD_SIZE={world}" if world else
+                        "WORLD_SIZE=0: a world has at least one rank")
+    if world > 1:
+        port = env.get("MASTER_PORT", "")
+        if not env.get("MASTER_ADDR") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"MASTER_ADDR={env.get('MASTER_ADDR', '')!r} MASTER_PORT={port!r}: a world of {world} "
+                            "ranks meets at rank 0's host and a port in 1..65535 (torchrun and mpress train set them)")
+    return rank
 
 
 def single_process_env() -> None:

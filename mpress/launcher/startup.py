@@ -30,7 +30,7 @@ from mpress.static.profile.fake_profile import fake_profile
 from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile.profile import Profile
 from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
-from mpress.config.units import MAX_BYTES
+from mpress.config.units import MAX_BYTES, fmt_bytes
 from mpress.config.vocabulary import ScheduleName
 
 
@@ -127,10 +127,8 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
     source = cfg.plan
     plan = Plan.load(source)
     _check_job(plan, cfg, model, num_stages, world, source=source)
-    try:
-        hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
-    except UserError as exc:
-        raise refusal(source, "hardware", str(exc)) from None
+    hardware = job_hardware(cfg, plan)
+    check_plan(plan, source=source, hardware=hardware)  # the job's hardware, before anything is laid out on it
     if cuda:
         check_topology(hardware)
     profile = profile_for(cfg, model, hardware)
@@ -139,6 +137,30 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
                    ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
     check_plan_for_setup(plan, setup, source=source)
     return plan, setup
+
+
+def job_hardware(cfg: TrainConfig, plan: Plan) -> Hardware:
+    """The hardware a job under the plan file `plan` runs on, as the plan must describe
+    it: the config's `hardware` (the CPU ranks' stand-in, or the GPUs' preset) with the
+    plan's device count and memory; with `hardware: detect`, the plan's own (the GPUs'
+    topology is checked against it, `check_topology`). The plan check compares the rest
+    (`hardware_fingerprint`).
+
+    The config's `device_memory` (on CPU, each rank's capacity) may exceed the plan's (a
+    plan that fits less memory fits more: room for what the memory model leaves out),
+    never fall short of it. A one-line `PlanError` naming the plan's key otherwise, or
+    when the config's hardware cannot take the plan's device count."""
+    if cfg.device_memory_bytes is not None and cfg.device_memory_bytes < plan.device_memory_bytes:
+        raise refusal(cfg.plan, "device_memory_bytes",
+                      f"made for {fmt_bytes(plan.device_memory_bytes)} per device; this job's devices have "
+                      f"{fmt_bytes(cfg.device_memory_bytes)} (the config's device_memory): give at least the plan's, "
+                      "or plan again for them")
+    name = plan.hardware if cfg.hardware == HARDWARE_DETECT else cfg.hardware
+    try:
+        return load_hardware(name, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
+    except UserError as exc:
+        raise refusal(cfg.plan, "hardware", f"made for {plan.hardware!r} ({plan.num_devices} devices); this job's "
+                                            f"hardware is {cfg.hardware!r} (the config's hardware): {exc}") from None
 
 
 def profile_for(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware) -> Profile:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpress.config.presets import CONFIG_DIR
+from mpress.config.loader import input_file_problem
 from mpress.errors import UserError
 from mpress.models.hf_checks import check_config_values, check_supported, position_offset
 from mpress.models.hf_layers import HFChain, build_chain
@@ -160,6 +161,9 @@ def _on_meta() -> bool:
 
 
 def _read_json(path: Path) -> dict:
+    problem = input_file_problem(path)  # a FIFO would hold the read; a huge file would fill memory
+    if problem is not None:
+        raise UserError(f"hf_config {path}: {problem}")
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -189,6 +193,8 @@ def resolve_hf(name: str, *, seq_len: int | None = None, layers: Sequence[str] |
         weights = path if any((path / w).is_file() for w in WEIGHT_FILES) else None
     elif path.is_file():
         config_path, weights = path, None
+    elif path.exists():  # a FIFO, a socket, a device
+        raise UserError(f"hf_config {name}: {input_file_problem(path)}")
     else:
         raise UserError(f"hf_config {name}: no such config.json, directory or built-in config "
                         f"(built-in: {', '.join(hf_presets())})")

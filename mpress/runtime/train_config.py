@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from mpress.config.loader import check_output_path, from_dict, load_yaml
+from mpress.config.loader import check_output_path, from_dict, input_file_problem, load_yaml
 from mpress.errors import ConfigError, UserError
 from mpress.hardware.cluster import MAX_NODES as MAX_REPLICAS
 from mpress.config.presets import HARDWARE_DIR, TRAIN_DIR, resolve_config, train_presets
@@ -43,7 +43,7 @@ from mpress.models.hf_config import hf_presets, resolve_hf
 from mpress.models.hf_model import check_hf_model, load_hf_model
 from mpress.models.user import UserModel, check_user_module, load_user_model
 from mpress.config.overrides import apply_overrides
-from mpress.config.units import parse_bytes
+from mpress.config.units import MAX_BYTES, parse_bytes
 from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
 from mpress.runtime.data_config import TOKENIZER_TRAIN, DataConfig
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, NO_DECAY_CATEGORIES
@@ -188,13 +188,14 @@ class TrainConfig:
     """With `plan: auto`: the planner strategy (mpress = the cheapest technique per tensor,
     D2D rounds included; the others use one technique only)."""
     hardware: str = "cpu-local"
-    """Hardware preset or YAML that `plan: auto` plans for; `detect` = the GPUs of this
-    machine as pynvml reports them. On CUDA the detected topology must match a named
-    preset's, or training does not start."""
-    device_memory: str | None = None
-    """The per-device memory, e.g. "3MB" (GB = 1e9): what `plan: auto` plans for (instead of
-    the preset's) and, on CPU runs with any plan (`none` included), the capacity of each
-    rank's stand-in device: live bytes over it stop the run with an out-of-memory error."""
+    """Hardware preset or YAML that `plan: auto` plans for, and that a plan file must have
+    been made for; `detect` = the GPUs of this machine as pynvml reports them. On CUDA the
+    detected topology must match a named preset's, or training does not start."""
+    device_memory: str | int | None = None
+    """The per-device memory, e.g. "3MB" (GB = 1e9) or a plain number of bytes (3000000):
+    what `plan: auto` plans for (instead of the preset's) and, on CPU runs with any plan
+    (`none` included), the capacity of each rank's stand-in device: live bytes over it
+    stop the run with an out-of-memory error."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto = nccl where CUDA is available, else gloo."""
     seed: int = field(default=0, metadata={"min": 0, "max": MAX_SEED})
@@ -365,15 +366,21 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
             raise ConfigError(source, "model", str(exc)) from None
         num_layers = model_cfg.num_layers + 2  # embed + blocks + head
         what = f"{cfg.model} has {num_layers} layers (embed, {model_cfg.num_layers} blocks, head)"
-    if cfg.plan not in (PLAN_AUTO, PLAN_NONE) and not Path(cfg.plan).is_file():
+    plan_problem = None if cfg.plan in (PLAN_AUTO, PLAN_NONE) else input_file_problem(cfg.plan)
+    if plan_problem == "no such file":
         raise ConfigError(source, "plan", f"no such plan file {cfg.plan} (or use auto / none)")
+    if plan_problem is not None:  # a directory, a FIFO, a file beyond the size bound: named as such
+        raise ConfigError(source, "plan", f"{cfg.plan} {plan_problem}")
     if cfg.plan == PLAN_AUTO and cfg.hardware != HARDWARE_DETECT:
         try:
             resolve_config(cfg.hardware, HARDWARE_DIR, "hardware")
         except UserError as exc:
             raise ConfigError(source, "hardware", str(exc)) from None
-    if data.kind == "file" and not Path(data.path).is_file():
+    token_problem = input_file_problem(data.path, max_bytes=MAX_BYTES) if data.kind == "file" else None
+    if token_problem == "no such file":
         raise ConfigError(source, "data.path", f"no such token file {data.path}")
+    if token_problem is not None:
+        raise ConfigError(source, "data.path", f"{data.path} {token_problem}")
     if data.kind == "text":
         _check_text_data(cfg, source)
     if cfg.num_stages is not None and cfg.num_stages > num_layers:

@@ -24,13 +24,17 @@ GB = 10**9
 
 def test_check_plan_model_fingerprint() -> None:
     tiny, small = load_model_config("gpt-tiny"), load_model_config("gpt-small")
-    plan = make_plan(model_fp=tiny.fingerprint())
+    plan = replace(make_plan(model_fp=tiny.fingerprint()), model="gpt-tiny")
     check_plan(plan, source="p.yaml", model=tiny)
     with pytest.raises(PlanError) as info:
         check_plan(plan, source="p.yaml", model=small)
     msg = one_line(info.value)
-    assert msg.startswith("p.yaml: model_fingerprint: ") and "made for model 'toy'" in msg and "'gpt-small'" in msg
+    assert msg.startswith("p.yaml: model_fingerprint: ") and "made for model 'gpt-tiny'" in msg and "'gpt-small'" in msg
     assert "fingerprints differ" in msg
+    # the name edited, the fingerprint kept: a fingerprint leaves the name out, so the name is compared too
+    with pytest.raises(PlanError) as info:
+        check_plan(replace(plan, model="toy"), source="p.yaml", model=tiny)
+    assert one_line(info.value).startswith("p.yaml: model: made for 'toy', but this model is 'gpt-tiny'")
 
 
 def test_check_plan_hardware_fingerprint() -> None:
@@ -46,6 +50,10 @@ def test_check_plan_hardware_fingerprint() -> None:
     smaller = load_hardware("dgx1-v100", memory_bytes=16 * GB)
     with pytest.raises(PlanError, match="made for hardware"):
         check_plan(plan, source="p.yaml", hardware=smaller)
+    # the name edited, the fingerprint kept
+    with pytest.raises(PlanError) as info:
+        check_plan(replace(plan, hardware="dgx-a100"), source="p.yaml", hardware=dgx1)
+    assert one_line(info.value).startswith("p.yaml: hardware: made for 'dgx-a100', not 'dgx1-v100'")
 
 
 def dgx1_plan(rules: dict[int, list[TensorRule]] | None = None, **kw: object) -> tuple[Plan, object]:

@@ -140,8 +140,8 @@ JOB_DEFECTS = [
      ["made for model 'gpt-tiny'", "not 'gpt-small'"]),
     ("last stage ends before the model's last layer", set_stage(end_layer=5), {}, "stages[0].end_layer",
      ["must be 6: the last stage ends at the model's last layer"]),
-    ("hardware no preset or file describes", lambda d: d.update(hardware="dgx9"), {}, "hardware",
-     ["unknown hardware 'dgx9' (presets: cpu-local,"]),
+    ("plan for hardware the job does not run on", lambda d: d.update(hardware="dgx9"), {}, "hardware",
+     ["made for 'dgx9', not 'cpu-local'"]),
 ]
 
 

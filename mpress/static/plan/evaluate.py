@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mpress.contract.actions import Schedule
+from mpress.contract.plan import fingerprint
 from mpress.errors import ProfileError, UserError
 from mpress.hardware.server import Hardware
 from mpress.config.model_config import ModelConfig
@@ -112,3 +113,10 @@ def evaluate(setup: PipelineSetup, schedule: Schedule | None = None, *,
         tensors=tensors, data_parallel=setup.data_parallel,
     )
     return Evaluation(setup=setup, schedule=schedule or setup.schedule, program=program, result=emulate(program))
+
+
+def profile_fingerprint(setup: PipelineSetup) -> str:
+    """Hash of the profile's layers and costs (what a plan was computed from)."""
+    p = setup.profile
+    return fingerprint([p.model_fingerprint, p.source, p.microbatch_size,
+                        [(x.name, x.forward_time_s, x.backward_time_s, x.saved_bytes, x.param_bytes) for x in p.layers]])

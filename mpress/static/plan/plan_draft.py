@@ -17,13 +17,12 @@ from mpress.contract.plan import (
     StagePlan,
     Stripe,
     TensorRule,
-    fingerprint,
     format_microbatches,
     hardware_fingerprint,
 )
 from mpress.static.emulate.host_memory import pinned_bytes
 from mpress.static.memory.stage_memory import WHOLE
-from mpress.static.plan.evaluate import Evaluation, PipelineSetup
+from mpress.static.plan.evaluate import Evaluation, PipelineSetup, profile_fingerprint
 from mpress.static.plan.plan_eval import with_peer_quotas
 from mpress.config.units import ALIGNMENT_BYTES, round_up
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
@@ -165,11 +164,3 @@ class PlanWriter:
             back_s += d2d / (nvlink_gbps * 1e9)
         per_action_s = max(min(c.forward_s, c.backward_s), 1e-9)
         return max(1, min(8, math.ceil(back_s / per_action_s)))
-
-
-
-def profile_fingerprint(setup: PipelineSetup) -> str:
-    """Hash of the profile's layers and costs (what a plan was computed from)."""
-    p = setup.profile
-    return fingerprint([p.model_fingerprint, p.source, p.microbatch_size,
-                        [(x.name, x.forward_time_s, x.backward_time_s, x.saved_bytes, x.param_bytes) for x in p.layers]])

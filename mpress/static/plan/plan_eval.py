@@ -36,7 +36,7 @@ from mpress.static.emulate.lowering import (
 from mpress.static.emulate.placement import place_by_capacity
 from mpress.static.emulate.program import Program
 from mpress.static.memory.model import memory_model
-from mpress.static.plan.evaluate import Evaluation, PipelineSetup
+from mpress.static.plan.evaluate import Evaluation, PipelineSetup, profile_fingerprint
 from mpress.static.plan.rewriter import (
     host_step_host_bytes,
     host_step_pinned_bytes,
@@ -115,10 +115,32 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     its rules make on `setup` (`actions`, checked against the carried one when there is
     one), each stage's pinned pool sized for that program where it gives none, its D2D
     quotas and peer pools sized for that program where no stage gives any, and each
-    stage's predicted peak (its device's emulated peak) where it gives none."""
+    stage's predicted peak (its device's emulated peak) where it gives none.
+
+    A peak the plan gives must be the one its program has here, as the planner emulated
+    it (`PlanError` naming `stages[S].predicted_peak_bytes` otherwise), and so must its
+    iteration time and whether it fits (`predicted_iteration_s`, `fits`): a plan made from
+    this profile (its `profile_fingerprint` is the setup's) states figures that follow
+    from its content, and an edited one no longer does. A plan made from another profile
+    (a measured one) keeps its peaks: this profile cannot recompute them."""
     ev = evaluate_plan(setup, plan)
     pinned = pinned_bytes(ev.schedule, ev.tensors)
     peaks = ev.result.peak_bytes
+    if plan.profile_fingerprint == profile_fingerprint(setup):
+        for sp in plan.stages:
+            if sp.predicted_peak_bytes and sp.predicted_peak_bytes != peaks[sp.device]:
+                raise PlanError(f"stages[{sp.stage}].predicted_peak_bytes: {sp.predicted_peak_bytes} in the plan, but "
+                                f"its program peaks at {peaks[sp.device]} bytes on device {sp.device} (the planner's "
+                                "emulation of this plan's rules on its profile); plan again, or drop the key to "
+                                "re-derive it")
+        if plan.predicted_iteration_s and plan.predicted_iteration_s != ev.result.iteration_s:
+            raise PlanError(f"predicted_iteration_s: {plan.predicted_iteration_s} s in the plan, but its program "
+                            f"takes {ev.result.iteration_s} s (the planner's emulation of this plan's rules on its "
+                            "profile); plan again, or drop the key to re-derive it")
+        if plan.fits != ev.result.fits:
+            raise PlanError(f"fits: {str(plan.fits).lower()} in the plan, but its program "
+                            f"{'fits' if ev.result.fits else 'does not fit'} the devices' memory (the planner's "
+                            "emulation of this plan's rules on its profile); plan again")
     stages = [replace(sp, pinned_host_bytes=sp.pinned_host_bytes or pinned[sp.stage],
                       predicted_peak_bytes=sp.predicted_peak_bytes or peaks[sp.device]) for sp in plan.stages]
     if not any(sp.peer_quotas for sp in plan.stages):  # D2D quotas and pools as the program needs them

@@ -10,7 +10,12 @@ import pytest
 from mpress.config.vocabulary import ScheduleName
 from mpress.contract.actions import Action, Kind, Schedule, parse_actions
 from mpress.errors import ScheduleError
-from mpress.static.schedules import build_schedule, held_input_grads, max_in_flight, validate_schedule
+from mpress.static.schedules import (
+    build_schedule,
+    held_input_grads,
+    max_in_flight,
+    validate_schedule,
+)
 
 S_ = pytest.importorskip("torch.distributed.pipelining.schedules")
 _CT = S_._ComputationType

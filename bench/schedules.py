@@ -153,10 +153,10 @@ def table(hw: Hardware, rows: list[Row], zero: list[ZeroRow]) -> Table:
             t.add_row(m, r.schedule, _time(r.plain_iteration_s), fmt_bytes(r.plain_peak_bytes),
                       _time(r.iteration_s) + star, fmt_bytes(r.peak_bytes) if r.fits else "-",
                       _ratio(r.vs_1f1b), _ratio(r.vs_zero),
-                      r.reason[:60] if not r.fits else f"planned in {r.plan_s:.1f} s")
+                      r.reason[:90] if not r.fits else f"planned in {r.plan_s:.1f} s")
         for z in (z for z in zero if z.model == m):
             t.add_row(m, z.variant, "", "", _time(z.iteration_s), fmt_bytes(z.peak_bytes) if z.fits else "-",
-                      "", "", z.reason[:60] if not z.fits else "ZeRO baseline", style="dim")
+                      "", "", z.reason[:90] if not z.fits else "ZeRO baseline", style="dim")
         t.add_section()
     return t
 

@@ -233,8 +233,9 @@ def parse_actions(text: str) -> list[Action]:
 class Schedule:
     """Per-rank action lists of one training iteration.
 
-    name: schedule family (gpipe, 1f1b, pipedream, interleaved).
-    num_stages: pipeline stages (>= ranks; interleaved puts several on one rank).
+    name: schedule family (`ScheduleName`).
+    num_stages: pipeline stages (>= ranks; interleaved, zero-bubble, V and looped-BFS
+        schedules put several on one rank).
     num_microbatches: microbatches per iteration.
     stage_to_rank: rank that runs each stage, indexed by stage.
     ranks: one action list per rank, in execution order.

@@ -1,9 +1,11 @@
 """Pipeline schedules as data: per-rank F/B action lists for one training iteration.
 
 Every builder is a pure function of the pipeline shape and returns a
-`mpress.contract.actions.Schedule`. Stage `s` runs on rank `s` except in the interleaved
-schedule, where it runs on rank `s % num_ranks`. Each rank's list holds the forward
-(`{s}F{m}`) and backward (`{s}B{m}`) of every microbatch of each of its stages and
+`mpress.contract.actions.Schedule`. Stage `s` runs on rank `s` except in the interleaved,
+interleaved zero-bubble and looped-BFS schedules, where it runs on rank `s % num_ranks`,
+and in the V schedules, where rank r runs stages r and 2R-1-r. Each rank's list holds
+the forward (`{s}F{m}`) and backward (`{s}B{m}`, or its halves `{s}I{m}` and `{s}W{m}`)
+of every microbatch of each of its stages and
 ends with one optimizer step (`{s}OPT`) per stage, after the rank's last backward.
 Send/recv are implicit (the emulator and executor derive them from stage order);
 memory actions are inserted later by the rewriter.

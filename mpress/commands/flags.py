@@ -102,7 +102,7 @@ FLAGS: dict[str, Flag] = {
     "num_stages": Flag(("--num-stages", "--stages"), dict(type=int_arg(1, limits.MAX_STAGES), metavar="N",
                                                           help="pipeline stages")),
     "num_ranks": Flag(("--num-ranks", "--ranks"), dict(type=int_arg(1, limits.MAX_STAGES), metavar="N",
-                                                       help="pipeline ranks; interleaved only")),
+                                                       help="pipeline ranks; schedules with several stages per rank only")),
     "microbatch_size": Flag(("--microbatch-size",), dict(type=int_arg(1, limits.MAX_MICROBATCH_SIZE), metavar="B",
                                                          help="samples per microbatch")),
     "num_microbatches": Flag(("--num-microbatches", "--microbatches"),

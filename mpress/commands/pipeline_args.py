@@ -39,7 +39,7 @@ from mpress.static.memory.data_parallel import DataParallel
 from mpress.static.emulate.emulator_result import EmulatorResult
 from mpress.static.profile.profile import Profile, model_for_profile
 from mpress.config.units import fmt_bytes, fmt_seconds
-from mpress.config.vocabulary import ScheduleName
+from mpress.config.vocabulary import V_SCHEDULES, ScheduleName
 
 if TYPE_CHECKING:  # the pipeline's setup loads torch (the analytic profile): only when a command runs
     from mpress.static.plan.evaluate import PipelineSetup
@@ -67,8 +67,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "schedule", help=f"pipeline schedule (default: {DEFAULT_SCHEDULE.value})")
     add_flag(p, "num_stages", help="pipeline stages (default: one per device, at most one per layer; "
                                    f"interleaved: {STAGES_PER_RANK} per rank)")
-    add_flag(p, "num_ranks", help="pipeline ranks; interleaved only (default: one per device, "
-                                  "or num_stages / 2 when --num-stages is given)")
+    add_flag(p, "num_ranks", help="pipeline ranks; schedules with several stages per rank only (default: one "
+                                  "per device, or num_stages / 2 when --num-stages is given)")
     add_flag(p, "microbatch_size", help=f"samples per microbatch (default: the profile's, else "
                                         f"{DEFAULT_MICROBATCH_SIZE})")
     add_flag(p, "num_microbatches", help=f"microbatches per iteration (default: {MICROBATCHES_PER_RANK} per "
@@ -169,7 +169,15 @@ def resolve_shape(args: argparse.Namespace, hardware: Hardware, *, num_layers: i
     layers = num_layers if num_layers is not None else hardware.num_devices * STAGES_PER_RANK
     devices = hardware.num_devices
     ranks: int | None = None
-    if schedule is ScheduleName.INTERLEAVED:
+    if schedule in V_SCHEDULES:  # two stages per rank, in a V
+        if args.num_stages is not None:
+            ranks_default, why = max(1, args.num_stages // 2), "num_stages / 2"
+        else:
+            ranks_default = max(1, min(devices, layers // 2))
+            why = "one per device" if ranks_default == devices else f"the model's {layers} layers / 2"
+        ranks = int(pick("num_ranks", plan and plan.num_ranks, ranks_default, why))  # type: ignore[arg-type]
+        stages = int(pick("num_stages", plan and plan.num_stages, 2 * ranks, "2 per rank"))  # type: ignore[arg-type]
+    elif schedule in (ScheduleName.INTERLEAVED, ScheduleName.INTERLEAVED_ZB, ScheduleName.LOOPED_BFS):
         if args.num_stages is not None:
             ranks_default, why = max(1, min(devices, args.num_stages // STAGES_PER_RANK)), "num_stages / 2"
         else:

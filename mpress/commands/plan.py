@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from rich.console import Console
 from rich.table import Table
 
 from mpress.commands.flags import add_command, add_flag
@@ -40,7 +41,7 @@ from mpress.static.profile.profile import Profile
 from mpress.config.loader import output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
 from mpress.config.units import fmt_bytes, fmt_seconds
-from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
+from mpress.config.vocabulary import ScheduleName, Strategy, SwapInPolicy, Technique
 
 if TYPE_CHECKING:  # the planner loads torch (through the analytic profile): imported when the command runs
     from mpress.static.baselines.zero import BaselineResult
@@ -49,10 +50,17 @@ if TYPE_CHECKING:  # the planner loads torch (through the analytic profile): imp
     from mpress.static.studies.ablation import Ablation
 
 
+AUTO = "auto"
+"""`--schedule auto`: the schedule is part of the search (`static/plan/schedule_choice.py`)."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "plan", help="plan recompute / host swap / D2D swap per tensor and compare strategies",
                     description=__doc__)
     add_pipeline_args(p)
+    schedule = p._option_string_actions["--schedule"]  # plan alone may search the schedules
+    schedule.choices = (*ScheduleName.words(), AUTO)
+    schedule.help = f"pipeline schedule, or {AUTO}: plan each candidate and take the fastest that fits"
     add_flag(p, "strategy", default=Strategy.MPRESS.value,
              help="strategy whose plan is written (default: %(default)s); all are compared")
     add_flag(p, "swap_in_policy", default=SwapInPolicy.CAPACITY.value,
@@ -214,13 +222,44 @@ def plan_json(results: dict[str, PlanResult], chosen: str, shape: PipelineShape,
             "stages": stages, "strategies": strategies, "baselines": zero}
 
 
+def auto_schedule(args: argparse.Namespace, console: Console) -> None:
+    """`--schedule auto`: plan `--strategy` under each candidate schedule on the same ranks
+    and set `args` to the fastest that fits, one line per candidate saying why."""
+    from mpress.static.plan.planner import PlannerOptions
+    from mpress.static.plan.schedule_choice import choose_schedule
+
+    if args.num_stages is not None:
+        raise UserError("--schedule auto lays out each candidate on the same ranks: give --num-ranks, "
+                        "not --num-stages")
+    profile = profile_for_args(args)
+    args.schedule = str(ScheduleName.ONE_F_ONE_B)  # one stage per rank: the ranks every candidate gets
+    base, _shape = setup_from_args(args, profile=profile)
+    ranks = base.schedule.num_ranks
+
+    def make(schedule: ScheduleName, stages: int, num_ranks: int) -> PipelineSetup:
+        args.schedule, args.num_stages, args.num_ranks = str(schedule), stages, num_ranks
+        return setup_from_args(args, profile=profile)[0]
+
+    with TaskProgress(console, 1, "choosing the schedule") as progress:
+        choice = choose_schedule(make, ranks, args.strategy,
+                                 PlannerOptions(swap_in_policy=SwapInPolicy(args.swap_in_policy)), progress.update)
+    for line in choice.lines():
+        console.print(line, markup=False, soft_wrap=True)
+    if choice.chosen is None:
+        raise UserError(f"--schedule auto: no candidate schedule fits {base.model.name} on {base.hardware.name} "
+                        f"with {args.strategy} ({len(choice.candidates)} tried, each line above says why)")
+    args.schedule, args.num_stages, args.num_ranks = str(choice.chosen.schedule), choice.chosen.num_stages, ranks
+
+
 def run(args: argparse.Namespace) -> int:
     from mpress.static.plan.planner import check_fits_at_all
     from mpress.static.studies.ablation import ablate
 
+    console = make_console(stderr=args.json)
+    if args.schedule == AUTO:
+        auto_schedule(args, console)
     setup, shape = setup_from_args(args, profile=profile_for_args(args))
     check_fits_at_all(setup)
-    console = make_console(stderr=args.json)
     console.print(settings_line(setup, shape), markup=False, soft_wrap=True)
     with TaskProgress(console, len(Strategy), "planning") as progress:
         results = plan_all(setup, args.swap_in_policy, progress)

@@ -75,10 +75,24 @@ class ScheduleName(Word):
     """Asynchronous 1F1B with weight stashing (planned; torch runs it as 1F1B)."""
     INTERLEAVED = "interleaved"
     """Interleaved 1F1B, several stages per rank (torch's `ScheduleInterleaved1F1B`)."""
+    INTERLEAVED_ZB = "interleaved-zb"
+    """Zero bubble with the backward split into I and W, stages round-robin over ranks
+    (torch's `ScheduleInterleavedZeroBubble`); with one stage per rank it is ZB-H1."""
+    ZBV = "zbv"
+    """Zero bubble V: two stages per rank in a V (torch's `ScheduleZBVZeroBubble`)."""
+    DUALPIPEV = "dualpipev"
+    """DeepSeek's DualPipe folded into a V, two stages per rank (torch's `ScheduleDualPipeV`)."""
+    LOOPED_BFS = "looped-bfs"
+    """Breadth-first: every microbatch of a rank's first stage, then its next
+    (torch's `ScheduleLoopedBFS`)."""
 
 
 RUNNABLE_SCHEDULES = (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B, ScheduleName.INTERLEAVED)
 """Schedules torch's pipelining runs (the training config's choices)."""
+SPLIT_BACKWARD_SCHEDULES = (ScheduleName.INTERLEAVED_ZB, ScheduleName.ZBV, ScheduleName.DUALPIPEV)
+"""Schedules that split (some) backwards into an input-gradient and a weight-gradient part."""
+V_SCHEDULES = (ScheduleName.ZBV, ScheduleName.DUALPIPEV)
+"""Schedules with exactly two stages per rank, placed in a V (rank r runs stages r and 2R-1-r)."""
 
 
 class SwapInPolicy(Word):

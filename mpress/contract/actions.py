@@ -2,13 +2,16 @@
 
 An action is written like `torch.distributed.pipelining`'s `_Action` strings:
 `{stage}{kind}{microbatch}` (`0F3` = forward of microbatch 3 on stage 0, `2B1` =
-backward of microbatch 1 on stage 2), with an optional `:{tensor}` suffix naming the
+backward of microbatch 1 on stage 2, `2I1`/`2W1` = its two halves in a zero-bubble
+schedule), with an optional `:{tensor}` suffix naming the
 tensor a memory action moves (`1SO4:layers.3.mlp.fc1#0`). Kinds:
 
 | kind | meaning | on |
 |------|---------|----|
 | F  | forward of a microbatch | compute stream |
-| B  | backward of a microbatch | compute stream |
+| B  | backward of a microbatch (input and weight gradients at once) | compute stream |
+| I  | input-gradient half of a split backward (torch's `BACKWARD_INPUT`) | compute stream |
+| W  | weight-gradient half of a split backward (torch's `BACKWARD_WEIGHT`), after its I | compute stream |
 | OPT| optimizer step of the stage (no microbatch; with `:{tensor}`, the step of that chunk of model data only) | compute stream |
 | RC | recompute the forward of a dropped tensor before its backward | compute stream |
 | SO | swap a tensor out to pinned host memory | device->host copy |
@@ -37,6 +40,8 @@ class Kind(enum.Enum):
 
     F = "F"
     B = "B"
+    I = "I"
+    W = "W"
     OPT = "OPT"
     RC = "RC"
     SO = "SO"
@@ -48,8 +53,12 @@ class Kind(enum.Enum):
     OI = "OI"
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.OPT, Kind.RC})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.RC})
 """Kinds that occupy the compute stream."""
+BACKWARD_KINDS = frozenset({Kind.B, Kind.I, Kind.W})
+"""Kinds that run (part of) a microbatch's backward."""
+INPUT_GRAD_KINDS = frozenset({Kind.B, Kind.I})
+"""Kinds that make the gradient of a stage's input (what the stage before waits for)."""
 TENSOR_KINDS = frozenset({Kind.RC, Kind.SO, Kind.SI, Kind.DO, Kind.DI, Kind.DR, Kind.OO, Kind.OI})
 """Kinds that name a tensor."""
 _NO_MICROBATCH_KINDS = frozenset({Kind.OPT, Kind.OO, Kind.OI})
@@ -182,6 +191,16 @@ def B(stage: int, microbatch: int) -> Action:
     return Action(stage, Kind.B, microbatch)
 
 
+def I(stage: int, microbatch: int) -> Action:
+    """Input-gradient half of the backward of `microbatch` on `stage`."""
+    return Action(stage, Kind.I, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:
+    """Weight-gradient half of the backward of `microbatch` on `stage`."""
+    return Action(stage, Kind.W, microbatch)
+
+
 def warmup_order(stage: int, num_microbatches: int, warmup: int) -> list[Action]:
     """F/B order of one stage that runs `warmup` forwards, then alternates one forward and
     one backward (oldest microbatch first), then runs the remaining backwards.
@@ -214,8 +233,9 @@ def parse_actions(text: str) -> list[Action]:
 class Schedule:
     """Per-rank action lists of one training iteration.
 
-    name: schedule family (gpipe, 1f1b, pipedream, interleaved).
-    num_stages: pipeline stages (>= ranks; interleaved puts several on one rank).
+    name: schedule family (`ScheduleName`).
+    num_stages: pipeline stages (>= ranks; interleaved, zero-bubble, V and looped-BFS
+        schedules put several on one rank).
     num_microbatches: microbatches per iteration.
     stage_to_rank: rank that runs each stage, indexed by stage.
     ranks: one action list per rank, in execution order.

@@ -39,7 +39,7 @@ from mpress.errors import ConfigError, PlanError, ScheduleError
 from mpress.hardware.server import Hardware
 from mpress.config.limits import MAX_DEVICES, MAX_MICROBATCH_SIZE, MAX_MICROBATCHES, MAX_STAGES
 from mpress.config.units import MAX_BYTES
-from mpress.config.vocabulary import OptimizerStep, ScheduleName, SwapInPolicy, Technique, as_word
+from mpress.config.vocabulary import V_SCHEDULES, OptimizerStep, ScheduleName, SwapInPolicy, Technique, as_word
 
 PLAN_VERSION = 1
 
@@ -291,10 +291,14 @@ class Plan:
             raise ConfigError("", "version", f"plan version {self.version} is not supported (expected {PLAN_VERSION})")
         if len(self.stages) != self.num_stages or len(self.stage_to_device) != self.num_stages:
             raise ConfigError("", "stages", f"need one entry per stage ({self.num_stages})")
-        if self.schedule is ScheduleName.INTERLEAVED and self.num_stages % self.num_ranks:
-            raise ConfigError("", "num_ranks", f"interleaved runs num_stages / num_ranks stages per rank: must divide "
-                                               f"num_stages ({self.num_stages}), got {self.num_ranks}")
-        if self.schedule is not ScheduleName.INTERLEAVED and self.num_ranks != self.num_stages:
+        looped = (ScheduleName.INTERLEAVED, ScheduleName.INTERLEAVED_ZB, ScheduleName.LOOPED_BFS)
+        if self.schedule in looped and self.num_stages % self.num_ranks:
+            raise ConfigError("", "num_ranks", f"{self.schedule} runs num_stages / num_ranks stages per rank: must "
+                                               f"divide num_stages ({self.num_stages}), got {self.num_ranks}")
+        if self.schedule in V_SCHEDULES and self.num_ranks * 2 != self.num_stages:
+            raise ConfigError("", "num_ranks", f"{self.schedule} runs two stages per rank: must be num_stages / 2 "
+                                               f"({self.num_stages} / 2), got {self.num_ranks}")
+        if self.schedule not in looped + V_SCHEDULES and self.num_ranks != self.num_stages:
             raise ConfigError("", "num_ranks", f"{self.schedule} runs one stage per rank: must equal num_stages "
                                                f"({self.num_stages}), got {self.num_ranks}")
         for i, sp in enumerate(self.stages):

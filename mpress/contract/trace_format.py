@@ -37,7 +37,8 @@ COMPUTE = "compute"
 """The compute stream's track name in a rank's process (its first thread)."""
 
 _VERBS = {
-    Kind.F: "forward", Kind.B: "backward", Kind.OPT: "optimizer step", Kind.RC: "recompute",
+    Kind.F: "forward", Kind.B: "backward", Kind.I: "input-gradient backward", Kind.W: "weight-gradient backward",
+    Kind.OPT: "optimizer step", Kind.RC: "recompute",
     Kind.SO: "swap-out", Kind.SI: "swap-in", Kind.DO: "d2d-out", Kind.DI: "d2d-in", Kind.DR: "drop",
     Kind.OO: "optimizer-out", Kind.OI: "optimizer-in",
 }
@@ -101,7 +102,7 @@ def send_target(action: Action, num_stages: int) -> Action | None:
     gradient to the previous stage's backward; None when nothing is sent."""
     if action.kind is Kind.F and action.stage + 1 < num_stages:
         return Action(action.stage + 1, Kind.F, action.microbatch)
-    if action.kind is Kind.B and action.stage > 0:
+    if action.kind in (Kind.B, Kind.I) and action.stage > 0:  # the receiver's backward (B or I) starts
         return Action(action.stage - 1, Kind.B, action.microbatch)
     return None
 

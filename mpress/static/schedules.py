@@ -1,9 +1,11 @@
 """Pipeline schedules as data: per-rank F/B action lists for one training iteration.
 
 Every builder is a pure function of the pipeline shape and returns a
-`mpress.contract.actions.Schedule`. Stage `s` runs on rank `s` except in the interleaved
-schedule, where it runs on rank `s % num_ranks`. Each rank's list holds the forward
-(`{s}F{m}`) and backward (`{s}B{m}`) of every microbatch of each of its stages and
+`mpress.contract.actions.Schedule`. Stage `s` runs on rank `s` except in the interleaved,
+interleaved zero-bubble and looped-BFS schedules, where it runs on rank `s % num_ranks`,
+and in the V schedules, where rank r runs stages r and 2R-1-r. Each rank's list holds
+the forward (`{s}F{m}`) and backward (`{s}B{m}`, or its halves `{s}I{m}` and `{s}W{m}`)
+of every microbatch of each of its stages and
 ends with one optimizer step (`{s}OPT`) per stage, after the rank's last backward.
 Send/recv are implicit (the emulator and executor derive them from stage order);
 memory actions are inserted later by the rewriter.
@@ -18,15 +20,19 @@ Families (S = num_stages, M = num_microbatches, r = rank):
   then "1B1F": the same sequence).
 - `pipedream` (asynchronous 1F1B with weight stashing): see `pipedream`.
 - `interleaved` (Megatron virtual stages): torch's `ScheduleInterleaved1F1B` order.
+- `interleaved-zb`, `zbv`, `dualpipev`, `looped-bfs`: torch's zero-bubble, V-shaped and
+  breadth-first orders (`mpress.static.zero_bubble`). A split backward is an I (input
+  gradient, what the stage before waits for) and a later W (weight gradient) of the
+  same microbatch on the same rank; a schedule may mix full B and split I/W.
 """
 
 from __future__ import annotations
 
 
-from mpress.contract.actions import Action, Kind, Schedule, warmup_order
+from mpress.contract.actions import BACKWARD_KINDS, INPUT_GRAD_KINDS, Action, Kind, Schedule, warmup_order
 from mpress.errors import ScheduleError
-from mpress.config.vocabulary import ScheduleName
-
+from mpress.config.vocabulary import V_SCHEDULES, ScheduleName
+from mpress.static import zero_bubble
 
 
 def _check_count(what: str, value: int) -> None:
@@ -40,7 +46,7 @@ def _finish(stage_order: list[int], actions: list[Action]) -> tuple[Action, ...]
     (the order torch schedules its per-stage grad reduction)."""
     last_b: dict[int, int] = {}
     for i, a in enumerate(actions):
-        if a.kind is Kind.B:
+        if a.kind in (Kind.B, Kind.W):
             last_b[a.stage] = i
     order = sorted(stage_order, key=lambda s: last_b.get(s, -1))
     return tuple(actions) + tuple(Action(s, Kind.OPT) for s in order)
@@ -159,27 +165,80 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
                     tuple(s % num_ranks for s in range(num_stages)), tuple(ranks))
 
 
+def interleaved_zero_bubble(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
+    """torch's `ScheduleInterleavedZeroBubble` (see `zero_bubble.interleaved_zero_bubble`);
+    stage s on rank s % num_ranks, microbatch counts as the interleaved schedule's."""
+    for what, v in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
+                    ("stages_per_rank", stages_per_rank)):
+        _check_count(what, v)
+    _, per_round = interleaved_rounds(num_ranks, num_microbatches)
+    return _looped(ScheduleName.INTERLEAVED_ZB, num_ranks, stages_per_rank, num_microbatches, [
+        zero_bubble.interleaved_zero_bubble(r, num_ranks, stages_per_rank, num_microbatches, per_round)
+        for r in range(num_ranks)])
+
+
+def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> Schedule:
+    """torch's `ScheduleLoopedBFS` (see `zero_bubble.looped_bfs`); stage s on rank s % num_ranks."""
+    for what, v in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
+                    ("stages_per_rank", stages_per_rank)):
+        _check_count(what, v)
+    return _looped(ScheduleName.LOOPED_BFS, num_ranks, stages_per_rank, num_microbatches, [
+        zero_bubble.looped_bfs(r, num_ranks, stages_per_rank, num_microbatches) for r in range(num_ranks)])
+
+
+def _looped(name: ScheduleName, num_ranks: int, chunks: int, num_microbatches: int,
+            orders: list[list[Action]]) -> Schedule:
+    num_stages = num_ranks * chunks
+    ranks = tuple(_finish([c * num_ranks + r for c in range(chunks)], acts) for r, acts in enumerate(orders))
+    return Schedule(name, num_stages, num_microbatches, tuple(s % num_ranks for s in range(num_stages)), ranks)
+
+
+def v_schedule(name: ScheduleName, num_ranks: int, num_microbatches: int) -> Schedule:
+    """`zbv` or `dualpipev` on `num_ranks` ranks: 2R stages, rank r runs r and 2R-1-r.
+    DualPipeV needs M >= 2R microbatches (as torch's `ScheduleDualPipeV`)."""
+    _check_count("num_ranks", num_ranks)
+    _check_count("num_microbatches", num_microbatches)
+    if name is ScheduleName.DUALPIPEV and num_microbatches < 2 * num_ranks:
+        raise ScheduleError(f"schedule dualpipev on {num_ranks} ranks: num_microbatches={num_microbatches} must be "
+                            f">= {2 * num_ranks} (the number of stages)")
+    build = zero_bubble.zbv if name is ScheduleName.ZBV else zero_bubble.dualpipe_v
+    ranks = tuple(_finish([r, 2 * num_ranks - 1 - r], build(r, num_ranks, num_microbatches))
+                  for r in range(num_ranks))
+    return Schedule(name, 2 * num_ranks, num_microbatches, zero_bubble.v_stage_to_rank(num_ranks), ranks)
+
+
+_MULTI_STAGE = (ScheduleName.INTERLEAVED, ScheduleName.INTERLEAVED_ZB, ScheduleName.LOOPED_BFS)
+
+
 def build_schedule(name: ScheduleName, num_stages: int, num_microbatches: int, *,
                    num_ranks: int | None = None) -> Schedule:
     """Build a schedule by family name.
 
-    num_ranks: only for `interleaved` (required there; num_stages must be a multiple of
-    it). For the other families it may be omitted or equal num_stages.
-    Raises `ScheduleError` (one line) for a bad name or combination.
+    num_ranks: for `interleaved`, `interleaved-zb` and `looped-bfs` (required there;
+    num_stages must be a multiple of it); for `zbv` and `dualpipev` it defaults to
+    num_stages / 2 and must be exactly that. For the other families it may be omitted
+    or equal num_stages. Raises `ScheduleError` (one line) for a bad name or combination.
     """
     if name not in ScheduleName.words():
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(ScheduleName.words())}")
     name = ScheduleName(name)
     _check_count("num_stages", num_stages)
     _check_count("num_microbatches", num_microbatches)
-    if name is ScheduleName.INTERLEAVED:
+    if name in _MULTI_STAGE:
         if num_ranks is None:
-            raise ScheduleError("the interleaved schedule needs num_ranks (stages are spread round-robin over ranks)")
+            raise ScheduleError(f"the {name} schedule needs num_ranks (stages are spread round-robin over ranks)")
         _check_count("num_ranks", num_ranks)
         if num_stages % num_ranks != 0:
             raise ScheduleError(
-                f"interleaved schedule: num_stages={num_stages} must be a multiple of num_ranks={num_ranks}")
-        return _validated(interleaved_1f1b(num_ranks, num_microbatches, num_stages // num_ranks))
+                f"{name} schedule: num_stages={num_stages} must be a multiple of num_ranks={num_ranks}")
+        build = {ScheduleName.INTERLEAVED: interleaved_1f1b, ScheduleName.INTERLEAVED_ZB: interleaved_zero_bubble,
+                 ScheduleName.LOOPED_BFS: looped_bfs}[name]
+        return _validated(build(num_ranks, num_microbatches, num_stages // num_ranks))
+    if name in V_SCHEDULES:
+        if num_stages % 2 or (num_ranks is not None and num_ranks * 2 != num_stages):
+            raise ScheduleError(f"schedule {name} runs two stages per rank: num_stages={num_stages} must be "
+                                f"2 * num_ranks (num_ranks={num_ranks})")
+        return _validated(v_schedule(name, num_stages // 2, num_microbatches))
     if num_ranks is not None and num_ranks != num_stages:
         raise ScheduleError(
             f"schedule {name} runs one stage per rank: num_ranks={num_ranks} must equal num_stages={num_stages} "
@@ -196,7 +255,8 @@ def _validated(schedule: Schedule) -> Schedule:
 def max_in_flight(schedule: Schedule, stage: int) -> int:
     """Most microbatches of `stage` whose forward has run and whose backward has not,
     walking the stage's rank list in order. This is how many microbatches' saved
-    activations the stage holds at its peak (before any memory action)."""
+    activations the stage holds at its peak (before any memory action). A split
+    backward's microbatch stays in flight until its W (what W needs lives until then)."""
     if not 0 <= stage < schedule.num_stages:
         raise ScheduleError(f"stage {stage} out of range: schedule {schedule.name} has {schedule.num_stages} stages")
     live = peak = 0
@@ -206,7 +266,7 @@ def max_in_flight(schedule: Schedule, stage: int) -> int:
         if a.kind is Kind.F:
             live += 1
             peak = max(peak, live)
-        elif a.kind is Kind.B:
+        elif a.kind in (Kind.B, Kind.W):
             live -= 1
     return peak
 
@@ -221,10 +281,10 @@ def validate_schedule(schedule: Schedule) -> None:
     """Raise `ScheduleError` unless `schedule` is well formed and can run.
 
     Checks: one action list per rank of `stage_to_rank`; every (stage, microbatch) has
-    exactly one F and one B, on the stage's rank, F first; every stage has exactly one
-    OPT on its rank, after its last B; and the ranks cannot deadlock: stepping through
-    the lists, F of (s, m) waits for F of (s-1, m) and B of (s, m) for B of (s+1, m).
-    Other actions (memory actions) are not checked here.
+    one F and either one B or one I and one W, on the stage's rank, in that order; every
+    stage has exactly one OPT on its rank, after its last backward; and the ranks cannot
+    deadlock: stepping through the lists, F of (s, m) waits for F of (s-1, m) and B or I
+    of (s, m) for B or I of (s+1, m). Other actions (memory actions) are not checked here.
     """
     S, M = schedule.num_stages, schedule.num_microbatches
     name = schedule.name
@@ -237,9 +297,10 @@ def validate_schedule(schedule: Schedule) -> None:
             f"0..{schedule.num_ranks - 1}")
     done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, mb) -> rank
     opt_seen: set[int] = set()
+    before = {Kind.B: Kind.F, Kind.I: Kind.F, Kind.W: Kind.I}
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            if a.kind not in (Kind.F, Kind.B, Kind.OPT):
+            if a.kind not in (Kind.F, Kind.OPT) and a.kind not in BACKWARD_KINDS:
                 continue
             where = f"schedule {name}, rank {r}, action {i} ({a})"
             if a.stage >= S or schedule.stage_to_rank[a.stage] != r:
@@ -254,16 +315,18 @@ def validate_schedule(schedule: Schedule) -> None:
             if a.microbatch >= M:
                 raise ScheduleError(f"{where}: microbatch {a.microbatch} >= num_microbatches {M}")
             key = (a.kind, a.stage, a.microbatch)
-            if key in done:
+            other_half = {Kind.B: Kind.I, Kind.I: Kind.B}.get(a.kind)  # a full B and a split one
+            if key in done or (other_half, a.stage, a.microbatch) in done:
                 raise ScheduleError(f"{where}: runs twice")
-            if a.kind is Kind.B and (Kind.F, a.stage, a.microbatch) not in done:
-                raise ScheduleError(f"{where}: backward before its forward")
+            if a.kind in before and (before[a.kind], a.stage, a.microbatch) not in done:
+                raise ScheduleError(f"{where}: {'backward before its forward' if before[a.kind] is Kind.F else 'W before its I'}")
             done[key] = r
-    for kind in (Kind.F, Kind.B):
-        for s in range(S):
-            for m in range(M):
-                if (kind, s, m) not in done:
-                    raise ScheduleError(f"schedule {name}: {s}{kind.value}{m} is missing")
+    for s in range(S):
+        for m in range(M):
+            if (Kind.F, s, m) not in done:
+                raise ScheduleError(f"schedule {name}: {s}F{m} is missing")
+            if (Kind.B, s, m) not in done and not {(Kind.I, s, m), (Kind.W, s, m)} <= done.keys():
+                raise ScheduleError(f"schedule {name}: {s}B{m} is missing (nor are {s}I{m} and {s}W{m} both there)")
     missing_opt = sorted(set(range(S)) - opt_seen)
     if missing_opt:
         raise ScheduleError(f"schedule {name}: no optimizer step (OPT) for stage(s) {missing_opt}")
@@ -273,15 +336,17 @@ def validate_schedule(schedule: Schedule) -> None:
 def _check_progress(schedule: Schedule) -> None:
     """Raise `ScheduleError` if the ranks' F/B orders wait on each other in a cycle."""
     S = schedule.num_stages
-    lists = [[a for a in acts if a.kind in (Kind.F, Kind.B)] for acts in schedule.ranks]
+    lists = [[a for a in acts if a.kind is Kind.F or a.kind in BACKWARD_KINDS] for acts in schedule.ranks]
     pos = [0] * len(lists)
     finished: set[tuple[Kind, int, int]] = set()
 
     def ready(a: Action) -> bool:
         if a.kind is Kind.F:
             return a.stage == 0 or (Kind.F, a.stage - 1, a.microbatch) in finished
+        if a.kind is Kind.W:  # after its own I, earlier on the same rank
+            return True
         # the last stage's backward starts from the loss of its own forward
-        return a.stage == S - 1 or (Kind.B, a.stage + 1, a.microbatch) in finished
+        return a.stage == S - 1 or any((k, a.stage + 1, a.microbatch) in finished for k in INPUT_GRAD_KINDS)
 
     progressed = True
     while progressed:
@@ -295,6 +360,10 @@ def _check_progress(schedule: Schedule) -> None:
     stuck = [f"rank {r} at {acts[pos[r]]}" for r, acts in enumerate(lists) if pos[r] < len(acts)]
     if stuck:
         raise ScheduleError(f"schedule {schedule.name} deadlocks: {', '.join(stuck)}")
+
+
+_HOLD_TO_END = frozenset(ScheduleName) - {ScheduleName.ONE_F_ONE_B, ScheduleName.PIPEDREAM}
+"""Schedules whose torch class keeps every send's work until its step returns."""
 
 
 def held_outputs(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
@@ -314,13 +383,16 @@ def held_outputs(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
       (forward `min(M, S - s) - 2`) in `send_work` until its 1B1F loop is over: that
       output lives until the end of the backward that follows the stage's last forward.
 
-    The last stage sends nothing. PipeDream runs as `Schedule1F1B`.
+    The last stage sends nothing. PipeDream runs as `Schedule1F1B`; the zero-bubble, V
+    and looped-BFS schedules are `_PipelineScheduleRuntime`s as interleaved 1F1B is (the
+    holder is then the rank's last backward action, a B or a W).
     """
     held: dict[tuple[int, int], tuple[int, int]] = {}
     for s in range(schedule.num_stages - 1):
-        rank_actions = [a for a in schedule.ranks[schedule.stage_to_rank[s]] if a.kind in (Kind.F, Kind.B)]
-        if schedule.name in (ScheduleName.GPIPE, ScheduleName.INTERLEAVED):
-            last = [a for a in rank_actions if a.kind is Kind.B][-1]
+        rank_actions = [a for a in schedule.ranks[schedule.stage_to_rank[s]]
+                        if a.kind is Kind.F or a.kind in BACKWARD_KINDS]
+        if schedule.name in _HOLD_TO_END:
+            last = [a for a in rank_actions if a.kind in BACKWARD_KINDS][-1]
             for m in range(schedule.num_microbatches):
                 held[(s, m)] = (last.stage, last.microbatch)  # type: ignore[assignment]
             continue
@@ -345,13 +417,14 @@ def held_input_grads(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int
     `.grad` is cleared) and `get_bwd_send_ops` moves it into the send ops; `Schedule1F1B`
     keeps those ops (`bwd_sends`, then `send_work`) until the stage's next backward has
     made its own; `ScheduleGPipe` and `ScheduleInterleaved1F1B` keep every send's work
-    until the step returns (the rank's last backward)."""
+    until the step returns (the rank's last backward action), and so do the other
+    `_PipelineScheduleRuntime`s (zero bubble, V, looped BFS), where an I makes it."""
     held: dict[tuple[int, int], tuple[int, int]] = {}
     for s in range(1, schedule.num_stages):
-        rank_actions = [a for a in schedule.ranks[schedule.stage_to_rank[s]] if a.kind is Kind.B]
-        own = [a for a in rank_actions if a.stage == s]
+        rank_actions = [a for a in schedule.ranks[schedule.stage_to_rank[s]] if a.kind in BACKWARD_KINDS]
+        own = [a for a in rank_actions if a.stage == s and a.kind in INPUT_GRAD_KINDS]
         for i, b in enumerate(own):
-            if schedule.name in (ScheduleName.GPIPE, ScheduleName.INTERLEAVED):
+            if schedule.name in _HOLD_TO_END:
                 holder = rank_actions[-1]
             else:
                 holder = own[min(i + 1, len(own) - 1)]

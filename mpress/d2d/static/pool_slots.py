@@ -85,7 +85,7 @@ def unit_slot_counts(actions: Sequence[Action], stage: int) -> dict[str, int]:
             held.setdefault(a.microbatch, []).append(unit)  # type: ignore[arg-type]
             now[unit] = now.get(unit, 0) + 1
             most[unit] = max(most.get(unit, 0), now[unit])
-        elif a.kind is Kind.B:
+        elif a.kind in (Kind.B, Kind.W):  # the end of the microbatch's backward (a split one ends at W)
             for unit in held.pop(a.microbatch, []):  # type: ignore[arg-type]
                 now[unit] -= 1
     return most

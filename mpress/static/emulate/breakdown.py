@@ -80,7 +80,7 @@ def rank_breakdown(tasks: Sequence[Task], static_bytes: int, costs: Sequence[Sta
             pending.clear()
             stash = costs[a.stage].param_bytes if weight_stashing and t.layer == 0 and a.kind in (Kind.F, Kind.B) else 0
             grads = 0
-            if a.kind is Kind.B and t.layer is not None and first_backward.setdefault(a.stage, a) == a:
+            if a.kind in (Kind.B, Kind.W) and t.layer is not None and first_backward.setdefault(a.stage, a) == a:
                 grads = costs[a.stage].layers[t.layer].grad_bytes
             if a.kind is Kind.F:
                 mem[PARAMS] += stash

@@ -12,7 +12,7 @@ from mpress.static.emulate.program import Program, Task, Transfer
 COMPUTE, COPY_OUT, COPY_IN, MARKER, SEND = range(5)
 """Node categories."""
 CATEGORY = {
-    Kind.F: COMPUTE, Kind.B: COMPUTE, Kind.OPT: COMPUTE, Kind.RC: COMPUTE,
+    Kind.F: COMPUTE, Kind.B: COMPUTE, Kind.I: COMPUTE, Kind.W: COMPUTE, Kind.OPT: COMPUTE, Kind.RC: COMPUTE,
     Kind.SO: COPY_OUT, Kind.DO: COPY_OUT, Kind.OO: COPY_OUT,
     Kind.SI: COPY_IN, Kind.DI: COPY_IN, Kind.OI: COPY_IN,
     Kind.DR: MARKER,
@@ -60,9 +60,11 @@ class Graph:
 
 
 def _group(task: Task) -> tuple[Kind, int, int | str | None]:
-    """The compute action a task belongs to: a recompute runs inside its backward."""
+    """The compute action a task belongs to: a recompute runs inside its backward. A
+    split backward's I stands for the microbatch's backward (what the stage before waits
+    for); its W is a group of its own."""
     a = task.action
-    if a.kind is Kind.RC:
+    if a.kind in (Kind.RC, Kind.I):
         return (Kind.B, a.stage, a.microbatch)
     return (a.kind, a.stage, a.microbatch if a.kind is not Kind.OPT else a.tensor)
 
@@ -95,12 +97,12 @@ def build_dependencies(program: Program, nodes: Nodes) -> Graph:
                 key = _group(task)
                 if key != current:
                     current = key
-                    if key[0] in (Kind.F, Kind.B):
+                    if key[0] in (Kind.F, Kind.B, Kind.W):
                         if key in groups:
                             raise ScheduleError(f"rank {r}: action {key[1]}{key[0].value}{key[2]} appears twice "
                                                 "in the program")
                         groups[key] = [n, n]  # type: ignore[index]
-                elif key[0] in (Kind.F, Kind.B):
+                elif key[0] in (Kind.F, Kind.B, Kind.W):
                     groups[key][1] = n  # type: ignore[index]
                 if task.starts_action and unreleased:
                     deps.setdefault(n, []).extend(unreleased)
@@ -125,6 +127,13 @@ def build_dependencies(program: Program, nodes: Nodes) -> Graph:
             if s + 1 not in forward_stages:
                 continue
             pred, link, label = (Kind.B, s + 1, m), program.grad_sends.get((s + 1, s)), f"send:{s + 1}B{m}->{s}"
+        elif k is Kind.W:  # after its own I
+            own = groups.get((Kind.B, s, m))
+            if own is None:
+                missing.setdefault(first, []).append(f"{s}I{m} (not in the program)")
+            else:
+                deps.setdefault(first, []).append(own[1])
+            continue
         else:
             continue
         p = groups.get(pred)

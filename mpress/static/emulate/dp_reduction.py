@@ -118,12 +118,12 @@ def add_reduction(program: Program, costs: list[StageCosts], dp: DataParallel | 
 
 def _rank_with_reduction(tasks: tuple[Task, ...], costs: list[StageCosts], device: int,
                          dp: DataParallel) -> tuple[Task, ...]:
-    last_mb: dict[int, int] = {}   # stage -> microbatch of its last backward on this rank
+    last_mb: dict[int, tuple[Kind, int]] = {}  # stage -> its last B or W (what makes gradients) on this rank
     last_opt: dict[int, int] = {}  # stage -> index of its last optimizer task
     for i, t in enumerate(tasks):
         a = t.action
-        if a.kind is Kind.B:
-            last_mb[a.stage] = a.microbatch  # type: ignore[assignment]
+        if a.kind in (Kind.B, Kind.W):
+            last_mb[a.stage] = (a.kind, a.microbatch)  # type: ignore[assignment]
         elif a.kind is Kind.OPT:
             last_opt[a.stage] = i
     channel = nic_channel(dp, device)
@@ -136,7 +136,7 @@ def _rank_with_reduction(tasks: tuple[Task, ...], costs: list[StageCosts], devic
             waited.add(a.stage)
             t = replace(t, consumes=t.consumes + tuple(issued[a.stage]))
         out.append(t)
-        if a.kind is Kind.B and t.layer is not None and last_mb.get(a.stage) == a.microbatch:
+        if t.layer is not None and last_mb.get(a.stage) == (a.kind, a.microbatch):
             c = costs[a.stage]
             nbytes = bucket_bytes_by_layer([x.grad_bytes for x in c.layers], dp)[t.layer]
             if nbytes:

@@ -56,8 +56,9 @@ def pinned_bytes(schedule: Schedule, tensors: dict[str, TensorInfo]) -> list[int
                     held[key] = held.get(key, 0) + nbytes
             elif a.kind is Kind.OI and _host(a, tensors):
                 held[(a.stage, None, a.tensor)] = tensors[a.tensor].pool_bytes  # type: ignore[index]
-            elif a.kind is Kind.B or (a.kind is Kind.OPT and a.tensor is not None):
-                key = (a.stage, a.microbatch, None) if a.kind is Kind.B else (a.stage, None, a.tensor)
+            elif a.kind in (Kind.B, Kind.W) or (a.kind is Kind.OPT and a.tensor is not None):
+                # a split backward gives its units' pool bytes back with its W, the end of its backward
+                key = (a.stage, a.microbatch, None) if a.kind is not Kind.OPT else (a.stage, None, a.tensor)
                 in_use[a.stage] = in_use.get(a.stage, 0) - held.pop(key, 0)
     return [p + round_up(int(p * FRAGMENTATION_HEADROOM), ALIGNMENT_BYTES) + b if p else 0
             for p, b in zip(peak, largest)]

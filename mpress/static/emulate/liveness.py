@@ -38,7 +38,7 @@ def stage_times(result: EmulatorResult, num_stages: int, num_microbatches: int) 
             if a.kind is Kind.F and a.microbatch is not None:
                 table["fs"][a.stage][a.microbatch] = start
                 table["fe"][a.stage][a.microbatch] = end
-            elif a.kind is Kind.B and a.microbatch is not None:
+            elif a.kind in (Kind.B, Kind.I) and a.microbatch is not None:  # an I starts a split backward
                 table["bs"][a.stage][a.microbatch] = start
                 table["be"][a.stage][a.microbatch] = end
     return [StageTimes(tuple(table["fs"][s]), tuple(table["fe"][s]), tuple(table["bs"][s]), tuple(table["be"][s]))

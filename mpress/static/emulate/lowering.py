@@ -6,7 +6,11 @@ list puts right after F(s, m) (SO, DO, DR) run inside it, each after its own lay
 task; the recomputes after B(s, m) (RC) run inside it, each before its layer's backward.
 Copy-outs give their bytes back at the next release point (the first task of the next
 compute action, which waits for them); copy-ins take theirs when issued; a layer's
-backward consumes the copy-ins of its own saved tensors. The optimizer step of a stage
+backward consumes the copy-ins of its own saved tensors. A split backward's I(s, m)
+costs each layer's input-gradient time and its W(s, m) the weight-gradient time
+(`LayerProfile.input_grad_time_s`, `weight_grad_time_s`); their memory is
+`stage_memory.split_backward_steps`'s (what W reads stays from I until W; a unit
+swapped back for the backward is back before I, so before W too). The optimizer step of a stage
 (OPT), or of one layer's chunk of it (`OPT:{s}:optim:LAYER`), gives back the gradients it
 used, holding the optimizer's temporaries while it runs. The step of a layer of a stage
 that steps on the host (`TensorInfo.host_step`) runs on its rank's thread as the runtime
@@ -39,7 +43,9 @@ from mpress.static.memory.stage_costs import StageCosts, stage_costs
 from mpress.static.profile.profile import LayerProfile, Profile
 from mpress.static.emulate.program import Cost, Program, Task, Transfer
 from mpress.static.schedules import held_input_grads, held_outputs
-from mpress.static.memory.stage_memory import WHOLE, Choice, backward_steps, forward_steps, recompute_time_s
+from mpress.static.memory.stage_memory import (
+    WHOLE, Choice, StepMemory, backward_steps, forward_steps, recompute_time_s, split_backward_steps,
+)
 
 __all__ = ["LateFrees", "TensorInfo", "build_program", "late_frees", "lower_rank", "lower_rank_traced",
            "optimizer_transient_bytes"]
@@ -172,7 +178,8 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
     pending: list[int] = []            # copy-outs since the last release point (indices in out)
     released: dict[int, int] = {}      # copy-out index -> bytes it gives back
     issued_in: dict[tuple[int, int | None, int | None], list[str]] = {}  # (stage, mb, layer) -> copy-ins
-    backward_seen: set[int] = set()
+    backward_seen: set[int] = set()   # stages whose parameters' gradients exist (a B or a W ran)
+    weight_steps: dict[tuple[int, int | None], list[StepMemory]] = {}  # an I's W half, until its W
     grads_out: set[int] = set()
     host_params_in: dict[int, str] = {}  # stage -> its host step's last parameters copy-in
     layer_of: dict[tuple[int, str | None], int | None] = {}  # a unit's layer, parsed once per name
@@ -211,7 +218,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 out.append(start(task) if j == 0 else task)
                 for x in by_layer.get(j, []) + (by_layer.get(None, []) if j == len(steps) - 1 else []):
                     out.append(_lower_memory(x, tensors, device, hardware, pending, released, out))
-        elif a.kind is Kind.B:
+        elif a.kind in (Kind.B, Kind.I):
             inside = []
             while i + 1 < len(actions) and actions[i + 1].kind is Kind.RC and \
                     (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
@@ -219,10 +226,14 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 inside.append(actions[i])
             rc = {unit_layer(x): x for x in inside}
             recomputed = [_choice(rc[j], tensors) if j in rc else None for j in range(len(c.layers))]
-            first = a.stage not in backward_seen
-            backward_seen.add(a.stage)
-            steps = backward_steps(c.layers, recomputed, first_backward=first,
-                                   output_held=(a.stage, a.microbatch) in held)
+            output_held = (a.stage, a.microbatch) in held
+            if a.kind is Kind.I:  # the parameters' gradients and what W reads wait for the W
+                steps, weight_steps[(a.stage, a.microbatch)] = split_backward_steps(
+                    c.layers, recomputed, first_weight=False, output_held=output_held)
+            else:
+                steps = backward_steps(c.layers, recomputed, first_backward=a.stage not in backward_seen,
+                                       output_held=output_held)
+                backward_seen.add(a.stage)
             group: list[Task] = []
             for k, step in enumerate(steps):
                 j = len(steps) - 1 - k
@@ -233,10 +244,25 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 consumes = issued_in.get((a.stage, a.microbatch, j), [])
                 if k == 0:  # stashed weights (no layer) come back before the backward
                     consumes = consumes + issued_in.get((a.stage, a.microbatch, None), [])
-                group.append(Task(a, layer=j, compute_s=c.layers[j].backward_time_s, alloc_bytes=step.alloc_bytes,
+                time_s = c.layers[j].input_grad_time_s if a.kind is Kind.I else c.layers[j].backward_time_s
+                group.append(Task(a, layer=j, compute_s=time_s, alloc_bytes=step.alloc_bytes,
                                   transient_bytes=step.transient_bytes, free_bytes=step.free_bytes + stash,
                                   consumes=tuple(consumes)))
-            let_go = releases.get((a.stage, a.microbatch), 0)  # what the schedule's sends held until now
+            let_go = 0 if a.kind is Kind.I else releases.get((a.stage, a.microbatch), 0)  # sends held it till now
+            if let_go:
+                group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + let_go})
+            out.append(start(group[0]))
+            out.extend(group[1:])
+        elif a.kind is Kind.W:
+            split = weight_steps.pop((a.stage, a.microbatch), None)
+            if split is None:
+                raise ScheduleError(f"action {a}: no input-gradient half ({a.stage}I{a.microbatch}) before it")
+            first = a.stage not in backward_seen
+            backward_seen.add(a.stage)
+            group = [Task(a, layer=len(split) - 1 - k, compute_s=c.layers[len(split) - 1 - k].weight_grad_time_s,
+                          alloc_bytes=c.layers[len(split) - 1 - k].grad_bytes if first else 0,
+                          free_bytes=step.free_bytes) for k, step in enumerate(split)]
+            let_go = releases.get((a.stage, a.microbatch), 0)
             if let_go:
                 group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + let_go})
             out.append(start(group[0]))

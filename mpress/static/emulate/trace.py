@@ -46,7 +46,7 @@ def trace_events(result: EmulatorResult, layer_names: Sequence[Sequence[str]] | 
                             release_bytes=task.release_bytes)
                 handle = b.slice(r, COMPUTE, action_name(a, layer), "compute", start_s, end_s, args)
                 first_task.setdefault((a.kind, a.stage, a.microbatch), handle)
-                if a.kind in (Kind.F, Kind.B):
+                if a.kind in (Kind.F, Kind.B, Kind.I, Kind.W):
                     if group is not None and group[0] == a:
                         group = (a, group[1], end_s)
                     else:

@@ -22,7 +22,11 @@ recomputed layer uses its `recompute_memory`, one recomputed in part the memory 
   pipeline until the microbatch's backward is over) goes when the backward ends; the
   gradient of the stage's input stays: the send that carries it back holds it, and the
   lowering gives it back when torch's schedule lets that send go
-  (`schedules.held_input_grads`).
+  (`schedules.held_input_grads`);
+- a split backward (I, then W, `split_backward_steps`): I of j is j's backward without
+  the parameters' gradients and keeps what j's weight gradient reads (its linears'
+  saved inputs, `SavedTensor.weight_grad`), W of j takes the parameters' gradients (in
+  the step's first W of the stage) and gives that back.
 
 Units: bytes.
 """
@@ -151,6 +155,33 @@ def backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Choice],
         out.append(StepMemory(alloc_bytes=alloc, transient_bytes=max(mem.backward_peak_bytes - alloc, 0),
                               free_bytes=freed))
     return out
+
+
+def weight_grad_bytes(layer: LayerProfile) -> int:
+    """Bytes of the saved tensors `layer`'s weight gradient reads (when the layer is
+    recomputed, its replay before I re-makes them): what a split backward keeps from I
+    until W."""
+    return sum(t.bytes for t in layer.saved if t.weight_grad and not t.held)
+
+
+def split_backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Choice], *, first_weight: bool,
+                         output_held: bool = False) -> tuple[list[StepMemory], list[StepMemory]]:
+    """(I steps, W steps) of a split backward of one microbatch, last layer first (as
+    `backward_steps`, which says what the whole backward takes and gives back; the two
+    halves together take and give back the same). first_weight: the step's first W of
+    this stage (it makes the parameters' gradients). What W keeps is at most what the
+    layer's backward gives back."""
+    whole = backward_steps(layers, recomputed, first_backward=False, output_held=output_held)
+    inputs: list[StepMemory] = []
+    weights: list[StepMemory] = []
+    for k, step in enumerate(whole):
+        j = len(whole) - 1 - k
+        kept = min(step.free_bytes, weight_grad_bytes(layers[j]))
+        inputs.append(StepMemory(alloc_bytes=step.alloc_bytes, transient_bytes=step.transient_bytes,
+                                 free_bytes=step.free_bytes - kept))
+        weights.append(StepMemory(alloc_bytes=layers[j].grad_bytes if first_weight else 0, transient_bytes=0,
+                                  free_bytes=kept))
+    return inputs, weights
 
 
 def freeable_tensors(layers: Sequence[LayerProfile], layer: int, tensors: Sequence[SavedTensor],

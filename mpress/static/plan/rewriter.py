@@ -9,7 +9,10 @@ Where each memory action goes (per rank, in its list):
   out here too when the plan says so. A swapped-out unit's device bytes are given back
   at the next compute action of the rank (its release point);
 - right after B(s, m), and run inside it: a recompute (RC) of each dropped unit, last
-  layer first (each runs right before its layer's backward);
+  layer first (each runs right before its layer's backward). A split backward's I(s, m)
+  stands for B(s, m) here and below: its recomputes run inside it and its swap-ins come
+  before it, so what W(s, m) reads (kept from I to W, `stage_memory.split_backward_steps`)
+  is on the device before W; W(s, m) itself takes no memory action;
 - swap-ins (SI/DI) before the compute action `prefetch_lead` compute actions ahead of
   B(s, m) (never before the F(s, m) that produced the tensor); under the plan's
   `capacity` policy, earlier still: as early as the stage's device has room for them in
@@ -195,7 +198,7 @@ def _backward_follows(actions: Sequence[Action], compute_pos: list[int], i: int)
     if k + 1 >= len(compute_pos):
         return False
     nxt = actions[compute_pos[k + 1]]
-    return nxt.kind is Kind.B and (nxt.stage, nxt.microbatch) == (actions[i].stage, actions[i].microbatch)
+    return nxt.kind in (Kind.B, Kind.I) and (nxt.stage, nxt.microbatch) == (actions[i].stage, actions[i].microbatch)
 
 
 def _info(rule: TensorRule, nbytes: int, pool_bytes: int, largest_block_bytes: int = 0) -> TensorInfo:
@@ -222,7 +225,7 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
         produced_at: dict[tuple[int, int], int] = {}
         last_b: dict[int, int] = {}
         for i, a in enumerate(actions):
-            if a.kind is Kind.B:
+            if a.kind in (Kind.B, Kind.W):  # what makes the gradients the step reads
                 last_b[a.stage] = i
         for i, a in enumerate(actions):
             st = stages[a.stage] if a.stage < len(stages) else None
@@ -248,7 +251,7 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                     else:
                         tensors[key] = _info(unit.rule, nbytes, unit.pool_bytes, unit.largest_block_bytes)
                         after.setdefault(i, []).append(Action(a.stage, _OUT[tech], a.microbatch, key))
-            elif a.kind is Kind.B and a.microbatch is not None:
+            elif a.kind in (Kind.B, Kind.I) and a.microbatch is not None:
                 m = a.microbatch
                 units = st.units(m)
                 for unit in _recomputes(units):  # inside the backward, each before its layer's

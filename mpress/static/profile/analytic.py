@@ -78,9 +78,10 @@ class _SavedList:
         self._next_index: dict[str, int] = {}
 
     def add(self, module: str, shape: list[int], dtype: str, what: str, *, alias_of: str | None = None,
-            is_input: bool = False, held: bool = False) -> str:
+            is_input: bool = False, held: bool = False, weight_grad: bool = False) -> str:
         """Append one saved tensor; `alias_of` (an id) marks storage already counted;
-        `is_input`: its storage is the layer's input; `held`: something else holds it."""
+        `is_input`: its storage is the layer's input; `held`: something else holds it;
+        `weight_grad`: a linear's input, which its weight gradient reads."""
         index = self._next_index.get(module, 0)
         self._next_index[module] = index + 1
         numel = 1
@@ -90,7 +91,7 @@ class _SavedList:
         if alias_of is not None:
             what = f"{what} (same storage as {alias_of})"
         tensor = SavedTensor(module=module, index=index, bytes=nbytes, shape=list(shape), dtype=dtype, what=what,
-                             input=is_input, held=held)
+                             input=is_input, held=held, weight_grad=weight_grad)
         self.tensors.append(tensor)
         return tensor.id
 
@@ -125,7 +126,7 @@ def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList) -> None:
         return analytic_llama.block_saved(cfg, i, b, act, out)
     p = f"layers.{i}"
     _layer_norm(out, f"{p}.ln1", [b, t, h], act, "ln1", is_input=True)
-    out.add(f"{p}.attn.qkv", [b * t, h], act, "qkv input")
+    out.add(f"{p}.attn.qkv", [b * t, h], act, "qkv input", weight_grad=True)
     # bmm saves its second operand first, then its first.
     out.add(f"{p}.attn", [b * nh, hd, t], act, "keys (transposed) for q@k^T")
     out.add(f"{p}.attn", [b * nh, t, hd], act, "scaled queries for q@k^T")
@@ -135,12 +136,12 @@ def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList) -> None:
     # Without dropout, probs@v saves a view of the softmax output, already counted.
     out.add(f"{p}.attn", [b * nh, t, t], act, "dropped-out attention probabilities for probs@v",
             alias_of=softmax if cfg.dropout == 0 else None)
-    out.add(f"{p}.attn.proj", [b * t, h], act, "attention output projection input")
+    out.add(f"{p}.attn.proj", [b * t, h], act, "attention output projection input", weight_grad=True)
     _dropout(out, cfg, f"{p}.attn.resid_drop", [b, t, h], "attention-output")
     _layer_norm(out, f"{p}.ln2", [b, t, h], act, "ln2")
-    out.add(f"{p}.mlp.fc1", [b * t, h], act, "fc1 input")
+    out.add(f"{p}.mlp.fc1", [b * t, h], act, "fc1 input", weight_grad=True)
     out.add(f"{p}.mlp.act", [b, t, f], act, "GELU input")
-    out.add(f"{p}.mlp.fc2", [b * t, f], act, "fc2 input")
+    out.add(f"{p}.mlp.fc2", [b * t, f], act, "fc2 input", weight_grad=True)
     _dropout(out, cfg, f"{p}.mlp.drop", [b, t, h], "MLP-output")
 
 
@@ -152,10 +153,10 @@ def _head_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
     else:
         _layer_norm(out, "head.ln", [b, t, h], act, "final LayerNorm", is_input=True)
     if cfg.family == "bert":
-        out.add("head.dense", [b * t, h], act, "MLM transform dense input")
+        out.add("head.dense", [b * t, h], act, "MLM transform dense input", weight_grad=True)
         out.add("head.act", [b, t, h], act, "MLM transform GELU input")
         _layer_norm(out, "head.dense_ln", [b, t, h], act, "MLM transform LayerNorm")
-    out.add("head.out", [b * t, h], act, "vocabulary projection input")
+    out.add("head.out", [b * t, h], act, "vocabulary projection input", weight_grad=True)
     # Cross entropy = log_softmax (saves its output) + nll_loss (saves that output again,
     # the targets and the total weight), attributed to the head layer.
     logp = out.add("head", [b * t, v], "float32", "log-probabilities (log_softmax output)")
@@ -202,6 +203,18 @@ def layer_backward_flops(cfg: ModelConfig, index: int, microbatch_size: int) -> 
     return 2.0 * layer_forward_flops(cfg, index, microbatch_size)
 
 
+def layer_weight_grad_flops(cfg: ModelConfig, index: int, microbatch_size: int) -> float:
+    """FLOPs of the weight-gradient half of layer `index`'s backward (a split backward's
+    W): one product per linear, as large as its forward product; attention's products
+    have no weights, so they are all input-gradient work."""
+    if cfg.family == "llama":
+        return analytic_llama.layer_weight_grad_flops(cfg, index, microbatch_size)
+    b, t, h, f = microbatch_size, cfg.seq_len, cfg.hidden_size, cfg.ffn
+    if index in (0, cfg.num_layers + 1):
+        return layer_forward_flops(cfg, index, microbatch_size)
+    return float(2 * b * t * (3 * h * h + h * h + 2 * h * f))
+
+
 def layer_output_bytes(cfg: ModelConfig, index: int, microbatch_size: int) -> int:
     """Bytes layer `index` hands on: (B, T, h) hidden states, or the fp32 loss for the head."""
     if index == cfg.num_layers + 1:
@@ -228,6 +241,7 @@ def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int)
             name=layer_name(cfg, index),
             forward_flops=fwd,
             backward_flops=bwd,
+            weight_grad_flops=layer_weight_grad_flops(cfg, index, microbatch_size),
             forward_time_s=flops_time_s(fwd, hardware, cfg.precision),
             backward_time_s=flops_time_s(bwd, hardware, cfg.precision),
             param_bytes=n * cfg.dtype_bytes,

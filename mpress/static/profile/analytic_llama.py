@@ -33,7 +33,7 @@ class SavedSink(Protocol):
     """Where saved tensors are appended (`analytic._SavedList`)."""
 
     def add(self, module: str, shape: list[int], dtype: str, what: str, *, alias_of: str | None = None,
-            is_input: bool = False, held: bool = False) -> str: ...
+            is_input: bool = False, held: bool = False, weight_grad: bool = False) -> str: ...
 
 
 def rms_norm_saved(out: SavedSink, module: str, shape: list[int], act: str, what: str, *,
@@ -61,7 +61,7 @@ def block_saved(cfg: ModelConfig, i: int, b: int, act: str, out: SavedSink) -> N
     nh, kv, hd = cfg.num_heads, cfg.kv_heads, cfg.head_dim
     p = f"layers.{i}"
     rms_norm_saved(out, f"{p}.attn_norm", [b, t, h], act, "attention RMSNorm", is_input=True)
-    x = out.add(f"{p}.attn.q_proj", [b * t, h], act, "q/k/v projection input")
+    x = out.add(f"{p}.attn.q_proj", [b * t, h], act, "q/k/v projection input", weight_grad=True)
     out.add(f"{p}.attn.k_proj", [b * t, h], act, "q/k/v projection input", alias_of=x)
     out.add(f"{p}.attn.v_proj", [b * t, h], act, "q/k/v projection input", alias_of=x)
     # q * cos + rotate_half(q) * sin, then the same for k: each product saves its table
@@ -75,7 +75,7 @@ def block_saved(cfg: ModelConfig, i: int, b: int, act: str, out: SavedSink) -> N
         out.add(f"{p}.attn", [b, nh, t, hd], act, "rotated queries for SDPA")
         out.add(f"{p}.attn", [b, kv, t, hd], act, "values for SDPA (the v projection's output)")
         out.add(f"{p}.attn", [b, nh, t], "float32", "SDPA log-sum-exp")
-        y = out.add(f"{p}.attn", [b, nh, t, hd], act, "SDPA output")
+        y = out.add(f"{p}.attn", [b, nh, t, hd], act, "SDPA output", weight_grad=True)
         # the kernel's output is laid out (B, T, nh, hd): the projection input is a view of it
         out.add(f"{p}.attn.o_proj", [b * t, h], act, "output projection input", alias_of=y)
     else:
@@ -89,14 +89,14 @@ def block_saved(cfg: ModelConfig, i: int, b: int, act: str, out: SavedSink) -> N
         same = act == "float32" and cfg.dropout == 0  # neither a cast nor dropout made a new tensor
         out.add(f"{p}.attn", [b * nh, t, t], act, "attention probabilities for probs@v",
                 alias_of=probs if same else None)
-        out.add(f"{p}.attn.o_proj", [b * t, h], act, "output projection input")
+        out.add(f"{p}.attn.o_proj", [b * t, h], act, "output projection input", weight_grad=True)
     rms_norm_saved(out, f"{p}.mlp_norm", [b, t, h], act, "MLP RMSNorm")
-    x = out.add(f"{p}.mlp.gate_proj", [b * t, h], act, "gate/up projection input")
+    x = out.add(f"{p}.mlp.gate_proj", [b * t, h], act, "gate/up projection input", weight_grad=True)
     out.add(f"{p}.mlp", [b, t, f], act, "SiLU input (gate output)")
     out.add(f"{p}.mlp.up_proj", [b * t, h], act, "gate/up projection input", alias_of=x)
     out.add(f"{p}.mlp", [b, t, f], act, "up output for SiLU(gate) * up")
     out.add(f"{p}.mlp", [b, t, f], act, "SiLU output for SiLU(gate) * up")
-    out.add(f"{p}.mlp.down_proj", [b * t, f], act, "down projection input")
+    out.add(f"{p}.mlp.down_proj", [b * t, f], act, "down projection input", weight_grad=True)
 
 
 def head_norm_saved(cfg: ModelConfig, b: int, act: str, out: SavedSink) -> None:
@@ -120,6 +120,14 @@ def layer_forward_flops(cfg: ModelConfig, index: int, b: int) -> float:
     if index == cfg.num_layers + 1:
         return float(2 * b * cfg.seq_len * cfg.hidden_size * cfg.vocab_size)
     return sum(_block_flops(cfg, b))
+
+
+def layer_weight_grad_flops(cfg: ModelConfig, index: int, b: int) -> float:
+    """FLOPs of the weight-gradient half of layer `index`'s backward: one product per
+    projection, as large as its forward (attention has no weights)."""
+    if index in (0, cfg.num_layers + 1):
+        return layer_forward_flops(cfg, index, b)
+    return _block_flops(cfg, b)[0]
 
 
 def layer_backward_flops(cfg: ModelConfig, index: int, b: int) -> float:

@@ -66,6 +66,9 @@ class SavedTensor:
     """Matrix-product FLOPs of that operator (what re-producing it computes)."""
     op_bytes: int = field(default=0, metadata={"min": 0})
     """Bytes that operator reads and writes (what re-producing it moves)."""
+    weight_grad: bool = False
+    """A weight gradient reads it (a linear's input): a split backward keeps it from the
+    input-gradient half (I) until the weight-gradient half (W)."""
 
     @property
     def id(self) -> str:
@@ -128,6 +131,10 @@ class LayerProfile:
     forward_time_s: float = field(metadata={"min": 0})
     """Measured: the median over the timed steps; otherwise FLOPs over the hardware's rate."""
     backward_time_s: float = field(metadata={"min": 0})
+    weight_grad_flops: float = field(default=-1.0, metadata={"min": -1})
+    """FLOPs of the weight-gradient half of the backward (what a split backward's W
+    runs; the input-gradient half I runs the rest); -1: not recorded, taken as half
+    (a linear's backward is two matrix products of equal size, one per half)."""
     forward_time_iqr_s: float = field(default=0.0, metadata={"min": 0})
     """Spread of the measured forward times (interquartile range); 0 when not measured."""
     backward_time_iqr_s: float = field(default=0.0, metadata={"min": 0})
@@ -159,6 +166,21 @@ class LayerProfile:
     @property
     def saved_bytes(self) -> int:
         return sum(t.bytes for t in self.saved)
+
+    @property
+    def weight_grad_time_s(self) -> float:
+        """Time of the weight-gradient half of the backward: `backward_time_s` split by
+        FLOPs (`weight_grad_flops`)."""
+        if self.weight_grad_flops < 0:
+            return 0.5 * self.backward_time_s
+        if self.backward_flops <= 0:
+            return 0.0
+        return self.backward_time_s * min(1.0, self.weight_grad_flops / self.backward_flops)
+
+    @property
+    def input_grad_time_s(self) -> float:
+        """Time of the input-gradient half: the backward less its weight-gradient half."""
+        return self.backward_time_s - self.weight_grad_time_s
 
     @property
     def model_state_bytes(self) -> int:

@@ -1,0 +1,156 @@
+"""A split backward (I, then W) in the profile, the memory model, the emulator and the
+rewriter: times split by FLOPs, what W reads kept from I to W, W off the critical path
+between stages, and memory actions placed around the I."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mpress.config.model_config import load_model_config
+from mpress.config.vocabulary import ScheduleName
+from mpress.contract.actions import Kind
+from mpress.contract.plan import Stripe
+from mpress.hardware.server import load_hardware
+from mpress.static.emulate.program import walk_peaks
+from mpress.static.memory.stage_memory import (
+    backward_steps,
+    split_backward_steps,
+    weight_grad_bytes,
+)
+from mpress.static.plan.evaluate import evaluate, setup_pipeline
+from mpress.static.profile.analytic import analytic_profile
+from tests.support.plans import rule
+from tests.support.rewriter import Case
+
+A100 = load_hardware("dgx-a100")
+
+
+def test_analytic_profile_splits_by_flops() -> None:
+    cfg = load_model_config("gpt-small")
+    prof = analytic_profile(cfg, A100, 2)
+    block = prof.layers[1]
+    b, t, h, f = 2, cfg.seq_len, cfg.hidden_size, cfg.ffn
+    projections = 2 * b * t * (4 * h * h + 2 * h * f)
+    assert block.weight_grad_flops == projections
+    # attention's products have no weights: the input-gradient half is the larger one
+    assert block.weight_grad_time_s == pytest.approx(block.backward_time_s * projections / block.backward_flops)
+    assert block.input_grad_time_s > block.weight_grad_time_s > 0
+    # what the weight gradients read: the four linears' inputs
+    assert sorted(x.what for x in block.saved if x.weight_grad) == [
+        "attention output projection input", "fc1 input", "fc2 input", "qkv input"]
+    assert weight_grad_bytes(block) == (3 * b * t * h + b * t * f) * cfg.dtype_bytes
+    # a profile without the split (a measured one) takes half and half
+    unsplit = replace(block, weight_grad_flops=-1.0)
+    assert unsplit.weight_grad_time_s == unsplit.input_grad_time_s == block.backward_time_s / 2
+    llama = analytic_profile(load_model_config("llama-tiny"), A100, 1).layers[1]
+    assert 0 < llama.weight_grad_flops < llama.backward_flops / 2
+    assert weight_grad_bytes(llama) > 0
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_split_backward_takes_and_gives_back_what_the_whole_does(first: bool) -> None:
+    layers = analytic_profile(load_model_config("gpt-small"), A100, 2).layers[:5]
+    for recomputed in ([None] * 5, [None, -1, None, -1, None]):
+        whole = backward_steps(layers, recomputed, first_backward=first)
+        inputs, weights = split_backward_steps(layers, recomputed, first_weight=first)
+        assert sum(x.alloc_bytes for x in inputs + weights) == sum(x.alloc_bytes for x in whole)
+        assert sum(x.free_bytes for x in inputs + weights) == sum(x.free_bytes for x in whole)
+        for k, (i, w) in enumerate(zip(inputs, weights)):
+            j = len(layers) - 1 - k
+            # the parameters' gradients come with W; W gives back what it read
+            assert w.alloc_bytes == (layers[j].grad_bytes if first else 0)
+            assert w.free_bytes == min(whole[k].free_bytes, weight_grad_bytes(layers[j]))
+            assert i.free_bytes == whole[k].free_bytes - w.free_bytes
+        assert sum(w.free_bytes for w in weights) > 0
+
+
+def _setup(name: str, stages: int, ranks: int | None):
+    return setup_pipeline(load_model_config("gpt-20.4b"), A100, schedule=name, num_stages=stages,  # type: ignore[arg-type]
+                          microbatch_size=2, num_microbatches=16, num_ranks=ranks)
+
+
+def test_zero_bubble_fills_the_bubble() -> None:
+    one_f_one_b = evaluate(_setup("1f1b", 8, None)).result
+    zb_h1 = evaluate(_setup("interleaved-zb", 8, 8))
+    zbv = evaluate(_setup("zbv", 16, None)).result
+    # the same work, fewer idle slots
+    assert zb_h1.result.iteration_s < 0.9 * one_f_one_b.iteration_s
+    assert zbv.iteration_s < 0.9 * one_f_one_b.iteration_s
+    # each W runs after its own I, and the stage before starts its I as soon as the input
+    # gradient arrives: not after this stage's W
+    program, res = zb_h1.program, zb_h1.result
+    for r, tasks in enumerate(program.ranks):
+        ends = {}
+        for k, t in enumerate(tasks):
+            a = t.action
+            if a.kind is Kind.I:
+                ends[(a.stage, a.microbatch)] = res.task_end_s[r][k]
+            if a.kind is Kind.W:
+                assert res.task_start_s[r][k] >= ends[(a.stage, a.microbatch)]
+    i_end = {}
+    w_end = {}
+    i_start = {}
+    for r, tasks in enumerate(program.ranks):
+        for k, t in enumerate(tasks):
+            key = (t.action.stage, t.action.microbatch)
+            if t.action.kind is Kind.I:
+                i_end[key] = max(i_end.get(key, 0.0), res.task_end_s[r][k])
+                i_start.setdefault(key, res.task_start_s[r][k])
+            elif t.action.kind is Kind.W:
+                w_end[key] = max(w_end.get(key, 0.0), res.task_end_s[r][k])
+    early = [(s, m) for (s, m) in i_start if s < 7 and i_start[(s, m)] < w_end[(s + 1, m)]]
+    assert early  # some I of stage s starts before stage s+1's W of that microbatch ends
+    assert all(i_start[(s, m)] >= i_end[(s + 1, m)] for (s, m) in i_start if s < 7)
+
+
+def test_what_w_reads_stays_until_w() -> None:
+    # ZB-H1's rank 0 at 16 microbatches holds as many microbatches as 1F1B's, and each
+    # delayed W keeps its linears' inputs: its peak is not below 1F1B's
+    plain = evaluate(_setup("1f1b", 8, None)).result
+    zb = evaluate(_setup("interleaved-zb", 8, 8)).result
+    assert max(zb.peak_bytes) >= max(plain.peak_bytes)
+
+
+SPLIT = [("interleaved-zb", {"num_ranks": 4}), ("interleaved-zb", {"num_ranks": 2}), ("zbv", {}),
+         ("dualpipev", {})]
+
+
+@pytest.mark.parametrize("name, kw", SPLIT)
+def test_memory_actions_around_a_split_backward(name: str, kw: dict) -> None:
+    rules = {
+        0: [rule("layers.0.**", prefetch_lead=2),
+            rule("layers.1.**", "d2d", stripes=[Stripe(device=3, fraction=0.5), Stripe(device=4, fraction=0.5)])],
+        1: [rule("layers.2.**", "recompute")],
+        2: [rule("layers.5.**", "recompute", microbatches="0-3")],
+        3: [rule("layers.7.**", prefetch_lead=3)],
+    }
+    case = Case(name, [(0, 2), (2, 4), (4, 6), (6, 8)], 8, rules, **kw)
+    assert case.schedule.name == ScheduleName(name)
+    swapped = recomputed = 0
+    for r, acts in enumerate(case.rw.schedule.ranks):
+        where = {(a.kind, a.stage, a.microbatch, a.tensor): i for i, a in enumerate(acts)}
+        for i, a in enumerate(acts):
+            backward = where.get((Kind.I, a.stage, a.microbatch, None), where.get((Kind.B, a.stage, a.microbatch, None)))
+            if a.kind in (Kind.SI, Kind.DI):
+                swapped += 1
+                # back before the I (so before the W that reads it too)
+                assert i < backward, (r, str(a))
+            elif a.kind is Kind.RC:
+                recomputed += 1
+                # inside the I (or full B), right after it
+                assert backward < i and all(x.kind is Kind.RC for x in acts[backward + 1:i]), (r, str(a))
+            if a.kind is Kind.W:
+                assert where[(Kind.I, a.stage, a.microbatch, None)] < i
+    assert swapped and recomputed
+    ev = case.evaluation()  # a deadlock raises
+    program, res = ev.program, ev.result
+    for r, device in enumerate(program.rank_device):
+        static = program.static_bytes[r]
+        assert res.peak_bytes[device] == max(walk_peaks(program.ranks[r], static))
+        # everything taken in the iteration was given back, what W kept included
+        assert res.timeline[device][-1][1] == static, (name, r)
+    # the W halves are tasks of their own, costed with the weight-gradient time
+    ws = [t for tasks in program.ranks for t in tasks if t.action.kind is Kind.W]
+    assert ws and all(t.compute_s == case.costs[t.action.stage].layers[t.layer].weight_grad_time_s for t in ws)

@@ -50,7 +50,8 @@ class RendezvousError(MpressError):
 
     def __init__(self, host: str, port: int, what: str, waited_s: float) -> None:
         self.host, self.port, self.what, self.waited_s = host, port, what, waited_s
-        super().__init__(f"rendezvous endpoint {host}:{port}: {what} (waited {waited_s:.1f} s)")
+        waited = f"{waited_s:.1f}" if isinstance(waited_s, (int, float)) else waited_s
+        super().__init__(f"rendezvous endpoint {host}:{port}: {what} (waited {waited} s)")
 
 
 def host_store(host: str, port: int, *, timeout_s: float = RDZV_TIMEOUT_S) -> dist.TCPStore:

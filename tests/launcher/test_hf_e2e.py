@@ -41,7 +41,8 @@ CASES = [
     ("gpt2-tiny", 2, "700KB", ("embed.tokens.weight", "head.lm_head.weight")),
     ("llama-tiny", 2, "500KB", None),
     ("bert-tiny", 4, "420KB", ("embed.word_embeddings.weight", "head.predictions.decoder.weight")),
-    # the other rank counts: GPT-2 on 4 (D2D + recompute), BERT on 2 (host swap + recompute)
+    # the other rank counts: GPT-2 on 4 (D2D: since the peer quotas are the program's slots,
+    # no budget gives D2D and recompute together there), BERT on 2 (host swap + recompute)
     ("gpt2-tiny", 4, "800KB", ("embed.tokens.weight", "head.lm_head.weight")),
     ("bert-tiny", 2, "500KB", ("embed.word_embeddings.weight", "head.predictions.decoder.weight")),
 ]
@@ -79,7 +80,10 @@ def test_hf_profile_plan_train_equals_plain_pipelining(tmp_path, name, ranks, me
     mpress(for_case(PLAN, name, ranks, memory), tmp_path)
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     techniques = {r["technique"] for st in plan["stages"] for r in st.get("rules", [])}
-    assert len(techniques - {"keep"}) >= 2 and "recompute" in techniques, techniques  # a mixed plan
+    if (name, ranks) == ("gpt2-tiny", 4):
+        assert "d2d" in techniques, techniques  # the case that runs the HF model with peer swaps
+    else:
+        assert len(techniques - {"keep"}) >= 2 and "recompute" in techniques, techniques  # a mixed plan
 
     train = [*for_case(TRAIN, name, ranks, memory), "--hf-config", name]  # the example's config, another model
     mixed = mpress([*train, "--checkpoint.dir", "ck-mixed"], tmp_path)

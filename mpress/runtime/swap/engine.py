@@ -65,6 +65,7 @@ from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.contract.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 from mpress.runtime.swap.record import (
+    TERMINAL_STATES,
     SwapHandle,
     SwapRecord,
     SwapState,
@@ -205,8 +206,9 @@ class SwapEngine(EngineWorkers):
                 self._with_block.add(record)
                 self._outs.add(record)
                 if self._cuda:
+                    record.src_stream = torch.cuda.current_stream(self.device)  # the sources' allocation stream
                     record.ready_event = torch.cuda.Event()
-                    record.ready_event.record(torch.cuda.current_stream(self.device))
+                    record.ready_event.record(record.src_stream)
                 self._num_pending += 1
         handle = SwapHandle(record)
         weakref.finalize(handle, self._handle_dropped, record).atexit = False
@@ -295,12 +297,15 @@ class SwapEngine(EngineWorkers):
     def wait_outs(self) -> None:
         """Give up the device storage of every swap-out issued so far: a release point of
         the rank's program. The host waits only until each copy is enqueued (the issuer
-        never waits for the GPU; at most `timeout_s`); on CUDA the current (compute)
-        stream then waits on each copy's event, and only after that are the sources let
-        go. The caching allocator reuses a freed block only for work on the stream that
-        allocated it, the compute stream, which is now ordered after the copies that read
-        it: the memory is safe without draining the GPU's queue (and without
-        `record_stream`). On CPU a copy is done when it is enqueued."""
+        never waits for the GPU; at most `timeout_s`); on CUDA the stream the sources were
+        made on (the compute stream current at `swap_out`, not whatever is current now)
+        then waits on each copy's event, and only after that are the sources let go. The
+        caching allocator reuses a freed block only for work on the stream that allocated
+        it, which is now ordered after the copies that read it: the memory is safe without
+        draining the GPU's queue (and without `record_stream`). The memory manager is told
+        the bytes left the device here, where the allocator gets them back (its check
+        compares the two), not when the completer sees the copy finish. On CPU a copy is
+        done when it is enqueued."""
         with self._lock:
             records = list(self._outs)
         deadline = time.perf_counter() + self.timeout_s
@@ -311,16 +316,16 @@ class SwapEngine(EngineWorkers):
                     raise SwapError(f"timed out after {self.timeout_s:g} s waiting for the swap-out of "
                                     f"{record.describe()} to be issued (state {record.state.value})")
         self.check()
-        events = [e for record in records for e in record.out_events]
-        if events:
-            stream = torch.cuda.current_stream(self.device)
-            for event in events:
-                stream.wait_event(event)
+        for record in records:
+            for event in record.out_events:
+                record.src_stream.wait_event(event)  # type: ignore[union-attr] - events only on CUDA
         with self._lock:
             for record in records:  # held until now (`hold_until_release`): the storage goes here
                 self._check_versions(record)
                 record.src = None
                 record.out_batch = None  # (it holds the sources too)
+                if record.state not in TERMINAL_STATES:
+                    self._moved_out(record)
             self._outs.difference_update(records)
         self.check()
 
@@ -453,6 +458,13 @@ class SwapEngine(EngineWorkers):
         record.out_done.set()
         record.out_issued.set()
         record.in_ready.set()
+
+    def _moved_out(self, record: SwapRecord) -> None:
+        """Tell the manager `record`'s bytes are off the device (once: at the release point
+        or when the copy completed, whichever comes first)."""
+        if not record.moved_out and not record.discard_requested:  # else the key may be a newer tensor's
+            self._manager.move(record.key, self.store.residency, peer=record.peer_bytes() or None)
+        record.moved_out = True
 
     def _release_block(self, record: SwapRecord) -> None:
         if record.placement is not None:

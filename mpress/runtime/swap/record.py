@@ -73,6 +73,8 @@ class SwapRecord:
         self.out_batch: Batch | None = None  # the out copies, paired by the training thread
         self.in_batch: Batch | None = None   # the in copies, paired by `prefetch`
         self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
+        self.src_stream: torch.cuda.Stream | None = None  # where the sources were made (CUDA): the release waits there
+        self.moved_out = False               # the manager was told the bytes left the device
         self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies
         self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
         self.out_issued = threading.Event()  # out copy enqueued, `out_events` recorded (CPU: done; or failed/cancelled)

@@ -111,8 +111,7 @@ class EngineWorkers:
             copy_s = wait_copies(copies)
             self._trace("out", record)
             with self._lock:
-                if not record.discard_requested:  # else the key may belong to a newer tensor
-                    self._manager.move(record.key, self.store.residency, peer=record.peer_bytes() or None)
+                self._moved_out(record)  # unless the release point did already
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self._fail(record, "swap-out", exc)
             return

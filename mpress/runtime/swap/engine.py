@@ -70,6 +70,7 @@ from mpress.runtime.swap.record import (
     SwapRecord,
     SwapState,
     SwapStats,
+    span_bytes,
     traced,
 )
 from mpress.runtime.swap.layout import Layout
@@ -170,7 +171,6 @@ class SwapEngine(EngineWorkers):
         what one layer saves under one rule). Host work is per group, not per tensor."""
         self.check()
         self._reap_dropped()  # frees their blocks and keys before this one needs them
-        self.store.await_room(key.tensor, self.timeout_s)  # a swap-in completing frees it: not under the lock
         layouts: list[Layout] = []
         sources: list[torch.Tensor] = []
         device, strided, source_of = self.device, torch.strided, Layout.source
@@ -188,6 +188,8 @@ class SwapEngine(EngineWorkers):
                 layouts.append(layout)
                 sources.append(source)
             nbytes = sum(layout.nbytes for layout in layouts)
+            # a swap-in completing frees room: waited for here, not under the lock
+            self.store.await_room(key.tensor, span_bytes(layouts), weights, self.timeout_s)
             with self._lock:
                 owned = self._claim_key(key, nbytes, category)
                 record = SwapRecord(key, [name for name, _t in tensors], layouts, sources, None, owned)  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 A fake profile (`fake_profile.py`) runs the model's forward and backward on fake tensors
 standing on the CPU, so by default autograd saves what the CPU's kernels save. A GPU
-training run saves something else for three kinds of operator (torch 2.11 and 2.13):
+training run saves something else for four kinds of operator (torch 2.11 and 2.13):
 
 =====================  ==========================================  ==========================================
 operator               CPU kernel saves                            CUDA kernel saves (CUDA - CPU, bytes)
@@ -39,11 +39,13 @@ the backward ("hasPrimaryContext expects a valid device index"), a CPU-only buil
 the process once autograd sees them, and SDPA cannot ask the device which kernel it runs
 (it falls back to the math path). The forward alone is what the test compares.
 
-Not covered (a GPU saves them as the CPU's table row says, or nearly): `native_group_norm`
-statistics, in-place dropout, and `F.rms_norm`: on CUDA it is `_fused_rms_norm`, which
-saves the input, the weight and rstd (rows x 1, fp32); the CPU's composite saves fp32
-copies of the input on the way (about 8 B per element more for fp16/bf16 input), so a
-GPU target's profile over-counts RMSNorm's saved bytes by that.
+RMSNorm (`F.rms_norm`, weight of the input's dtype or none) is CUDA's `_fused_rms_norm`,
+which saves the input, the weight and rstd (rows x 1, fp32); the CPU's composite saves
+fp32 copies of the input on the way (about 8 B per element more for fp16/bf16 input):
+`FusedRmsNorm` saves what CUDA's kernel saves.
+
+Not covered (a GPU saves them as the CPU's table row says): `native_group_norm`
+statistics, in-place dropout.
 """
 
 from __future__ import annotations
@@ -157,6 +159,8 @@ class _Functions(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         if func in (F.dropout, torch.dropout):
             return _dropout(func, *args, **kwargs)
+        if func in (F.rms_norm, torch.rms_norm):
+            return _rms_norm(func, *args, **kwargs)
         return func(*args, **kwargs)
 
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -222,6 +226,46 @@ def in_recompute() -> contextlib.AbstractContextManager:
     statistics mode, a dispatch mode, stays active in the backward by itself)."""
     cc = _ACTIVE.get()
     return _Functions(cc) if cc is not None else contextlib.nullcontext()
+
+
+def _rms_norm(func: Any, input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
+              eps: float | None = None) -> torch.Tensor:
+    """RMSNorm as CUDA runs it: `_fused_rms_norm` when the weight (if any) has the input's
+    dtype (`FusedRmsNorm`); else torch's composite, as on CUDA."""
+    if weight is not None and weight.dtype != input.dtype:
+        return func(input, normalized_shape, weight, eps)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return FusedRmsNorm.apply(input, weight, len(shape), torch.finfo(input.dtype).eps if eps is None else eps)
+
+
+class FusedRmsNorm(torch.autograd.Function):
+    """CUDA's `_fused_rms_norm` on any device: saves the input, the weight and rstd (fp32,
+    the normalized dimensions kept as 1), as the CUDA kernel does; CPU's composite saves
+    fp32 copies of the input on the way. Computes in fp32, like both."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor | None, ndim: int, eps: float) -> torch.Tensor:
+        dims = tuple(range(-ndim, 0))
+        x = input.float()
+        rstd = torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+        out = (x * rstd).to(input.dtype)
+        ctx.dims = dims
+        ctx.save_for_backward(input, weight, rstd)
+        return out if weight is None else out * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight, rstd = ctx.saved_tensors
+        dims = ctx.dims
+        normed = input.float() * rstd
+        g = grad.float()
+        grad_weight = None
+        if weight is not None:
+            lead = tuple(range(grad.dim() - len(dims)))
+            grad_weight = (g * normed).sum(lead).to(weight.dtype)
+            g = g * weight.float()
+        grad_input = rstd * (g - normed * (g * normed).mean(dims, keepdim=True))
+        return grad_input.to(input.dtype), grad_weight, None, None
 
 
 def _dropout(func: Any, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,

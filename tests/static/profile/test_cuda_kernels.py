@@ -241,3 +241,45 @@ def test_grouped_query_flash_saves_as_on_cuda():
     on_cuda, on_cpu = _both(attend, make, H100, lambda: _Kernel("flash"))
     assert on_cuda == on_cpu
     assert ("bfloat16", (B, 1, T, HEAD_DIM), B * T * HEAD_DIM * 2) in on_cpu
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_saves_the_fused_kernels_three_tensors_and_computes_rms_norm(weighted):
+    """For a GPU target RMSNorm saves what CUDA's `_fused_rms_norm` saves: the input, the
+    weight, rstd fp32 per row (before: the CPU composite's fp32 copies of the input, about
+    8 B per bf16 element more); its values and gradients are RMSNorm's."""
+    def norm(x, w):
+        return F.rms_norm(x, (HIDDEN,), w if weighted else None, 1e-5)
+
+    def make(device):
+        return _act(device, torch.bfloat16), _act(device, torch.bfloat16, (HIDDEN,))
+
+    with FakeTensorMode(allow_non_fake_inputs=True), CudaKernels(H100):
+        saves = _saves(norm, *make("cpu"))
+    weight = [("bfloat16", (HIDDEN,), HIDDEN * 2)] if weighted else []
+    assert saves == [("bfloat16", (B, T, HIDDEN), B * T * HIDDEN * 2), *weight, ("float32", (B, T, 1), B * T * 4)]
+    x, w = (t.detach().float().requires_grad_() for t in make("cpu"))
+    with CudaKernels(H100):
+        out = norm(x, w)
+    out.square().sum().backward()
+    grads = x.grad, w.grad
+    x.grad = w.grad = None
+    expected = norm(x, w)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads[0], x.grad)
+    if weighted:
+        torch.testing.assert_close(grads[1], w.grad)
+
+
+@cuda_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight", ["same", "none", "fp32"])
+def test_rms_norm_saves_as_on_cuda(dtype, weight):
+    """Fused when the weight has the input's dtype or there is none; else the composite."""
+    def make(device):
+        w = None if weight == "none" else _act(device, dtype if weight == "same" else torch.float32, (HIDDEN,))
+        return _act(device, dtype), w
+
+    on_cuda, on_cpu = _both(lambda x, w: F.rms_norm(x, (HIDDEN,), w, 1e-5), make)
+    assert on_cuda == on_cpu

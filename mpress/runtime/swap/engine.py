@@ -42,7 +42,8 @@ training thread as `SwapError("swap-out failed: rank R stage S microbatch M tens
 <cause>")` by the next `fetch`, `swap_out`, `prefetch`, `check` or `wait_idle`; the first
 error is sticky (the step is broken). `fetch` waits at most `timeout_s`.
 
-Residency: the engine reports every completed copy to the `MemoryManager`. A key the
+Residency: the engine reports every completed copy to the `MemoryManager` (a swap-out's
+at the release point if that comes first: the allocator has the bytes back). A key the
 caller did not track is tracked by `swap_out` and forgotten again by the engine when its
 handle is dropped (the saved tensor died), discarded, or cancelled by `close`.
 """
@@ -81,8 +82,6 @@ __all__ = ["FaultHook", "SwapEngine", "SwapHandle", "SwapState", "SwapStats"]
 
 FaultHook = Callable[[TensorKey, str], None]
 """Test hook called in a worker before each copy with the key and "out" or "in"."""
-
-
 
 
 class SwapEngine(EngineWorkers):
@@ -460,13 +459,6 @@ class SwapEngine(EngineWorkers):
         record.out_done.set()
         record.out_issued.set()
         record.in_ready.set()
-
-    def _moved_out(self, record: SwapRecord) -> None:
-        """Tell the manager `record`'s bytes are off the device (once: at the release point
-        or when the copy completed, whichever comes first)."""
-        if not record.moved_out and not record.discard_requested:  # else the key may be a newer tensor's
-            self._manager.move(record.key, self.store.residency, peer=record.peer_bytes() or None)
-        record.moved_out = True
 
     def _release_block(self, record: SwapRecord) -> None:
         if record.placement is not None:

@@ -131,6 +131,13 @@ class EngineWorkers:
                 self._outs.discard(record)
             record.out_done.set()
 
+    def _moved_out(self, record: SwapRecord) -> None:
+        """Tell the manager `record`'s bytes are off the device (once: at the release point
+        or when the copy completed, whichever comes first)."""
+        if not record.moved_out and not record.discard_requested:  # else the key may be a newer tensor's
+            self._manager.move(record.key, self.store.residency, peer=record.peer_bytes() or None)
+        record.moved_out = True
+
     def _issue_in(self, record: SwapRecord) -> list | None:
         """Enqueue `record`'s in copies into the tensors `prefetch` made and let its
         consumers go on; None when it needs none (cancelled or failed)."""

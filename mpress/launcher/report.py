@@ -20,7 +20,11 @@ def cublas_workspace_bytes(device: torch.device) -> int:
     reserve (`mpress.hardware.gpu_reserve`, cuBLAS). Measured by freeing them
     (`torch._C._cuda_clearCublasWorkspaces`; the next matrix product makes them again),
     so whatever the version, the configuration and the number of handles: call it when
-    the run's matrix products are over."""
+    the run's matrix products are over. It measures what is held at the end, which a
+    peak of the first step may not have held (a workspace first made after that peak,
+    by a handle or stream the backward opens): with one step, the measured figure less
+    these can read low by such workspaces; from the second step on each step holds
+    them all, so a run of two or more steps subtracts only what its peak held."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)

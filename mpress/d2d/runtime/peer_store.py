@@ -149,11 +149,17 @@ class PeerStore(SwapStore):
             raise
         return placement
 
-    def await_room(self, unit: str, timeout_s: float) -> None:
-        for peer in sorted(self._peers):
+    def await_room(self, unit: str, nbytes: int, weights: Weights | None, timeout_s: float) -> None:
+        """Wait for a free slot of `unit` in the quota of each peer the reservation stripes
+        over (`weights`), within one deadline for them all; a peer this store never
+        reserved on has all its slots free."""
+        deadline = time.monotonic() + timeout_s
+        for peer, _ in weights or self.default_weights:
+            if peer not in self._peers:
+                continue
             quota = self.pools.quota(self.stage, peer)
             if isinstance(quota, SlotPool) and quota.laid_out:
-                quota.wait_slot(unit, timeout_s)
+                quota.wait_slot(unit, max(0.0, deadline - time.monotonic()))
 
     def release(self, placement: Placement) -> None:
         for slot in placement.slots:

@@ -42,7 +42,8 @@ training thread as `SwapError("swap-out failed: rank R stage S microbatch M tens
 <cause>")` by the next `fetch`, `swap_out`, `prefetch`, `check` or `wait_idle`; the first
 error is sticky (the step is broken). `fetch` waits at most `timeout_s`.
 
-Residency: the engine reports every completed copy to the `MemoryManager`. A key the
+Residency: the engine reports every completed copy to the `MemoryManager` (a swap-out's
+at the release point if that comes first: the allocator has the bytes back). A key the
 caller did not track is tracked by `swap_out` and forgotten again by the engine when its
 handle is dropped (the saved tensor died), discarded, or cancelled by `close`.
 """
@@ -65,10 +66,12 @@ from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.contract.identity import TensorKey
 from mpress.runtime.memory.manager import Category, MemoryManager, Residency
 from mpress.runtime.swap.record import (
+    TERMINAL_STATES,
     SwapHandle,
     SwapRecord,
     SwapState,
     SwapStats,
+    span_bytes,
     traced,
 )
 from mpress.runtime.swap.layout import Layout
@@ -79,8 +82,6 @@ __all__ = ["FaultHook", "SwapEngine", "SwapHandle", "SwapState", "SwapStats"]
 
 FaultHook = Callable[[TensorKey, str], None]
 """Test hook called in a worker before each copy with the key and "out" or "in"."""
-
-
 
 
 class SwapEngine(EngineWorkers):
@@ -169,7 +170,6 @@ class SwapEngine(EngineWorkers):
         what one layer saves under one rule). Host work is per group, not per tensor."""
         self.check()
         self._reap_dropped()  # frees their blocks and keys before this one needs them
-        self.store.await_room(key.tensor, self.timeout_s)  # a swap-in completing frees it: not under the lock
         layouts: list[Layout] = []
         sources: list[torch.Tensor] = []
         device, strided, source_of = self.device, torch.strided, Layout.source
@@ -187,6 +187,8 @@ class SwapEngine(EngineWorkers):
                 layouts.append(layout)
                 sources.append(source)
             nbytes = sum(layout.nbytes for layout in layouts)
+            # a swap-in completing frees room: waited for here, not under the lock
+            self.store.await_room(key.tensor, span_bytes(layouts), weights, self.timeout_s)
             with self._lock:
                 owned = self._claim_key(key, nbytes, category)
                 record = SwapRecord(key, [name for name, _t in tensors], layouts, sources, None, owned)  # type: ignore[arg-type]
@@ -205,8 +207,9 @@ class SwapEngine(EngineWorkers):
                 self._with_block.add(record)
                 self._outs.add(record)
                 if self._cuda:
+                    record.src_stream = torch.cuda.current_stream(self.device)  # the sources' allocation stream
                     record.ready_event = torch.cuda.Event()
-                    record.ready_event.record(torch.cuda.current_stream(self.device))
+                    record.ready_event.record(record.src_stream)
                 self._num_pending += 1
         handle = SwapHandle(record)
         weakref.finalize(handle, self._handle_dropped, record).atexit = False
@@ -295,12 +298,15 @@ class SwapEngine(EngineWorkers):
     def wait_outs(self) -> None:
         """Give up the device storage of every swap-out issued so far: a release point of
         the rank's program. The host waits only until each copy is enqueued (the issuer
-        never waits for the GPU; at most `timeout_s`); on CUDA the current (compute)
-        stream then waits on each copy's event, and only after that are the sources let
-        go. The caching allocator reuses a freed block only for work on the stream that
-        allocated it, the compute stream, which is now ordered after the copies that read
-        it: the memory is safe without draining the GPU's queue (and without
-        `record_stream`). On CPU a copy is done when it is enqueued."""
+        never waits for the GPU; at most `timeout_s`); on CUDA the stream the sources were
+        made on (the compute stream current at `swap_out`, not whatever is current now)
+        then waits on each copy's event, and only after that are the sources let go. The
+        caching allocator reuses a freed block only for work on the stream that allocated
+        it, which is now ordered after the copies that read it: the memory is safe without
+        draining the GPU's queue (and without `record_stream`). The memory manager is told
+        the bytes left the device here, where the allocator gets them back (its check
+        compares the two), not when the completer sees the copy finish. On CPU a copy is
+        done when it is enqueued."""
         with self._lock:
             records = list(self._outs)
         deadline = time.perf_counter() + self.timeout_s
@@ -311,16 +317,16 @@ class SwapEngine(EngineWorkers):
                     raise SwapError(f"timed out after {self.timeout_s:g} s waiting for the swap-out of "
                                     f"{record.describe()} to be issued (state {record.state.value})")
         self.check()
-        events = [e for record in records for e in record.out_events]
-        if events:
-            stream = torch.cuda.current_stream(self.device)
-            for event in events:
-                stream.wait_event(event)
+        for record in records:
+            for event in record.out_events:
+                record.src_stream.wait_event(event)  # type: ignore[union-attr] - events only on CUDA
         with self._lock:
             for record in records:  # held until now (`hold_until_release`): the storage goes here
                 self._check_versions(record)
                 record.src = None
                 record.out_batch = None  # (it holds the sources too)
+                if record.state not in TERMINAL_STATES:
+                    self._moved_out(record)
             self._outs.difference_update(records)
         self.check()
 

@@ -17,9 +17,9 @@ bytes on the training thread, on the compute stream, before it records the ready
   unconjugated values: copying its bytes would lose the conjugation), on the compute
   stream so the copy streams that read the result are ordered after it.
 
-Gathers and resolutions allocate on the compute stream: memory freed by the copy streams
-would otherwise be cached for those streams only (the caching allocator reuses a block on
-the stream that freed it), and reserved memory would grow.
+Gathers and resolutions allocate on the compute stream: the caching allocator reuses a
+freed block only for the stream that allocated it, so memory a copy stream allocated
+would stay cached for that stream alone, and reserved memory would grow.
 """
 
 from __future__ import annotations

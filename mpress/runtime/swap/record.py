@@ -73,6 +73,8 @@ class SwapRecord:
         self.out_batch: Batch | None = None  # the out copies, paired by the training thread
         self.in_batch: Batch | None = None   # the in copies, paired by `prefetch`
         self.ready_event: torch.cuda.Event | None = None  # compute stream, at swap_out
+        self.src_stream: torch.cuda.Stream | None = None  # where the sources were made (CUDA): the release waits there
+        self.moved_out = False               # the manager was told the bytes left the device
         self.in_events: list[torch.cuda.Event] = []       # in streams, after the in copies
         self.out_done = threading.Event()    # out copy completed (or failed/cancelled)
         self.out_issued = threading.Event()  # out copy enqueued, `out_events` recorded (CPU: done; or failed/cancelled)
@@ -100,7 +102,7 @@ class SwapRecord:
     def span_bytes(self) -> int:
         """Bytes of the placement: the tensors at their aligned offsets (the store rounds
         the whole up to its own alignment)."""
-        return self.offsets[-1] + self.layouts[-1].nbytes if self.layouts else 0
+        return span_bytes(self.layouts)
 
     def peer_bytes(self) -> dict[int, int]:
         """The tensors' bytes (not the alignment gaps) per peer device holding them;
@@ -118,6 +120,11 @@ class SwapRecord:
     def pieces(self, tensors: list[torch.Tensor]) -> list[tuple[int, Layout, torch.Tensor]]:
         """(offset in the placement, layout, tensor) of each (dense) tensor of the group."""
         return list(zip(self.offsets, self.layouts, tensors))
+
+
+def span_bytes(layouts: list[Layout]) -> int:
+    """Bytes of a group's placement: its tensors at their `part_offsets`."""
+    return part_offsets(layouts)[-1] + layouts[-1].nbytes if layouts else 0
 
 
 def part_offsets(layouts: list[Layout]) -> list[int]:

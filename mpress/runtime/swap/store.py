@@ -19,6 +19,7 @@ block of which pool. Units: bytes.
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
@@ -30,6 +31,7 @@ from mpress.runtime.memory.block_pool import Block
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import Residency
 from mpress.runtime.swap.layout import Layout
+from mpress.config.units import round_up
 
 
 @dataclass(frozen=True)
@@ -176,10 +178,12 @@ class SwapStore(abc.ABC):
         `unit`: the program's name of what is swapped (its size class in a store that
         allocates by the program, `PeerStore`; the host store ignores it)."""
 
-    def await_room(self, unit: str, timeout_s: float) -> None:  # noqa: B027 - most stores never wait
-        """Wait (without the engine's lock) until a `reserve` for `unit` can find room that
-        is only held by swaps whose release needs no help from the training thread (a
-        swap-in completing); at most `timeout_s`, then `reserve` says what is short."""
+    def await_room(self, unit: str, nbytes: int, weights: Any, timeout_s: float) -> None:  # noqa: B027
+        """Wait (without the engine's lock) until a `reserve` of `nbytes` for `unit` (with
+        `weights`, as `reserve` gets them) can find room that is only held by swaps whose
+        release needs no help from the training thread (a swap-in completing); at most
+        `timeout_s` in all, then `reserve` says what is short. A store whose room is
+        never held that way does not wait."""
 
     @abc.abstractmethod
     def release(self, placement: Placement) -> None:
@@ -227,6 +231,12 @@ class HostStore(SwapStore):
     def __init__(self, pool: PinnedHostPool, device: torch.device) -> None:
         super().__init__(device)
         self.pool = pool
+        self._room = threading.Condition()
+        """Notified when `release` gave blocks back (every free of the pool comes through
+        here: the pool is the stage's, the store its one user)."""
+        self._reading: set[int] = set()
+        """Blocks a swap-in copy was issued from and that are not released yet: freed by
+        the engine when the copy completes (on a GPU: after `fetch` returned)."""
         self._out_stream = copy_stream(device) if self.cuda else None
         self._in_stream = copy_stream(device) if self.cuda else None
         self._views: dict[int, list[tuple[Layout, torch.Tensor]]] = {}
@@ -238,10 +248,29 @@ class HostStore(SwapStore):
     def reserve(self, owner: str, nbytes: int, weights: Any = None, unit: str | None = None) -> Placement:
         return Placement((Slot(None, self.pool.allocate(nbytes, owner=owner), 0, nbytes),))
 
+    def await_room(self, unit: str, nbytes: int, weights: Any, timeout_s: float) -> None:
+        """On a GPU the swap-in's copies finish after `fetch` returned (it waits only until
+        they are enqueued), and only then are their blocks freed: a swap-out reserved right
+        after (an optimizer chunk's OO after its step, a microbatch's SO after a backward)
+        would find the pool short by them, where the plan had them back. Wait for those
+        frees while the room is short and some are pending."""
+        size = round_up(max(nbytes, 1), self.pool.alignment_bytes)
+        deadline = time.monotonic() + timeout_s
+        with self._room:
+            while self._reading and self.pool.largest_free_bytes < size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._room.wait(left)
+
     def release(self, placement: Placement) -> None:
         for slot in placement.slots:
             self._views.pop(slot.block.block_id, None)
             self.pool.free(slot.block)
+        with self._room:
+            for slot in placement.slots:
+                self._reading.discard(slot.block.block_id)
+            self._room.notify_all()
 
     def pair(self, placement: Placement, pieces: Pieces) -> Batch:
         (slot,) = placement.slots
@@ -264,6 +293,8 @@ class HostStore(SwapStore):
         return [issue_copies(batch[None], stream)]
 
     def copy_in(self, placement: Placement, batch: Batch, ready: torch.cuda.Event | None) -> list[Copy]:
+        with self._room:
+            self._reading.update(slot.block.block_id for slot in placement.slots)
         stream = self._in_stream  # no record_stream: see copy_out
         if stream is not None:
             stream.wait_event(ready)

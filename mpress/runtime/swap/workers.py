@@ -111,8 +111,7 @@ class EngineWorkers:
             copy_s = wait_copies(copies)
             self._trace("out", record)
             with self._lock:
-                if not record.discard_requested:  # else the key may belong to a newer tensor
-                    self._manager.move(record.key, self.store.residency, peer=record.peer_bytes() or None)
+                self._moved_out(record)  # unless the release point did already
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
             self._fail(record, "swap-out", exc)
             return
@@ -131,6 +130,13 @@ class EngineWorkers:
             if not self._hold_until_release:
                 self._outs.discard(record)
             record.out_done.set()
+
+    def _moved_out(self, record: SwapRecord) -> None:
+        """Tell the manager `record`'s bytes are off the device (once: at the release point
+        or when the copy completed, whichever comes first)."""
+        if not record.moved_out and not record.discard_requested:  # else the key may be a newer tensor's
+            self._manager.move(record.key, self.store.residency, peer=record.peer_bytes() or None)
+        record.moved_out = True
 
     def _issue_in(self, record: SwapRecord) -> list | None:
         """Enqueue `record`'s in copies into the tensors `prefetch` made and let its

@@ -6,8 +6,11 @@ up to the pool's alignment) when its swap-out is issued and gives them back once
 swap-in has copied them, at the latest when the backward that consumes it ends. An
 optimizer chunk offloaded to the host lives in the pool from the start (the runtime sends
 it out when the job is built); its OI gives the blocks back by the end of the chunk's
-optimizer step, its OO takes them again. D2D units and chunks (with stripes) use peer
-pools, not this one.
+optimizer step, its OO takes them again. On a GPU the swap-in's copy may still run when
+the step has been enqueued and the OO (or a later SO) reserves; the runtime frees the
+blocks when that copy completes, and a reservation the pool is short for waits for it
+(`HostStore.await_room`), so the pool never holds a chunk twice and this figure stays
+what the runtime holds. D2D units and chunks (with stripes) use peer pools, not this one.
 
 The pool the plan asks for is that peak plus room for fragmentation: the runtime carves
 blocks first fit, and blocks come back in another order than they went out (a swap-in

@@ -2,7 +2,7 @@
 
 A fake profile (`fake_profile.py`) runs the model's forward and backward on fake tensors
 standing on the CPU, so by default autograd saves what the CPU's kernels save. A GPU
-training run saves something else for three kinds of operator (torch 2.11 and 2.13):
+training run saves something else for four kinds of operator (torch 2.11 and 2.13):
 
 =====================  ==========================================  ==========================================
 operator               CPU kernel saves                            CUDA kernel saves (CUDA - CPU, bytes)
@@ -12,11 +12,15 @@ dropout (train,        `_dropout`: the noise, act dtype            `native_dropo
 `native_layer_norm`    mean and rstd in the input's dtype          mean and rstd fp32, rows x 1 each
 of fp16/bf16 input     (rows x itemsize each)                      (2 x rows x (4 - itemsize))
 scaled dot-product     training with dropout: the math path        flash (sm80+, fp16/bf16, head dim <= 256
-attention              (fp32 scores, probabilities and noise,      and % 8, no mask): q, k, v, out, logsumexp
-                       B x H x Tq x Tk each); without: CPU flash   B x H x Tq fp32, RNG state uint64[2] + uint64
-                       (q, k, v, out, logsumexp B x H x Tq fp32)   (24 B); else efficient: logsumexp
-                                                                   B x H x ceil(Tq/32)*32 fp32, seed and offset
-                                                                   int64 (16 B), the mask as an additive bias
+attention              (fp32 scores, probabilities and noise,      and % 8, no mask, grouped-query heads
+                       B x H x Tq x Tk each); without: CPU flash   allowed): q, k, v, out, logsumexp
+                       (q, k, v, out, logsumexp B x H x Tq fp32)   B x H x Tq fp32, RNG state uint64[2] +
+                                                                   uint64 (24 B); else efficient (no
+                                                                   grouped-query heads): logsumexp
+                                                                   B x H x ceil(Tq/32)*32 fp32, seed and
+                                                                   offset int64 (16 B), the mask as an
+                                                                   additive bias; else math: fp32 scores
+                                                                   and probabilities, dropout's bool mask
 =====================  ==========================================  ==========================================
 
 `CudaKernels` makes the fake CPU run save what the GPU saves, at the source, so every
@@ -24,8 +28,9 @@ figure the profile derives from the saved tensors (kept bytes, peaks, recompute 
 follows: dropout calls `native_dropout` (CPU has that kernel), attention calls the CUDA
 kernel the target GPU picks (`attention_kernel`: torch's fake implementations of
 `_scaled_dot_product_flash_attention` and `_scaled_dot_product_efficient_attention` run
-on CPU fake tensors, forward and backward), and LayerNorm's statistics come out fp32
-(`CUDA_STATISTICS`). `tests/static/profile/test_cuda_kernels.py` checks each row
+on CPU fake tensors, forward and backward; the math path is the device-generic
+`_scaled_dot_product_attention_math`, its dropout given as a bool mask), and LayerNorm's
+statistics come out fp32 (`CUDA_STATISTICS`). `tests/static/profile/test_cuda_kernels.py` checks each row
 against torch's own fake CUDA tensors under a CUDA build of torch.
 
 Why not fake CUDA tensors themselves: without a GPU, a CUDA build of torch runs their
@@ -34,9 +39,13 @@ the backward ("hasPrimaryContext expects a valid device index"), a CPU-only buil
 the process once autograd sees them, and SDPA cannot ask the device which kernel it runs
 (it falls back to the math path). The forward alone is what the test compares.
 
-Not covered (a GPU saves them as the CPU's table row says): the math attention path
-(a head dimension no fused kernel takes), `native_group_norm` and `rms_norm` statistics,
-in-place dropout.
+RMSNorm (`F.rms_norm`, weight of the input's dtype or none) is CUDA's `_fused_rms_norm`,
+which saves the input, the weight and rstd (rows x 1, fp32); the CPU's composite saves
+fp32 copies of the input on the way (about 8 B per element more for fp16/bf16 input):
+`FusedRmsNorm` saves what CUDA's kernel saves.
+
+Not covered (a GPU saves them as the CPU's table row says): `native_group_norm`
+statistics, in-place dropout.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
+import warnings
 from typing import Any, Self
 
 import torch
@@ -81,28 +91,43 @@ def compute_capability(hardware: Hardware) -> tuple[int, int] | None:
 
 
 def attention_kernel(cc: tuple[int, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: torch.Tensor | None, enable_gqa: bool = False) -> str:
+                     attn_mask: torch.Tensor | None, enable_gqa: bool = False, is_causal: bool = False,
+                     grad: bool = False) -> str:
     """"flash", "efficient" or "math": the kernel SDPA runs on a GPU of compute capability
-    `cc` (torch's order: flash, then efficient, then math; their main conditions)."""
-    if query.dim() != 4 or key.dim() != 4 or (enable_gqa and query.size(1) != key.size(1)):
+    `cc` (torch's order: flash, then efficient, then math; their main conditions, torch
+    2.11's `sdp_utils.cpp`). `grad`: the backward will run (some GPUs' flash refuses wide
+    heads then). Grouped-query attention (`enable_gqa`) runs on flash or math only."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "math"
+    heads, kv_heads = query.size(1), key.size(1)
+    if kv_heads != value.size(1) or (heads != kv_heads and not (enable_gqa and heads % kv_heads == 0)):
+        return "math"  # torch raises on such shapes; nothing fused takes them
     head, dtype = query.size(-1), query.dtype
+    tq, tk = query.size(-2), key.size(-2)
     if cc >= (8, 0) and dtype in HALF and attn_mask is None and head == value.size(-1) \
-            and head % 8 == 0 and head <= 256:
+            and head % 8 == 0 and head <= 256 and not (is_causal and tq != tk) \
+            and not (cc in ((8, 6), (8, 9)) and head > 192 and grad):
         return "flash"
-    aligned = head % (4 if dtype == torch.float32 else 8) == 0 and value.size(-1) % 8 == 0
+    if enable_gqa:
+        return "math"
+    align = 4 if dtype == torch.float32 else 8
+    aligned = head % align == 0 and value.size(-1) % align == 0
     if aligned and (dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and cc >= (8, 0))):
         return "efficient"
     return "math"
 
 
+def _additive(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """An SDPA mask as an additive bias in the query's dtype (a bool mask: -inf where False)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(query.dtype)
+
+
 def _bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """An SDPA mask as the efficient kernel takes it: additive, in the query's dtype, last
     dimension padded to `EFFICIENT_MASK_ALIGNMENT` (then viewed back), expanded to B x H x Tq x Tk."""
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    else:
-        mask = mask.to(query.dtype)
+    mask = _additive(mask, query)
     tk = mask.size(-1)
     pad = -tk % EFFICIENT_MASK_ALIGNMENT
     if pad:
@@ -134,22 +159,40 @@ class _Functions(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         if func in (F.dropout, torch.dropout):
             return _dropout(func, *args, **kwargs)
+        if func in (F.rms_norm, torch.rms_norm):
+            return _rms_norm(func, *args, **kwargs)
         return func(*args, **kwargs)
 
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                    scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-        kernel = attention_kernel(self.cc, query, key, value, attn_mask, enable_gqa)
+        grad = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
+        kernel = attention_kernel(self.cc, query, key, value, attn_mask, enable_gqa, is_causal, grad)
         if kernel == "flash":
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
         if kernel == "efficient":
             bias = _bias(attn_mask, query, key) if attn_mask is not None else None
-            grad = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+          dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """SDPA's math path as CUDA runs it (`_scaled_dot_product_attention_math`, device
+    generic: fp32 scores and probabilities for fp16/bf16 input). Plain SDPA on CPU would
+    pick CPU flash instead. Its dropout is given as a bool mask: CUDA's `at::dropout` is
+    the fused kernel (a bool mask saved), the CPU's saves a noise tensor in fp32."""
+    mask = _additive(attn_mask, query) if attn_mask is not None else None
+    keep = None
+    if dropout_p > 0:
+        shape = (*query.shape[:-1], key.size(-2))
+        keep = torch.empty(shape, dtype=torch.bool, device=query.device).bernoulli_(1 - dropout_p)
+    with warnings.catch_warnings():  # torch warns that a given dropout mask is for tests
+        warnings.filterwarnings("ignore", "Dropout mask should only be used")
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, mask, dropout_p, is_causal, keep, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 _ACTIVE: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("mpress_cuda_kernels", default=None)
@@ -183,6 +226,46 @@ def in_recompute() -> contextlib.AbstractContextManager:
     statistics mode, a dispatch mode, stays active in the backward by itself)."""
     cc = _ACTIVE.get()
     return _Functions(cc) if cc is not None else contextlib.nullcontext()
+
+
+def _rms_norm(func: Any, input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
+              eps: float | None = None) -> torch.Tensor:
+    """RMSNorm as CUDA runs it: `_fused_rms_norm` when the weight (if any) has the input's
+    dtype (`FusedRmsNorm`); else torch's composite, as on CUDA."""
+    if weight is not None and weight.dtype != input.dtype:
+        return func(input, normalized_shape, weight, eps)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    return FusedRmsNorm.apply(input, weight, len(shape), torch.finfo(input.dtype).eps if eps is None else eps)
+
+
+class FusedRmsNorm(torch.autograd.Function):
+    """CUDA's `_fused_rms_norm` on any device: saves the input, the weight and rstd (fp32,
+    the normalized dimensions kept as 1), as the CUDA kernel does; CPU's composite saves
+    fp32 copies of the input on the way. Computes in fp32, like both."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor | None, ndim: int, eps: float) -> torch.Tensor:
+        dims = tuple(range(-ndim, 0))
+        x = input.float()
+        rstd = torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+        out = (x * rstd).to(input.dtype)
+        ctx.dims = dims
+        ctx.save_for_backward(input, weight, rstd)
+        return out if weight is None else out * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        input, weight, rstd = ctx.saved_tensors
+        dims = ctx.dims
+        normed = input.float() * rstd
+        g = grad.float()
+        grad_weight = None
+        if weight is not None:
+            lead = tuple(range(grad.dim() - len(dims)))
+            grad_weight = (g * normed).sum(lead).to(weight.dtype)
+            g = g * weight.float()
+        grad_input = rstd * (g - normed * (g * normed).mean(dims, keepdim=True))
+        return grad_input.to(input.dtype), grad_weight, None, None
 
 
 def _dropout(func: Any, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,

@@ -5,6 +5,7 @@ states, quota exhaustion and dead peers."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from mpress.contract.plan import Plan
 from mpress.runtime.memory.manager import MemoryManager, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapState
 from tests.support.keys import key
-from tests.support.peers import KiB, MiB, find, kill_rank
+from tests.support.peers import KiB, MiB, Quotas, find, kill_rank
 from tests.support.plans import three_stage_d2d_plan
 from tests.support.tensors import CPU, DTYPES, random_tensor, same_bits, wait_until
 
@@ -233,3 +234,21 @@ def test_copy_streams_come_from_the_pool_nccl_does_not_draw_from(make_pools, mon
     assert len(_FakeStream.made) == 4 * len(peers) + 2
     assert {d for d, _ in _FakeStream.made} == {"cuda:0"} | {f"cuda:{d}" for d in peers}
     assert {p for _, p in _FakeStream.made} == {-1}
+
+
+def test_waiting_for_room_shares_one_deadline_and_asks_only_the_reservations_peers():
+    """`await_room` waits for a slot on each peer the reservation stripes over, within one
+    deadline (before: the full timeout per peer in turn, and on every peer the store had
+    used, whatever the reservation's weights)."""
+    weights = ((1, 0.5), (2, 0.25), (3, 0.25))
+    store = PeerStore(Quotas(0, {1: 64 * KiB, 2: 64 * KiB, 3: 64 * KiB, 4: 64 * KiB}, {"u": 1}), 0, CPU, weights)
+    store.reserve("u#0", 4 * KiB, weights, "u")  # the one slot of u on each of peers 1, 2 and 3
+    timeout = 0.4
+    start = time.monotonic()
+    store.await_room("u", 4 * KiB, weights, timeout)  # no slot comes free
+    waited = time.monotonic() - start
+    assert timeout <= waited < 2 * timeout  # before: 3 x timeout
+    start = time.monotonic()
+    store.await_room("u", 4 * KiB, ((4, 1.0),), timeout)  # peer 4's slots are all free
+    assert time.monotonic() - start < timeout / 2  # before: waited on peers 1 to 3
+    store.reserve("u#1", 4 * KiB, ((4, 1.0),), "u")

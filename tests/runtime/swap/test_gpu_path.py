@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import weakref
 from functools import partial
 
 import pytest
@@ -24,7 +23,6 @@ from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
 from mpress.runtime.swap.store import Copy, HostStore
 from tests.support import keys
-from tests.support.cuda_fakes import FakeEvent, FakeStream
 from tests.support.router import make_router
 from tests.support.tensors import CPU, random_tensor, same_bits, wait_until
 
@@ -83,59 +81,6 @@ def test_a_swap_in_is_issued_while_the_one_before_is_still_copying():
         store.go.set()
         engine.wait_idle()
         assert all(torch.equal(b, t) for b, t in zip(backs, tensors))
-
-
-class GatedEvent(FakeEvent):
-    """A copy's CUDA event whose `synchronize` returns when the test opens `gate` (the
-    copy is still running on its stream until then)."""
-
-    def __init__(self, gate: threading.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
-    def synchronize(self) -> None:
-        if not self.gate.wait(10):
-            raise TimeoutError("the test never let the copy finish")
-
-
-class EventOutStore(HostStore):
-    """The host store whose out copies report a CUDA event (`GatedEvent`) instead of
-    having finished: what the engine sees on a GPU while a copy-out runs."""
-
-    def __init__(self, pool: PinnedHostPool, gate: threading.Event) -> None:
-        super().__init__(pool, CPU)
-        self.gate = gate
-        self.events: list[GatedEvent] = []
-
-    def copy_out(self, placement, batch, ready):
-        super().copy_out(placement, batch, ready)  # the bytes move at once on CPU
-        self.events.append(GatedEvent(self.gate))
-        return [Copy(done=self.events[-1], start=FakeEvent(), wall_s=0.0)]
-
-
-def test_a_release_point_orders_the_compute_stream_after_the_copies_without_waiting(monkeypatch):
-    """Issue 29 item 5: at a release point (`wait_outs`) the host does not wait for the
-    copy-outs to finish (draining the GPU's queue): the compute stream waits on each
-    copy's event, and the sources are let go only after that (their memory goes back to
-    the compute stream's pool, now ordered after the copies that read it)."""
-    gate = threading.Event()
-    store = EventOutStore(PinnedHostPool(1 << 20), gate)
-    source: list[weakref.ref] = []
-    stream = FakeStream(on_wait=lambda: source[0]() is not None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    with engine_over(store, hold_until_release=True, timeout_s=2) as engine:
-        x = torch.randn(256)
-        expected = x.clone()
-        source.append(weakref.ref(x))
-        handle = engine.swap_out(key("x#0"), x)
-        del x
-        engine.wait_outs()  # before: blocked until the copy completed (here: never, so a timeout)
-        assert not gate.is_set() and not handle._record.out_done.is_set()  # the copy still runs
-        assert stream.waited == store.events and stream.seen == [True]  # waited on, the source held then
-        assert source[0]() is None  # and let go after
-        gate.set()
-        engine.wait_idle()
-        assert torch.equal(engine.fetch(handle), expected)
 
 
 def blocked_out_worker() -> tuple[threading.Event, threading.Event, callable]:

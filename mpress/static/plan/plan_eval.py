@@ -114,8 +114,9 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     """`plan` with what a plan written by hand leaves out, and its evaluation: the program
     its rules make on `setup` (`actions`, checked against the carried one when there is
     one), each stage's pinned pool sized for that program where it gives none, its D2D
-    quotas and peer pools sized for that program where no stage gives any, and each
-    stage's predicted peak (its device's emulated peak) where it gives none.
+    quotas and peer pools sized for that program where no stage gives any, each stage's
+    predicted peak (its device's emulated peak) where it gives none, and the plan's
+    predicted iteration where it gives none.
 
     A peak the plan gives must be the one its program has here, as the planner emulated
     it (`PlanError` naming `stages[S].predicted_peak_bytes` otherwise), and so must its
@@ -146,7 +147,8 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     if not any(sp.peer_quotas for sp in plan.stages):  # D2D quotas and pools as the program needs them
         stages = with_peer_quotas(stages, ev.peer_quotas)
     actions = plan.actions or [format_actions(list(r)) for r in ev.schedule.ranks]
-    return replace(plan, stages=stages, actions=actions), ev
+    iteration_s = plan.predicted_iteration_s or ev.result.iteration_s
+    return replace(plan, stages=stages, actions=actions, predicted_iteration_s=iteration_s), ev
 
 
 def program_quotas(schedule: Schedule, tensors: dict[str, TensorInfo]) -> list[dict[int, int]]:

@@ -1,9 +1,17 @@
 """Stand-ins for CUDA's runtime on a machine without a GPU: what the pinned pools register
 (`FakeCudart`), the events the host step and the swap copies record (`FakeEvent`) and the
-compute stream a release point orders after them (`FakeStream`), so CPU tests can take
-the code paths a GPU run takes and check what they ask of CUDA."""
+compute stream a release point orders after them (`FakeStream`), and copies that finish
+when the test says (`HeldCopy`, `HeldInStore`), so CPU tests can take the code paths a
+GPU run takes and check what they ask of CUDA."""
 
 from __future__ import annotations
+
+import threading
+
+import torch
+
+from mpress.runtime.memory.host_pool import PinnedHostPool
+from mpress.runtime.swap.store import Copy, HostStore
 
 
 class FakeCudart:
@@ -95,3 +103,37 @@ class FakeAllocator:
 
     def clear(self) -> None:
         self.workspaces = 0
+
+
+class HeldCopy(Copy):
+    """A copy that completes when the test opens `release`, as a slow DMA would delay a
+    CUDA copy (a CPU copy is done once issued)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(done=None, start=None, wall_s=0.0)
+        self.release = release
+
+    @property
+    def finished(self) -> bool:
+        return False  # as a CUDA copy: the engine must wait for it
+
+    def wait_s(self) -> float:
+        if not self.release.wait(10):
+            raise TimeoutError("the test never released the copy")
+        return 0.0
+
+
+class HeldInStore(HostStore):
+    """The host store whose swap-in copies complete when the test opens `go` (the bytes
+    move at once on CPU; only their completion is held); counts them in `issued`."""
+
+    def __init__(self, pool: PinnedHostPool) -> None:
+        super().__init__(pool, torch.device("cpu"))
+        self.go = threading.Event()
+        """Set: the held copies complete."""
+        self.issued = 0
+
+    def copy_in(self, placement, batch, ready):
+        super().copy_in(placement, batch, ready)
+        self.issued += 1
+        return [HeldCopy(self.go)]

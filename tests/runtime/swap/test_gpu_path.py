@@ -21,8 +21,8 @@ from mpress.contract.plan import TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
-from mpress.runtime.swap.store import Copy, HostStore
 from tests.support import keys
+from tests.support.cuda_fakes import HeldInStore
 from tests.support.router import make_router
 from tests.support.tensors import CPU, random_tensor, same_bits, wait_until
 
@@ -30,36 +30,8 @@ key = partial(keys.key, rank=0, stage=0)
 CUDA_SLEEP_CYCLES = 2_000_000_000  # about a second of busy stream
 
 
-class HeldCopy(Copy):
-    """A copy whose completion the test decides (as a slow DMA would delay it)."""
-
-    def __init__(self, release: threading.Event) -> None:
-        super().__init__(done=None, start=None, wall_s=0.0)
-        self.release = release
-
-    @property
-    def finished(self) -> bool:
-        return False  # as a CUDA copy: the engine must wait for it
-
-    def wait_s(self) -> float:
-        if not self.release.wait(10):
-            raise TimeoutError("the test never released the copy")
-        return 0.0
 
 
-class HeldInStore(HostStore):
-    """The host store whose swap-in copies complete when the test says; counts them."""
-
-    def __init__(self, pool: PinnedHostPool) -> None:
-        super().__init__(pool, CPU)
-        self.go = threading.Event()
-        """Set: the held copies complete."""
-        self.issued = 0
-
-    def copy_in(self, placement, batch, ready):
-        super().copy_in(placement, batch, ready)  # the bytes move at once on CPU
-        self.issued += 1
-        return [HeldCopy(self.go)]
 
 
 def engine_over(store, **kw) -> SwapEngine:

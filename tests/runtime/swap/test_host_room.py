@@ -20,8 +20,8 @@ from mpress.errors import SwapError
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import Category, MemoryManager
 from mpress.runtime.swap.engine import SwapEngine
-from mpress.runtime.swap.store import Copy, HostStore
 from tests.support import keys
+from tests.support.cuda_fakes import HeldInStore
 from tests.support.tensors import CPU
 
 key = partial(keys.key, rank=0, stage=0)
@@ -29,33 +29,8 @@ CHUNK = 64 << 10
 """Bytes of one swapped group (an optimizer chunk's states, say)."""
 
 
-class HeldCopy(Copy):
-    """A copy that completes when the test opens `release`."""
-
-    def __init__(self, release: threading.Event) -> None:
-        super().__init__(done=None, start=None, wall_s=0.0)
-        self.release = release
-
-    @property
-    def finished(self) -> bool:
-        return False  # as a CUDA copy: the engine must wait for it
-
-    def wait_s(self) -> float:
-        if not self.release.wait(10):
-            raise TimeoutError("the test never released the copy")
-        return 0.0
 
 
-class SlowInStore(HostStore):
-    """The host store whose swap-in copies complete when the test opens `go`."""
-
-    def __init__(self, pool: PinnedHostPool) -> None:
-        super().__init__(pool, CPU)
-        self.go = threading.Event()
-
-    def copy_in(self, placement, batch, ready):
-        super().copy_in(placement, batch, ready)  # the bytes move at once on CPU
-        return [HeldCopy(self.go)]
 
 
 def chunk() -> list[tuple[str, torch.Tensor]]:
@@ -67,7 +42,7 @@ def test_a_swap_out_after_a_fetch_waits_for_the_swap_ins_blocks():
     into a pool with room for one chunk and a half: the new reservation waits until the
     swap-in's copy completed and its blocks came back (before: the pool was exhausted,
     a SwapError, though the plan's figure holds what the program holds)."""
-    store = SlowInStore(PinnedHostPool(CHUNK * 3 // 2))
+    store = HeldInStore(PinnedHostPool(CHUNK * 3 // 2))
     manager = MemoryManager(CPU, rank=0)
     manager.track(key("optim:l0:states#0"), CHUNK, Category.OPTIMIZER)  # as the offloader's keys are
     with SwapEngine(store, manager, CPU, rank=0, stage=0, timeout_s=10) as engine:
@@ -90,7 +65,7 @@ def test_a_swap_out_after_a_fetch_waits_for_the_swap_ins_blocks():
 def test_a_pool_short_with_nothing_to_wait_for_fails_at_once():
     """Room held by swaps nobody is bringing back is never freed by waiting: the
     reservation fails at once with the pool's numbers, not after the engine's timeout."""
-    store = SlowInStore(PinnedHostPool(CHUNK * 3 // 2))
+    store = HeldInStore(PinnedHostPool(CHUNK * 3 // 2))
     with SwapEngine(store, MemoryManager(CPU, rank=0), CPU, rank=0, stage=0, timeout_s=10) as engine:
         held = engine.swap_out_group(key("optim:l0:states#0"), chunk())
         start = time.monotonic()

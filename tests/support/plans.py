@@ -13,7 +13,7 @@ from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
 from mpress.static.profile.analytic import analytic_profile
 from mpress.static.plan.evaluate import setup_pipeline
-from mpress.static.plan.plan_eval import complete_plan
+from mpress.static.plan.plan_eval import complete_plan, evaluate_plan
 from tests.support.tiny_pipeline import (
     MICROBATCH_SIZE,
     MODEL,
@@ -92,6 +92,8 @@ def with_program(plan: Plan, model: ModelConfig) -> Plan:
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                            num_ranks=plan.num_ranks if plan.num_ranks != plan.num_stages else None, ranges=ranges)
     plan = dataclasses.replace(plan, actions=[], hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
+    # whether it fits, as the emulator says (the start-up check refuses a plan claiming otherwise)
+    plan = dataclasses.replace(plan, fits=evaluate_plan(setup, plan).result.fits)
     return complete_plan(setup, plan)[0]
 
 

@@ -6,12 +6,10 @@ is loaded by `mpress.config.loader.from_dict`, which rejects unknown keys, wrong
 out-of-range values naming the file and the key; `load_train_config` adds the rules that
 involve several fields or the file system (plan file present, model preset known, ...).
 
-Relative paths in a train config (`model`, `plan`, `hardware` when they are paths,
-`hf_config` unless it names a built-in config, `data.path`, `checkpoint.dir`) are
-relative to the directory of the config file, so a config and its plan/data can travel
-together; `load_train_config` returns them absolute.
-A `model`/`hardware` value without a `.yaml`/`.yml`/`.json` suffix and without a `/` is a
-preset name (`configs/models/`, `configs/hardware/`).
+Relative paths (`model`, `plan`, `hardware` when paths, `hf_config` unless a built-in
+config, `data.path`, `checkpoint.dir`) are relative to the config file's directory, so a
+config travels with its plan and data; `load_train_config` returns them absolute. A
+`model`/`hardware` value with no `.yaml`/`.yml`/`.json` suffix and no `/` is a preset name.
 
 Rules that need the world size (one stage per rank for GPipe/1F1B, a whole number of
 stages per rank for interleaved 1F1B) are checked at launch by `check_world_size`.

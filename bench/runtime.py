@@ -57,7 +57,7 @@ from mpress.runtime.data import batches, build_dataset
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec
 from mpress.static.plan.evaluate import setup_pipeline
-from mpress.static.plan.plan_eval import complete_plan, evaluate_plan
+from mpress.static.plan.plan_eval import plan_from_rules
 
 WORLD = 4
 STEPS_PER_ROUND = 4
@@ -66,16 +66,13 @@ STEPS_PER_ROUND = 4
 def with_program(plan: Plan, model: ModelConfig) -> Plan:
     """`plan` (rules written by hand) with the program its rules make for `model` on the
     plan's hardware and its pinned pools sized for that program, as `plan_for` completes
-    a plan file without a program (`complete_plan`), with the D2D quotas and peer pools
-    that program needs where `plan` gives none."""
+    a plan file without a program, with the D2D quotas and peer pools that program needs
+    where `plan` gives none, and its figures derived anew (`plan_from_rules`)."""
     hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                            ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
-    # new rules: the planned figures are not theirs (`complete_plan` refuses stale ones)
-    bare = replace(plan, actions=[], predicted_iteration_s=0.0,
-                   stages=[replace(sp, predicted_peak_bytes=0) for sp in plan.stages])
-    return complete_plan(setup, replace(bare, fits=evaluate_plan(setup, bare).result.fits))[0]
+    return plan_from_rules(setup, plan)
 
 
 def variants(plan: Plan, cfg: ModelConfig) -> list[tuple[str, Plan | None]]:

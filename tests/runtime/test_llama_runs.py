@@ -64,8 +64,7 @@ def _hand_mixed(plan: Plan, model) -> Plan:
     }
     stages = [StagePlan(stage=sp.stage, device=sp.device, first_layer=sp.first_layer, end_layer=sp.end_layer,
                         rules=rules[sp.stage], pinned_host_bytes=POOL_BYTES) for sp in plan.stages]
-    # new rules: the start-up plan's iteration is not theirs (the program's is derived again)
-    return with_program(dataclasses.replace(plan, strategy="test", stages=stages, predicted_iteration_s=0.0), model)
+    return with_program(dataclasses.replace(plan, strategy="test", stages=stages), model)
 
 
 def _worker(rank: int, world: int, plan_paths: list[str | None], attention: str, ranges: list[tuple[int, int]],

@@ -13,7 +13,7 @@ from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
 from mpress.static.profile.analytic import analytic_profile
 from mpress.static.plan.evaluate import setup_pipeline
-from mpress.static.plan.plan_eval import complete_plan, evaluate_plan
+from mpress.static.plan.plan_eval import plan_from_rules
 from tests.support.tiny_pipeline import (
     MICROBATCH_SIZE,
     MODEL,
@@ -85,16 +85,15 @@ def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[
 def with_program(plan: Plan, model: ModelConfig) -> Plan:
     """`plan` with the program its rules make for `model` on the plan's hardware (the
     static rewriter's, as `mpress plan` writes it) and each stage's predicted peak: the
-    emulated peak of its device (`complete_plan`, as the launcher completes a plan file)."""
+    emulated peak of its device, its iteration and whether it fits, all derived from
+    its rules (`plan_from_rules`: none kept from a plan it was edited from)."""
     hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages]
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                            num_ranks=plan.num_ranks if plan.num_ranks != plan.num_stages else None, ranges=ranges)
-    plan = dataclasses.replace(plan, actions=[], hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
-    # whether it fits, as the emulator says (the start-up check refuses a plan claiming otherwise)
-    plan = dataclasses.replace(plan, fits=evaluate_plan(setup, plan).result.fits)
-    return complete_plan(setup, plan)[0]
+    plan = dataclasses.replace(plan, hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
+    return plan_from_rules(setup, plan)
 
 
 @functools.cache

@@ -124,7 +124,22 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     this profile (its `profile_fingerprint` is the setup's) states figures that follow
     from its content, and an edited one no longer does. A plan made from another profile
     (a measured one) keeps its peaks: this profile cannot recompute them."""
-    ev = evaluate_plan(setup, plan)
+    return _completed(setup, plan, evaluate_plan(setup, plan))
+
+
+def plan_from_rules(setup: PipelineSetup, plan: Plan) -> Plan:
+    """`plan` whose rules were written or changed by hand (tests, benches), with every
+    figure its program has on `setup`: program, pools, quotas, peaks, iteration and
+    whether it fits. None is kept from before: a figure the planner wrote for other
+    rules is stale, and `complete_plan` refuses stale figures. One emulation."""
+    bare = replace(plan, actions=[], predicted_iteration_s=0.0,
+                   stages=[replace(sp, predicted_peak_bytes=0) for sp in plan.stages])
+    ev = evaluate_plan(setup, bare)
+    return _completed(setup, replace(bare, fits=ev.result.fits), ev)[0]
+
+
+def _completed(setup: PipelineSetup, plan: Plan, ev: Evaluation) -> tuple[Plan, Evaluation]:
+    """`complete_plan` given the plan's evaluation."""
     pinned = pinned_bytes(ev.schedule, ev.tensors)
     peaks = ev.result.peak_bytes
     if plan.profile_fingerprint == profile_fingerprint(setup):

@@ -44,10 +44,21 @@ def _interrupt(run: TrainRun) -> int:
     return run.finish(timeout_s=START_S)
 
 
+def _importing_torch(run: TrainRun) -> None:
+    """Waits until the launcher has begun importing torch (its shared library is mapped):
+    a fixed sleep could land in the interpreter's own start-up on a slow machine, before any
+    code of mpress runs."""
+    maps = Path(f"/proc/{run.proc.pid}/maps")
+    deadline = time.monotonic() + START_S
+    while "libtorch" not in maps.read_text(errors="replace"):
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr()
+        time.sleep(0.005)
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_the_launcher_imports_is_one_line_and_130(tmp_path):
     run = TrainRun.start(tiny_config(tmp_path), tmp_path)
-    time.sleep(0.5)  # the launcher is importing torch (seconds): no rank exists yet
+    _importing_torch(run)  # the import takes about a second more: no rank exists yet
     assert _interrupt(run) == 130
     assert _one_line(run) == "mpress: interrupted"
     assert not (run.run_dir / "run.json").exists()

@@ -52,20 +52,20 @@ from mpress.launcher.control import (
     rank_from_env,
     start_phase,
 )
-from mpress.launcher.devices import bind_device, check_distinct_devices, claim_for, select_device
+from mpress.launcher.devices import check_distinct_devices, claim_for, join_replicas
 from mpress.launcher.evaluate import eval_batch_count, evaluate
 from mpress.launcher.job import start_job
 from mpress.launcher.metrics_log import MetricsLog, Throughput, rates_text
 from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, early_rank_watch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
-from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device
+from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device, replicas_per_node
 from mpress.config.overrides import parse_override_args
 from mpress.config.model_config import ModelConfig
 from mpress.models.hf_model import HFModel
 from mpress.models.user import UserModel
 from mpress.runtime.data import TokenDataset, batches, build_dataset
 from mpress.runtime.text.dataset import TextData, build_text_data
-from mpress.runtime.data_parallel import make_replicas, replica_control_group, replica_coordinates
+from mpress.runtime.data_parallel import replica_control_group, replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.trainer import JobSpec, PipelineJob, StepResult
@@ -101,16 +101,16 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
         return 2
     start: StartPlan = payload  # type: ignore[assignment]
     plan, ranges = start.plan, start.ranges
-    # the bus ids are rank 0's node's: another replica's node numbers its GPUs as CUDA does
+    # replica k runs on node k // per_node, in slot k % per_node of its GPUs; the bus ids
+    # are rank 0's node's: another node numbers its GPUs as CUDA does
+    per_node = replicas_per_node(pp_world)
     device = rank_device(plan, pp_rank, pp_world, dist.get_backend() == "nccl",
-                         plan_bus_ids=start.device_bus_ids if dp_rank == 0 else None)
+                         plan_bus_ids=start.device_bus_ids if dp_rank < per_node else None,
+                         node_devices=start.replica_devices[dp_rank % per_node] if start.replica_devices else None)
     claims: list[object] = [None] * world
     dist.all_gather_object(claims, claim_for(rank, device), group=control)
     check_distinct_devices(claims)  # type: ignore[arg-type]  # before NCCL meets one GPU twice
-    select_device(device)
-    replicas = make_replicas(cfg.dp, "cuda" if dist.get_backend() == "nccl" else "cpu") if cfg.dp > 1 else None
-    # the pipeline's group: with replicas, the world's communicator would be one nobody uses
-    bind_device(device, replicas.pp_group if replicas is not None else None)
+    replicas = join_replicas(device, cfg.dp)  # the device current before the mesh; no world communicator
     opt = cfg.optimizer
     spec = JobSpec(model=model, schedule=cfg.schedule, ranges=list(ranges), microbatch_size=cfg.microbatch_size,
                    num_microbatches=cfg.num_microbatches, seed=cfg.seed, lr=opt.lr,

@@ -167,9 +167,6 @@ def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
         raise UserError(f"--nproc-per-node: {nproc} ranks per node would split a replica's {pp} pipeline ranks over "
                         f"two nodes (host pools and D2D peers stay inside a node): give a multiple of {pp}")
     backend = resolve_backend(cfg)
-    if backend == "nccl" and cfg.dp > 1 and nproc != pp:  # a plan's devices are one node's GPUs
-        raise UserError(f"dp: on GPUs each node runs one replica of the pipeline: --nproc-per-node must be its {pp} "
-                        f"ranks and --nnodes {cfg.dp}, got {nproc} ranks per node")
     if backend == "nccl" and nproc > torch.cuda.device_count():
         raise UserError(f"--nproc-per-node: {nproc} ranks on nccl need as many GPUs; this machine shows "
                         f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)")

@@ -8,6 +8,20 @@ one node is replicated on every node, and GPU i of each node reaches GPU i of th
 through its NIC (`nic_of_device`), as on a rail-optimised fabric; GPUs that share a NIC
 share its bandwidth.
 
+Several replicas may also share one node (`replica_devices`). A plan lays one replica's pipeline out over devices 0..N-1 of its hardware: on a GPU node
+those are the node's first N GPUs (in the CUDA order rank 0 planned in), and the plan's
+stage-to-device map is replica 0's. Several replicas on one node each need N GPUs of
+their own, linked as the plan's are -- the plan's D2D stripes, transfer times and
+collectives' rings were costed over those links -- so replica k > 0 gets an embedding of
+the plan's devices into GPUs no other replica holds that keeps every NVLink link count
+between two of the plan's devices, and which pairs share a PCIe uplink (the host swaps'
+shared bandwidth). On a DGX-1 (hybrid cube-mesh) the second replica of a four-GPU plan on
+GPUs 0-3 gets GPUs 4-7, the only other four-GPU set linked alike; under NVSwitch any four
+GPUs are.
+
+`replica_devices` is the one place this is decided: the launcher's start-up check, the
+device each rank binds and the tests all read its answer; nothing re-derives it.
+
 Shared by the static half (the emulator's inter-node channels, the planner's sharded
 states) and, later, the runtime's launcher, so it lives outside both.
 
@@ -16,15 +30,16 @@ Units: seconds, GB/s with GB = 1e9 bytes, per direction.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpress.config.limits import MAX_DEVICES, MAX_LATENCY_S, MIN_BANDWIDTH_GBPS
 from mpress.config.loader import from_dict, load_yaml
+from mpress.config.presets import CONFIG_DIR
+from mpress.config.vocabulary import Word
 from mpress.errors import ConfigError, UserError
 from mpress.hardware.server import Hardware
-from mpress.config.presets import CONFIG_DIR
-from mpress.config.limits import MAX_DEVICES, MAX_LATENCY_S, MIN_BANDWIDTH_GBPS
-from mpress.config.vocabulary import Word
 
 CLUSTER_DIR = CONFIG_DIR / "clusters"
 MAX_NODES = 4096
@@ -140,3 +155,63 @@ def make_cluster(hardware: Hardware, num_nodes: int, network: str | Path | None 
         raise UserError(f"network {network or hardware.name}: its NICs belong to hardware {spec.hardware!r}, "
                         f"not {hardware.name!r}")
     return Cluster(num_nodes=num_nodes, hardware=hardware, network=spec)
+
+
+def replica_devices(node: Hardware, plan_devices: int, replicas: int) -> tuple[tuple[int, ...], ...]:
+    """Per replica slot k on the node (0 <= k < `replicas`), the node device of each of
+    the plan's `plan_devices` devices: slot 0 is the plan's own (0..N-1), every other slot
+    N devices of their own linked as the plan's (see the module docstring); of the ways
+    to place them all, the first in device order, so every rank that asks gets the same
+    answer. A one-line `UserError` (key `dp`) when the node cannot hold that many replicas."""
+    n = plan_devices
+    if not 1 <= n <= node.num_devices or replicas < 1:
+        raise ValueError(f"{replicas} replicas of {n} devices on a {node.num_devices}-device node")
+    if replicas * n > node.num_devices:
+        raise UserError(f"dp: {replicas} replicas per node of a plan over {n} GPUs need {replicas * n} GPUs; "
+                        f"{node.name} has {node.num_devices}: run fewer ranks per node, or plan over fewer GPUs")
+    maps = [tuple(range(n))]
+
+    def place(k: int) -> bool:  # slots k.. on the GPUs maps[:k] leave free
+        if k == replicas:
+            return True
+        taken = {a for m in maps for a in m}
+        for found in _embeddings(node, n, taken):
+            maps.append(found)
+            if place(k + 1):
+                return True
+            maps.pop()
+        return False
+
+    if not place(1):
+        raise UserError(f"dp: {node.name} has no {replicas} disjoint sets of {n} GPUs linked as the plan's GPUs "
+                        f"0-{n - 1} are (NVLink links and shared PCIe uplinks): run fewer replicas per node, "
+                        "or plan for GPUs the node can repeat")
+    return tuple(maps)
+
+
+def _alike(node: Hardware, d: int, e: int, a: int, b: int) -> bool:
+    """Whether node devices a, b are linked as the plan's devices d, e are."""
+    return node.links(a, b) == node.links(d, e) and \
+        (node.pcie_group(a) == node.pcie_group(b)) == (node.pcie_group(d) == node.pcie_group(e))
+
+
+def _embeddings(node: Hardware, n: int, taken: set[int]) -> Iterator[tuple[int, ...]]:
+    """Every map of devices 0..n-1 into devices not `taken` that keeps each pair's links
+    and shared uplink, in device order: a depth-first search extending a partial map one
+    device at a time, each new device checked against those already placed (a node has
+    at most 16 GPUs: the search is small)."""
+    free = [a for a in range(node.num_devices) if a not in taken]
+    placed: list[int] = []
+
+    def extend() -> Iterator[tuple[int, ...]]:
+        d = len(placed)
+        if d == n:
+            yield tuple(placed)
+            return
+        for a in free:
+            if a not in placed and all(_alike(node, d, e, a, placed[e]) for e in range(d)):
+                placed.append(a)
+                yield from extend()
+                placed.pop()
+
+    return extend()

@@ -8,7 +8,8 @@ is the GPU with the d-th PCI bus id of the CUDA devices rank 0 saw when it plann
 each rank looks that bus id up among its own CUDA devices.
 
 Also here: the check that no two ranks train on one GPU, and binding a rank to its
-device (with the collective that makes NCCL's full-group communicator there).
+device (with the collective that makes NCCL's communicator of its pipeline there) before
+the replicas' mesh is made (`join_replicas`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mpress.errors import PlanError
+from mpress.runtime.data_parallel import Replicas, make_replicas
 
 
 def cuda_bus_ids() -> list[str] | None:
@@ -103,3 +105,21 @@ def bind_device(device: torch.device, group: dist.ProcessGroup | None = None) ->
     """
     select_device(device)
     dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def join_replicas(device: torch.device, dp: int) -> Replicas | None:
+    """Make `device` current, then (dp > 1) the job's dp x pp mesh, then warm the
+    pipeline's group on it (`bind_device`); the replicas, or None for one. A collective:
+    call on every rank with its own device.
+
+    In that order because torch's `init_device_mesh` makes LOCAL_RANK's GPU current when
+    no device is (a CUDA context on a GPU the plan may give another rank: a replica in
+    slot k > 0 of a node, or a plan whose devices are not LOCAL_RANK's). The groups made
+    are the ones the job uses: the mesh's pipeline group of each replica and `dp` group of
+    each stage; with replicas, nothing runs on the world group, so NCCL never builds its
+    communicator.
+    """
+    select_device(device)
+    replicas = make_replicas(dp, device.type) if dp > 1 else None
+    bind_device(device, replicas.pp_group if replicas is not None else None)
+    return replicas

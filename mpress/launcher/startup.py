@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mpress.hardware.cluster import Sharding, make_cluster
+from mpress.hardware.cluster import Sharding, make_cluster, replica_devices
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
 from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware.server import Hardware, load_hardware
@@ -48,6 +48,10 @@ class StartPlan:
     device_bus_ids: list[str] | None = None
     """The PCI bus id of each of the plan's devices: the CUDA devices rank 0 saw, in CUDA
     order (the plan's device d is its cuda:d); None on CPU runs."""
+    replica_devices: tuple[tuple[int, ...], ...] | None = None
+    """With several replicas per node: per replica slot on a node, the node's device
+    (rank 0's CUDA index) of each of the plan's devices (`replica_devices_for`); None on
+    CPU runs and with one replica per node."""
     model_flops_per_microbatch: float | None = None
     """The profile's matrix-product FLOPs of one microbatch's forward and backward through
     every layer (no recompute): the numerator of the model FLOP utilisation."""
@@ -62,7 +66,37 @@ def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
     and its pinned pools the size that program needs where the file gives none."""
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     bus_ids = cuda_bus_ids() if cuda else None
-    return dataclasses.replace(_plan_for(cfg, model, num_stages, world, cuda), device_bus_ids=bus_ids)
+    start = _plan_for(cfg, model, num_stages, world, cuda)
+    maps = replica_devices_for(start.plan, world, replicas_per_node(world)) if cuda else None
+    return dataclasses.replace(start, device_bus_ids=bus_ids, replica_devices=maps)
+
+
+def replicas_per_node(pp_world: int) -> int:
+    """How many replicas of a `pp_world`-rank pipeline this node runs: its ranks
+    (LOCAL_WORLD_SIZE, as torchrun and `mpress train` set it; one replica without it) over
+    the pipeline's (`mpress train` checks before launching that they divide)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", pp_world)) // pp_world)
+
+
+def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *,
+                        nvml: object = None) -> tuple[tuple[int, ...], ...] | None:
+    """Where each of `per_node` replicas on a GPU node trains (`StartPlan.replica_devices`):
+    the node's GPUs as this process's CUDA sees them (linked as NVML reports), split by
+    `mpress.hardware.cluster.replica_devices` -- replica 0 on the plan's devices, every
+    other replica on GPUs of its own linked alike. None for one replica per node. A
+    one-line `UserError` when the node cannot hold them, or the plan swaps to peer GPUs
+    (D2D addresses them by the plan's numbers, which are replica 0's GPUs). Rank 0 only;
+    `nvml` replaces the pynvml module (tests)."""
+    if per_node == 1:
+        return None
+    if plan is not None and plan.uses_peer_pools:
+        raise UserError(f"dp: {per_node} replicas per node under a plan with D2D swaps (peer pools): D2D addresses "
+                        "peer GPUs by the plan's numbers, so only one replica per node can use it; run one replica "
+                        "per node (--nproc-per-node = the pipeline's ranks) or plan without D2D")
+    topology, why = detect_local_hardware(nvml=nvml, visible_bus_ids=cuda_bus_ids())
+    if topology is None:
+        raise TopologyError(f"dp: cannot place {per_node} replicas on this node's GPUs: {why}")
+    return replica_devices(topology.hardware, plan.num_devices if plan is not None else pp_world, per_node)
 
 
 def _plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, cuda: bool) -> StartPlan:
@@ -246,9 +280,14 @@ def check_topology(expected: Hardware, *, nvml: object = None) -> None:
 
 
 def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
-                plan_bus_ids: list[str] | None = None) -> torch.device:
+                plan_bus_ids: list[str] | None = None,
+                node_devices: tuple[int, ...] | None = None) -> torch.device:
     """The device this rank trains on: on CUDA the plan's stage-to-device map decides
     (without a plan: LOCAL_RANK); gloo ranks all use the CPU.
+
+    node_devices (a slot of `StartPlan.replica_devices`): the node device of each of the
+    plan's devices for this rank's replica (without a plan: of each rank); None: the
+    plan's own.
 
     plan_bus_ids (`StartPlan.device_bus_ids`): the PCI bus id of each of the plan's
     devices. The rank takes the CUDA device with its device's bus id, whatever this
@@ -259,11 +298,13 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
     if not cuda:
         return torch.device("cpu")
     if plan is None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", node_devices[rank] if node_devices else int(os.environ.get("LOCAL_RANK", 0)))
     devices = {plan.stage_to_device[s] for s in range(rank, plan.num_stages, world)}
     if len(devices) != 1:
         raise PlanError(f"plan puts the stages of rank {rank} on devices {sorted(devices)}; a rank has one device")
     index = devices.pop()
+    if node_devices is not None:
+        index = node_devices[index]  # this replica's GPU for the plan's device
     if plan_bus_ids is None:
         if index >= torch.cuda.device_count():
             raise PlanError(f"plan maps rank {rank} to GPU {index}, this process sees {torch.cuda.device_count()} GPUs")

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mpress.errors import UserError
 from mpress.launcher.checkpoints.checkpoint import Checkpoints
+from mpress.launcher.devices import join_replicas
 from mpress.launcher.job import start_job
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import Plan, TensorRule
-from mpress.runtime.data_parallel import make_replicas, replica_coordinates
+from mpress.runtime.data_parallel import replica_coordinates
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config
 from mpress.runtime.trainer import JobSpec
 from tests.support.compare import assert_identical, assert_states_equal
@@ -43,11 +45,46 @@ def _config(pp: int, dp: int, root: str | None, resume: bool = False):
         ("checkpoint.resume", str(resume).lower())])
 
 
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+                "allgather_into_tensor_coalesced", "broadcast", "barrier", "reduce", "gather", "scatter",
+                "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall",
+                "alltoall_base", "send", "recv", "recv_anysource", "monitored_barrier")
+
+
+def _record_world_collectives() -> list[str]:
+    """From now on, the name of each collective that runs on the default (world) group:
+    torch's `dist.*` functions, its pipelining and DDP all reach a group through these
+    `ProcessGroup` methods (on NCCL the first of them builds the world's communicator)."""
+    pg_class = torch._C._distributed_c10d.ProcessGroup
+    world = dist.distributed_c10d._get_default_group().group_name
+    seen: list[str] = []
+    for name in _COLLECTIVES:
+        real = getattr(pg_class, name, None)
+        if real is None:
+            continue
+
+        def call(self, *args, _real=real, _name=name, **kwargs):
+            if self.group_name == world:
+                seen.append(_name)
+            return _real(self, *args, **kwargs)
+        setattr(pg_class, name, call)
+    return seen
+
+
+def _groups_held() -> list[list[int]]:
+    """The global ranks of every process group this rank belongs to, sorted (torch also
+    files the last group it is not in, under `GroupMember.NON_GROUP_MEMBER`)."""
+    return sorted(sorted(ranks) for pg, ranks in dist.distributed_c10d._world.pg_group_ranks.items()
+                  if isinstance(pg, dist.ProcessGroup))
+
+
 def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, root: str | None = None,
                schedule: str = "1f1b"):
-    """One job per plan on a dp x pp mesh; replica k trains on batches k, dp + k, ...
-    root: the jobs under a plan save their final step there (DCP)."""
-    replicas = make_replicas(dp, "cpu")
+    """One job per plan on a dp x pp mesh, joined as `mpress.train` joins it; replica k
+    trains on batches k, dp + k, ... root: the jobs under a plan save their final step
+    there (DCP; with no control group here, on the default group: after the record)."""
+    on_world = _record_world_collectives()
+    replicas = join_replicas(torch.device("cpu"), dp)
     spec = JobSpec(model=load_model_config(MODEL), schedule=schedule,
                    ranges=RANGES[num_stages_of(schedule, replicas.pp_size)],
                    microbatch_size=MICROBATCH_SIZE, num_microbatches=NUM_MICROBATCHES, seed=3)
@@ -59,12 +96,14 @@ def _dp_worker(rank: int, world: int, plan_paths: list[str | None], dp: int, roo
         for step in range(STEPS):
             x, y = batch(step * dp + replicas.dp_rank, NUM_MICROBATCHES)
             losses.append(job.step(x, y).loss)
+        world_collectives = list(on_world)
         if plan is not None and root is not None:
             Checkpoints(_config(replicas.pp_size, dp, root), job, None, dp_rank=replicas.dp_rank).save(STEPS - 1)
         swapped = sum(rt.router.tensors_swapped for rt in job.runtimes)
         recomputed = sum(rt.router.layers_recomputed for rt in job.runtimes)
         yield {"losses": losses, "state": job.state(), "dp_rank": replicas.dp_rank, "pp_rank": replicas.pp_rank,
-               "swapped": swapped, "recomputed": recomputed, "offloaded": sorted(job.offloads)}
+               "swapped": swapped, "recomputed": recomputed, "offloaded": sorted(job.offloads),
+               "groups": _groups_held(), "world_collectives": world_collectives}
         job.close()
 
 
@@ -98,6 +137,13 @@ def _assert_equal_runs(plain: list[dict], mixed: list[dict], dp: int, pp: int) -
     for run in (plain, mixed):  # the reduction keeps the replicas equal
         for p in range(pp):
             assert_states_equal(run[p]["state"], run[pp + p]["state"])
+    # the groups each rank holds are the world (gloo here) and the two it uses: its
+    # replica's pipeline and its stage's replicas; nothing ran on the world group
+    for r, got in enumerate(plain + mixed):
+        k, p = divmod(r % (dp * pp), pp)
+        assert got["groups"] == sorted([list(range(dp * pp)), [k * pp + q for q in range(pp)],
+                                        [j * pp + p for j in range(dp)]]), (r, got["groups"])
+        assert got["world_collectives"] == [], (r, got["world_collectives"])
 
 
 @pytest.fixture(scope="module")

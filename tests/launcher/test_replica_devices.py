@@ -1,0 +1,154 @@
+"""Several data-parallel replicas of a pipeline on one GPU node, each on GPUs of its own.
+
+Replica 0 trains on the plan's GPUs; every other replica on GPUs no other replica holds,
+linked as the plan's are (`mpress.hardware.cluster.replica_devices`, the one function
+that decides; the launcher's start-up check and each rank's device read its answer).
+CUDA and NVML are faked (a DGX-1's eight V100s), so the ranks' devices are computed here
+as a GPU machine would compute them."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from mpress.commands.train import check_launch
+from mpress.errors import UserError
+from mpress.hardware.cluster import replica_devices
+from mpress.hardware.server import load_hardware
+from mpress.launcher import devices as devices_module
+from mpress.launcher import startup
+from mpress.launcher.devices import (
+    check_distinct_devices,
+    claim_for,
+    cuda_bus_ids,
+    join_replicas,
+)
+from mpress.runtime.train_config import TrainConfig
+from tests.d2d.static.test_topology import fake_dgx1
+from tests.d2d.static.test_visible_gpus import _fake_cuda
+from tests.support.hardware import DGX1_LINKS
+from tests.support.plans import contract_plan
+
+FOUR_STAGES = ((0, 1), (1, 2), (2, 3), (3, 4))
+
+
+def _linked_alike(hw, node_devices: tuple[int, ...]) -> bool:
+    """Whether `node_devices[d]` are linked to each other as devices d are (NVLink link
+    counts, shared PCIe uplinks)."""
+    return all(hw.links(node_devices[d], node_devices[e]) == hw.links(d, e)
+               and (hw.pcie_group(node_devices[d]) == hw.pcie_group(node_devices[e]))
+               == (hw.pcie_group(d) == hw.pcie_group(e))
+               for d, e in itertools.combinations(range(len(node_devices)), 2))
+
+
+# -- the one function that decides --------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dgx1-v100", "hgx-h100"])
+@pytest.mark.parametrize("stages, replicas", [(4, 2), (2, 2), (1, 8)])
+def test_replicas_get_disjoint_gpus_linked_as_the_plans(name: str, stages: int, replicas: int) -> None:
+    hw = load_hardware(name)
+    maps = replica_devices(hw, stages, replicas)
+    assert maps[0] == tuple(range(stages))  # the plan's stage-to-device map is replica 0's
+    assert len(maps) == replicas and all(len(m) == stages for m in maps)
+    every = [a for m in maps for a in m]
+    assert len(set(every)) == len(every)  # no GPU is two replicas'
+    assert all(_linked_alike(hw, m) for m in maps)
+
+
+def test_on_a_dgx1_the_second_replica_of_four_stages_takes_the_other_quad() -> None:
+    """GPUs 0-3 and 4-7 are the cube-mesh's two fully linked quads; 0-1 and 4-5 its only
+    pairs with one link behind one PCIe switch (2-3 and 6-7 have two links)."""
+    dgx1 = load_hardware("dgx1-v100")
+    assert replica_devices(dgx1, 4, 2) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert replica_devices(dgx1, 2, 2) == ((0, 1), (4, 5))
+    with pytest.raises(UserError, match=r"^dp: dgx1-v100 has no 4 disjoint sets of 2 GPUs linked as the plan's "
+                                        r"GPUs 0-1 are \(NVLink links and shared PCIe uplinks\)"):
+        replica_devices(dgx1, 2, 4)
+    with pytest.raises(UserError, match=r"^dp: 3 replicas per node of a plan over 4 GPUs need 12 GPUs; dgx1-v100 "
+                                        r"has 8: run fewer ranks per node, or plan over fewer GPUs$"):
+        replica_devices(dgx1, 4, 3)
+
+
+def test_every_replica_is_placed_not_each_one_first_fit() -> None:
+    """Six GPUs, pairs 0-1, 2-3, 2-4 and 3-5 linked: the first pair for replica 1 (2, 3)
+    would leave 4 and 5, unlinked; 2-4 and 3-5 hold replicas 1 and 2."""
+    links = [[0] * 6 for _ in range(6)]
+    for a, b in [(0, 1), (2, 3), (2, 4), (3, 5)]:
+        links[a][b] = links[b][a] = 1
+    node = dataclasses.replace(load_hardware("dgx1-v100"), name="six", num_devices=6, nvlink_links=links,
+                               pcie_switches=[])
+    assert replica_devices(node, 2, 3) == ((0, 1), (2, 4), (3, 5))
+
+
+# -- the launcher: each rank's GPU, CUDA and NVML faked ------------------------------------------------
+def test_each_replica_binds_its_own_gpus_whatever_order_cuda_numbers_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 replicas x 4 stages on a DGX-1 whose CUDA numbers NVML's GPUs 0,1,2,3,6,4,7,5:
+    replica 1 is NVML 4-7 (not cuda:4-7 in order), its stage p on the GPU linked to its
+    other stages as the plan's device p is to the plan's others."""
+    order = [0, 1, 2, 3, 6, 4, 7, 5]
+    _fake_cuda(monkeypatch, order)
+    plan = dataclasses.replace(contract_plan(ranges=FOUR_STAGES, devices=[0, 1, 2, 3]), num_devices=4)
+    maps = startup.replica_devices_for(plan, 4, 2, nvml=fake_dgx1())
+    planned = cuda_bus_ids()  # rank 0's, when it planned
+    nvml = {}
+    claims = []
+    for k, p in itertools.product(range(2), range(4)):
+        device = startup.rank_device(plan, p, 4, True, plan_bus_ids=planned, node_devices=maps[k])
+        nvml[k, p] = order[device.index]
+        claims.append(dataclasses.replace(claim_for(k * 4 + p, device), host="node0"))
+    assert [nvml[0, p] for p in range(4)] == [0, 1, 2, 3]
+    assert sorted(nvml[1, p] for p in range(4)) == [4, 5, 6, 7]
+    for k in range(2):
+        for p, q in itertools.combinations(range(4), 2):
+            assert DGX1_LINKS[nvml[k, p]][nvml[k, q]] == DGX1_LINKS[p][q], (k, p, q)
+    check_distinct_devices(claims)  # the start-up check every rank makes passes
+
+
+def test_a_d2d_plan_takes_one_replica_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D2D addresses peer GPUs by the plan's numbers (replica 0's): refused in one line."""
+    _fake_cuda(monkeypatch, list(range(8)))
+    plan = contract_plan(ranges=((0, 1), (1, 2)), devices=[0, 1], s1={"peer_pool_bytes": 1 << 20})
+    with pytest.raises(UserError, match=r"^dp: 2 replicas per node under a plan with D2D swaps \(peer pools\)"):
+        startup.replica_devices_for(plan, 2, 2, nvml=fake_dgx1())
+    assert startup.replica_devices_for(plan, 2, 1, nvml=fake_dgx1()) is None  # one per node: the plan's own
+
+
+def test_replicas_per_node_are_the_nodes_ranks_over_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert startup.replicas_per_node(4) == 2 and startup.replicas_per_node(8) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert startup.replicas_per_node(4) == 1  # a single process
+
+
+def test_two_replicas_on_one_gpu_node_are_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before (one replica per node on NCCL); the GPU count still bounds it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    cfg = TrainConfig(model="gpt-tiny", num_stages=4, num_microbatches=4, dp=2, backend="nccl", plan="none")
+    assert check_launch(cfg, 8) == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+    with pytest.raises(UserError, match=r"^--nproc-per-node: 8 ranks on nccl need as many GPUs; this machine "
+                                        r"shows 6"):
+        check_launch(cfg, 8)
+
+
+def test_a_rank_makes_its_gpu_current_before_the_mesh_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's init_device_mesh sets LOCAL_RANK's GPU when none is current: the plan's
+    GPU is made current first, then the mesh, then the pipeline group's warm-up."""
+    calls: list[object] = []
+    pp_group, dp_group = object(), object()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(devices_module, "make_replicas", lambda dp, kind: calls.append(("mesh", dp, kind)) or
+                        dataclasses.replace(_REPLICAS, pp_group=pp_group, dp_group=dp_group))
+    monkeypatch.setattr(devices_module, "bind_device", lambda d, group: calls.append(("bind", d, group)))
+    replicas = join_replicas(torch.device("cuda", 5), 2)
+    assert calls == [("set_device", torch.device("cuda", 5)), ("mesh", 2, "cuda"),
+                     ("bind", torch.device("cuda", 5), pp_group)]
+    assert replicas is not None and replicas.dp_group is dp_group
+
+
+_REPLICAS = devices_module.Replicas(mesh=None, dp_size=2, pp_size=4, dp_rank=1, pp_rank=1,  # type: ignore[arg-type]
+                                    pp_group=None, dp_group=None)  # type: ignore[arg-type]

@@ -66,29 +66,35 @@ def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
     and its pinned pools the size that program needs where the file gives none."""
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     bus_ids = cuda_bus_ids() if cuda else None
-    start = _plan_for(cfg, model, num_stages, world, cuda)
-    maps = replica_devices_for(start.plan, world, replicas_per_node(world)) if cuda else None
-    return dataclasses.replace(start, device_bus_ids=bus_ids, replica_devices=maps)
+    start, setup = _plan_of(cfg, model, num_stages, world, cuda)
+    maps = replica_devices_for(start.plan, world, replicas_per_node(world), host=setup.hardware) if cuda else None
+    return dataclasses.replace(start, device_bus_ids=bus_ids, replica_devices=maps, **model_flops(setup))
 
 
 def replicas_per_node(pp_world: int) -> int:
     """How many replicas of a `pp_world`-rank pipeline this node runs: its ranks
     (LOCAL_WORLD_SIZE, as torchrun and `mpress train` set it; one replica without it) over
     the pipeline's (`mpress train` checks before launching that they divide)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", pp_world)) // pp_world)
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or pp_world) // pp_world)
 
 
-def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *,
+def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *, host: Hardware | None = None,
                         nvml: object = None) -> tuple[tuple[int, ...], ...] | None:
     """Where each of `per_node` replicas on a GPU node trains (`StartPlan.replica_devices`):
     the node's GPUs as this process's CUDA sees them (linked as NVML reports), split by
     `mpress.hardware.cluster.replica_devices` -- replica 0 on the plan's devices, every
     other replica on GPUs of its own linked alike. None for one replica per node. A
-    one-line `UserError` when the node cannot hold them, or the plan swaps to peer GPUs
-    (D2D addresses them by the plan's numbers, which are replica 0's GPUs). Rank 0 only;
-    `nvml` replaces the pynvml module (tests)."""
+    one-line `UserError` when the node cannot hold them, when the replicas' pinned host
+    pools together exceed what `host` (the job's hardware) can pin, or when the plan swaps
+    to peer GPUs (D2D addresses them by the plan's numbers, which are replica 0's GPUs).
+    Rank 0 only; `nvml` replaces the pynvml module (tests)."""
     if per_node == 1:
         return None
+    pinned = per_node * (sum(sp.pinned_host_bytes for sp in plan.stages) if plan is not None else 0)
+    if host is not None and pinned > host.pinnable_bytes:
+        raise UserError(f"dp: {per_node} replicas per node pin {fmt_bytes(pinned)} of host pools ({per_node} x the "
+                        f"plan's); {host.name} can pin {fmt_bytes(host.pinnable_bytes)}: run fewer replicas per node "
+                        "or plan for a share of the host")
     if plan is not None and plan.uses_peer_pools:
         raise UserError(f"dp: {per_node} replicas per node under a plan with D2D swaps (peer pools): D2D addresses "
                         "peer GPUs by the plan's numbers, so only one replica per node can use it; run one replica "
@@ -97,11 +103,6 @@ def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *,
     if topology is None:
         raise TopologyError(f"dp: cannot place {per_node} replicas on this node's GPUs: {why}")
     return replica_devices(topology.hardware, plan.num_devices if plan is not None else pp_world, per_node)
-
-
-def _plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, cuda: bool) -> StartPlan:
-    start, setup = _plan_of(cfg, model, num_stages, world, cuda)
-    return dataclasses.replace(start, **model_flops(setup))
 
 
 def model_flops(setup: PipelineSetup) -> dict[str, float | None]:
@@ -298,7 +299,7 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
     if not cuda:
         return torch.device("cpu")
     if plan is None:
-        return torch.device("cuda", node_devices[rank] if node_devices else int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", node_devices[rank] if node_devices else int(os.environ.get("LOCAL_RANK", "0")))
     devices = {plan.stage_to_device[s] for s in range(rank, plan.num_stages, world)}
     if len(devices) != 1:
         raise PlanError(f"plan puts the stages of rank {rank} on devices {sorted(devices)}; a rank has one device")

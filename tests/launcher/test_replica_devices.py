@@ -115,6 +115,21 @@ def test_a_d2d_plan_takes_one_replica_per_node(monkeypatch: pytest.MonkeyPatch) 
     assert startup.replica_devices_for(plan, 2, 1, nvml=fake_dgx1()) is None  # one per node: the plan's own
 
 
+def test_replicas_on_one_node_share_its_pinnable_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replica pins the plan's host pools: together they must fit the node's host."""
+    _fake_cuda(monkeypatch, list(range(8)))
+    dgx1 = load_hardware("dgx1-v100")
+    half = dgx1.pinnable_bytes // 2
+    plan = dataclasses.replace(contract_plan(ranges=FOUR_STAGES, devices=[0, 1, 2, 3], s0={"pinned_host_bytes": half}),
+                               num_devices=4)
+    assert startup.replica_devices_for(plan, 4, 2, host=dgx1, nvml=fake_dgx1())[1] == (4, 5, 6, 7)
+    over = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], pinned_host_bytes=half + 1),
+                                             *plan.stages[1:]])
+    with pytest.raises(UserError, match=r"^dp: 2 replicas per node pin .+ of host pools \(2 x the plan's\); "
+                                        r"dgx1-v100 can pin "):
+        startup.replica_devices_for(over, 4, 2, host=dgx1, nvml=fake_dgx1())
+
+
 def test_replicas_per_node_are_the_nodes_ranks_over_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert startup.replicas_per_node(4) == 2 and startup.replicas_per_node(8) == 1

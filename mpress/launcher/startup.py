@@ -250,9 +250,15 @@ def hardware_for(cfg: TrainConfig, world: int, cuda: bool, *, nvml: object = Non
     the run has them), checked against the GPUs this process sees on CUDA; or, with
     `hardware: detect`, the GPUs this process sees (its CUDA devices, in CUDA order, linked
     as pynvml reports them; every GPU NVML lists where CUDA sees none), never GPUs that
-    CUDA_VISIBLE_DEVICES leaves to other jobs. `nvml` replaces the pynvml module (tests)."""
+    CUDA_VISIBLE_DEVICES leaves to other jobs. With several replicas per node
+    (`replicas_per_node`), replica 0's share of them: the first 1/replicas in CUDA order
+    (the others' GPUs are placed alike by `replica_devices_for`, or refused).
+    `nvml` replaces the pynvml module (tests)."""
     if cfg.hardware == HARDWARE_DETECT:
-        topology, why = detect_local_hardware(nvml=nvml, visible_bus_ids=cuda_bus_ids())
+        visible = cuda_bus_ids()
+        if visible is not None:
+            visible = visible[:max(1, len(visible) // replicas_per_node(world))]
+        topology, why = detect_local_hardware(nvml=nvml, visible_bus_ids=visible)
         if topology is None:
             raise TopologyError(f"hardware: detect: {why}")
         hardware = topology.hardware

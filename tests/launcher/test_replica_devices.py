@@ -130,6 +130,19 @@ def test_replicas_on_one_node_share_its_pinnable_host_memory(monkeypatch: pytest
         startup.replica_devices_for(over, 4, 2, host=dgx1, nvml=fake_dgx1())
 
 
+def test_hardware_detect_plans_over_replica_0s_share_of_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hardware: detect` with two replicas of four ranks on a DGX-1 plans for four GPUs
+    linked as NVML 0-3 are, and the second replica is placed on the other four."""
+    _fake_cuda(monkeypatch, list(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = TrainConfig(model="gpt-tiny", hardware="detect", plan="auto", num_stages=4, num_microbatches=4, dp=2)
+    hw = startup.hardware_for(cfg, 4, True, nvml=fake_dgx1())
+    assert hw.num_devices == 4 and hw.nvlink_links == [row[:4] for row in DGX1_LINKS[:4]]
+    plan = dataclasses.replace(contract_plan(ranges=FOUR_STAGES, devices=[0, 1, 2, 3]), num_devices=hw.num_devices)
+    assert startup.replica_devices_for(plan, 4, startup.replicas_per_node(4), nvml=fake_dgx1()) == \
+        ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
 def test_replicas_per_node_are_the_nodes_ranks_over_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert startup.replicas_per_node(4) == 2 and startup.replicas_per_node(8) == 1

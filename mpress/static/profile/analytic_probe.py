@@ -11,10 +11,10 @@ which then plan without loading torch at all.
 
 The key (`probe_key`) is a SHA-256 of the model's fields (all of them but its name),
 the layer kind, the microbatch size, mpress's version, torch's version (read from its
-`version.py`, without importing it) and the text of the modules the probe runs
-(`mpress/models`, `mpress/contract`, `mpress/static/profile`): a checkout whose model or
-probe code changed never reads an older summary. The directory is `$MPRESS_CACHE_DIR`
-when set, else `$XDG_CACHE_HOME/mpress/probes` (default `~/.cache/mpress/probes`);
+`version.py`, without importing it) and the text of the modules that run the probe or
+derive the model's shapes (`PROBE_SOURCES`): a checkout whose model or probe code
+changed never reads an older summary. The directory is `$MPRESS_CACHE_DIR` when set,
+else `$XDG_CACHE_HOME/mpress/probes` (default `~/.cache/mpress/probes`);
 `MPRESS_CACHE_DIR=off` turns the disk cache off. A cache that cannot be read or written
 is passed over: the probe runs, as without it.
 """
@@ -34,8 +34,9 @@ from mpress.config.loader import to_dict
 from mpress.config.model_config import ModelConfig
 from mpress.static.profile.recompute_options import ProbeSummary
 
-PROBE_SOURCES = ("models", "contract", "static/profile")
-"""Folders of mpress whose modules the probe runs (their text is part of the key)."""
+PROBE_SOURCES = ("models", "contract", "static/profile", "config")
+"""Folders of mpress whose modules the probe runs, or which derive the model's shapes
+from its config (`ModelConfig.ffn`, `head_dim`): their text is part of the key."""
 
 CACHE_ENV = "MPRESS_CACHE_DIR"
 

@@ -61,6 +61,18 @@ def test_the_key_separates_what_shapes_the_probe(cache):
     assert key not in others and len(others) == 4
 
 
+def test_the_key_follows_the_probes_code(monkeypatch):
+    """The sources' text is part of the key: other sources (here fewer of them), another key."""
+    cfg = load_model_config("gpt-tiny")
+    key = analytic_probe.probe_key(cfg, 1, 1)
+    monkeypatch.setattr(analytic_probe, "PROBE_SOURCES", analytic_probe.PROBE_SOURCES[:-1])
+    analytic_probe._code_fingerprint.cache_clear()
+    try:
+        assert analytic_probe.probe_key(cfg, 1, 1) != key
+    finally:
+        analytic_probe._code_fingerprint.cache_clear()
+
+
 def test_a_damaged_entry_is_probed_again(cache, monkeypatch):
     cfg = load_model_config("gpt-tiny")
     want = analytic_profile(cfg, V100, 1)

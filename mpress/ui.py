@@ -50,16 +50,17 @@ START_TIME_ENV = "MPRESS_START_TIME"
 _IMPORTED = time.time()
 
 
-def phase_line(text: str) -> None:
-    """Rank 0's line as its start-up enters a phase before step 0 (the ranks meeting,
-    profiling, planning, the data, building the stages): `start-up: TEXT (h:mm:ss)`, on
-    stdout (the launcher's stdout) at once. The time is since `mpress train` started
-    ($MPRESS_START_TIME, which it sets), else (torchrun) since this process loaded mpress."""
+def phase_line(text: str, stream: Any = None) -> None:
+    """The line of a training job's start-up phase before step 0 (the ranks starting,
+    meeting, profiling, planning, the data, building the stages), as it is entered:
+    `start-up: TEXT (h:mm:ss)`, on `stream` (default stdout: rank 0's is the launcher's) at
+    once. The time is since `mpress train` started ($MPRESS_START_TIME, which it sets
+    for its ranks), else since this process loaded mpress (the launcher; torchrun)."""
     try:
         start = float(os.environ.get(START_TIME_ENV, _IMPORTED))
     except ValueError:
         start = _IMPORTED
-    say_line(f"start-up: {text} ({_elapsed(max(0.0, time.time() - start))})", sys.stdout)
+    say_line(f"start-up: {text} ({_elapsed(max(0.0, time.time() - start))})", stream or sys.stdout)
 
 
 def _elapsed(seconds: float) -> str:

@@ -38,6 +38,7 @@ def test_every_start_up_phase_shows_a_line_in_order(tmp_path):
         r"mpress train: gpt-tiny-gpipe: loading torch and checking the job$",
         r"-- torch --$",  # the first line came before torch
         r"mpress train: 2 ranks \(gloo\); rank 0's output follows",
+        r"start-up: starting 2 ranks: each loads torch and mpress, then they meet \(\d:\d\d:\d\d\)$",
         r"start-up: rendezvous: waiting for the 2 ranks \(gloo\) \(\d:\d\d:\d\d\)$",
         r"start-up: profiling gpt-tiny \(analytic\) for planning on cpu-local \(\d:\d\d:\d\d\)$",
         r"start-up: planning mpress for 2 stages on cpu-local \(plan: auto\) \(\d:\d\d:\d\d\)$",
@@ -49,10 +50,10 @@ def test_every_start_up_phase_shows_a_line_in_order(tmp_path):
     assert len(lines) >= len(expected), done.stdout
     for pattern, line in zip(expected, lines):
         assert re.match(pattern, line), f"{line!r} is not {pattern!r}:\n{done.stdout}"
-    # the times (since the launcher started) never go back
+    # the times (since the command started) never go back
     stamps = re.findall(r"\((\d):(\d\d):(\d\d)\)$", done.stdout, re.MULTILINE)
     times = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in stamps]
-    assert len(times) == 5 and times == sorted(times)
+    assert len(times) == 6 and times == sorted(times)
 
 
 def _env() -> dict[str, str]:

@@ -19,6 +19,7 @@ T = sequence length.
 from __future__ import annotations
 
 from mpress.config.model_config import ModelConfig
+from mpress.errors import UserError
 
 NUM_TOKEN_TYPES = 2
 """BERT segment vocabulary; inputs are a single segment (type 0)."""
@@ -31,6 +32,16 @@ def layer_name(cfg: ModelConfig, index: int) -> str:
     if index == cfg.num_layers + 1:
         return "head"
     return f"layers.{index - 1}"
+
+
+def check_layer_range(cfg: ModelConfig, first_layer: int, end_layer: int) -> None:
+    """Raise `UserError` unless 0 <= first_layer < end_layer <= L + 2."""
+    total = cfg.num_layers + 2
+    if not 0 <= first_layer < end_layer <= total:
+        raise UserError(
+            f"model {cfg.name}: layer range [{first_layer}, {end_layer}) is invalid "
+            f"(need 0 <= first < end <= {total}: embed, {cfg.num_layers} blocks, head)"
+        )
 
 
 def layer_names(cfg: ModelConfig) -> list[str]:

@@ -44,12 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpress.errors import UserError
 from mpress.config.model_config import ModelConfig
 from mpress.models import llama
 from mpress.models.dropout import Dropout
 from mpress.models.layer_counts import (  # noqa: F401  (the layer list's arithmetic, re-exported)
     NUM_TOKEN_TYPES,
+    check_layer_range,
     layer_largest_parameter,
     layer_name,
     layer_names,
@@ -228,16 +228,6 @@ _PARTS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
     "llama": (llama.Embedding, llama.Block, llama.Head),
 }
 """Per family: (embedding, block, head) module classes, each built from a `ModelConfig`."""
-
-
-def check_layer_range(cfg: ModelConfig, first_layer: int, end_layer: int) -> None:
-    """Raise `UserError` unless 0 <= first_layer < end_layer <= L + 2."""
-    total = cfg.num_layers + 2
-    if not 0 <= first_layer < end_layer <= total:
-        raise UserError(
-            f"model {cfg.name}: layer range [{first_layer}, {end_layer}) is invalid "
-            f"(need 0 <= first < end <= {total}: embed, {cfg.num_layers} blocks, head)"
-        )
 
 
 def _layer_modules(stage: TransformerStage) -> list[tuple[int, nn.Module]]:

@@ -69,7 +69,7 @@ from mpress.runtime.data_parallel import replica_control_group, replica_coordina
 from mpress.runtime.train_config import TrainConfig, check_world_size, load_train_config, model_config, resolve_backend
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.trainer import JobSpec, PipelineJob, StepResult
-from mpress.ui import TaskProgress, make_console, say_line
+from mpress.ui import TaskProgress, make_console, phase_line, say_line
 from mpress.config.units import fmt_bytes
 
 
@@ -91,7 +91,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     start_phase("plan", rank)
     if rank == 0:
         try:
-            payload = plan_for(cfg, model, num_stages, pp_world)
+            payload = plan_for(cfg, model, num_stages, pp_world, say=phase_line)
         except UserError as exc:
             payload = exc
     payload = broadcast(payload, control)
@@ -121,6 +121,9 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                    peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"),
                    device_capacity_bytes=cfg.device_memory_bytes if device.type == "cpu" else None)
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
+    if rank == 0:
+        phase_line(f"data: {cfg.data.kind}" + (f" ({cfg.data.path or cfg.data.source}, tokenized once per node)"
+                                              if cfg.data.kind == "text" else ""))
     # a preset trains on tokens (synthetic, a file or text); a user's module or HF model on
     # text, or on synthetic inputs shaped like its example microbatch (`UserModel.batch`)
     dataset, val, data_line = (None, None, "") if isinstance(model, UserModel) and cfg.data.kind != "text" \
@@ -129,6 +132,8 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     batch_size = cfg.microbatch_size * cfg.num_microbatches
     num_eval = eval_batch_count(val, batch_size=batch_size, wanted=cfg.eval_batches) if val is not None else 0
     start_phase("build", rank)
+    if rank == 0:
+        phase_line(f"building {num_stages} stages on {world} ranks" + (" (pools, peers)" if plan is not None else ""))
     if replicas is None:
         job = start_job(spec, plan, device, control_group=control)
     else:  # peer pools stay inside a replica: their handshake on the replica's gloo group
@@ -371,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         lock = claim_for_rank(cfg, rank)  # noqa: F841 -- held for the process's life (torchrun: no launcher's claim)
         run_trace.check_options(cfg, args.config)  # a memory snapshot needs CUDA
         nccl_error_handling()
+        if rank == 0:
+            phase_line(f"rendezvous: waiting for the {os.environ.get('WORLD_SIZE', '1')} ranks "
+                       f"({resolve_backend(cfg)})")
         # a bounded timeout: with NCCL a hung peer would otherwise block the others for 10 minutes
         dist.init_process_group(resolve_backend(cfg), timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except UserError as exc:

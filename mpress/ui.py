@@ -4,7 +4,8 @@ On a terminal a long command shows a rich progress bar; off a terminal (a pipe, 
 file, a test's capture) the bar would show nothing at all, so `TaskProgress` prints
 plain lines instead: one per finished unit of work, and news within a unit at most every
 `PLAIN_EVERY_S`. `--json` output goes to stdout alone (`print_json`); the human output of
-such a run (progress, notes) goes to stderr.
+such a run (progress, notes) goes to stderr. A training rank 0 says each phase of its
+start-up as it enters it (`phase_line`), so the time before step 0 is never silent.
 """
 
 from __future__ import annotations
@@ -41,6 +42,25 @@ def say_line(line: str, stream: Any = None) -> None:
     stream = stream or sys.stderr
     stream.write(line + "\n")
     stream.flush()
+
+
+START_TIME_ENV = "MPRESS_START_TIME"
+"""When `mpress train` started (seconds since the epoch), for its ranks' `phase_line`."""
+
+_IMPORTED = time.time()
+
+
+def phase_line(text: str, stream: Any = None) -> None:
+    """The line of a training job's start-up phase before step 0 (the ranks starting,
+    meeting, profiling, planning, the data, building the stages), as it is entered:
+    `start-up: TEXT (h:mm:ss)`, on `stream` (default stdout: rank 0's is the launcher's) at
+    once. The time is since `mpress train` started ($MPRESS_START_TIME, which it sets
+    for its ranks), else since this process loaded mpress (the launcher; torchrun)."""
+    try:
+        start = float(os.environ.get(START_TIME_ENV, _IMPORTED))
+    except ValueError:
+        start = _IMPORTED
+    say_line(f"start-up: {text} ({_elapsed(max(0.0, time.time() - start))})", stream or sys.stdout)
 
 
 def _elapsed(seconds: float) -> str:

@@ -1,6 +1,8 @@
 """Shared test set-up: `@pytest.mark.cuda` tests skip where no GPU is present; every test
-runs torch on one intra-op thread; `group` is a one-rank process group."""
+runs torch on one intra-op thread; `group` is a one-rank process group; the analytic
+probe cache (`MPRESS_CACHE_DIR`) is the session's own, not the user's."""
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -15,6 +17,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _probe_cache(tmp_path_factory):
+    # the session's processes (and the subprocesses they start) share one cache, which
+    # goes with the session's temporary files
+    os.environ.setdefault("MPRESS_CACHE_DIR", str(tmp_path_factory.mktemp("probe-cache")))
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -113,21 +113,76 @@ def profile_for_args(args: argparse.Namespace) -> Profile | None:
     return None
 
 
-def plan_all(setup: PipelineSetup, policy: str, progress: TaskProgress) -> dict[str, PlanResult]:
-    """Plan every strategy, reporting to `progress`; results by strategy name."""
-    from mpress.static.plan.plan_cache import PlanCache
-    from mpress.static.plan.planner import PlannerOptions, plan_strategy
+class Planning:
+    """The strategies planned for one laid-out pipeline, sharing one `PlanCache` (the
+    strategies often emulate the same drafts), so that a strategy planned first (to choose
+    the layers' split) is neither planned again nor planned apart from the others."""
 
-    options = PlannerOptions(swap_in_policy=SwapInPolicy(policy))
-    results: dict[str, PlanResult] = {}
-    cache = PlanCache(setup)  # the strategies often emulate the same drafts
-    for name in Strategy.words():
-        progress.update(f"planning {name}")
-        r = plan_strategy(setup, name, options, progress=progress.update, cache=cache)
-        results[name] = r
-        progress.advance(f"planned {name}: " + (f"fits, iteration {fmt_seconds(r.evaluation.result.iteration_s)}"
-                                                if r.fits else "does not fit") + f" (planning {fmt_seconds(r.plan_s)})")
-    return results
+    def __init__(self, setup: PipelineSetup, shape: PipelineShape, policy: str) -> None:
+        from mpress.static.plan.plan_cache import PlanCache
+        from mpress.static.plan.planner import PlannerOptions
+
+        self.setup, self.shape = setup, shape
+        self.options = PlannerOptions(swap_in_policy=SwapInPolicy(policy))
+        self.cache = PlanCache(setup)
+        self.results: dict[str, PlanResult] = {}
+
+    def plan(self, names: list[str], progress: TaskProgress) -> dict[str, PlanResult]:
+        """Plan the strategies `names` not planned yet, reporting to `progress`; every
+        result so far, in `Strategy` order."""
+        from mpress.static.plan.planner import plan_strategy
+
+        for name in names:
+            if name in self.results:
+                continue
+            progress.update(f"planning {name}")
+            r = plan_strategy(self.setup, name, self.options, progress=progress.update, cache=self.cache)
+            self.results[name] = r
+            progress.advance(f"planned {name}: " + (f"fits, iteration {fmt_seconds(r.evaluation.result.iteration_s)}"
+                                                    if r.fits else "does not fit")
+                             + f" (planning {fmt_seconds(r.plan_s)})")
+        return {n: self.results[n] for n in Strategy.words() if n in self.results}
+
+    def fits(self, name: str) -> bool:
+        return self.results[name].fits
+
+
+def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
+    """The layers' split, decided once before the comparison, with what deciding planned.
+
+    With --balance, that split. Without it, stages balanced for compute, unless the
+    strategy to write (--strategy) does not fit them and fits stages balanced for memory
+    (the first stage, with the most microbatches in flight, holds the most; a memory
+    split evens that out): then memory, and the other strategies are planned there only.
+    Where --strategy fits neither, the split where any strategy fits, compute first.
+    """
+    from mpress.static.plan.planner import check_fits_at_all
+
+    profile = profile_for_args(args)
+    by_compute = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
+    check_fits_at_all(by_compute.setup)
+    console.print(settings_line(by_compute.setup, by_compute.shape), markup=False, soft_wrap=True)
+    if args.balance is not None:
+        return by_compute
+    with TaskProgress(console, len(Strategy), "planning") as progress:
+        by_compute.plan([args.strategy], progress)
+    if by_compute.fits(args.strategy):
+        return by_compute
+    args.balance = "memory"
+    by_memory = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
+    console.print(f"{args.strategy} does not fit with the layers balanced by compute; trying them balanced by memory "
+                  "(--balance memory)", markup=False, soft_wrap=True)
+    with TaskProgress(console, len(Strategy), "planning") as progress:
+        by_memory.plan([args.strategy], progress)
+    if not by_memory.fits(args.strategy):  # neither: the split where any strategy fits, compute first
+        with TaskProgress(console, len(Strategy), "planning", completed=1) as progress:
+            if any(r.fits for r in by_compute.plan(Strategy.words(), progress).values()):
+                args.balance = None
+                console.print(f"{args.strategy} fits neither split; keeping the layers balanced by compute, where "
+                              "another strategy fits", markup=False, soft_wrap=True)
+                return by_compute
+    console.print(settings_line(by_memory.setup, by_memory.shape), markup=False, soft_wrap=True)
+    return by_memory
 
 
 def plan_baselines(setup: PipelineSetup) -> dict[str, BaselineResult]:
@@ -252,27 +307,15 @@ def auto_schedule(args: argparse.Namespace, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpress.static.plan.planner import check_fits_at_all
     from mpress.static.studies.ablation import ablate
 
     console = make_console(stderr=args.json)
     if args.schedule == AUTO:
         auto_schedule(args, console)
-    setup, shape = setup_from_args(args, profile=profile_for_args(args))
-    check_fits_at_all(setup)
-    console.print(settings_line(setup, shape), markup=False, soft_wrap=True)
-    with TaskProgress(console, len(Strategy), "planning") as progress:
-        results = plan_all(setup, args.swap_in_policy, progress)
-    if args.balance is None and not any(r.fits for r in results.values()):
-        # stages balanced for compute leave the first stage, with the most microbatches in
-        # flight, the most memory to hold: split by memory instead, as --balance memory does
-        args.balance = "memory"
-        setup, shape = setup_from_args(args, profile=profile_for_args(args))
-        console.print("no strategy fits with the layers balanced by compute; balancing them by memory "
-                      "(--balance memory)", markup=False, soft_wrap=True)
-        console.print(settings_line(setup, shape), markup=False, soft_wrap=True)
-        with TaskProgress(console, len(Strategy), "planning") as progress:
-            results = plan_all(setup, args.swap_in_policy, progress)
+    planning = choose_balance(args, console)
+    setup, shape = planning.setup, planning.shape
+    with TaskProgress(console, len(Strategy), "planning", completed=len(planning.results)) as progress:
+        results = planning.plan(Strategy.words(), progress)
     chosen = results[args.strategy]
     baselines = plan_baselines(setup)
     ablations = ablate(setup, results[Strategy.MPRESS.value]) if args.ablate else []

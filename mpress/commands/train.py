@@ -13,6 +13,7 @@ import os
 import secrets
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from mpress.config.presets import train_presets
 from mpress.errors import UserError
 from mpress.hardware.cluster import MAX_NODES
 from mpress.launcher.rendezvous import RDZV_TIMEOUT_S
+from mpress.ui import START_TIME_ENV, phase_line
 
 if TYPE_CHECKING:
     from mpress.launcher.launch import Nodes
@@ -179,7 +181,12 @@ def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Check the job, then launch it; the exit status as EXAMPLES lists it. The job's
-    modules (torch among them) are imported here: a flag error has none to wait for."""
+    modules (torch among them) are imported here: a flag error has none to wait for. The
+    first line comes before them (loading torch and checking the job take seconds); with
+    --json, whose stderr is for one-line errors and rank 0's output, it is left out."""
+    started = time.time()  # the ranks' start-up lines count from here
+    if not args.json:
+        print(f"mpress train: {args.config}: loading torch and checking the job", flush=True)
     import torch
 
     from mpress.config.overrides import parse_override_args
@@ -211,8 +218,11 @@ def run(args: argparse.Namespace) -> int:
         where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
         print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
               file=sys.stderr if args.json else sys.stdout, flush=True)
+        phase_line(f"starting {nproc} ranks: each loads torch and mpress, then they meet",
+                   sys.stderr if args.json else sys.stdout)
         return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir,
-                                 run_id=run_id, json_report=report, nodes=nodes))
+                                 run_id=run_id, json_report=report, nodes=nodes,
+                                 env={START_TIME_ENV: repr(started)}))
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:

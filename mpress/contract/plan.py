@@ -312,10 +312,9 @@ class Plan:
         if self.actions and len(self.actions) != self.num_ranks:
             raise ConfigError("", "actions", f"need one action list per rank ({self.num_ranks}), got {len(self.actions)}")
         for r, text in enumerate(self.actions):
-            try:
-                parse_actions(text)
-            except ScheduleError as exc:
-                raise ConfigError("", f"actions[{r}]", str(exc)) from None
+            problem = _action_list_problem(text)
+            if problem is not None:
+                raise ConfigError("", f"actions[{r}]", problem)
         if self.stages and self.stages[0].first_layer != 0:
             raise ConfigError("", "stages[0].first_layer", "must be 0 (the first stage starts at the first layer)")
         for i, sp in enumerate(self.stages[1:], start=1):
@@ -388,6 +387,17 @@ class Plan:
     def load(path: str | Path) -> "Plan":
         """Read a plan; unknown keys, wrong types and inconsistent stages are `ConfigError`s."""
         return from_dict(Plan, load_yaml(path), str(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _action_list_problem(text: str) -> str | None:
+    """Why a rank's action list does not parse, None when it does; remembered, as planning
+    copies a plan with the same program many times (`dataclasses.replace` checks again)."""
+    try:
+        parse_actions(text)
+    except ScheduleError as exc:
+        return str(exc)
+    return None
 
 
 def fingerprint(data: object) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from mpress.errors import PlanError
 from mpress.hardware.server import Hardware
-from mpress.contract.identity import MODEL_DATA_KINDS, StageRules
+from mpress.contract.stage_rules import MODEL_DATA_KINDS, StageRules
 from mpress.config.model_config import ModelConfig
 from mpress.contract.plan import Plan, hardware_fingerprint
 from mpress.config.units import fmt_bytes

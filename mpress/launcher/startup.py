@@ -1,13 +1,18 @@
 """What the launcher decides before training: the plan (from a file, or made on rank 0
 for `plan: auto`), the hardware it is for, and the device each rank trains on.
 
-Planning at start-up is the launcher's only use of the static half.
+Planning at start-up is the launcher's only use of the static half. Rank 0 says each
+phase of it as it starts (`say`: `mpress.ui.phase_line`): a plan file is read and checked
+(no planning), `plan: auto` profiles the model and plans it (news of the planner's
+rounds at most every `PLAN_NEWS_EVERY_S`), `plan: none` profiles it for the split only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +37,17 @@ from mpress.static.profile.profile import Profile
 from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
 from mpress.config.units import MAX_BYTES, fmt_bytes
 from mpress.config.vocabulary import ScheduleName
+
+
+PLAN_NEWS_EVERY_S = 10.0
+"""Least time between two lines of the planner's news while rank 0 plans (`plan: auto`)."""
+
+Say = Callable[[str], None]
+"""Where rank 0's start-up lines go (`mpress.ui.phase_line`)."""
+
+
+def _quiet(_line: str) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -60,13 +76,15 @@ class StartPlan:
     (None: the preset names none for it)."""
 
 
-def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int) -> StartPlan:
+def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, *,
+             say: Say = _quiet) -> StartPlan:
     """The plan, the stage layer ranges and the predicted peaks; rank 0 only. A plan file
     without a program gets the one its rules make (the rewriter's, as the planner would),
-    and its pinned pools the size that program needs where the file gives none."""
+    and its pinned pools the size that program needs where the file gives none. `say`
+    gets a line as each phase starts."""
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     bus_ids = cuda_bus_ids() if cuda else None
-    start, setup = _plan_of(cfg, model, num_stages, world, cuda)
+    start, setup = _plan_of(cfg, model, num_stages, world, cuda, say)
     maps = replica_devices_for(start.plan, world, replicas_per_node(world), host=setup.hardware) if cuda else None
     return dataclasses.replace(start, device_bus_ids=bus_ids, replica_devices=maps, **model_flops(setup))
 
@@ -119,8 +137,9 @@ def model_flops(setup: PipelineSetup) -> dict[str, float | None]:
 
 
 def _plan_of(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int,
-             cuda: bool) -> tuple[StartPlan, PipelineSetup]:
+             cuda: bool, say: Say = _quiet) -> tuple[StartPlan, PipelineSetup]:
     if cfg.plan not in ("auto", "none"):
+        say(f"plan {cfg.plan}: checking it against the job and emulating its program (no planning)")
         plan, setup = load_checked_plan(cfg, model, num_stages, world, cuda=cuda)
         try:
             plan, ev = complete_plan(setup, plan)  # written by hand: the program and pools its rules make
@@ -129,12 +148,16 @@ def _plan_of(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
         return StartPlan(plan, [(sp.first_layer, sp.end_layer) for sp in plan.stages],
                          _rank_peaks(ev.result.peak_bytes, plan.stage_to_device, world)), setup
     hardware = hardware_for(cfg, world, cuda)
+    how = "on fake tensors" if isinstance(model, UserModel) else "analytic"
+    say(f"profiling {model.name} ({how}) for " + ("the stages' split (plan: none)" if cfg.plan == "none" else
+                                                 f"planning on {hardware.name}"))
     setup = _setup(cfg, model, hardware, num_stages, world, profile=profile_for(cfg, model, hardware))
     if cfg.plan == "none":
         return StartPlan(None, setup.ranges,
                          _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world)), setup
     check_fits_at_all(setup)
-    result = plan_strategy(setup, cfg.strategy, PlannerOptions())
+    say(f"planning {cfg.strategy} for {num_stages} stages on {hardware.name} (plan: auto)")
+    result = plan_strategy(setup, cfg.strategy, PlannerOptions(), progress=_every(PLAN_NEWS_EVERY_S, say))
     if not result.fits:
         raise UserError(f"plan: auto: {model.name} does not fit {hardware.name}: {result.reason}")
     plan = result.plan
@@ -145,6 +168,18 @@ def _plan_of(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
     for sp in plan.stages:
         peaks[sp.device] = sp.predicted_peak_bytes  # the device's peak, as emulated when planning
     return StartPlan(plan, setup.ranges, _rank_peaks(peaks, plan.stage_to_device, world)), setup
+
+
+def _every(seconds: float, say: Say) -> Say:
+    """`say`, passing on a line only when `seconds` have gone by since the last one."""
+    last = [time.monotonic()]
+
+    def news(line: str) -> None:
+        if time.monotonic() - last[0] >= seconds:
+            last[0] = time.monotonic()
+            say(f"planning: {line}")
+
+    return news
 
 
 def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, world: int, *,

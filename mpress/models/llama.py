@@ -191,24 +191,3 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(x))
-
-
-def layer_num_parameters(cfg: ModelConfig, index: int) -> int:
-    """Closed-form parameter count of Llama layer `index` (0 = embed, 1..L = blocks, L+1 = head)."""
-    h, f, v = cfg.hidden_size, cfg.ffn, cfg.vocab_size
-    if index == 0:
-        return v * h
-    if index == cfg.num_layers + 1:
-        return h + h * v  # norm + out
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.kv_heads * cfg.head_dim
-    # two norms + q, k, v, o + gate, up, down
-    return 2 * h + (h * q + 2 * h * kv + q * h) + 3 * h * f
-
-
-def layer_largest_parameter(cfg: ModelConfig, index: int) -> int:
-    """Elements of the largest parameter tensor of Llama layer `index`."""
-    h = cfg.hidden_size
-    if index in (0, cfg.num_layers + 1):
-        return cfg.vocab_size * h
-    return max(h * cfg.num_heads * cfg.head_dim, h * cfg.ffn)  # q/o or an MLP projection

@@ -44,19 +44,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpress.errors import UserError
 from mpress.config.model_config import ModelConfig
 from mpress.models import llama
 from mpress.models.dropout import Dropout
+from mpress.models.layer_counts import (  # noqa: F401  (the layer list's arithmetic, re-exported)
+    NUM_TOKEN_TYPES,
+    check_layer_range,
+    layer_largest_parameter,
+    layer_name,
+    layer_names,
+    layer_num_parameters,
+    num_parameters,
+)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of linear and embedding weights (GPT-2/BERT)."""
-
-NUM_TOKEN_TYPES = 2
-"""BERT segment vocabulary; inputs are a single segment (type 0)."""
-
 
 class Embedding(nn.Module):
     """Token + learned position (+ BERT token-type) embeddings, then dropout.
@@ -226,30 +230,6 @@ _PARTS: dict[str, tuple[type[nn.Module], type[nn.Module], type[nn.Module]]] = {
 """Per family: (embedding, block, head) module classes, each built from a `ModelConfig`."""
 
 
-def check_layer_range(cfg: ModelConfig, first_layer: int, end_layer: int) -> None:
-    """Raise `UserError` unless 0 <= first_layer < end_layer <= L + 2."""
-    total = cfg.num_layers + 2
-    if not 0 <= first_layer < end_layer <= total:
-        raise UserError(
-            f"model {cfg.name}: layer range [{first_layer}, {end_layer}) is invalid "
-            f"(need 0 <= first < end <= {total}: embed, {cfg.num_layers} blocks, head)"
-        )
-
-
-def layer_name(cfg: ModelConfig, index: int) -> str:
-    """Name of layer `index` (0 = embed, 1..L = blocks, L+1 = head)."""
-    if index == 0:
-        return "embed"
-    if index == cfg.num_layers + 1:
-        return "head"
-    return f"layers.{index - 1}"
-
-
-def layer_names(cfg: ModelConfig) -> list[str]:
-    """The layer list of the whole model: embed, layers.0 .. layers.{L-1}, head."""
-    return [layer_name(cfg, i) for i in range(cfg.num_layers + 2)]
-
-
 def _layer_modules(stage: TransformerStage) -> list[tuple[int, nn.Module]]:
     out: list[tuple[int, nn.Module]] = []
     if stage.embed is not None:
@@ -303,40 +283,6 @@ def build_model(cfg: ModelConfig, *, seed: int | None = None,
                 device: torch.device | str | None = None) -> TransformerStage:
     """The whole reference model: (B, T) int64 token ids -> (B, T, vocab) logits."""
     return build_stage(cfg, 0, cfg.num_layers + 2, seed=seed, device=device)
-
-
-def layer_num_parameters(cfg: ModelConfig, index: int) -> int:
-    """Closed-form parameter count of layer `index` (0 = embed, 1..L = blocks, L+1 = head)."""
-    if cfg.family == "llama":
-        return llama.layer_num_parameters(cfg, index)
-    h, f, v, t = cfg.hidden_size, cfg.ffn, cfg.vocab_size, cfg.seq_len
-    bert = cfg.family == "bert"
-    if index == 0:
-        return v * h + t * h + (NUM_TOKEN_TYPES * h if bert else 0)
-    if index == cfg.num_layers + 1:
-        if bert:  # ln + dense + dense_ln + out (with bias)
-            return 2 * h + (h * h + h) + 2 * h + (h * v + v)
-        return 2 * h + h * v  # ln + out (no bias)
-    # ln1 + qkv + proj + ln2 + fc1 + fc2
-    return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
-
-
-def layer_largest_parameter(cfg: ModelConfig, index: int) -> int:
-    """Elements of the largest parameter tensor of layer `index` (0 = embed, 1..L =
-    blocks, L+1 = head)."""
-    if cfg.family == "llama":
-        return llama.layer_largest_parameter(cfg, index)
-    h, f, v, t = cfg.hidden_size, cfg.ffn, cfg.vocab_size, cfg.seq_len
-    if index == 0:
-        return max(v * h, t * h)
-    if index == cfg.num_layers + 1:
-        return h * v
-    return max(3 * h * h, h * f)  # qkv or an MLP projection
-
-
-def num_parameters(cfg: ModelConfig) -> int:
-    """Closed-form parameter count of `build_model(cfg)`."""
-    return sum(layer_num_parameters(cfg, i) for i in range(cfg.num_layers + 2))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -129,13 +129,17 @@ def test_a_factory_given_as_model_gets_a_hint(capsys):
     one_line_error(capsys, "--module mymodel:make")
 
 
-def test_when_nothing_fits_balanced_by_compute_the_layers_are_balanced_by_memory(tmp_path, capsys):
+def test_when_the_strategy_does_not_fit_balanced_by_compute_the_layers_are_balanced_by_memory(tmp_path, capsys):
     """Llama 3 70B at 8k tokens on 8 H100s fits only with fewer blocks on the first stage:
-    without --balance, the plan command tries the memory balance when no strategy fits
-    the compute one, says so, and writes a plan with that split."""
+    without --balance, the plan command tries the memory balance when the strategy to
+    write does not fit the compute one, says so, writes a plan with that split, and plans
+    the other strategies on that split only (each strategy planned once)."""
     out = tmp_path / "llama.yaml"
     assert main(["plan", "--model", "llama-3-70b", "--hardware", "hgx-h100", "--out", str(out)]) == 0
-    assert "no strategy fits with the layers balanced by compute; balancing them by memory" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mpress does not fit with the layers balanced by compute; trying them balanced by memory" in printed
+    planned = [line.split()[2].rstrip(":") for line in printed.splitlines() if line.startswith("[")]
+    assert planned == ["mpress", "mpress", "none", "recompute", "host-swap", "d2d", "megatron-selective"]
     plan = Plan.load(str(out))
     stage0 = plan.stages[0].end_layer - plan.stages[0].first_layer
     assert stage0 < min(sp.end_layer - sp.first_layer for sp in plan.stages[1:-1])  # the first stage holds fewer

@@ -63,7 +63,9 @@ def test_bad_input_is_one_line_exit_2_and_no_rank_starts(tmp_path, args, expecte
     config = tiny_config(tmp_path)
     res = _mpress_train("--config", str(config), "--run-dir", str(tmp_path / "run"), *args)
     assert res.returncode == 2, res.stderr
-    assert res.stdout == ""  # "mpress train: N ranks ..." comes just before the ranks start
+    # only the first line, said before the job is checked; "mpress train: N ranks ..." comes
+    # just before the ranks start
+    assert res.stdout.splitlines() == [f"mpress train: {config}: loading torch and checking the job"]
     lines = res.stderr.splitlines()
     assert len(lines) == 1 and re.match(r"mpress train: error: " + "(.*/)?" + expected, lines[0]), res.stderr
     assert not (tmp_path / "run").exists()

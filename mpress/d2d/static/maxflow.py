@@ -196,9 +196,10 @@ class CutTable:
         self._row_demand = [0]
         self._pool = sorted(spare_bytes)  # spares of stages not yet placed, ascending
         self._cuts: list[tuple[int, int, list[tuple[float, float]], int]] | None = None  # _families of this state
+        self._shortfall: int | None = None  # _waiting_shortfall of this state (both bounds ask it)
 
     def place(self, stage: int, device: int) -> None:
-        self._cuts = None
+        self._cuts = self._shortfall = None
         self.stage_on[device], self.device_of[stage] = stage, device
         self._pool.remove(self._spare[stage])
         b = self._demand[stage]
@@ -209,7 +210,7 @@ class CutTable:
             self._placed.append(stage)
 
     def unplace(self, stage: int) -> None:
-        self._cuts = None
+        self._cuts = self._shortfall = None
         device = self.device_of[stage]
         self.stage_on[device], self.device_of[stage] = -1, -1
         insort(self._pool, self._spare[stage])
@@ -227,20 +228,23 @@ class CutTable:
 
     def _cut_families(self) -> Iterator[tuple[int, int, list[tuple[float, float]], int]]:
         occ, spare, ingress = self.stage_on, self._spare, self._ingress
+        capped = any(math.isfinite(x) for x in ingress)  # else every rate stands as it is
         pool = self._pool[::-1]
         fill = None if self._use_pool else [max(pool[0] if pool else 0, x) for x in self._idle]
+        # per device, what its spare is in this state: its occupant's, (without the pool)
+        # its best filler's, or None for a free device the pool's spares go to
+        offer = [spare[st] if st >= 0 else (None if fill is None else fill[d]) for d, st in enumerate(occ)]
         for mask in range(0 if self._ports else 1, len(self._rows)):
             terms, free, reach = [], [], 0
             for d, rate in enumerate(self._rows[mask]):
                 if rate <= 0:
                     continue
-                rate = min(rate, ingress[d])
-                st = occ[d]
-                if st < 0 and fill is None:
+                if capped:
+                    rate = min(rate, ingress[d])
+                sp = offer[d]
+                if sp is None:
                     free.append(rate)
-                    continue
-                sp = spare[st] if st >= 0 else fill[d]
-                if sp > 0:
+                elif sp > 0:
                     terms.append((sp, rate))
                     reach += sp
             if free:
@@ -290,8 +294,10 @@ class CutTable:
     def _waiting_shortfall(self) -> int:
         """Bytes that the stages still waiting must leave unplaced whatever happens:
         they will sit on free devices, so they reach only devices linked to a free one."""
-        waiting = self._waiting_bytes()
-        return max(0, waiting - self._spare_within(self._near_free())) if waiting else 0
+        if self._shortfall is None:
+            waiting = self._waiting_bytes()
+            self._shortfall = max(0, waiting - self._spare_within(self._near_free())) if waiting else 0
+        return self._shortfall
 
     def time_bound(self, unplaced: int, stop_at: float = INF) -> float:
         """Least slowest swap time of any completion that leaves at most `unplaced` bytes

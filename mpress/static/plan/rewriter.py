@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from mpress.contract.actions import Action, Kind, Schedule, UnitId, UnitKind
 from mpress.errors import PlanError, UserError
 from mpress.hardware.server import Hardware
-from mpress.contract.identity import LayerTensors, StageRules
+from mpress.contract.stage_rules import LayerTensors, StageRules
 from mpress.contract.plan import Plan, StagePlan, TensorRule
 from mpress.static.emulate.host_step_time import host_step_s
 from mpress.static.emulate.lowering import TensorInfo

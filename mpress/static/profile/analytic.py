@@ -42,23 +42,16 @@ size, f = MLP width, V = vocabulary, nh = heads, hd = h / nh.
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
+from mpress.config.model_config import ModelConfig
 from mpress.errors import UserError
 from mpress.hardware.server import Hardware
-from mpress.config.model_config import ModelConfig
-from mpress.static.profile import analytic_llama
-from mpress.models.transformer import (
-    TORCH_DTYPES,
-    build_stage,
+from mpress.models.layer_counts import (
     layer_largest_parameter,
     layer_name,
     layer_num_parameters,
-    lm_loss,
 )
-from mpress.static.profile.memory_probe import Probed, probe
+from mpress.static.profile import analytic_llama
+from mpress.static.profile.analytic_probe import probed_kind
 from mpress.static.profile.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.profile.recompute_options import recompute_options, with_producers
 
@@ -270,33 +263,12 @@ def _kind(cfg: ModelConfig, index: int) -> int:
     return index if index in (0, cfg.num_layers + 1) else 1
 
 
-@functools.cache
-def _probe(cfg: ModelConfig, index: int, microbatch_size: int) -> Probed:
-    """What layer `index` holds, probed on the meta device (the memory probe; nothing is
-    computed or allocated), the head with the model's loss, with its op-level recompute
-    choices."""
-    layer = build_stage(cfg, index, index + 1, device="meta").train()
-    b, t = microbatch_size, cfg.seq_len
-    if index == 0:
-        x = torch.zeros(b, t, dtype=torch.long, device="meta")
-    else:
-        x = torch.zeros(b, t, cfg.hidden_size, dtype=TORCH_DTYPES[cfg.precision], device="meta", requires_grad=True)
-    targets = torch.zeros(b, t, dtype=torch.long, device="meta")
-    loss = (lambda out: lm_loss(out, targets)) if index == cfg.num_layers + 1 else None
-    return probe(layer, (x,), loss_fn=loss)
-
-
-@functools.cache
-def _param_tensors(cfg: ModelConfig, index: int) -> int:
-    return len(list(build_stage(cfg, index, index + 1, device="meta").parameters()))
-
-
 def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int, saved: list[SavedTensor],
                   hardware: Hardware) -> dict[str, object]:
-    """The memory fields of layer `index`'s profile (`_probe` of its kind), its saved
-    tensors with their producers, and its op-level recompute choices priced on `hardware`."""
-    probed = _probe(cfg, _kind(cfg, index), microbatch_size)
-    return {"memory": probed.plain, "recompute_memory": probed.recomputed,
-            "param_tensors": _param_tensors(cfg, _kind(cfg, index)),
-            "saved": with_producers(saved, probed.ops),
+    """The memory fields of layer `index`'s profile (the memory probe of its kind, read from
+    the disk cache when an earlier run made it: `analytic_probe`), its saved tensors with
+    their producers, and its op-level recompute choices priced on `hardware`."""
+    probed, param_tensors = probed_kind(cfg, _kind(cfg, index), microbatch_size)
+    return {"memory": probed.plain, "recompute_memory": probed.recomputed, "param_tensors": param_tensors,
+            "saved": with_producers(saved, probed),
             "recompute_options": recompute_options(saved, probed, hardware, cfg.precision)}

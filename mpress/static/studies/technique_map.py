@@ -14,7 +14,7 @@ from pathlib import Path
 
 from matplotlib.colors import ListedColormap
 
-from mpress.contract.identity import StageRules
+from mpress.contract.stage_rules import StageRules
 from mpress.contract.plan import Plan
 from mpress.static.plan.evaluate import PipelineSetup
 from mpress.static.studies.plots import new_figure, save

@@ -53,8 +53,9 @@ from mpress.contract.plan import (
 from mpress.contract.selective import LayerOps, OpTrace
 from mpress.config.vocabulary import Technique
 
-MODEL_DATA_KINDS = ("optim", "stash")
-"""Prefixes of model-data names in rules: `optim:LAYER`, `stash:LAYER`."""
+MODEL_DATA_KINDS = ("optim", "stash", "param", "grad")
+"""Prefixes of model-data names in rules: `optim:LAYER`, `stash:LAYER`, `param:LAYER`,
+`grad:LAYER`."""
 
 
 @dataclass(frozen=True)

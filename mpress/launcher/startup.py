@@ -98,7 +98,7 @@ def _plan_of(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
     if cfg.plan == "none":
         return StartPlan(None, setup.ranges,
                          _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world)), setup
-    check_fits_at_all(setup)
+    check_fits_at_all(setup, cfg.strategy)
     result = plan_strategy(setup, cfg.strategy, PlannerOptions())
     if not result.fits:
         raise UserError(f"plan: auto: {model.name} does not fit {hardware.name}: {result.reason}")

@@ -65,6 +65,7 @@ from mpress.static.plan.megatron import megatron_draft
 from mpress.static.plan.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner_d2d import D2DSteps
+from mpress.static.plan.planner_layer_data import LayerDataSteps, plan_pinned_bytes
 from mpress.static.memory.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
@@ -117,7 +118,7 @@ class PlanResult:
     """The planner's working state the plan was written from (for `ablation.py`)."""
 
 
-class _Planner(D2DSteps):
+class _Planner(D2DSteps, LayerDataSteps):
     def __init__(self, setup: PipelineSetup, strategy: str, options: PlannerOptions,
                  progress: Callable[[str], None] | None, cache: PlanCache | None = None) -> None:
         if strategy not in Strategy.words():
@@ -312,6 +313,8 @@ class _Planner(D2DSteps):
                     d.recompute_choice[(s, j)] = choice
                 shed += self._saving(s, j, techs) * k
                 pcie_used += used
+        if self.strategy is Strategy.MPRESS and not candidates:  # nothing else left: `planner_layer_data`
+            shed += self.shed_layer_data(d, s, need)
         return shed
 
     # -- search --------------------------------------------------------------------------------
@@ -435,7 +438,7 @@ class _Planner(D2DSteps):
                 by[d.stash[s]] = by.get(d.stash[s], 0) + (k - 1) * c.param_bytes
             saved.append(by)
             peers.append([dev for dev, _f in (d.stripes[s] if d.stripes else ())] if self._d2d_bytes(d, s) else [])
-        host = sum(sp.pinned_host_bytes for sp in plan.stages)
+        host = plan_pinned_bytes(plan, self.costs)
         fits, reason = ev.result.fits, ""
         if host > self.hw.pinnable_bytes:
             fits, reason = False, (f"pinnable host memory too small for the host-swap volume: needs "
@@ -452,7 +455,7 @@ class _Planner(D2DSteps):
 
     def _pinned_bytes(self, d: Draft, ev: Evaluation) -> int:
         """Host memory the plan of draft `d` (emulated as `ev`) pins, over all stages."""
-        return sum(sp.pinned_host_bytes for sp in self.writer.to_plan(d, ev).stages)
+        return plan_pinned_bytes(self.writer.to_plan(d, ev), self.costs)
 
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)
@@ -471,11 +474,11 @@ def _better(a: Evaluation, b: Evaluation, a_pins_ok: bool = True, b_pins_ok: boo
     return a.result.iteration_s < b.result.iteration_s
 
 
-def minimum_need_bytes(setup: PipelineSetup) -> list[int]:
-    """Per stage, bytes no technique can move: parameters, gradients, torch's pipeline
-    buffers and the largest transient (activations, optimizer data and stashes can all
-    go)."""
-    return [m.param_bytes + m.grad_bytes + m.buffer_bytes + m.transient_bytes for m in setup.memory]
+def minimum_need_bytes(setup: PipelineSetup, layer_data: bool = False) -> list[int]:
+    """Per stage, bytes no technique can move: parameters and gradients (with `layer_data`,
+    as `mpress` plans: two layers' worth), torch's pipeline buffers, the largest transient."""
+    return [m.buffer_bytes + m.transient_bytes + (m.param_bytes + m.grad_bytes if not layer_data else 2 * max(
+        x.param_bytes + x.grad_bytes for x in c.layers)) for m, c in zip(setup.memory, setup.costs)]
 
 
 def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions | None = None,
@@ -486,10 +489,10 @@ def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions |
     return _Planner(setup, strategy, options or PlannerOptions(), progress, cache).run()
 
 
-def check_fits_at_all(setup: PipelineSetup) -> None:
+def check_fits_at_all(setup: PipelineSetup, strategy: str = Strategy.MPRESS) -> None:
     """Raise a one-line `UserError` when even moving every movable byte cannot fit."""
     cap = setup.hardware.usable_memory_bytes
-    for m, floor in zip(setup.memory, minimum_need_bytes(setup)):
+    for m, floor in zip(setup.memory, minimum_need_bytes(setup, strategy == Strategy.MPRESS)):
         if floor > cap:
             raise UserError(
                 f"does not fit even with every tensor swapped: stage {m.stage} needs {floor / 1e9:.1f} GB of "

@@ -206,7 +206,7 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
             if not base.fits:
                 why[i] = (zero_bound(hardware, base), f"{cfg.name}: {base.reason}")
             return base.fits
-        floor = max(minimum_need_bytes(setup))
+        floor = max(minimum_need_bytes(setup, strategy == "mpress"))
         if floor > hardware.usable_memory_bytes:
             why[i] = (Bound.DEVICE_MEMORY, f"{cfg.name}: a stage needs {floor} bytes no technique can move, "
                                            f"above the {hardware.usable_memory_bytes} usable")

@@ -164,3 +164,18 @@ def test_copies_cost_the_host_link():
     added_fast = ev.result.iteration_s - plain_fast.result.iteration_s
     added_slow = slow_ev.result.iteration_s - plain_slow.result.iteration_s
     assert added_slow > 10 * max(added_fast, 0.0)
+
+
+def test_peak_breakdown_follows_the_copies():
+    """At each device's peak the categories sum to the emulated peak; parameters there are
+    at most the two largest layers' (the one running and the one fetched ahead) where
+    every layer's live on the host, and no more than without the rules otherwise."""
+    from mpress.static.emulate.breakdown import PARAMS, peak_breakdown
+    setup, _plan, plain = plan_and_eval(host_step=(0, 1))
+    _s, _p, both = plan_and_eval(host_step=(0, 1), rules=BOTH)
+    before = peak_breakdown(plain.result, setup.costs, weight_stashing=False)
+    after = peak_breakdown(both.result, setup.costs, weight_stashing=False)
+    for dev, c in enumerate(setup.costs):
+        assert sum(after[dev].values()) == both.result.peak_bytes[dev]
+        two = sum(sorted((x.param_bytes for x in c.layers), reverse=True)[:2])
+        assert 0 < after[dev][PARAMS] <= two < before[dev][PARAMS]

@@ -65,7 +65,7 @@ from mpress.static.plan.megatron import megatron_draft
 from mpress.static.plan.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner_d2d import D2DSteps
-from mpress.static.plan.planner_layer_data import LayerDataSteps, plan_pinned_bytes
+from mpress.static.plan.planner_layer_data import LayerDataSteps, host_why, plan_pinned_bytes
 from mpress.static.memory.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
@@ -355,7 +355,7 @@ class _Planner(D2DSteps, LayerDataSteps):
             self.op_level = op_level
             self.peer_room = peer_bytes if D2D in layer_techniques else 0
             d, ev = self._fit(empty.copy(), base, live)
-            pins_ok = self._pinned_bytes(d, ev) <= self.hw.pinnable_bytes
+            pins_ok = not self._host_why(d, ev)
             # a seed that fits its devices but pins more than the host can does not fit
             if best is None or _better(ev, best[1], pins_ok, best[2]):
                 best = (d, ev, pins_ok)
@@ -439,10 +439,9 @@ class _Planner(D2DSteps, LayerDataSteps):
             saved.append(by)
             peers.append([dev for dev, _f in (d.stripes[s] if d.stripes else ())] if self._d2d_bytes(d, s) else [])
         host = plan_pinned_bytes(plan, self.costs)
-        fits, reason = ev.result.fits, ""
-        if host > self.hw.pinnable_bytes:
-            fits, reason = False, (f"pinnable host memory too small for the host-swap volume: needs "
-                                   f"{fmt_bytes(host)}, {self.hw.name} can pin {fmt_bytes(self.hw.pinnable_bytes)}")
+        fits, reason = ev.result.fits, host_why(plan, self.costs, self.hw)
+        if reason:
+            fits = False
         elif d.unplaced_bytes:
             fits, reason = False, (f"{fmt_bytes(d.unplaced_bytes)} of D2D data "
                                    f"{d.unplaced_why or 'find no spare peer memory over NVLink'}")
@@ -453,9 +452,9 @@ class _Planner(D2DSteps, LayerDataSteps):
                           saved_bytes=saved, peers=peers, host_bytes=host,
                           plan_s=time.perf_counter() - t0, mapping_s=self.mapping_s, draft=d)
 
-    def _pinned_bytes(self, d: Draft, ev: Evaluation) -> int:
-        """Host memory the plan of draft `d` (emulated as `ev`) pins, over all stages."""
-        return plan_pinned_bytes(self.writer.to_plan(d, ev), self.costs)
+    def _host_why(self, d: Draft, ev: Evaluation) -> str:
+        """Why the host cannot hold what the plan of draft `d` (emulated as `ev`) puts there ("": it can)."""
+        return host_why(self.writer.to_plan(d, ev), self.costs, self.hw)
 
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)

@@ -150,6 +150,8 @@ def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
     """Why a plan that does not fit fails, as a `Bound`."""
     if result.host_bytes > hardware.pinnable_bytes:
         return Bound.PINNED_HOST if hardware.pinnable_host_bytes is not None else Bound.HOST_RAM
+    if result.reason.startswith("host memory"):  # the host steps' fp32 copies and states (`planner_layer_data.host_why`)
+        return Bound.HOST_RAM
     if result.draft is not None and result.draft.unplaced_bytes:
         return Bound.PEER_MEMORY  # what no peer took stays on its device, which may overflow it then
     if any(p > hardware.usable_memory_bytes for p in result.evaluation.result.peak_bytes):

@@ -26,9 +26,11 @@ from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES
 CFG = dataclasses.replace(load_model_config(MODEL), precision="bf16")
 
 
-def setup_at(memory_bytes: int, pcie_gbps: float | None = None):
+def setup_at(memory_bytes: int, pcie_gbps: float | None = None, host_bytes: int | None = None):
     hw = dataclasses.replace(load_hardware("cpu-local", num_devices=2, memory_bytes=memory_bytes),
                              host_memory_gbps=20.0)
+    if host_bytes is not None:
+        hw = dataclasses.replace(hw, host_memory_bytes=host_bytes, pinnable_host_bytes=None)
     if pcie_gbps is not None:
         hw = dataclasses.replace(hw, pcie_h2d_gbps=pcie_gbps, pcie_d2h_gbps=pcie_gbps)
     return setup_pipeline(CFG, hw, schedule="1f1b", num_stages=2, microbatch_size=MICROBATCH_SIZE,
@@ -78,6 +80,24 @@ def test_a_roomy_device_moves_no_layer():
     assert res.fits
     assert layer_rules(res.plan) == [[], []]
     assert all(str(sp.optimizer_step) == "device" for sp in res.plan.stages)
+
+
+def test_the_host_must_hold_the_host_steps(tight):
+    """The host steps' pageable fp32 copies and Adam states count against the host's
+    memory beside what is pinned: a host that holds the pinned bytes but not those fails
+    the plan, and `maxsize` calls the bound host RAM."""
+    from mpress.static.plan.planner_layer_data import plan_pinned_bytes
+    from mpress.static.plan.rewriter import host_step_host_bytes
+    from mpress.static.studies.maxsize import Bound, plan_bound
+    setup, res = tight
+    pinned = plan_pinned_bytes(res.plan, setup.costs)
+    pageable = sum(host_step_host_bytes(res.plan, setup.costs))
+    assert pageable > 0
+    small = setup_at(1_000_000, host_bytes=pinned + pageable // 2)
+    res = plan_strategy(small, "mpress")
+    assert not res.fits
+    assert res.reason.startswith("host memory"), res.reason
+    assert plan_bound(small.hardware, res) is Bound.HOST_RAM
 
 
 def test_other_strategies_keep_parameters_on_the_device(tight):

@@ -134,3 +134,17 @@ def test_candidates_weigh_traffic_against_bytes():
     assert by[("param", j)] == pytest.approx(2 * by[("grad", j)], rel=0.05)
     taken = layer_data_candidates(slow.costs[0], slow.hardware, 4, 1, {j}, {j})
     assert not {(what, i) for _s, _b, what, i in taken} & {("param", j), ("grad", j)}
+
+
+def test_interleaved_stages_share_a_rank():
+    """Two stages per rank (interleaved 1F1B): at 1 MB per device the plan fits with
+    layers on the host, and the peak breakdown of each device sums to its peak."""
+    from mpress.static.emulate.breakdown import peak_breakdown
+    hw = dataclasses.replace(load_hardware("cpu-local", num_devices=2, memory_bytes=1_000_000), host_memory_gbps=20.0)
+    setup = setup_pipeline(CFG, hw, schedule="interleaved", num_stages=4, num_ranks=2, microbatch_size=2,
+                           num_microbatches=4)
+    res = plan_strategy(setup, "mpress")
+    assert res.fits, res.reason
+    assert any(layer_rules(res.plan))
+    parts = peak_breakdown(res.evaluation.result, setup.costs, weight_stashing=False)
+    assert [sum(p.values()) for p in parts[:2]] == list(res.evaluation.result.peak_bytes[:2])

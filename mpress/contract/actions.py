@@ -140,7 +140,10 @@ class UnitId:
       coming back in the optimizer step of a stage that steps on the host
       (`optimizer_step: host`), `{stage}:grads:{layer}`, `{stage}:params:{layer}`. The
       copies run inside that step (`OPT:{stage}:optim:{layer}`): the emulator's tasks name
-      them, a plan's program never lists them.
+      them, a plan's program never lists them. With a microbatch, the same names are the
+      program's copies of a layer that `param:`/`grad:` host rules keep on the host: its
+      parameters fetched (SI) and evicted (SO) around each forward and backward, its
+      gradients drained (SO) after each backward (`static/plan/layer_data.py`).
     """
 
     stage: int
@@ -176,6 +179,16 @@ class UnitId:
         if stash_rule is not None:
             return UnitId(int(stage), UnitKind.STASH, rule=int(stash_rule))
         return UnitId(int(stage), UnitKind.ACTIVATIONS, layer=layer, rule=int(rule))
+
+
+def moves_layer_data(action: Action) -> bool:
+    """Whether a memory action fetches, evicts or drains a layer's host parameters or
+    gradients in a microbatch (`param:`/`grad:` host rules; a host step's own copies
+    carry no microbatch)."""
+    if action.microbatch is None or action.kind not in (Kind.SI, Kind.SO) or not action.tensor:
+        return False
+    m = _UNIT_RE.match(action.tensor)
+    return m is not None and m.group(2) in (UnitKind.PARAMS.value, UnitKind.GRADS.value)
 
 
 _UNIT_RE = re.compile(r"^(\d+):(?:(optim|grads|params):(\S*)|stash@r(\d+)|(\S*?)\.\*\*@r(\d+))$")

@@ -12,8 +12,14 @@ Tensor patterns (`TensorRule.tensor`):
   (`layers.*.attn.*#*`), or `PREFIX.**` for every tensor saved inside module PREFIX
   (`layers.3.**` = all of block 3; PREFIX may be a glob: `layers.*.mlp.**`);
 - model data: `optim:LAYER` (Adam states and fp32 master weights of that layer's
-  parameters) and `stash:LAYER` (PipeDream's stashed weight versions), with globs
-  (`optim:*`). Only such patterns name model data: `*` is every saved activation.
+  parameters), `stash:LAYER` (PipeDream's stashed weight versions), `param:LAYER` (the
+  layer's working parameters) and `grad:LAYER` (their gradients), with globs (`optim:*`).
+  Only such patterns name model data: `*` is every saved activation. `param:` and `grad:`
+  take `keep` or `host` only, in every microbatch, and `host` needs the stage's
+  `optimizer_step: host`: the parameters live in pinned host memory, come to the device
+  one layer ahead of the layer's forward and backward of each microbatch and go after
+  them; the gradients go to the host after each backward of the layer and are summed
+  there, where the host step reads them (and writes the parameters).
 
 Microbatch selectors (`TensorRule.microbatches`): `all`, a list `0,2,5`, a range `0-3`,
 or a mix `0-3,7`. The first rule that matches a tensor and microbatch decides; a tensor
@@ -46,6 +52,10 @@ PLAN_VERSION = 1
 MAX_PREFETCH_LEAD = 2 * MAX_MICROBATCHES * MAX_STAGES
 """Most compute actions a swap-in may lead its backward by: a rank's whole action list at
 the largest pipeline (a forward and a backward per microbatch and stage)."""
+LAYER_DATA_PREFIXES = ("param:", "grad:")
+"""Rule prefixes naming a layer's working parameters and their gradients."""
+MODEL_DATA_PREFIXES = ("optim:", "stash:") + LAYER_DATA_PREFIXES
+"""Rule prefixes naming model data (everything else names saved activations)."""
 MAX_LAYER_INDEX = 1 << 20
 """Bound on a stage's layer indices (the profile's layer count decides the real end)."""
 
@@ -91,8 +101,8 @@ def format_microbatches(mbs: list[int] | frozenset[int] | None) -> str:
 
 
 def pattern_matches(pattern: str, tensor: str) -> bool:
-    """Whether tensor identity `tensor` (`module#index`, `optim:LAYER`, `stash:LAYER`)
-    matches `pattern` (see the module docstring)."""
+    """Whether tensor identity `tensor` (`module#index`, `optim:LAYER`, `stash:LAYER`,
+    `param:LAYER`, `grad:LAYER`) matches `pattern` (see the module docstring)."""
     kind, is_model_data, _ = tensor.partition(":")
     if is_model_data and not pattern.startswith(kind + ":"):
         return False  # `*` and other activation globs would otherwise catch optimizer states too
@@ -181,8 +191,15 @@ class TensorRule:
                 raise ConfigError("", "stripes", f"{self.tensor!r} has two stripes on one device")
         elif self.stripes:
             raise ConfigError("", "stripes", f"only d2d rules take stripes ({self.tensor!r} is {self.technique})")
-        if self.technique is Technique.RECOMPUTE and self.tensor.startswith(("optim:", "stash:")):
+        if self.technique is Technique.RECOMPUTE and self.tensor.startswith(MODEL_DATA_PREFIXES):
             raise ConfigError("", "technique", f"{self.tensor!r} is model data and cannot be recomputed")
+        if self.tensor.startswith(LAYER_DATA_PREFIXES):
+            if self.technique not in (Technique.KEEP, Technique.HOST):
+                raise ConfigError("", "technique", f"{self.tensor!r} takes keep or host (pinned host memory), "
+                                                   f"not {self.technique}")
+            if self.microbatches.strip() != "all":
+                raise ConfigError("", "microbatches", f"{self.tensor!r} is one copy for every microbatch: "
+                                                      "use all")
 
     @functools.cached_property
     def selected(self) -> frozenset[int] | None:
@@ -232,6 +249,12 @@ class StagePlan:
     def __post_init__(self) -> None:
         as_word(self, "optimizer_step", OptimizerStep)
         if self.optimizer_step is not OptimizerStep.HOST:
+            for rule in self.rules:
+                if rule.technique is Technique.HOST and rule.tensor.startswith(LAYER_DATA_PREFIXES):
+                    raise ConfigError("", "optimizer_step",
+                                      f"stage {self.stage} keeps {rule.tensor!r} on the host, where the optimizer "
+                                      f"step must read the gradients and write the parameters: use optimizer_step: "
+                                      f"host")
             return
         for rule in self.rules:
             if rule.technique is Technique.D2D and rule.tensor.startswith("optim:"):

@@ -28,9 +28,9 @@ from mpress.errors import PlanError
 from mpress.hardware.server import Hardware
 from mpress.contract.stage_rules import MODEL_DATA_KINDS, StageRules
 from mpress.config.model_config import ModelConfig
-from mpress.contract.plan import Plan, hardware_fingerprint
+from mpress.contract.plan import LAYER_DATA_PREFIXES, Plan, hardware_fingerprint
 from mpress.config.units import fmt_bytes
-from mpress.config.vocabulary import ScheduleName
+from mpress.config.vocabulary import ScheduleName, Technique
 
 RUNS_AS = {ScheduleName.PIPEDREAM: ScheduleName.ONE_F_ONE_B}
 """Planned schedules torch's pipelining runs as another: PipeDream's asynchronous 1F1B
@@ -276,7 +276,7 @@ def _check_names(plan: Plan, source: str, stage_tensors: Mapping[int, Sequence[s
                 raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
                               f"stage {sp.stage} rule {r} names {rule.tensor!r}, which the profile does not have in "
                               f"that stage: it matches none of its layers {_listing(layers)} (optim:LAYER, "
-                              "stash:LAYER, or a glob such as optim:*)")
+                              "stash:LAYER, param:LAYER, grad:LAYER, or a glob such as optim:*)")
             if not model_data and tensors is not None:
                 where = f"layers {_listing(layers)}" if layers is not None else \
                     f"modules {_listing(sorted({t.split('#', 1)[0] for t in tensors}))}"
@@ -290,6 +290,11 @@ def _check_names(plan: Plan, source: str, stage_tensors: Mapping[int, Sequence[s
 def _check_executable(plan: Plan, source: str) -> None:
     for sp in plan.stages:
         for r, rule in enumerate(sp.rules):
+            if rule.tensor.startswith(LAYER_DATA_PREFIXES) and rule.technique is Technique.HOST:
+                raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
+                              f"stage {sp.stage} rule {r} ({rule.tensor}) keeps a layer's working parameters or "
+                              "gradients on the host, which the runtime does not carry out yet (mpress plan, emulate "
+                              "and maxsize weigh it); drop the rule to train")
             if rule.tensor.startswith("stash:"):
                 raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
                               f"stage {sp.stage} rule {r} ({rule.tensor}) moves stashed weight versions, which only "

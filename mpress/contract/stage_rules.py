@@ -32,8 +32,9 @@ from mpress.errors import PlanError
 if TYPE_CHECKING:
     from mpress.contract.selective import LayerOps
 
-MODEL_DATA_KINDS = ("optim", "stash")
-"""Prefixes of model-data names in rules: `optim:LAYER`, `stash:LAYER`."""
+MODEL_DATA_KINDS = ("optim", "stash", "param", "grad")
+"""Prefixes of model-data names in rules: `optim:LAYER`, `stash:LAYER`, `param:LAYER`,
+`grad:LAYER`."""
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def _plan_of(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
     if cfg.plan == "none":
         return StartPlan(None, setup.ranges,
                          _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world)), setup
-    check_fits_at_all(setup)
+    check_fits_at_all(setup, cfg.strategy)
     say(f"planning {cfg.strategy} for {num_stages} stages on {hardware.name} (plan: auto)")
     result = plan_strategy(setup, cfg.strategy, PlannerOptions(), progress=_every(PLAN_NEWS_EVERY_S, say))
     if not result.fits:

@@ -12,7 +12,9 @@ frees the gradients, a copy's bytes are those of what it moves (an optimizer uni
 optimizer state; stashed weights: parameters; saved tensors: activations; a host step's
 gradients and parameters: those) and leave at the release point that gives them back. A
 stage whose optimizer steps on the host (its step copies `grads` units out) holds no
-optimizer state. `peak_breakdown` checks that the categories
+optimizer state. A layer's parameters that a `param:` rule keeps on the host are no
+static bytes: its fetches take them and its evictions give them back; a layer whose
+gradients a `grad:` rule drains makes them in every backward. `peak_breakdown` checks that the categories
 sum to the walk at every task, so it cannot drift from the lowering unseen.
 
 Units: bytes.
@@ -56,13 +58,20 @@ def rank_breakdown(tasks: Sequence[Task], static_bytes: int, costs: Sequence[Sta
     costs: every stage's costs, indexed by stage."""
     stages = sorted({t.action.stage for t in tasks})
     offloaded = {s: 0 for s in stages}
+    # layers whose parameters live on the host, and whose gradients each backward drains
+    # to it (`param:`/`grad:` rules: copies with a microbatch)
+    on_host = {(t.action.stage, u.kind, u.layer) for t in tasks
+               if t.action.microbatch is not None and (u := _unit(t)) is not None
+               and u.kind in (UnitKind.PARAMS, UnitKind.GRADS)}
+    names = {s: [x.name for x in costs[s].layers] for s in stages}
     for t in tasks:
         if t.action.kind is Kind.OI:
             offloaded[t.action.stage] += t.alloc_bytes
     for s in {t.action.stage for t in tasks if (u := _unit(t)) is not None and u.kind is UnitKind.GRADS}:
         offloaded[s] = costs[s].optim_bytes + costs[s].master_bytes  # stepped on the host
     mem = dict.fromkeys(CATEGORIES, 0)
-    mem[PARAMS] = 0 if weight_stashing else sum(costs[s].param_bytes for s in stages)
+    mem[PARAMS] = 0 if weight_stashing else sum(x.param_bytes for s in stages for x in costs[s].layers
+                                                if (s, UnitKind.PARAMS, x.name) not in on_host)
     mem[OPTIM] = sum(costs[s].optim_bytes + costs[s].master_bytes - offloaded[s] for s in stages)
     mem[OTHER] = static_bytes - mem[PARAMS] - mem[OPTIM]
     pending: list[tuple[str, int]] = []  # copy-outs since the last release point
@@ -80,7 +89,9 @@ def rank_breakdown(tasks: Sequence[Task], static_bytes: int, costs: Sequence[Sta
             pending.clear()
             stash = costs[a.stage].param_bytes if weight_stashing and t.layer == 0 and a.kind in (Kind.F, Kind.B) else 0
             grads = 0
-            if a.kind in (Kind.B, Kind.W) and t.layer is not None and first_backward.setdefault(a.stage, a) == a:
+            if a.kind in (Kind.B, Kind.W) and t.layer is not None and (
+                    first_backward.setdefault(a.stage, a) == a
+                    or (a.stage, UnitKind.GRADS, names[a.stage][t.layer]) in on_host):
                 grads = costs[a.stage].layers[t.layer].grad_bytes
             if a.kind is Kind.F:
                 mem[PARAMS] += stash

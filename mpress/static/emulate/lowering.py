@@ -29,10 +29,10 @@ Units: bytes, seconds, GB/s (1e9 bytes/s).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mpress.contract.actions import Action, Kind, Schedule, UnitId, UnitKind
+from mpress.contract.actions import Action, Kind, Schedule, UnitId, UnitKind, moves_layer_data
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware.server import Hardware
 from mpress.static.emulate.channels import build_channels, host_transfers, nvlink_transfers, peer_transfers
@@ -76,6 +76,10 @@ class TensorInfo:
     host_step: bool = False
     """The OPT of one layer of a stage that steps on the host (`optimizer_step: host`):
     `bytes` are its gradients, `compute_s` its CPU Adam step (see the module docstring)."""
+    host_copy: bool = False
+    """A layer's working parameters that a `param:` host rule keeps on the host for good:
+    their eviction (SO) copies nothing and gives the bytes back at once. On a host step's
+    OPT: the step writes the layer's parameters there, nothing comes back."""
 
 
 _COST: dict[Kind, Cost] = {
@@ -201,10 +205,12 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
         c, device = costs[a.stage], devices[a.stage]
         if a.kind is Kind.F:
             inside = []
-            while i + 1 < len(actions) and actions[i + 1].kind in _INSIDE_F and \
-                    (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
+            while i + 1 < len(actions) and (actions[i + 1].kind in _INSIDE_F or moves_layer_data(actions[i + 1])) \
+                    and (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
                 i += 1
                 inside.append(actions[i])
+            data = [x for x in inside if moves_layer_data(x)]
+            inside = [x for x in inside if not moves_layer_data(x)]
             dropped = {unit_layer(x): _choice(x, tensors) for x in inside if x.kind is Kind.DR}
             recomputed = [dropped.get(j) for j in range(len(c.layers))]
             by_layer: dict[int | None, list[Action]] = {}
@@ -214,25 +220,29 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             for j, step in enumerate(steps):
                 stash = c.param_bytes if weight_stashing and j == 0 else 0
                 task = Task(a, layer=j, compute_s=c.layers[j].forward_time_s, alloc_bytes=step.alloc_bytes + stash,
-                            transient_bytes=step.transient_bytes, free_bytes=step.free_bytes)
+                            transient_bytes=step.transient_bytes, free_bytes=step.free_bytes,
+                            consumes=tuple(issued_in.pop((a.stage, a.microbatch, j), ())))
                 out.append(start(task) if j == 0 else task)
                 for x in by_layer.get(j, []) + (by_layer.get(None, []) if j == len(steps) - 1 else []):
                     out.append(_lower_memory(x, tensors, device, hardware, pending, released, out))
+                out.extend(_layer_data_after(data, unit_layer, j, j + 1, tensors, device, hardware, issued_in))
         elif a.kind in (Kind.B, Kind.I):
             inside = []
-            while i + 1 < len(actions) and actions[i + 1].kind is Kind.RC and \
-                    (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
+            while i + 1 < len(actions) and (actions[i + 1].kind is Kind.RC or moves_layer_data(actions[i + 1])) \
+                    and (actions[i + 1].stage, actions[i + 1].microbatch) == (a.stage, a.microbatch):
                 i += 1
                 inside.append(actions[i])
-            rc = {unit_layer(x): x for x in inside}
+            data = [x for x in inside if moves_layer_data(x)]
+            drained = {unit_layer(x) for x in data if UnitId.parse(x.tensor or "").kind is UnitKind.GRADS}
+            rc = {unit_layer(x): x for x in inside if x.kind is Kind.RC}
             recomputed = [_choice(rc[j], tensors) if j in rc else None for j in range(len(c.layers))]
             output_held = (a.stage, a.microbatch) in held
             if a.kind is Kind.I:  # the parameters' gradients and what W reads wait for the W
                 steps, weight_steps[(a.stage, a.microbatch)] = split_backward_steps(
                     c.layers, recomputed, first_weight=False, output_held=output_held)
             else:
-                steps = backward_steps(c.layers, recomputed, first_backward=a.stage not in backward_seen,
-                                       output_held=output_held)
+                first = a.stage not in backward_seen
+                steps = backward_steps(c.layers, recomputed, first_backward=first, output_held=output_held)
                 backward_seen.add(a.stage)
             group: list[Task] = []
             for k, step in enumerate(steps):
@@ -245,12 +255,16 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 if k == 0:  # stashed weights (no layer) come back before the backward
                     consumes = consumes + issued_in.get((a.stage, a.microbatch, None), [])
                 time_s = c.layers[j].input_grad_time_s if a.kind is Kind.I else c.layers[j].backward_time_s
-                group.append(Task(a, layer=j, compute_s=time_s, alloc_bytes=step.alloc_bytes,
+                # gradients drained to the host after every backward are made anew in each
+                remade = c.layers[j].grad_bytes if j in drained and a.kind is Kind.B and not first else 0
+                group.append(Task(a, layer=j, compute_s=time_s, alloc_bytes=step.alloc_bytes + remade,
                                   transient_bytes=step.transient_bytes, free_bytes=step.free_bytes + stash,
                                   consumes=tuple(consumes)))
+                group.extend(_layer_data_after(data, unit_layer, j, j - 1, tensors, device, hardware, issued_in))
             let_go = 0 if a.kind is Kind.I else releases.get((a.stage, a.microbatch), 0)  # sends held it till now
-            if let_go:
-                group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + let_go})
+            if let_go:  # at the end of the backward's last layer (the copies after it are not the backward)
+                end = max(n for n, t in enumerate(group) if t.action is a)
+                group[end] = Task(**{**group[end].__dict__, "free_bytes": group[end].free_bytes + let_go})
             out.append(start(group[0]))
             out.extend(group[1:])
         elif a.kind is Kind.W:
@@ -323,9 +337,28 @@ def _host_step(action: Action, layer: LayerProfile, info: TensorInfo, device: in
         Task(action, consumes=(after,) if after else ()),
         Task(grads, transfers=host_transfers(hardware, device, "d2h", info.bytes), cost=Cost.OPTIMIZER_OFFLOAD),
         Task(action, compute_s=info.compute_s, free_bytes=info.bytes),
-        Task(params, transfers=host_transfers(hardware, device, "h2d", layer.param_bytes),
+        Task(params, transfers=host_transfers(hardware, device, "h2d", 0 if info.host_copy else layer.param_bytes),
              cost=Cost.OPTIMIZER_OFFLOAD),
     )
+
+
+def _layer_data_after(data: list[Action], unit_layer: Callable[[Action], int | None], done: int, ahead: int,
+                      tensors: dict[str, TensorInfo], device: int, hardware: Hardware,
+                      issued_in: dict[tuple[int, int | None, int | None], list[str]]) -> list[Task]:
+    """The copies of host parameters and gradients (`param:`/`grad:` rules) issued when a
+    pass's layer `done` ends: its parameters' eviction and its gradients' drain, which
+    give their bytes back when they end (an eviction copies nothing), and the fetch of
+    layer `ahead`'s parameters, the next in the pass."""
+    out = []
+    for x in data:
+        layer, info = unit_layer(x), tensor_info(x, tensors)
+        if x.kind is Kind.SO and layer == done:
+            moved = () if info.host_copy else host_transfers(hardware, device, "d2h", info.bytes)
+            out.append(Task(x, transfers=moved, free_bytes=info.bytes, cost=Cost.HOST))
+        elif x.kind is Kind.SI and layer == ahead:
+            issued_in.setdefault((x.stage, x.microbatch, layer), []).append(x.tensor)  # type: ignore[arg-type]
+            out.append(_copy(x, info, device, hardware))
+    return out
 
 
 def _choice(action: Action, tensors: dict[str, TensorInfo]) -> Choice:

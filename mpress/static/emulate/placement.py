@@ -7,7 +7,8 @@ moved before an earlier compute action holds its bytes over every task in betwee
 nothing else changes. This pass moves each swap-in (in list order) before the earliest
 compute action where the walk, with its bytes added, stays within the device's usable
 memory, and never before its swap-out's release point (the compute action after the
-forward that produced it), so the bytes are never on the device twice.
+forward that produced it), so the bytes are never on the device twice. Fetches of a
+layer's host parameters (`param:` rules) stay where the rewriter put them.
 
 Pure: action lists and lowered tasks in, action lists out. Units: bytes.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mpress.contract.actions import Action, Kind
+from mpress.contract.actions import Action, Kind, moves_layer_data
 from mpress.static.emulate.program import Task, walk
 
 SWAP_INS = (Kind.SI, Kind.DI)
@@ -44,7 +45,7 @@ def place_by_capacity(actions: Sequence[Action], tasks: Sequence[Task], origins:
     p = 0
     while p < len(out):
         a = out[p]
-        if a.kind not in SWAP_INS or a in done:
+        if a.kind not in SWAP_INS or a in done or moves_layer_data(a):  # a layer's host parameters: one layer ahead
             p += 1
             continue
         done.add(a)

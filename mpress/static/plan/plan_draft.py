@@ -73,11 +73,24 @@ class Draft:
     recompute_choice: dict[tuple[int, int], int] = field(default_factory=dict)
     """(stage, layer) -> the recompute choice of its recomputed microbatches
     (`stage_memory.Choice`: an entry of the layer's `recompute_options`); absent: `WHOLE`."""
+    params: list[set[int]] = field(default_factory=list)
+    """Per stage: layers whose working parameters live on the host (`param:` rules)."""
+    grads: list[set[int]] = field(default_factory=list)
+    """Per stage: layers whose gradients go to the host (`grad:` rules)."""
+    host_step: list[bool] = field(default_factory=list)
+    """Per stage: whether it steps its optimizer on the host (a stage with `params` or
+    `grads` must)."""
+
+    def __post_init__(self) -> None:
+        self.params = self.params or [set() for _ in self.optim]
+        self.grads = self.grads or [set() for _ in self.optim]
+        self.host_step = self.host_step or [False for _ in self.optim]
 
     def copy(self) -> "Draft":
         return Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
                       list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
-                      self.unplaced_bytes, self.unplaced_why, dict(self.recompute_choice))
+                      self.unplaced_bytes, self.unplaced_why, dict(self.recompute_choice),
+                      [set(x) for x in self.params], [set(x) for x in self.grads], list(self.host_step))
 
     def choice(self, s: int, j: int) -> int:
         """The recompute choice of layer j of stage s (`WHOLE` unless op-level)."""
@@ -108,6 +121,8 @@ class PlanWriter:
                 rules.append(self._rule("optim:*", "all", d.optim[s], stripes))
             if d.stash[s] != KEEP:
                 rules.append(self._rule("stash:*", "all", d.stash[s], stripes))
+            rules += [self._rule(f"{kind}:{c.layers[j].name}", "all", HOST, [])
+                      for kind, layers in (("param", d.params[s]), ("grad", d.grads[s])) for j in sorted(layers)]
             for j, layer in enumerate(c.layers):
                 by_tech: dict[Technique, list[int]] = {}
                 for m, t in enumerate(d.layer_tech[s][j]):
@@ -125,6 +140,7 @@ class PlanWriter:
                 stage=s, device=d.stage_to_device[s], first_layer=c.first_layer, end_layer=c.end_layer,
                 rules=rules, pinned_host_bytes=pinned[s],
                 need_bytes=self.setup.memory[s].total_bytes, predicted_peak_bytes=peak,
+                optimizer_step="host" if d.host_step[s] else "device",  # type: ignore[arg-type]
             ))
         if predicted is not None and any(predicted.peer_quotas):
             # the quotas the program's D2D slots need (a draft carries none: its evaluation

@@ -65,6 +65,7 @@ from mpress.static.plan.megatron import megatron_draft
 from mpress.static.plan.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner_d2d import D2DSteps
+from mpress.static.plan.planner_layer_data import LayerDataSteps, host_why, plan_pinned_bytes
 from mpress.static.memory.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
@@ -117,7 +118,7 @@ class PlanResult:
     """The planner's working state the plan was written from (for `ablation.py`)."""
 
 
-class _Planner(D2DSteps):
+class _Planner(D2DSteps, LayerDataSteps):
     def __init__(self, setup: PipelineSetup, strategy: str, options: PlannerOptions,
                  progress: Callable[[str], None] | None, cache: PlanCache | None = None) -> None:
         if strategy not in Strategy.words():
@@ -312,6 +313,8 @@ class _Planner(D2DSteps):
                     d.recompute_choice[(s, j)] = choice
                 shed += self._saving(s, j, techs) * k
                 pcie_used += used
+        if self.strategy is Strategy.MPRESS and not candidates:  # nothing else left: `planner_layer_data`
+            shed += self.shed_layer_data(d, s, need)
         return shed
 
     # -- search --------------------------------------------------------------------------------
@@ -352,7 +355,7 @@ class _Planner(D2DSteps):
             self.op_level = op_level
             self.peer_room = peer_bytes if D2D in layer_techniques else 0
             d, ev = self._fit(empty.copy(), base, live)
-            pins_ok = self._pinned_bytes(d, ev) <= self.hw.pinnable_bytes
+            pins_ok = not self._host_why(d, ev)
             # a seed that fits its devices but pins more than the host can does not fit
             if best is None or _better(ev, best[1], pins_ok, best[2]):
                 best = (d, ev, pins_ok)
@@ -435,11 +438,10 @@ class _Planner(D2DSteps):
                 by[d.stash[s]] = by.get(d.stash[s], 0) + (k - 1) * c.param_bytes
             saved.append(by)
             peers.append([dev for dev, _f in (d.stripes[s] if d.stripes else ())] if self._d2d_bytes(d, s) else [])
-        host = sum(sp.pinned_host_bytes for sp in plan.stages)
-        fits, reason = ev.result.fits, ""
-        if host > self.hw.pinnable_bytes:
-            fits, reason = False, (f"pinnable host memory too small for the host-swap volume: needs "
-                                   f"{fmt_bytes(host)}, {self.hw.name} can pin {fmt_bytes(self.hw.pinnable_bytes)}")
+        host = plan_pinned_bytes(plan, self.costs)
+        fits, reason = ev.result.fits, host_why(plan, self.costs, self.hw)
+        if reason:
+            fits = False
         elif d.unplaced_bytes:
             fits, reason = False, (f"{fmt_bytes(d.unplaced_bytes)} of D2D data "
                                    f"{d.unplaced_why or 'find no spare peer memory over NVLink'}")
@@ -450,9 +452,9 @@ class _Planner(D2DSteps):
                           saved_bytes=saved, peers=peers, host_bytes=host,
                           plan_s=time.perf_counter() - t0, mapping_s=self.mapping_s, draft=d)
 
-    def _pinned_bytes(self, d: Draft, ev: Evaluation) -> int:
-        """Host memory the plan of draft `d` (emulated as `ev`) pins, over all stages."""
-        return sum(sp.pinned_host_bytes for sp in self.writer.to_plan(d, ev).stages)
+    def _host_why(self, d: Draft, ev: Evaluation) -> str:
+        """Why the host cannot hold what the plan of draft `d` (emulated as `ev`) puts there ("": it can)."""
+        return host_why(self.writer.to_plan(d, ev), self.costs, self.hw)
 
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)
@@ -471,11 +473,11 @@ def _better(a: Evaluation, b: Evaluation, a_pins_ok: bool = True, b_pins_ok: boo
     return a.result.iteration_s < b.result.iteration_s
 
 
-def minimum_need_bytes(setup: PipelineSetup) -> list[int]:
-    """Per stage, bytes no technique can move: parameters, gradients, torch's pipeline
-    buffers and the largest transient (activations, optimizer data and stashes can all
-    go)."""
-    return [m.param_bytes + m.grad_bytes + m.buffer_bytes + m.transient_bytes for m in setup.memory]
+def minimum_need_bytes(setup: PipelineSetup, layer_data: bool = False) -> list[int]:
+    """Per stage, bytes no technique can move: parameters and gradients (with `layer_data`,
+    as `mpress` plans: two layers' worth), torch's pipeline buffers, the largest transient."""
+    return [m.buffer_bytes + m.transient_bytes + (m.param_bytes + m.grad_bytes if not layer_data else 2 * max(
+        x.param_bytes + x.grad_bytes for x in c.layers)) for m, c in zip(setup.memory, setup.costs)]
 
 
 def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions | None = None,
@@ -486,10 +488,10 @@ def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions |
     return _Planner(setup, strategy, options or PlannerOptions(), progress, cache).run()
 
 
-def check_fits_at_all(setup: PipelineSetup) -> None:
+def check_fits_at_all(setup: PipelineSetup, strategy: str = Strategy.MPRESS) -> None:
     """Raise a one-line `UserError` when even moving every movable byte cannot fit."""
     cap = setup.hardware.usable_memory_bytes
-    for m, floor in zip(setup.memory, minimum_need_bytes(setup)):
+    for m, floor in zip(setup.memory, minimum_need_bytes(setup, strategy == Strategy.MPRESS)):
         if floor > cap:
             raise UserError(
                 f"does not fit even with every tensor swapped: stage {m.stage} needs {floor / 1e9:.1f} GB of "

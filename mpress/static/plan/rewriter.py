@@ -50,6 +50,8 @@ from mpress.contract.stage_rules import LayerTensors, StageRules
 from mpress.contract.plan import Plan, StagePlan, TensorRule
 from mpress.static.emulate.host_step_time import host_step_s
 from mpress.static.emulate.lowering import TensorInfo
+from mpress.static.plan.layer_data import LayerData, ahead_position, backward_copies, check_schedule, describe, \
+    forward_copies, layer_data
 from mpress.static.memory.model import optimizer_step_s
 from mpress.static.memory.stage_costs import StageCosts
 from mpress.static.memory.stage_memory import Choice, freeable_tensors, recompute_choice, recompute_time_s
@@ -92,6 +94,8 @@ class _Stage:
         self.sp = sp
         self.costs = costs
         self.rules = StageRules(sp, layer_tensors(costs), num_microbatches)
+        self.layer_data: LayerData = layer_data(self.rules, costs)
+        """Its layers whose parameters / gradients live on the host (`layer_data.py`)."""
         self._recomputed: dict[tuple[int, ...], list[Choice]] = {}
         self._units: dict[tuple[int, ...], list[tuple[_Unit, int]]] = {}
         """Answers by the rules selecting a microbatch (`StageRules.selecting`): the forward
@@ -213,6 +217,9 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                         f"schedule has {schedule.num_stages} x {schedule.num_microbatches}")
     stages = [_Stage(plan.stages[s], costs[s], schedule.num_microbatches) for s in range(schedule.num_stages)]
     tensors: dict[str, TensorInfo] = {}
+    for st in stages:
+        check_schedule(st.layer_data, schedule)
+        describe(st.layer_data, st.costs, tensors)
     # each rank steps its stages one after the other: the host steps that run at once are
     # one per rank that has one
     host_sharers = len({schedule.stage_to_rank[s] for s, sp in enumerate(plan.stages) if _steps_on_host(sp)})
@@ -233,6 +240,12 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                 continue
             if a.kind is Kind.F and a.microbatch is not None:
                 produced_at[(a.stage, a.microbatch)] = i
+                if st.layer_data:
+                    ahead, inside = forward_copies(st.layer_data, st.costs, a.microbatch,
+                                                   _backward_follows(actions, compute_pos, i))
+                    k = compute_pos.index(i)
+                    before.setdefault(ahead_position(compute_pos, k, st.layer_data.lead), []).extend(ahead)
+                    after.setdefault(i, []).extend(inside)
                 units = st.units(a.microbatch) + (st.stash_units(a.microbatch) if schedule.weight_stashing else [])
                 if _backward_follows(actions, compute_pos, i):
                     # its swap-in would come before the swap-out's release point: the bytes
@@ -256,6 +269,14 @@ def rewrite(plan: Plan, schedule: Schedule, costs: list[StageCosts], hardware: H
                 units = st.units(m)
                 for unit in _recomputes(units):  # inside the backward, each before its layer's
                     after.setdefault(i, []).append(Action(a.stage, Kind.RC, m, str(unit.id)))
+                if st.layer_data:
+                    k = compute_pos.index(i)
+                    produced = compute_pos.index(produced_at[(a.stage, m)])
+                    ahead, inside = backward_copies(st.layer_data, st.costs, m, k == produced + 1)
+                    # not right after F(s, m), where it would read as inside the forward
+                    before.setdefault(ahead_position(compute_pos, k, st.layer_data.lead, min(produced + 2, k)),
+                                      []).extend(ahead)
+                    after.setdefault(i, []).extend(inside)
                 swaps = [u for u in units if u[0].rule.technique in _IN]
                 if schedule.weight_stashing:
                     swaps += st.stash_units(m)
@@ -330,22 +351,28 @@ def _host_step(st: _Stage, hardware: Hardware, sharers: int, tensors: dict[str, 
         raise UserError(f"stages[{st.sp.stage}].optimizer_step: host: hardware {hardware.name} states no "
                         f"host_memory_gbps, which times the CPU's optimizer step; give it (GB/s) in the hardware file")
     out = []
-    for layer in st.costs.layers:
+    data = st.layer_data
+    for j, layer in enumerate(st.costs.layers):
         name = str(UnitId(st.sp.stage, UnitKind.OPTIM, layer=layer.name))
         step_s = host_step_s(layer.optim_bytes // 8, layer.param_bytes, hardware, sharers)
-        tensors[name] = TensorInfo(bytes=layer.grad_bytes, compute_s=step_s, host_step=True)
+        # gradients already on the host (`grad:` rules) are not copied; parameters kept
+        # there (`param:` rules) do not come back
+        tensors[name] = TensorInfo(bytes=0 if j in data.grads else layer.grad_bytes, compute_s=step_s,
+                                   host_step=True, host_copy=j in data.params)
         out.append(Action(st.sp.stage, Kind.OPT, None, name))
     return out
 
 
 def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
-    """Per stage, optimizer-state + master-weight bytes that live off the device between
-    optimizer steps (they are not part of the stage's static memory): all of them for a
-    stage stepping on the host."""
+    """Per stage, model-data bytes that live off the device between their uses (they are
+    not part of the stage's static memory): optimizer states and master weights, all of
+    them for a stage stepping on the host, and the working parameters of the layers its
+    `param:` host rules name (fetched for each forward and backward, `layer_data.py`)."""
     out = []
     for sp, c in zip(plan.stages, costs):
         if _steps_on_host(sp):
-            out.append(c.optim_bytes + c.master_bytes)
+            data = layer_data(StageRules(sp, layer_tensors(c), plan.num_microbatches), c)
+            out.append(c.optim_bytes + c.master_bytes + sum(c.layers[j].param_bytes for j in data.params))
             continue
         st = _Stage(sp, c, plan.num_microbatches)
         out.append(sum(b for _l, rule, b, _p in st.optim_chunks() if rule))
@@ -373,10 +400,19 @@ def host_step_pinned_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
     slab of the stage's parameter bytes, pinned in place up to the pool alignment
     (`runtime/master_weights.py` slabs, a `PinnedHostPool`; torch's pinned allocator
     would round each allocation up to a power of two); 0 for a stage stepping on its
-    device. The slab is pinned apart from the stage's pool (`StagePlan.pinned_host_bytes`).
-    A CPU run pins none (its parameters are host memory already)."""
-    return [round_up(c.param_bytes, ALIGNMENT_BYTES) if _steps_on_host(sp) else 0
-            for sp, c in zip(plan.stages, costs)]
+    device. Layers whose working parameters live on the host (`param:` host rules) keep
+    them in a second slab (the first one takes their gradients as they come). The slabs
+    are pinned apart from the stage's pool (`StagePlan.pinned_host_bytes`). A CPU run pins
+    none (its parameters are host memory already)."""
+    out = []
+    for sp, c in zip(plan.stages, costs):
+        if not _steps_on_host(sp):
+            out.append(0)
+            continue
+        data = layer_data(StageRules(sp, layer_tensors(c), plan.num_microbatches), c)
+        kept = sum(c.layers[j].param_bytes for j in data.params)
+        out.append(round_up(c.param_bytes, ALIGNMENT_BYTES) + (round_up(kept, ALIGNMENT_BYTES) if kept else 0))
+    return out
 
 
 def host_step_host_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:

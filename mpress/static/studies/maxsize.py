@@ -150,6 +150,8 @@ def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
     """Why a plan that does not fit fails, as a `Bound`."""
     if result.host_bytes > hardware.pinnable_bytes:
         return Bound.PINNED_HOST if hardware.pinnable_host_bytes is not None else Bound.HOST_RAM
+    if result.reason.startswith("host memory"):  # the host steps' fp32 copies and states (`planner_layer_data.host_why`)
+        return Bound.HOST_RAM
     if result.draft is not None and result.draft.unplaced_bytes:
         return Bound.PEER_MEMORY  # what no peer took stays on its device, which may overflow it then
     if any(p > hardware.usable_memory_bytes for p in result.evaluation.result.peak_bytes):
@@ -206,7 +208,7 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
             if not base.fits:
                 why[i] = (zero_bound(hardware, base), f"{cfg.name}: {base.reason}")
             return base.fits
-        floor = max(minimum_need_bytes(setup))
+        floor = max(minimum_need_bytes(setup, strategy == "mpress"))
         if floor > hardware.usable_memory_bytes:
             why[i] = (Bound.DEVICE_MEMORY, f"{cfg.name}: a stage needs {floor} bytes no technique can move, "
                                            f"above the {hardware.usable_memory_bytes} usable")

@@ -59,6 +59,9 @@ class Technique(Word):
     """Swapped to pinned host memory and back."""
     D2D = "d2d"
     """Striped over NVLink peers' spare memory and back."""
+    NVME = "nvme"
+    """Optimizer states only (`optim:LAYER`): written to files on a local drive between
+    steps and read back for the step (`mpress/runtime/swap/nvme.py`)."""
 
 
 SWAPS = frozenset({Technique.HOST, Technique.D2D})

@@ -68,6 +68,12 @@ SWAPS = frozenset({Technique.HOST, Technique.D2D})
 """Techniques that copy a tensor off the device and back."""
 
 
+MPRESS_NVME = "mpress-nvme"
+"""What `mpress maxsize` and the benches call the mpress strategy allowed the server's
+local drive for optimizer data (`PlannerOptions.drive`); plain `mpress` rows there keep
+the host as their only tier."""
+
+
 class ScheduleName(Word):
     """A pipeline schedule family (see `mpress/static/schedules.py`)."""
 

@@ -56,7 +56,7 @@ class Draft:
     layer_tech: list[list[list[Technique]]]
     """[stage][layer within stage][microbatch] -> keep | host | recompute | d2d."""
     optim: list[Technique]
-    """Per stage: keep | host | d2d for optimizer states + master weights."""
+    """Per stage: keep | host | d2d | nvme for optimizer states + master weights."""
     stash: list[Technique]
     """Per stage: keep | host | d2d for stashed weight versions (PipeDream)."""
     stage_to_device: list[int]
@@ -73,11 +73,13 @@ class Draft:
     recompute_choice: dict[tuple[int, int], int] = field(default_factory=dict)
     """(stage, layer) -> the recompute choice of its recomputed microbatches
     (`stage_memory.Choice`: an entry of the layer's `recompute_options`); absent: `WHOLE`."""
+    drive_full: bool = False
+    """The local drive could not take optimizer data the pins needed moved (`planner_nvme`)."""
 
     def copy(self) -> "Draft":
         return Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
                       list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
-                      self.unplaced_bytes, self.unplaced_why, dict(self.recompute_choice))
+                      self.unplaced_bytes, self.unplaced_why, dict(self.recompute_choice), self.drive_full)
 
     def choice(self, s: int, j: int) -> int:
         """The recompute choice of layer j of stage s (`WHOLE` unless op-level)."""

@@ -65,6 +65,7 @@ from mpress.static.plan.megatron import megatron_draft
 from mpress.static.plan.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, PlanWriter
 from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner_d2d import D2DSteps
+from mpress.static.plan.planner_nvme import optimizer_to_drive
 from mpress.static.memory.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
@@ -93,6 +94,8 @@ class PlannerOptions:
     op_level_recompute: bool = True
     """Recompute may keep part of a layer (its profile's `recompute_options`); False: whole
     layers only (for comparison)."""
+    drive: bool = True
+    """mpress may move optimizer data to the server's local drive when the pins exceed the host's (`planner_nvme`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,7 +354,7 @@ class _Planner(D2DSteps):
             self.model_data_host = model_data_host
             self.op_level = op_level
             self.peer_room = peer_bytes if D2D in layer_techniques else 0
-            d, ev = self._fit(empty.copy(), base, live)
+            d, ev = optimizer_to_drive(self, *self._fit(empty.copy(), base, live))  # mpress: pins over -> drive
             pins_ok = self._pinned_bytes(d, ev) <= self.hw.pinnable_bytes
             # a seed that fits its devices but pins more than the host can does not fit
             if best is None or _better(ev, best[1], pins_ok, best[2]):

@@ -56,6 +56,9 @@ def rank_report(job: PipelineJob, plan: Plan | None, *, predicted_bytes: int, me
     if runtimes:
         engines = [rt.engine.stats for rt in runtimes if rt.engine is not None]
         d2d = [rt.d2d_engine.stats for rt in runtimes if rt.d2d_engine is not None]
+        drive = [rt.stats.extra["nvme"] for rt in runtimes if "nvme" in rt.stats.extra]
+        if drive:  # how the nvme tier's files are open: O_DIRECT, or buffered and why
+            out["nvme"] = "; ".join(sorted(set(drive)))
         if job.device.type == "cuda":
             out["cuda_check"] = next((rt.stats.extra["cuda_check"] for rt in runtimes
                                       if "cuda_check" in rt.stats.extra), "ok")

@@ -23,6 +23,7 @@ from mpress.runtime.optimizer_offload import layer_params
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec, PipelineJob
 from tests.support.compare import assert_identical
+from tests.support.documented import one_line_error, run_documented
 from tests.support.jobs import resumed
 from tests.support.plans import drive_hardware, one_line, pipeline_plan
 from tests.support.spawn import spawn
@@ -78,6 +79,35 @@ def test_a_job_without_nvme_dir_is_refused_in_one_line(tmp_path):
     (tmp_path / "train.yaml").write_text(yaml.safe_dump({**job, "nvme_dir": str(tmp_path / "drive")}))
     cfg = load_train_config(tmp_path / "train.yaml")
     assert plan_for(cfg, model_config(cfg), WORLD, WORLD).plan.stages[0].rules[1].technique == "nvme"
+
+
+def test_mpress_train_runs_an_nvme_plan_within_its_prediction_and_refuses_it_without_nvme_dir(tmp_path):
+    """Through the documented command on 2 CPU ranks: without `nvme_dir` one line, exit 2;
+    with it the run trains, each rank's measured peak and start-up peak are within the
+    emulator's prediction of the same program (and at least 90% of it), the report says
+    how the files were opened, and no file is left on the drive."""
+    hardware = drive_hardware(tmp_path)
+    plan = pipeline_plan("1f1b", WORLD, NUM_MICROBATCHES, {0: [ACTIVATIONS, NVME], 1: [NVME_BLOCKS]},
+                         hardware=hardware)
+    dataclasses.replace(plan, hardware="cpu-local-drive").save(tmp_path / "plan.yaml")
+    job = {"model": MODEL, "schedule": "1f1b", "num_stages": WORLD, "microbatch_size": MICROBATCH_SIZE,
+           "num_microbatches": NUM_MICROBATCHES, "hardware": hardware, "device_memory": plan.device_memory_bytes,
+           "plan": str(tmp_path / "plan.yaml"), "steps": 2, "log_every": 2, "report": str(tmp_path / "report.json")}
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(job))
+    argv = ["train", "--config", str(tmp_path / "train.yaml"), "--nproc-per-node", str(WORLD)]
+    code, _out, err = run_documented(argv, cwd=tmp_path)
+    one_line_error(code, err, "stages[0].rules[1]: optim:* goes to nvme: set nvme_dir in the training config")
+    drive = tmp_path / "drive"
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump({**job, "nvme_dir": str(drive)}))
+    code, _out, err = run_documented(argv, cwd=tmp_path)
+    assert code == 0, err[-3000:]
+    rows = yaml.safe_load((tmp_path / "report.json").read_text())
+    assert len(rows) == WORLD
+    for r in rows:
+        assert 0.9 * r["predicted"] <= r["measured"] <= r["predicted"], r
+        assert 0 < r["startup"] <= r["predicted"], r
+        assert r["nvme"] == "O_DIRECT" or r["nvme"].startswith("buffered ("), r
+    assert list(drive.iterdir()) == []
 
 
 # ---- multi-process -------------------------------------------------------------------

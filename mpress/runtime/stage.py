@@ -69,7 +69,7 @@ class StageRuntime:
         on_drive = Technique.NVME in techniques and self.stage_plan.optimizer_step is not OptimizerStep.HOST
         if on_drive and nvme_dir is None:  # before any engine starts its threads
             raise PlanError(f"stage {stage_index}: the plan keeps optimizer states on nvme: set nvme_dir in the "
-                            "training config (a directory on a local drive)")
+                            "training config, or pass it to apply_mpress (a directory on a local drive)")
         self.manager = MemoryManager(device, rank=rank)
         self.pool: PinnedHostPool | None = None
         self.engine: SwapEngine | None = None

@@ -116,10 +116,12 @@ def test_mpress_train_runs_an_nvme_plan_within_its_prediction_and_refuses_it_wit
 class Job:
     plan: Plan | None = None
     resume_after: int | None = None
+    schedule: str = "1f1b"
 
 
 def _run_one(job: Job, plan_path: str | None, rank: int, nvme_dir: str) -> dict:
-    spec = JobSpec(model=MODEL_BF16, schedule="1f1b", ranges=RANGES[WORLD], microbatch_size=MICROBATCH_SIZE,
+    n = 2 * WORLD if job.schedule == "interleaved" else WORLD
+    spec = JobSpec(model=MODEL_BF16, schedule=job.schedule, ranges=RANGES[n], microbatch_size=MICROBATCH_SIZE,
                    num_microbatches=NUM_MICROBATCHES, seed=3, nvme_dir=nvme_dir)
     plan = Plan.load(plan_path) if plan_path else None
     torch.manual_seed(7 + rank)
@@ -168,7 +170,12 @@ def results(tmp_path_factory):
     # chunks on the drive, the head's to the host (the first matching rule decides)
     mixed = pipeline_plan("1f1b", WORLD, NUM_MICROBATCHES, {0: [NVME, ACTIVATIONS], 1: [NVME_BLOCKS, HOST]},
                           model=MODEL_BF16, hardware=hardware)
-    jobs = {"plain": Job(), "nvme": Job(plan=mixed), "nvme-resumed": Job(plan=mixed, resume_after=2)}
+    # interleaved: two stages per rank, each with its own file (stage 2 on the drive, 3 on the host)
+    looped = pipeline_plan("interleaved", WORLD, NUM_MICROBATCHES, {0: [NVME], 1: [NVME_BLOCKS, HOST], 2: [NVME],
+                                                                     3: [HOST]}, model=MODEL_BF16, hardware=hardware)
+    jobs = {"plain": Job(), "nvme": Job(plan=mixed), "nvme-resumed": Job(plan=mixed, resume_after=2),
+            "plain-interleaved": Job(schedule="interleaved"),
+            "nvme-interleaved": Job(plan=looped, schedule="interleaved", resume_after=1)}
     spawned = spawn(_jobs_worker, WORLD, [job.plan for job in jobs.values()], list(jobs.values()),
                     str(where / "drive"))
     if spawned.errors:
@@ -177,25 +184,29 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["nvme", "nvme-resumed"])
+@pytest.mark.parametrize("name", ["nvme", "nvme-resumed", "nvme-interleaved"])
 def test_runs_with_states_on_the_drive_equal_plain_pipelining(results, name):
-    assert_identical(results["plain"], results[name], masters=True)
+    assert_identical(results["plain-interleaved" if "interleaved" in name else "plain"], results[name], masters=True)
     for rank, r in enumerate(results[name]):
         executed, planned = r["executed"]
         assert executed == planned, rank
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["nvme", "nvme-resumed"])
-def test_the_nvme_layers_states_live_in_the_files_between_steps(results, name):
+@pytest.mark.parametrize("name, stages", [("nvme", [1, 1]), ("nvme-resumed", [1, 1]), ("nvme-interleaved", [2, 1])])
+def test_the_nvme_layers_states_live_in_the_files_between_steps(results, name, stages):
     """After the last step each stage's nvme layers' masters and Adam states are on the
     drive, exactly (and its file holds at least that), the descriptor's O_DIRECT is what
-    the stage reports, and the files are gone once the job closed."""
+    the stage reports, and the files are gone once the job closed. `stages`: per rank,
+    its stages with nvme rules (each has its own file)."""
     for rank, r in enumerate(results[name]):
-        (drive,) = r["drive"]
-        assert drive["expected"] > 0 and drive["disk_bytes"] == drive["expected"], (rank, drive)
-        assert drive["file_bytes"] >= drive["expected"] and drive["io"] > 0
-        assert drive["fd_direct"] == drive["direct"]
-        assert drive["said"] == "O_DIRECT" if drive["direct"] else drive["said"].startswith("buffered (")
+        assert len(r["drive"]) == stages[rank]
+        for drive in r["drive"]:
+            assert drive["expected"] > 0 and drive["disk_bytes"] == drive["expected"], (rank, drive)
+            assert drive["file_bytes"] >= drive["expected"] and drive["io"] > 0
+            assert drive["fd_direct"] == drive["direct"]
+            assert drive["said"] == "O_DIRECT" if drive["direct"] else drive["said"].startswith("buffered (")
+        assert len({drive["path"] for drive in r["drive"]}) == stages[rank]
         assert r["left"] == [], r["left"]
-    assert results[name][1]["drive"][0]["host_bytes"] > 0  # stage 1's head chunk: host, beside the drive
+    if "interleaved" not in name:  # stage 1 holds the head there: its chunk goes to the host, beside the drive
+        assert results[name][1]["drive"][0]["host_bytes"] > 0

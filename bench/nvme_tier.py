@@ -17,8 +17,8 @@ run:
     mpress's emulated iteration and the ZeRO baseline's ("x": one of them does not fit).
 
 Shapes: gpt and bert as the MPress paper's settings (configs/settings/paper-gpt.yaml,
-paper-bert.yaml: 8 stages, 16 microbatches); llama (no paper setting) in paper-gpt's
-pipeline shape (1f1b, 8 stages, 16 microbatches of 2) and its presets' precision.
+paper-bert.yaml: 8 stages, 16 microbatches); llama (no paper setting) as paper-gpt: 1f1b,
+8 stages, 16 microbatches of 2, fp16 mixed (the V100 has no bf16).
 
 Usage: PYTHONPATH=. python3 bench/nvme_tier.py [--hardware dgx1-v100,dgx-a100,hgx-h100]
        [--families gpt,bert,llama] [--time-budget 60] [--json]
@@ -52,7 +52,7 @@ def shape(family: str) -> dict[str, object]:
     setting = load_setting("paper-bert" if family == "bert" else "paper-gpt")
     return {"schedule": ScheduleName(setting.schedule), "num_stages": setting.num_stages,
             "microbatch_size": setting.microbatch_size, "num_microbatches": setting.num_microbatches,
-            "precision": setting.precision if family == setting.family else None}
+            "precision": setting.precision}
 
 
 def searches(hw: Hardware) -> list[str]:

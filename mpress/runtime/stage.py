@@ -67,9 +67,11 @@ class StageRuntime:
         self.stats = StageStats()
         techniques = {r.technique for r in self.stage_plan.rules}
         on_drive = Technique.NVME in techniques and self.stage_plan.optimizer_step is not OptimizerStep.HOST
-        if on_drive and nvme_dir is None:  # before any engine starts its threads
+        if on_drive and nvme_dir is None:
             raise PlanError(f"stage {stage_index}: the plan keeps optimizer states on nvme: set nvme_dir in the "
                             "training config, or pass it to apply_mpress (a directory on a local drive)")
+        # its file first: opening it is what may fail, before any engine starts its threads
+        drive = NvmeStore(nvme_dir, device, name=f"rank{rank}-stage{stage_index}") if on_drive else None
         self.manager = MemoryManager(device, rank=rank)
         self.pool: PinnedHostPool | None = None
         self.engine: SwapEngine | None = None
@@ -88,10 +90,9 @@ class StageRuntime:
         if Technique.D2D in techniques and peers is not None:
             self.d2d_engine = SwapEngine(peers.store_for(stage_index), self.manager, device, rank=rank,
                                          stage=stage_index, watch=watch, hold_until_release=True)
-        if on_drive:
-            store = NvmeStore(nvme_dir, device, name=f"rank{rank}-stage{stage_index}")
-            self.stats.extra["nvme"] = "O_DIRECT" if store.direct else f"buffered ({store.why_buffered})"
-            self.nvme_engine = SwapEngine(store, self.manager, device, rank=rank, stage=stage_index, watch=watch,
+        if drive is not None:
+            self.stats.extra["nvme"] = "O_DIRECT" if drive.direct else f"buffered ({drive.why_buffered})"
+            self.nvme_engine = SwapEngine(drive, self.manager, device, rank=rank, stage=stage_index, watch=watch,
                                           hold_until_release=True)
         # the stage's inspection forward (`inspect_stage`) runs here: part of the rank's
         # start-up peak, counted like a step's operators

@@ -20,6 +20,16 @@ Shapes: gpt and bert as the MPress paper's settings (configs/settings/paper-gpt.
 paper-bert.yaml: 8 stages, 16 microbatches); llama (no paper setting) as paper-gpt: 1f1b,
 8 stages, 16 microbatches of 2, fp16 mixed (the V100 has no bf16).
 
+One run here (dgx1-v100 alone with --time-budget 120; the other servers three at once on
+2 shared cores with 45 s, where mpress's rows stopped on time and are lower bounds):
+mpress and mpress-nvme reach the same sizes (GPT 25.1B, bound by device memory; Bert
+7.4B, bound by pinned host on dgx1-v100): the drive takes optimizer data only, and what
+binds is the fp16 parameters and gradients on the devices (GPT, Llama) and the pinned
+activations (Bert: 890 GB of pins at 8.1B, of which optimizer data is 88 GB). ZeRO's
+largest are 21.5B/206.5B (GPT, Infinity/-NVMe) and 16.8B/78.2B (Bert). At equal size
+mpress-nvme beats ZeRO-Infinity-NVMe (GPT 25.1B: 25.1 s vs 643 s; Bert 7.4B: 166 s vs
+277 s); on the host tier GPT 21.5B is 19.6 s vs 21.2 s, Bert 7.4B 166 s vs 119 s.
+
 Usage: PYTHONPATH=. python3 bench/nvme_tier.py [--hardware dgx1-v100,dgx-a100,hgx-h100]
        [--families gpt,bert,llama] [--time-budget 60] [--json]
 """

@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
                    weight_decay=opt.weight_decay, optimizer=opt.name, no_decay=opt.no_decay,
                    lr_schedule=lr_schedule(cfg), clip_grad_norm=opt.clip_grad_norm,
                    max_skipped_steps=opt.max_skipped_steps, host_pool_bytes=pool_override("MPRESS_HOST_POOL_BYTES"),
-                   peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"),
+                   peer_pool_bytes=pool_override("MPRESS_PEER_POOL_BYTES"), nvme_dir=cfg.nvme_dir,
                    device_capacity_bytes=cfg.device_memory_bytes if device.type == "cpu" else None)
     torch.manual_seed(cfg.seed * 1000 + rank)  # dropout stream of this rank
     if rank == 0:

@@ -9,7 +9,10 @@ Models grow as the family's presets do, width and depth together (`maxsize.Shape
 Each row says what bounds it: why the next size up does not fit (device memory, pinned
 host, host RAM, peer memory, drives), or the search's --time-budget, or the widest shape
 tried. The ZeRO baselines (zero-offload, zero-infinity, and zero-infinity-nvme where the
-server states drives) are searched beside the planner's strategies.
+server states drives) are searched beside the planner's strategies, and so is
+mpress-nvme there (mpress with optimizer data on the drive when the host cannot pin it;
+plain mpress keeps to the host). The drive's bounds are named: its capacity and bandwidth
+on the settings line, and per row what it holds and its traffic's time per iteration.
 Flags left unset derive from the hardware: one stage per device (interleaved: one rank
 per device, two stages each), 2 microbatches per rank, microbatch size 1; `--setting`
 (e.g. paper-bert: the MPress paper's) gives the family, its precision (models are
@@ -38,7 +41,7 @@ from mpress.errors import UserError
 from mpress.hardware.server import Hardware, load_hardware
 from mpress.config.presets import hardware_presets
 from mpress.static.baselines.zero import ZERO_VARIANTS, zero_variants
-from mpress.config.vocabulary import Strategy
+from mpress.config.vocabulary import MPRESS_NVME, Strategy
 from mpress.config.loader import int_arg, output_path_arg
 from mpress.ui import TaskProgress, make_console, print_json
 from mpress.config.units import fmt_bytes, fmt_seconds
@@ -79,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-SEARCHABLE = (*Strategy.words(), *ZERO_VARIANTS)
+SEARCHABLE = (*Strategy.words(), MPRESS_NVME, *ZERO_VARIANTS)
 """What maxsize searches: the planner's strategies and the ZeRO baselines."""
 
 
@@ -96,20 +99,23 @@ def searchable_arg(text: str) -> list[str]:
 searchable_arg.__name__ = "strategies"
 
 
-def table(rows: list[MaxSize], title: str) -> Table:
+def table(rows: list[MaxSize], title: str, hardware: Hardware) -> Table:
     ref = next((r for r in rows if r.strategy == Strategy.MPRESS and r.model), None)
     t = Table(title=title)
+    drive = any(r.drive_bytes for r in rows)
     for col in ["strategy", "largest model", "parameters", "layers", "hidden", "iteration", "samples/s",
-                "size / mpress", "bound", "plans"]:
+                "size / mpress", "bound", "plans", *(["on drive", "drive s/iter"] if drive else [])]:
         t.add_column(col, justify="left" if col in ("strategy", "largest model") else "right")
     for r in rows:
         if r.model is None:
             t.add_row(r.strategy, "[red]nothing fits[/]", "-", "-", "-", "-", "-", "-", _bound(r),
-                      str(r.evaluations))
+                      str(r.evaluations), *(["-", "-"] if drive else []))
             continue
         t.add_row(r.strategy, r.model.name, f"{r.num_parameters / 1e9:.2f} B", str(r.model.num_layers),
                   str(r.model.hidden_size), fmt_seconds(r.iteration_s), f"{r.samples_per_s:.3g}",
-                  f"{r.num_parameters / ref.num_parameters:.2f}x" if ref else "-", _bound(r), str(r.evaluations))
+                  f"{r.num_parameters / ref.num_parameters:.2f}x" if ref else "-", _bound(r), str(r.evaluations),
+                  *([fmt_bytes(r.drive_bytes) if r.drive_bytes else "-",
+                     fmt_seconds(r.drive_s(hardware)) if r.drive_bytes else "-"] if drive else []))
     return t
 
 
@@ -131,12 +137,16 @@ def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: Pi
                     "samples_per_s": r.samples_per_s if r.model else None,
                     "size_over_mpress": r.num_parameters / ref.num_parameters if ref and r.model else None,
                     "bound": r.bound.value if r.bound is not None else None, "bound_detail": r.bound_detail,
-                    "plans": r.evaluations})
+                    "plans": r.evaluations, "drive_bytes": r.drive_bytes if r.model else None,
+                    "drive_s": r.drive_s(hardware) if r.model else None})
     return {"settings": {"model": family, "precision": precision, "hardware": hardware.name,
                          "num_devices": hardware.num_devices,
                          "device_memory_bytes": hardware.device.memory_bytes,
                          "usable_memory_bytes": hardware.usable_memory_bytes,
-                         "pinnable_host_bytes": hardware.pinnable_bytes, **shape.settings(),
+                         "pinnable_host_bytes": hardware.pinnable_bytes, "nvme_bytes": hardware.nvme_bytes,
+                         "nvme_read_gbps": hardware.nvme_read_gbps,
+                         "nvme_write_gbps": hardware.nvme_gbps("write") if hardware.has_nvme else None,
+                         **shape.settings(),
                          "defaults": dict(shape.sources)},
             "strategies": out}
 
@@ -166,10 +176,13 @@ def run(args: argparse.Namespace) -> int:
 
     trained = f", {v('precision', f'precision {precision}')}" if precision is not None else ""
     server = (f"hardware {hardware.name} ({hardware.num_devices} x {fmt_bytes(hardware.device.memory_bytes)}, "
-              f"{fmt_bytes(hardware.usable_memory_bytes)} usable; {fmt_bytes(hardware.pinnable_bytes)} pinnable host)")
+              f"{fmt_bytes(hardware.usable_memory_bytes)} usable; {fmt_bytes(hardware.pinnable_bytes)} pinnable host"
+              + (f"; drives {fmt_bytes(hardware.nvme_bytes)} at {hardware.nvme_gbps('read'):g} GB/s read, "
+                 f"{hardware.nvme_gbps('write'):g} GB/s write" if hardware.has_nvme else "") + ")")
     console.print(f"settings: {v('model', f'model family {family}')}{trained}, {v('hardware', server)}, "
                   f"{shape.describe()}", markup=False, soft_wrap=True)
-    strategies = args.strategy or [*Strategy.words(), *zero_variants(hardware)]
+    strategies = args.strategy or [*Strategy.words(), *((MPRESS_NVME,) if hardware.has_nvme else ()),
+                                   *zero_variants(hardware)]
     rows = []
     with TaskProgress(console, len(strategies), "searching") as progress:
         for strategy in strategies:
@@ -187,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({**maxsize_json(rows, hardware, family, shape, precision), "plot": args.plot})
     else:
-        console.print(table(rows, title))
+        console.print(table(rows, title, hardware))
         for r in rows:
             if r.bound_detail:
                 console.print(f"{r.strategy}: bound by {_bound(r)}: {r.bound_detail}", markup=False, soft_wrap=True)

@@ -59,10 +59,19 @@ class Technique(Word):
     """Swapped to pinned host memory and back."""
     D2D = "d2d"
     """Striped over NVLink peers' spare memory and back."""
+    NVME = "nvme"
+    """Optimizer states only (`optim:LAYER`): written to files on a local drive between
+    steps and read back for the step (`mpress/runtime/swap/nvme.py`)."""
 
 
 SWAPS = frozenset({Technique.HOST, Technique.D2D})
 """Techniques that copy a tensor off the device and back."""
+
+
+MPRESS_NVME = "mpress-nvme"
+"""What `mpress maxsize` and the benches call the mpress strategy allowed the server's
+local drive for optimizer data (`PlannerOptions.drive`); plain `mpress` rows there keep
+the host as their only tier."""
 
 
 class ScheduleName(Word):

@@ -166,7 +166,8 @@ class TensorRule:
     microbatches: str = "all"
     """Microbatch selector: all, 0,2,5, 0-3."""
     technique: Technique
-    """keep, recompute, host (swap to pinned host memory), d2d (stripe over NVLink peers)."""
+    """keep, recompute, host (swap to pinned host memory), d2d (stripe over NVLink peers),
+    nvme (`optim:` only: files on a local drive, the train config's `nvme_dir`)."""
     # (a rule decides; the identity module's `StageRules` reads rules for both halves)
     stripes: list[Stripe] = field(default_factory=list)
     """d2d only: where the stripes go."""
@@ -200,6 +201,8 @@ class TensorRule:
             if self.microbatches.strip() != "all":
                 raise ConfigError("", "microbatches", f"{self.tensor!r} is one copy for every microbatch: "
                                                       "use all")
+        if self.technique is Technique.NVME and not self.tensor.startswith("optim:"):
+            raise ConfigError("", "technique", f"nvme holds optimizer states only (optim:LAYER), not {self.tensor!r}")
 
     @functools.cached_property
     def selected(self) -> frozenset[int] | None:
@@ -244,7 +247,7 @@ class StagePlan:
     pinned pool between steps (back on the device for the step). `host`: they live in host
     memory for good; each step copies the gradients to the host, runs Adam on the CPU and
     copies the updated parameters back. A host step subsumes `optim:` rules: `keep` and
-    `host` rules of such a stage change nothing, `d2d` ones are refused."""
+    `host` rules of such a stage change nothing, `d2d` and `nvme` ones are refused."""
 
     def __post_init__(self) -> None:
         as_word(self, "optimizer_step", OptimizerStep)
@@ -257,10 +260,11 @@ class StagePlan:
                                       f"host")
             return
         for rule in self.rules:
-            if rule.technique is Technique.D2D and rule.tensor.startswith("optim:"):
+            if rule.technique in (Technique.D2D, Technique.NVME) and rule.tensor.startswith("optim:"):
                 raise ConfigError("", "optimizer_step",
-                                  f"stage {self.stage} steps on the host, so its optimizer states cannot go to "
-                                  f"peers ({rule.tensor!r} is d2d); drop the rule or use optimizer_step: device")
+                                  f"stage {self.stage} steps on the host, so its optimizer states stay in host "
+                                  f"memory ({rule.tensor!r} is {rule.technique}); drop the rule or use "
+                                  "optimizer_step: device")
 
 
 @dataclass(kw_only=True, frozen=True)

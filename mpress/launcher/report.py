@@ -56,13 +56,18 @@ def rank_report(job: PipelineJob, plan: Plan | None, *, predicted_bytes: int, me
     if runtimes:
         engines = [rt.engine.stats for rt in runtimes if rt.engine is not None]
         d2d = [rt.d2d_engine.stats for rt in runtimes if rt.d2d_engine is not None]
+        nvme = [rt.nvme_engine.stats for rt in runtimes if rt.nvme_engine is not None]
+        drive = [rt.stats.extra["nvme"] for rt in runtimes if "nvme" in rt.stats.extra]
+        if drive:  # how the nvme tier's files are open (O_DIRECT, or buffered and why), what went there
+            out["nvme"] = "; ".join(sorted(set(drive)))
+            out["drive_out"] = sum(st.bytes_out for st in nvme)
         if job.device.type == "cuda":
             out["cuda_check"] = next((rt.stats.extra["cuda_check"] for rt in runtimes
                                       if "cuda_check" in rt.stats.extra), "ok")
         out.update(swapped=sum(rt.router.tensors_swapped for rt in runtimes),
                    recomputed=sum(rt.router.layers_recomputed for rt in runtimes),
                    bytes_out=sum(st.bytes_out for st in engines), peer_out=sum(st.bytes_out for st in d2d),
-                   wait_s=sum(st.wait_s for st in engines + d2d))
+                   wait_s=sum(st.wait_s for st in engines + d2d + nvme))
     if isinstance(job.peers, PeerPools):
         usage = job.peers.pool_usage().values()
         out["pool"] = (sum(u["high_water_bytes"] for u in usage), sum(u["capacity_bytes"] for u in usage))
@@ -82,7 +87,7 @@ def report_tables(rows: list[dict[str, object]]) -> list[Table]:
         memory.add_column(c, justify="right")
     traffic = Table(title="per rank: swaps and recompute")
     for c in ["rank", "tensors swapped", "bytes to host", "bytes to peers", "peer pool held (high water / size)",
-              "layers recomputed", "swap wait"]:
+              "layers recomputed", "swap wait", "bytes to drive (files)"]:
         traffic.add_column(c, justify="right")
     for r in rows:
         predicted, measured = r.get("predicted"), r.get("measured")
@@ -92,7 +97,8 @@ def report_tables(rows: list[dict[str, object]]) -> list[Table]:
                        b(r, "cuda_reserved"))
         traffic.add_row(str(r["rank"]), str(r.get("swapped", "-")), b(r, "bytes_out"), b(r, "peer_out"),
                         _pool_cell(r.get("pool")), str(r.get("recomputed", "-")),
-                        fmt_seconds(float(r.get("wait_s", 0.0))))  # type: ignore[arg-type]
+                        fmt_seconds(float(r.get("wait_s", 0.0))),  # type: ignore[arg-type]
+                        f"{b(r, 'drive_out')} ({r['nvme']})" if r.get("nvme") else "-")
     return [memory, traffic]
 
 

@@ -36,7 +36,7 @@ from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile.profile import Profile
 from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
 from mpress.config.units import MAX_BYTES, fmt_bytes
-from mpress.config.vocabulary import ScheduleName
+from mpress.config.vocabulary import ScheduleName, Technique
 
 
 PLAN_NEWS_EVERY_S = 10.0
@@ -250,6 +250,11 @@ def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig | UserModel, num
     and ranks (the rest with the pipeline, `check_plan_for_setup`)."""
     check_plan(plan, source=source, model=model, world_size=world, runtime=True,
                shape=Shape(cfg.schedule, num_stages, cfg.num_microbatches, cfg.microbatch_size))
+    for sp in plan.stages if cfg.nvme_dir is None else ():
+        for i, rule in enumerate(sp.rules):
+            if rule.technique is Technique.NVME:
+                raise PlanError(f"{source}: stages[{sp.stage}].rules[{i}]: {rule.tensor} goes to nvme: set nvme_dir in "
+                                "the training config (a directory on a local drive)")
 
 
 def _setup(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware, num_stages: int, world: int,

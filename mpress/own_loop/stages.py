@@ -52,7 +52,7 @@ def rank_program(plan: Plan, rank: int | None = None) -> RankProgram:
 def apply_mpress(module: nn.Module, plan: Plan | str | Path, stage_index: int, *, device: torch.device | str,
                  input_args: Any, output_args: Any = None, group: dist.ProcessGroup | None = None,
                  peers: PeerStores | None = None, program: RankProgram | None = None,
-                 model_fingerprint: str | None = None) -> MpressStage:
+                 model_fingerprint: str | None = None, nvme_dir: str | None = None) -> MpressStage:
     """Stage `stage_index` of `plan` (a `Plan` or a plan file) over the user's stage
     module, as a `PipelineStage` for the user's own torch schedule.
 
@@ -64,6 +64,8 @@ def apply_mpress(module: nn.Module, plan: Plan | str | Path, stage_index: int, *
     called once on every rank. program: the rank's program when it runs several stages
     (`rank_program`).
     model_fingerprint: when given, the plan must have been made for that model.
+    nvme_dir: a directory on a local drive, for a plan whose `nvme` rules keep optimizer
+    states there.
     Pass `stage.route_loss(loss_fn)` as the last stage's loss, and wrap the optimizer
     over the rank's stages with `wrap_optimizer`: the plan lists the optimizer's steps
     among the stage's actions, and only the wrapped optimizer runs them.
@@ -91,7 +93,7 @@ def apply_mpress(module: nn.Module, plan: Plan | str | Path, stage_index: int, *
     try:
         stage = wrap_stage(module, plan, stage_index, device=device, input_args=input_args,
                            output_args=output_args, group=group, model_fingerprint=model_fingerprint,
-                           peers=peers, program=program, optimizer_by_job=True)
+                           peers=peers, program=program, optimizer_by_job=True, nvme_dir=nvme_dir)
     except BaseException:
         if owned is not None:
             owned.close()

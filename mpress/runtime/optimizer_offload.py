@@ -3,8 +3,9 @@
 Optimizer data of a parameter: Adam's states `exp_avg` and `exp_avg_sq` and, under mixed
 precision, its fp32 master weight (see `master_weights.py`). Per stage, by the plan:
 
-- `optimizer_step: device` (default): the data of each layer an `optim:LAYER` host or d2d
-  rule names lives off the device (host, or striped over the rule's peers) from the
+- `optimizer_step: device` (default): the data of each layer an `optim:LAYER` host, d2d
+  or nvme rule names lives off the device (host, striped over the rule's peers, or in a
+  file on a local drive: `swap/nvme.py`) from the
   start of training, and streams through the device one layer's chunk at a time as the
   rank's program says (`OptimizerOffload`): `OI` of a chunk brings it in (its copies
   start), the chunk's optimizer step (`OPT:{s}:optim:LAYER`) waits for them, and `OO`
@@ -80,7 +81,8 @@ def planned_routes(runtime) -> dict[str, tuple[SwapEngine, Any]]:
         if found is None:
             continue
         _index, rule = found
-        engine = runtime.engine if rule.technique is Technique.HOST else runtime.d2d_engine
+        engine = {Technique.HOST: runtime.engine, Technique.D2D: runtime.d2d_engine,
+                  Technique.NVME: runtime.nvme_engine}.get(rule.technique)
         if engine is None:
             raise PlanError(f"stage {sp.stage}: the plan sends optimizer states ({rule.tensor}) to "
                             f"{rule.technique} but no {rule.technique} swap engine runs")

@@ -36,6 +36,7 @@ from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.router import SavedTensorRouter
 from mpress.runtime.swap.engine import SwapEngine
+from mpress.runtime.swap.nvme import NvmeStore
 from mpress.runtime.swap.store import PeerStores
 from mpress.config.vocabulary import OptimizerStep, Technique
 
@@ -56,18 +57,26 @@ class StageRuntime:
     def __init__(self, module: nn.Module, plan: Plan, stage_index: int, device: torch.device, *, rank: int,
                  program: RankProgram, example_args: tuple[Any, ...], layers: list[str] | None = None,
                  host_pool_bytes: int | None = None, peers: PeerStores | None = None,
-                 live: LiveBytes | None = None) -> None:
+                 live: LiveBytes | None = None, nvme_dir: str | None = None) -> None:
         self.plan = plan
         self.stage_plan = plan.stage(stage_index)
         self.stage_index = stage_index
         self.device = device
         self.rank = rank
         self.program = program
+        self.stats = StageStats()
         techniques = {r.technique for r in self.stage_plan.rules}
+        on_drive = Technique.NVME in techniques and self.stage_plan.optimizer_step is not OptimizerStep.HOST
+        if on_drive and nvme_dir is None:
+            raise PlanError(f"stage {stage_index}: the plan keeps optimizer states on nvme: set nvme_dir in the "
+                            "training config, or pass it to apply_mpress (a directory on a local drive)")
+        # its file first: opening it is what may fail, before any engine starts its threads
+        drive = NvmeStore(nvme_dir, device, name=f"rank{rank}-stage{stage_index}") if on_drive else None
         self.manager = MemoryManager(device, rank=rank)
         self.pool: PinnedHostPool | None = None
         self.engine: SwapEngine | None = None
         self.d2d_engine: SwapEngine | None = None
+        self.nvme_engine: SwapEngine | None = None
         watch = live.watch if live is not None else None
         # exactly what the plan pins for its program (none where the program moves nothing
         # to the host, e.g. the last stage, whose swaps would free nothing)
@@ -81,6 +90,10 @@ class StageRuntime:
         if Technique.D2D in techniques and peers is not None:
             self.d2d_engine = SwapEngine(peers.store_for(stage_index), self.manager, device, rank=rank,
                                          stage=stage_index, watch=watch, hold_until_release=True)
+        if drive is not None:
+            self.stats.extra["nvme"] = "O_DIRECT" if drive.direct else f"buffered ({drive.why_buffered})"
+            self.nvme_engine = SwapEngine(drive, self.manager, device, rank=rank, stage=stage_index, watch=watch,
+                                          hold_until_release=True)
         # the stage's inspection forward (`inspect_stage`) runs here: part of the rank's
         # start-up peak, counted like a step's operators
         with live.watch() if live is not None else contextlib.nullcontext():
@@ -90,12 +103,11 @@ class StageRuntime:
         program.on(Kind.SI, stage_index, self.router.prefetch_unit)
         program.on(Kind.DI, stage_index, self.router.prefetch_unit)
         program.on_release(self.release)
-        self.stats = StageStats()
 
     @property
     def engines(self) -> list[SwapEngine]:
-        """The stage's swap engines (host, D2D) that exist."""
-        return [e for e in (self.engine, self.d2d_engine) if e is not None]
+        """The stage's swap engines (host, D2D, nvme) that exist."""
+        return [e for e in (self.engine, self.d2d_engine, self.nvme_engine) if e is not None]
 
     def release(self) -> None:
         """A release point of the program: the copy-outs issued so far complete, so their
@@ -161,7 +173,8 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
                input_args: Any, output_args: Any = None, group: dist.ProcessGroup | None = None,
                model_fingerprint: str | None = None, host_pool_bytes: int | None = None,
                peers: PeerStores | None = None, program: RankProgram | None = None,
-               live: LiveBytes | None = None, optimizer_by_job: bool = False) -> MpressStage:
+               live: LiveBytes | None = None, optimizer_by_job: bool = False,
+               nvme_dir: str | None = None) -> MpressStage:
     """The user's stage module under `plan`, as a `PipelineStage` for torch's schedules.
 
     input_args/output_args: example tensors of one microbatch (static shapes; on gloo
@@ -177,6 +190,8 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
         A stage wrapped on its own cannot: a plan with such decisions is refused rather
         than half executed (use `mpress.own_loop`, whose `wrap_optimizer` carries them out
         in a loop of your own, `mpress.runtime.trainer.PipelineJob`, or `mpress train`).
+    nvme_dir: where the plan's `nvme` rules keep optimizer states (a directory on a local
+        drive; the train config's `nvme_dir`).
     Pass `stage.route_loss(loss_fn)` to the schedule of the last stage.
     """
     if not optimizer_by_job:
@@ -191,7 +206,8 @@ def wrap_stage(module: nn.Module, plan: Plan, stage_index: int, *, device: torch
     if program is None:
         program = RankProgram(plan.program(rank), rank=rank)
     runtime = StageRuntime(module, plan, stage_index, device, rank=rank, program=program, example_args=example_args,
-                           layers=layers, host_pool_bytes=host_pool_bytes, peers=peers, live=live)
+                           layers=layers, host_pool_bytes=host_pool_bytes, peers=peers, live=live,
+                           nvme_dir=nvme_dir)
     return MpressStage(module, stage_index, plan.num_stages, device, runtime=runtime,
                        input_args=meta_examples(input_args), output_args=meta_examples(output_args), group=group)
 

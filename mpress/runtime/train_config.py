@@ -163,8 +163,7 @@ class TrainConfig:
     [EMBED, BLOCKS, NORM, HEAD] module paths (e.g. [model.embed_tokens, "model.layers.*",
     model.norm, lm_head]), for a family mpress does not know."""
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
-    """Pipeline schedule: gpipe, 1f1b or interleaved (torch.distributed.pipelining's GPipe,
-    1F1B, interleaved 1F1B)."""
+    """Pipeline schedule: gpipe, 1f1b or interleaved (torch.distributed.pipelining's)."""
     num_stages: int | None = field(default=None, metadata={"min": 1, "max": MAX_STAGES})
     """Pipeline stages; default = world size (one per rank); interleaved: a multiple of it."""
     dp: int = field(default=1, metadata={"min": 1, "max": MAX_REPLICAS})
@@ -202,6 +201,8 @@ class TrainConfig:
     """Training data."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    nvme_dir: str | None = None
+    """A local drive's directory for what a plan's `nvme` rules keep there; null: none."""
     dropout: float | None = field(default=None, metadata={"min": 0, "max": 0.99})
     """Override the model preset's dropout probability; null = keep the preset's."""
     trace: str | None = None
@@ -336,11 +337,12 @@ def load_train_config(name_or_path: str | Path, overrides: Sequence[tuple[str, s
     ckpt = cfg.checkpoint
     if ckpt.dir is not None:
         ckpt = dataclasses.replace(ckpt, dir=absolute("checkpoint.dir", ckpt.dir))
+    nvme_dir = absolute("nvme_dir", cfg.nvme_dir) if cfg.nvme_dir is not None else None
     outputs = {k: absolute(k, v) if k in overridden and v is not None else v
                for k, v in (("trace", cfg.trace), ("report", cfg.report), ("profiler_trace", cfg.profiler_trace),
                             ("memory_snapshot", cfg.memory_snapshot), ("metrics", cfg.metrics))}
     cfg = dataclasses.replace(cfg, model=model, hf_config=hf, hardware=hardware, plan=plan, data=data,
-                              checkpoint=ckpt, **outputs)
+                              checkpoint=ckpt, nvme_dir=nvme_dir, **outputs)
     check_outputs(cfg, source)
 
     if cfg.model is None and cfg.data.kind == "file":
@@ -405,13 +407,11 @@ def _check_text_data(cfg: TrainConfig, source: str) -> None:
 
 
 def check_outputs(cfg: TrainConfig, source: str) -> None:
-    """Refuse, before any rank trains, output paths that cannot be written: `trace`,
-    `report` (files), `profiler_trace`, `memory_snapshot` (prefixes of per-rank files)
-    and `checkpoint.dir` (a directory; an existing file there used to be found only when
-    the first checkpoint was saved, after training). Raises `ConfigError` naming the key."""
+    """Refuse, before any rank trains, output paths that cannot be written: files, prefixes of
+    per-rank files, directories (`checkpoint.dir`, `nvme_dir`). `ConfigError` naming the key."""
     outputs = [("trace", cfg.trace, "file"), ("report", cfg.report, "file"), ("metrics", cfg.metrics, "file"),
                ("profiler_trace", cfg.profiler_trace, "prefix"), ("memory_snapshot", cfg.memory_snapshot, "prefix"),
-               ("checkpoint.dir", cfg.checkpoint.dir, "dir")]
+               ("checkpoint.dir", cfg.checkpoint.dir, "dir"), ("nvme_dir", cfg.nvme_dir, "dir")]
     for key, path, kind in outputs:
         if path is not None:
             check_output_path(path, source, key, kind)  # type: ignore[arg-type]

@@ -80,6 +80,8 @@ class JobSpec:
     """Pinned pool per stage; None = the plan's pinned-host bytes (with slack)."""
     peer_pool_bytes: int | None = None
     """Peer pool per importer device; None = the plan's (a smaller one fails at start-up)."""
+    nvme_dir: str | None = None
+    """Where the plan's `nvme` rules keep optimizer states (a directory on a local drive)."""
     device_capacity_bytes: int | None = None
     """CPU runs: the capacity of each rank's stand-in device. Live bytes over it stop the
     run with `DeviceOutOfMemory` (None: unbounded, still counted)."""
@@ -270,7 +272,8 @@ class PipelineJob:
         if self.plan is not None:
             stage = wrap_stage(module, self.plan, s, device=device, input_args=x, output_args=y, group=group,
                                model_fingerprint=cfg.fingerprint(), host_pool_bytes=spec.host_pool_bytes,
-                               peers=self.peers, program=self.program, live=self.live, optimizer_by_job=True)
+                               peers=self.peers, program=self.program, live=self.live, optimizer_by_job=True,
+                               nvme_dir=spec.nvme_dir)
             return module, stage, list(stage.runtime.router.layers)
         stage = PlainStage(module, s, self.num_stages, device, input_args=meta_examples(x),
                             output_args=meta_examples(y), group=group, live=self.live, spans=self.spans)

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
+from mpress.config.presets import HARDWARE_DIR, resolve_config
 from mpress.hardware.server import load_hardware
 from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
@@ -61,12 +62,14 @@ def d2d_rule(tensor: str, stripes: dict[int, float], microbatches: str = "all") 
 
 def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[int, list[TensorRule]], *,
                   model: ModelConfig | None = None, host_step: tuple[int, ...] = (),
-                  peer_pools: dict[int, int] | None = None, ranges: list[tuple[int, int]] | None = None) -> Plan:
+                  peer_pools: dict[int, int] | None = None, ranges: list[tuple[int, int]] | None = None,
+                  hardware: str = "cpu-local") -> Plan:
     """A plan for the tiny pipeline (`tiny_pipeline`) on `world` CPU ranks: stage s on
     device s % world with `rules[s]`, a pinned host pool each, the optimizer step on the
     host for the stages in `host_step`, a peer pool of `peer_pools[s]` bytes lent by
     stage s's device; `model`: gpt-tiny as configured (e.g. bf16, or more blocks);
-    `ranges`: the stages' layer ranges (default `RANGES`)."""
+    `ranges`: the stages' layer ranges (default `RANGES`); `hardware`: a preset or file
+    (`drive_hardware` for `nvme` rules)."""
     cfg = model or load_model_config(MODEL)
     n = num_stages_of(schedule, world)
     ranges = ranges or RANGES[n]
@@ -75,11 +78,21 @@ def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
               for s, (a, b) in enumerate(ranges)]
     plan = Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), dtype=cfg.precision, profile_fingerprint="test",
-                hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
+                hardware=hardware, hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
                 schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,
                 microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % world for s in range(n)], stages=stages,
                 fits=True)
     return with_program(plan, cfg)
+
+
+def drive_hardware(directory: Path) -> str:
+    """A hardware file: cpu-local with a local drive stated (what `nvme` rules need to be
+    emulated), written in `directory`; its path."""
+    path = Path(directory) / "cpu-local-drive.yaml"
+    preset = resolve_config("cpu-local", HARDWARE_DIR, "hardware").read_text()
+    text = preset.replace("name: cpu-local", "name: cpu-local-drive")
+    path.write_text(text + "nvme_bytes: 1000000000000\nnvme_read_gbps: 1.0\nnvme_write_gbps: 0.5\n")
+    return str(path)
 
 
 def with_program(plan: Plan, model: ModelConfig) -> Plan:

@@ -31,6 +31,8 @@ class Residency(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     PEER = "peer"
+    DISK = "disk"
+    """A file on a local drive (`mpress/runtime/swap/nvme.py`)."""
 
 
 class Category(enum.Enum):
@@ -41,7 +43,7 @@ class Category(enum.Enum):
     MASTER = "master"
 
 
-_OFF_DEVICE = (Residency.HOST, Residency.PEER)
+_OFF_DEVICE = (Residency.HOST, Residency.PEER, Residency.DISK)
 """Residencies a move out of (into) the device counts in bytes_moved_out (_in)."""
 
 
@@ -89,6 +91,7 @@ class MemoryManager:
         self._total_device_bytes = 0
         self._peak_total_device_bytes = 0
         self._host_bytes = 0
+        self._disk_bytes = 0
         self._peer_bytes: dict[int | None, int] = {}
         self._bytes_moved_out = 0
         self._bytes_moved_in = 0
@@ -154,6 +157,8 @@ class MemoryManager:
                                                 self._total_device_bytes)
         elif record.residency is Residency.HOST:
             self._host_bytes += nbytes
+        elif record.residency is Residency.DISK:
+            self._disk_bytes += nbytes
         elif record.residency is Residency.PEER:
             for peer, part in record.peer.items():
                 self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + sign * part
@@ -229,6 +234,7 @@ class MemoryManager:
                 "peak_device_bytes": self._peak_total_device_bytes,
                 "host_bytes": self._host_bytes,
                 "peer_bytes": sum(self._peer_bytes.values()),
+                "disk_bytes": self._disk_bytes,
                 "bytes_moved_out": self._bytes_moved_out,
                 "bytes_moved_in": self._bytes_moved_in,
             }

@@ -4,6 +4,8 @@
   switch share it (`Hardware.pcie_group`).
 - Host DRAM (`host-mem`, where the hardware states `host_memory_gbps`): every host copy,
   both directions, of every GPU.
+- The local drive array (`nvme-read`, `nvme-write`, where the hardware states one): every
+  GPU's optimizer states a plan keeps on the drive (`nvme` rules) cross it besides PCIe.
 - NVLink: on a mesh one channel per directed linked pair; on NVSwitch one egress and one
   ingress port per GPU (`mpress.d2d.static.ports`, the device mapper's port model), so a
   copy from p to d runs on p's egress and d's ingress at once.
@@ -32,6 +34,8 @@ from mpress.static.emulate.program import Channel, Transfer
 Direction = Literal["h2d", "d2h"]
 HOST_MEMORY = "host-mem"
 """Channel id of host DRAM, which every host copy of every GPU reads or writes."""
+NVME_READ, NVME_WRITE = "nvme-read", "nvme-write"
+"""Channel ids of the server's local drive array, one per direction, shared by all GPUs."""
 
 
 def pcie_up(hardware: Hardware, device: int) -> str:
@@ -65,6 +69,9 @@ def build_channels(hardware: Hardware) -> dict[str, Channel]:
     port = nvlink_port_gbps(hardware)
     if hardware.host_memory_gbps is not None:
         channels[HOST_MEMORY] = Channel(HOST_MEMORY, hardware.host_memory_gbps, 0.0)
+    if hardware.has_nvme:
+        channels[NVME_READ] = Channel(NVME_READ, hardware.nvme_gbps("read"), 0.0)
+        channels[NVME_WRITE] = Channel(NVME_WRITE, hardware.nvme_gbps("write"), 0.0)
     for d in range(n):
         for direction in ("d2h", "h2d"):
             ch = pcie_channel(hardware, direction, d)
@@ -86,6 +93,14 @@ def host_transfers(hardware: Hardware, device: int, direction: Direction, num_by
     uplink, and host DRAM where the hardware states its bandwidth."""
     pcie = Transfer(pcie_channel(hardware, direction, device).id, num_bytes)
     return (pcie,) if hardware.host_memory_gbps is None else (pcie, Transfer(HOST_MEMORY, num_bytes))
+
+
+def drive_transfers(hardware: Hardware, device: int, direction: Direction, num_bytes: int) -> tuple[Transfer, ...]:
+    """Transfers of a copy of `num_bytes` between `device` and the local drive array (d2h:
+    a write, h2d: a read), staged through host memory: the host copy's channels and the
+    drive's, cut-through, so the slowest bounds it. The hardware must state a drive."""
+    drive = Transfer(NVME_WRITE if direction == "d2h" else NVME_READ, num_bytes)
+    return (*host_transfers(hardware, device, direction, num_bytes), drive)
 
 
 def nvlink_transfers(hardware: Hardware, src: int, dst: int, num_bytes: int) -> tuple[Transfer, ...]:

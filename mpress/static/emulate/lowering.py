@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from mpress.contract.actions import Action, Kind, Schedule, UnitId, UnitKind, moves_layer_data
 from mpress.errors import ScheduleError, UserError
 from mpress.hardware.server import Hardware
-from mpress.static.emulate.channels import build_channels, host_transfers, nvlink_transfers, peer_transfers
+from mpress.static.emulate.channels import (build_channels, drive_transfers, host_transfers, nvlink_transfers,
+                                            peer_transfers)
 from mpress.static.emulate.dp_reduction import add_reduction
 from mpress.static.memory.data_parallel import DataParallel, reduction_buffer_bytes
 from mpress.static.memory.model import buffer_bytes, default_stage_to_device, optimizer_step_s
@@ -73,6 +74,9 @@ class TensorInfo:
     recompute: Choice = None
     """A dropped unit: its layer's recompute choice (`stage_memory.Choice`; None: the
     whole layer), which sets its memory and its recompute's time."""
+    drive: bool = False
+    """Optimizer data the plan keeps on the local drive (`nvme` rules): its OO and OI
+    cross the drive's channels besides the host's (`channels.drive_transfers`)."""
     host_step: bool = False
     """The OPT of one layer of a stage that steps on the host (`optimizer_step: host`):
     `bytes` are its gradients, `compute_s` its CPU Adam step (see the module docstring)."""
@@ -114,8 +118,13 @@ def _copy(action: Action, info: TensorInfo, device: int, hardware: Hardware) -> 
     out = action.kind in _OUT
     kind = action.kind
     to_peers = kind in (Kind.DO, Kind.DI) or (kind in (Kind.OO, Kind.OI) and bool(info.stripes))
-    if not to_peers:
-        transfers: tuple[Transfer, ...] = host_transfers(hardware, device, "d2h" if out else "h2d", info.bytes)
+    if info.drive:
+        if not hardware.has_nvme:
+            raise UserError(f"action {action}: the plan keeps {action.tensor!r} on nvme, but hardware {hardware.name} "
+                            "states no local drive (nvme_bytes, nvme_read_gbps)")
+        transfers: tuple[Transfer, ...] = drive_transfers(hardware, device, "d2h" if out else "h2d", info.bytes)
+    elif not to_peers:
+        transfers = host_transfers(hardware, device, "d2h" if out else "h2d", info.bytes)
     else:
         if not info.stripes:
             raise UserError(f"action {action}: D2D tensor {action.tensor!r} has no stripes")

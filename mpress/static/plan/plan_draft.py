@@ -56,7 +56,7 @@ class Draft:
     layer_tech: list[list[list[Technique]]]
     """[stage][layer within stage][microbatch] -> keep | host | recompute | d2d."""
     optim: list[Technique]
-    """Per stage: keep | host | d2d for optimizer states + master weights."""
+    """Per stage: keep | host | d2d | nvme for optimizer states + master weights."""
     stash: list[Technique]
     """Per stage: keep | host | d2d for stashed weight versions (PipeDream)."""
     stage_to_device: list[int]
@@ -80,6 +80,8 @@ class Draft:
     host_step: list[bool] = field(default_factory=list)
     """Per stage: whether it steps its optimizer on the host (a stage with `params` or
     `grads` must)."""
+    drive_full: bool = False
+    """The local drive could not take optimizer data the pins needed moved (`planner_nvme`)."""
 
     def __post_init__(self) -> None:
         self.params = self.params or [set() for _ in self.optim]
@@ -90,7 +92,7 @@ class Draft:
         return Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
                       list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
                       self.unplaced_bytes, self.unplaced_why, dict(self.recompute_choice),
-                      [set(x) for x in self.params], [set(x) for x in self.grads], list(self.host_step))
+                      [set(x) for x in self.params], [set(x) for x in self.grads], list(self.host_step), self.drive_full)
 
     def choice(self, s: int, j: int) -> int:
         """The recompute choice of layer j of stage s (`WHOLE` unless op-level)."""

@@ -55,9 +55,7 @@ from typing import Callable
 
 from mpress.errors import UserError
 from mpress.hardware.server import Hardware
-from mpress.contract.plan import (
-    Plan,
-)
+from mpress.contract.plan import Plan
 from mpress.static.emulate.channels import host_roundtrip_s, pcie_sharers
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup
 from mpress.static.emulate.liveness import layer_live_intervals, stage_times
@@ -66,6 +64,7 @@ from mpress.static.plan.plan_draft import D2D, HOST, KEEP, RECOMPUTE, Draft, Pla
 from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner_d2d import D2DSteps
 from mpress.static.plan.planner_layer_data import LayerDataSteps, host_why, plan_pinned_bytes
+from mpress.static.plan.planner_nvme import optimizer_to_drive
 from mpress.static.memory.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
@@ -94,6 +93,8 @@ class PlannerOptions:
     op_level_recompute: bool = True
     """Recompute may keep part of a layer (its profile's `recompute_options`); False: whole
     layers only (for comparison)."""
+    drive: bool = True
+    """mpress may move optimizer data to the server's local drive when the pins exceed the host's (`planner_nvme`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,7 +355,7 @@ class _Planner(D2DSteps, LayerDataSteps):
             self.model_data_host = model_data_host
             self.op_level = op_level
             self.peer_room = peer_bytes if D2D in layer_techniques else 0
-            d, ev = self._fit(empty.copy(), base, live)
+            d, ev = optimizer_to_drive(self, *self._fit(empty.copy(), base, live))  # mpress: pins over -> drive
             pins_ok = not self._host_why(d, ev)
             # a seed that fits its devices but pins more than the host can does not fit
             if best is None or _better(ev, best[1], pins_ok, best[2]):

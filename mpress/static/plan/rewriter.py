@@ -326,10 +326,12 @@ def _stream_optimizer(st: _Stage, chunks: list[tuple[str, TensorRule | None, int
     offloaded = [n for n, (_l, rule, _b, _p) in zip(names, chunks) if rule]
     for name, (layer, rule, nbytes, num_params) in zip(names, chunks):
         largest = st.optim_group_block_bytes(layer)
-        info = _info(rule, nbytes, st.optim_pool_bytes(layer), largest) if rule else TensorInfo(bytes=nbytes)
+        drive = rule is not None and rule.technique is Technique.NVME  # files on the drive: no pool blocks
+        info = _info(rule, nbytes, 0 if drive else st.optim_pool_bytes(layer), 0 if drive else largest) \
+            if rule else TensorInfo(bytes=nbytes)
         tensors[name] = TensorInfo(bytes=info.bytes, compute_s=optimizer_step_s(num_params, hardware),
                                    stripes=info.stripes, pool_bytes=info.pool_bytes,
-                                   largest_block_bytes=info.largest_block_bytes)
+                                   largest_block_bytes=info.largest_block_bytes, drive=drive)
     prefetch.extend(Action(stage, Kind.OI, None, n) for n in offloaded[:OPTIMIZER_PREFETCH_DEPTH])
     out: list[Action] = []
     for name, (_layer, rule, _b, _p) in zip(names, chunks):

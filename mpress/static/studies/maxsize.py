@@ -17,6 +17,13 @@ The ZeRO baselines (`mpress.static.baselines.zero.ZERO_VARIANTS`) are searched t
 size fitting when `plan_zero`'s result does (GPU peak, pinned host, drives).
 What bounds the answer (`Bound`) is why the smallest size that fails failed; or the
 search's time budget; or the largest shape searched.
+
+`mpress` is searched with the host as its only tier (host vs host beside ZeRO-Offload and
+ZeRO-Infinity); `mpress-nvme` (`MPRESS_NVME`, where the server states drives) lets the
+planner move optimizer data to the local drive when the pins exceed the host's
+(`planner_nvme`), beside ZeRO-Infinity-NVMe. A row's `drive_bytes` and `drive_s` name
+the drive's bounds: what it holds (against `Hardware.nvme_bytes`) and the time one
+iteration's drive traffic takes at its bandwidth (every byte written once and read once).
 """
 
 from __future__ import annotations
@@ -39,7 +46,12 @@ from mpress.static.plan.planner import (
     plan_strategy,
 )
 from mpress.static.baselines.zero import ZERO_VARIANTS, BaselineResult, plan_zero
-from mpress.config.vocabulary import ScheduleName, Word
+from mpress.config.vocabulary import MPRESS_NVME, ScheduleName, Strategy, Technique, Word
+
+
+def drive_searches(hardware: Hardware) -> tuple[str, ...]:
+    """`MPRESS_NVME` where the server states drives, else nothing."""
+    return (MPRESS_NVME,) if hardware.has_nvme else ()
 
 
 class Bound(Word):
@@ -54,7 +66,7 @@ class Bound(Word):
     PEER_MEMORY = "peer memory"
     """D2D data finds no spare peer memory over NVLink."""
     DRIVES = "drives"
-    """The data ZeRO-Infinity puts on the local drives exceeds their capacity."""
+    """The data ZeRO-Infinity (or mpress-nvme) puts on the local drives exceeds their capacity."""
     PIPELINE_DEPTH = "pipeline depth"
     """The rule's depth is too shallow for the pipeline's stages (small widths only)."""
     TIME = "time"
@@ -133,6 +145,23 @@ class MaxSize:
     """A ZeRO baseline's result for that model (None for a planner strategy)."""
 
     @property
+    def drive_bytes(self) -> int:
+        """Bytes the largest model keeps on the local drives (0: none)."""
+        if self.result is not None:
+            return sum(c.optim_bytes + c.master_bytes for c, sp in zip(self.result.evaluation.setup.costs,
+                                                                       self.result.plan.stages)
+                       if any(r.technique is Technique.NVME for r in sp.rules))
+        return self.baseline.nvme_bytes if self.baseline is not None else 0
+
+    def drive_s(self, hardware: Hardware) -> float:
+        """Time of one iteration's drive traffic at the drives' bandwidth: `drive_bytes`
+        written once and read once (0 without a drive)."""
+        if not self.drive_bytes or not hardware.has_nvme:
+            return 0.0
+        gb = self.drive_bytes / 1e9
+        return gb / hardware.nvme_gbps("write") + gb / hardware.nvme_gbps("read")
+
+    @property
     def iteration_s(self) -> float:
         """The largest model's iteration (nan when nothing fits)."""
         if self.result is not None:
@@ -149,6 +178,8 @@ class MaxSize:
 def plan_bound(hardware: Hardware, result: PlanResult) -> Bound:
     """Why a plan that does not fit fails, as a `Bound`."""
     if result.host_bytes > hardware.pinnable_bytes:
+        if result.draft is not None and result.draft.drive_full:
+            return Bound.DRIVES  # the pins needed more moved to the drive than it holds
         return Bound.PINNED_HOST if hardware.pinnable_host_bytes is not None else Bound.HOST_RAM
     if result.reason.startswith("host memory"):  # the host steps' fp32 copies and states (`planner_layer_data.host_why`)
         return Bound.HOST_RAM
@@ -181,10 +212,14 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
     time_budget_s: stop trying larger sizes after this many seconds (None: no limit)."""
     note = progress or (lambda _m: None)
     zero = strategy in ZERO_VARIANTS
+    drive = strategy == MPRESS_NVME
+    if drive and not hardware.has_nvme:
+        raise UserError(f"{MPRESS_NVME}: hardware {hardware.name} states no local drive (nvme_bytes, nvme_read_gbps)")
+    planned = Strategy.MPRESS.value if drive else strategy
     if zero and hardware.host_memory_gbps is None:
         raise UserError(f"{strategy}: hardware {hardware.name} states no host_memory_gbps, so its CPU optimizer "
                         "step cannot be timed")
-    quick = PlannerOptions(max_d2d_rounds=0)  # D2D rounds buy speed, not fit: skip while searching
+    quick = PlannerOptions(max_d2d_rounds=0, drive=drive)  # D2D rounds buy speed, not fit: skip while searching
     rule = family_rule(family, precision)
     shape = dict(schedule=schedule, num_stages=num_stages, num_ranks=num_ranks, microbatch_size=microbatch_size,
                  num_microbatches=num_microbatches)
@@ -214,7 +249,7 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
                                            f"above the {hardware.usable_memory_bytes} usable")
             return False
         count += 1
-        res = plan_strategy(setup, strategy, quick)
+        res = plan_strategy(setup, planned, quick)
         note(f"{strategy}: {cfg.name} {'fits' if res.fits else 'does not fit'}")
         if not res.fits:
             why[i] = (plan_bound(hardware, res), f"{cfg.name}: {res.reason}")
@@ -259,10 +294,10 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
     if zero:
         return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model), result=None,
                        evaluations=count, bound=bound, bound_detail=detail, baseline=plan_zero(setup, strategy))
-    result = plan_strategy(setup, strategy)
+    result = plan_strategy(setup, planned, PlannerOptions(drive=drive))
     count += 1
     if not result.fits:  # the full search never loses the fit the quick one found; if it did, keep that
-        result = plan_strategy(setup, strategy, quick)
+        result = plan_strategy(setup, planned, quick)
         count += 1
     return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model),
                    result=result, evaluations=count, bound=bound, bound_detail=detail)

@@ -71,7 +71,7 @@ def technique_map(plan: Plan, setup: PipelineSetup) -> TechniqueMap:
 def plot_technique_map(tmap: TechniqueMap, path: str | Path, title: str) -> Path:
     """The map as a PNG: a row per stage, a column per layer, coloured by technique;
     "*" marks a mixed layer, "O" one whose optimizer state is offloaded ("OH" host,
-    "OD" peers)."""
+    "OD" peers, "ON" the local drive)."""
     num_stages, num_layers = len(tmap.cells), len(tmap.layer_names)
     grid = [[-1.0] * num_layers for _ in range(num_stages)]
     fig = new_figure(max(6.0, 0.28 * num_layers + 3), max(3.0, 0.45 * num_stages + 2))
@@ -79,7 +79,8 @@ def plot_technique_map(tmap: TechniqueMap, path: str | Path, title: str) -> Path
     for s, row in enumerate(tmap.cells):
         for j, cell in row.items():
             grid[s][j] = TECHNIQUES.index(cell.technique)
-            mark = ("*" if cell.mixed else "") + {Technique.HOST: "OH", Technique.D2D: "OD"}.get(cell.optimizer, "")
+            mark = ("*" if cell.mixed else "") + {Technique.HOST: "OH", Technique.D2D: "OD",
+                                                          Technique.NVME: "ON"}.get(cell.optimizer, "")
             if mark:
                 ax.text(j, s, mark, ha="center", va="center", fontsize=6)
     cmap = ListedColormap(["white", *_COLORS])
@@ -91,6 +92,6 @@ def plot_technique_map(tmap: TechniqueMap, path: str | Path, title: str) -> Path
     ax.set_xlabel("layer")
     handles = [ax.bar(0, 0, color=c, label=str(t)) for t, c in zip(TECHNIQUES, _COLORS)]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
-              title="saved tensors\n(OH/OD: optimizer\nstate on host/peers;\n*: mixed)")
+              title="saved tensors\n(OH/OD/ON: optimizer\nstate on host/peers/drive;\n*: mixed)")
     ax.set_title(title)
     return save(fig, path)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mpress.hardware.server import load_hardware
 from mpress.config.model_config import ModelConfig, load_model_config
+from mpress.contract.actions import stage_to_rank
 from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
 from mpress.static.profile.analytic import analytic_profile
 from mpress.static.plan.evaluate import setup_pipeline
@@ -70,15 +71,15 @@ def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[
     cfg = model or load_model_config(MODEL)
     n = num_stages_of(schedule, world)
     ranges = ranges or RANGES[n]
-    stages = [StagePlan(stage=s, device=s % world, first_layer=a, end_layer=b, rules=rules.get(s, []),
+    devices = list(stage_to_rank(schedule, n, world))
+    stages = [StagePlan(stage=s, device=devices[s], first_layer=a, end_layer=b, rules=rules.get(s, []),
                         pinned_host_bytes=POOL_BYTES, optimizer_step="host" if s in host_step else "device",
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
               for s, (a, b) in enumerate(ranges)]
     plan = Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), dtype=cfg.precision, profile_fingerprint="test",
                 hardware="cpu-local", hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
                 schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,
-                microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % world for s in range(n)], stages=stages,
-                fits=True)
+                microbatch_size=MICROBATCH_SIZE, stage_to_device=devices, stages=stages, fits=True)
     return with_program(plan, cfg)
 
 
@@ -91,7 +92,7 @@ def with_program(plan: Plan, model: ModelConfig) -> Plan:
     ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages]
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
-                           num_ranks=plan.num_ranks if plan.num_ranks != plan.num_stages else None, ranges=ranges)
+                           num_ranks=plan.num_ranks, ranges=ranges)
     plan = dataclasses.replace(plan, hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
     return plan_from_rules(setup, plan)
 

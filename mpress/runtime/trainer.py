@@ -21,7 +21,9 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
 
@@ -52,7 +54,8 @@ SCHEDULES = {ScheduleName.GPIPE: ScheduleGPipe, ScheduleName.ONE_F_ONE_B: Schedu
 """torch's schedules for one stage per rank."""
 MULTI_STAGE_SCHEDULES = {ScheduleName.INTERLEAVED: ScheduleInterleaved1F1B,
                          ScheduleName.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
-                         ScheduleName.ZBV: ScheduleZBVZeroBubble}
+                         ScheduleName.LOOPED_BFS: ScheduleLoopedBFS,
+                         ScheduleName.ZBV: ScheduleZBVZeroBubble, ScheduleName.DUALPIPEV: ScheduleDualPipeV}
 """torch's schedules that take a rank's list of stages (looped round-robin, or two in a V)."""
 
 

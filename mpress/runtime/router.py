@@ -193,6 +193,7 @@ class SavedTensorRouter:
         self._check_plan()
         self._active = False
         self._microbatch = -1
+        self._split_now = False  # the microbatch's backward is split into I and W
         self._units: dict[str, Kind] = {}
         self._dropped: dict[str, str] = {}    # layer -> its DR unit, this microbatch
         self._saved: dict[tuple[torch.device, int], _Entry] = {}
@@ -330,6 +331,17 @@ class SavedTensorRouter:
         return found
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        packed = self._decide(tensor)
+        if self._split_now and packed is tensor and tensor.grad_fn is not None:
+            # a tensor saved by the node that made it would hold that node, which holds
+            # the save: a cycle that only running the node breaks, and a split backward's
+            # I runs nodes keeping the graph (W never runs them again), so the tensor
+            # would outlive the microbatch. Its detached alias holds no node.
+            return tensor.detach()
+        return packed
+
+    def _decide(self, tensor: torch.Tensor) -> Any:
+        """What the graph saves for `tensor` (it, or its swap)."""
         if not self._active:  # (active only when routing: the namer exists)
             return tensor
         storage = tensor.untyped_storage()
@@ -417,6 +429,7 @@ class SavedTensorRouter:
             yield
             return
         self._units = self.program.compacted(self.stage, microbatch)
+        self._split_now = self.program.split(self.stage, microbatch)
         self._dropped = {UnitId.parse(u).layer: u for u, k in self._units.items() if k is Kind.DR}  # type: ignore[misc]
         with self._saved_lock:
             self._saved = {}

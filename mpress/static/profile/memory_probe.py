@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from mpress.contract.identity import side_effect_free

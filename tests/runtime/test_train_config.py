@@ -249,10 +249,10 @@ def test_the_split_backward_and_v_schedules_take_their_stage_counts():
     assert check_world_size(TrainConfig(model="gpt-tiny", schedule="looped-bfs", num_stages=4,
                                         num_microbatches=4), 2) == 4
     for schedule, stages, message in [
-            ("zbv", 6, r"^num_stages: zbv runs two stages per rank, so num_stages \(6\) must be twice the world "
-                       r"size \(2\); change num_stages or --nproc-per-node$"),
-            ("looped-bfs", 3, r"^num_stages: looped-bfs runs stages round-robin, so num_stages \(3\) must be a "
-                              r"multiple of the world size \(2\)")]:
+            ("zbv", 6, (r"^num_stages: zbv runs two stages per rank, so num_stages \(6\) must be twice the world "
+                        r"size \(2\); change num_stages or --nproc-per-node$")),
+            ("looped-bfs", 3, (r"^num_stages: looped-bfs runs stages round-robin, so num_stages \(3\) must be a "
+                               r"multiple of the world size \(2\)"))]:
         with pytest.raises(UserError, match=message):
             check_world_size(TrainConfig(model="gpt-tiny", schedule=schedule, num_stages=stages,
                                          num_microbatches=4), 2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from mpress.config.vocabulary import SPLIT_BACKWARD_SCHEDULES
 from mpress.contract.actions import Kind, parse_actions, stage_to_rank
@@ -60,9 +61,16 @@ def mixed_plan(rng: random.Random, schedule: str, world: int) -> Plan:
     return pipeline_plan(schedule, world, MICROBATCHES, rules)
 
 
+V_NEEDS = pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 12),
+    reason="torch 2.11's schedules send a V's turning stage's shapes to the rank itself at start-up (its stages "
+           "R-1 and R share rank R-1), which gloo refuses: plain torch fails the same way")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, world", [
-    ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2), ("looped-bfs", 2), ("interleaved-zb", 4)])
+    ("interleaved-zb", 2), pytest.param("zbv", 2, marks=V_NEEDS), pytest.param("dualpipev", 2, marks=V_NEEDS),
+    ("looped-bfs", 2), ("interleaved-zb", 4)])
 def test_random_mixed_plans_match_plain_torch_and_run_their_program(schedule, world):
     rng = random.Random(f"{schedule}/{world}")
     plans = [mixed_plan(rng, schedule, world) for _ in range(PLANS)]
@@ -104,8 +112,6 @@ def test_partial_recompute_under_a_split_backward_is_refused_in_one_line():
 
 def _wrap_worker(rank: int, world: int, plan_paths: list[str]):
     """Builds the job of a plan: its refusal, in one line."""
-    import torch
-
     from mpress.config.model_config import load_model_config
     from mpress.runtime.trainer import JobSpec, PipelineJob
     from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES

@@ -150,23 +150,25 @@ OWN_LOOP_LAYERS = 8
 
 
 def own_loop_plan(out: Path, world: int, rules: dict[int, list[TensorRule]], *, host_step: tuple[int, ...] = (),
-                  peer_pools: dict[int, int] | None = None, num_stages: int | None = None) -> Plan:
+                  peer_pools: dict[int, int] | None = None, num_stages: int | None = None,
+                  schedule: str | None = None) -> Plan:
     """A complete plan for the own-loop example (`examples/own_loop`), made as `mpress
     train` makes a plan file written by hand (the program, pinned pools and peaks from
     the static half, `mpress.launcher.startup.plan_for`), on `world` CPU ranks (1F1B,
     4 microbatches of 2): stage s holds an even share of the layers, with `rules[s]`, its optimizer stepped on
     the host when s is in `host_step`, a peer pool of `peer_pools[s]` bytes lent by its
     device. `num_stages` (a multiple of `world`): interleaved 1F1B, stage s on rank
-    s % world. Written to `out` and returned."""
+    s % world, or `schedule` (e.g. zbv: stages in a V). Written to `out` and returned."""
     # what mpress train does with a plan written by hand
     from mpress.launcher.startup import plan_for
     from mpress.runtime.train_config import load_train_config, model_config
 
     n = num_stages or world
-    schedule = "interleaved" if n != world else "1f1b"
+    schedule = schedule or ("interleaved" if n != world else "1f1b")
+    devices = list(stage_to_rank(schedule, n, world))
     model = model_config(load_train_config(OWN_LOOP / "train.yaml", [("module", OWN_LOOP_SPEC), ("plan", "none")]))
     per = -(-OWN_LOOP_LAYERS // n)
-    stages = [StagePlan(stage=s, device=s % world, first_layer=s * per, end_layer=min(OWN_LOOP_LAYERS, (s + 1) * per),
+    stages = [StagePlan(stage=s, device=devices[s], first_layer=s * per, end_layer=min(OWN_LOOP_LAYERS, (s + 1) * per),
                         rules=rules.get(s, []), optimizer_step="host" if s in host_step else "device",
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
               for s in range(n)]
@@ -174,7 +176,7 @@ def own_loop_plan(out: Path, world: int, rules: dict[int, list[TensorRule]], *, 
     hand = Plan(strategy="hand", model=OWN_LOOP_SPEC, model_fingerprint=model.fingerprint(), dtype="fp32",
                 profile_fingerprint="hand", hardware="cpu-local", num_devices=world, device_memory_bytes=1 << 30,
                 hardware_fingerprint=hardware_fingerprint(hardware), schedule=schedule, num_stages=n,
-                num_ranks=world, num_microbatches=4, microbatch_size=2, stage_to_device=[s % world for s in range(n)],
+                num_ranks=world, num_microbatches=4, microbatch_size=2, stage_to_device=devices,
                 stages=stages, fits=True)
     hand_path = out.with_suffix(".hand.yaml")
     hand.save(hand_path)

@@ -264,7 +264,10 @@ def test_a_rank_of_two_stages_walks_one_program(group, plans, tmp_path, name):
     the same parameters as the plain loop."""
     import copy
 
-    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+    from torch.distributed.pipelining import (
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
 
     plan = own_loop_plan(tmp_path / f"{name}.yaml", 1,
                         {0: [rule("optim:*", "host"), rule("blocks.0.**", "host")], 1: [rule("blocks.4.**", "recompute")]},

@@ -117,7 +117,8 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
     """(split_held_bytes, input_peak_bytes, weight_peak_bytes) of `layer` on `args` (see `LayerMemory`):
     its forward, then torch's own halves of the backward, I (`stage_backward_input`)
     and W (`stage_backward_weight`), as the zero-bubble schedules run them; -1 each
-    when no input takes a gradient (torch then runs the whole backward in W). Leaves
+    when no input takes a gradient (torch then runs the whole backward in W) or an
+    output is a view (alone, the layer's output would be the stage's). Leaves
     the layer as `probe_layer` does."""
     inputs = [t for t in tensors_in(args) if t.requires_grad]
     if not inputs:
@@ -131,30 +132,32 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
         tracker.adopt(b, "buffer")
     devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+    found = (-1, -1, -1)
     with torch.random.fork_rng(devices=devices), tracker.watch():
         output = layer(*args)
         root = loss_fn(output) if loss_fn is not None else output
         roots = [t for t in tensors_in(root) if t.requires_grad]
-        grads = [torch.ones_like(t) for t in roots] if loss_fn is None else None
-        start = tracker.live_bytes
-        tracker.reset_peak()
-        _dinputs, groups = stage_backward_input(roots, grads, inputs, layer.parameters())
-        input_peak = tracker.peak_bytes - start
-        del output, root, roots, grads, _dinputs
-        after_input = tracker.live_bytes
-        tracker.reset_peak()
-        stage_backward_weight(layer.parameters(), groups)
-        del groups
-        weight_peak = tracker.peak_bytes - after_input
-        param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
-        held = after_input - (tracker.live_bytes - param_grads)
+        if not any(t._is_view() for t in roots):  # torch's I detaches them in place, which a view refuses
+            grads = [torch.ones_like(t) for t in roots] if loss_fn is None else None
+            start = tracker.live_bytes
+            tracker.reset_peak()
+            _dinputs, groups = stage_backward_input(roots, grads, inputs, layer.parameters())
+            input_peak = tracker.peak_bytes - start
+            del output, root, roots, grads, _dinputs
+            after_input = tracker.live_bytes
+            tracker.reset_peak()
+            stage_backward_weight(layer.parameters(), groups)
+            del groups
+            weight_peak = tracker.peak_bytes - after_input
+            param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
+            found = (max(after_input - (tracker.live_bytes - param_grads), 0), input_peak, weight_peak)
     for t in tensors_in(args):
         t.grad = None
     layer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for b, value in buffers:
             b.copy_(value)
-    return max(held, 0), input_peak, weight_peak
+    return found
 
 
 class _Checkpointed(nn.Module):

@@ -96,7 +96,8 @@ class ScheduleName(Word):
     (torch's `ScheduleLoopedBFS`)."""
 
 
-RUNNABLE_SCHEDULES = (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B, ScheduleName.INTERLEAVED)
+RUNNABLE_SCHEDULES = (ScheduleName.GPIPE, ScheduleName.ONE_F_ONE_B, ScheduleName.INTERLEAVED,
+                      ScheduleName.INTERLEAVED_ZB, ScheduleName.ZBV, ScheduleName.DUALPIPEV, ScheduleName.LOOPED_BFS)
 """Schedules torch's pipelining runs (the training config's choices)."""
 SPLIT_BACKWARD_SCHEDULES = (ScheduleName.INTERLEAVED_ZB, ScheduleName.ZBV, ScheduleName.DUALPIPEV)
 """Schedules that split (some) backwards into an input-gradient and a weight-gradient part."""

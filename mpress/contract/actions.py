@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 
 from mpress.errors import ScheduleError
-from mpress.config.vocabulary import ScheduleName
+from mpress.config.vocabulary import V_SCHEDULES, ScheduleName
 
 
 class Kind(enum.Enum):
@@ -240,6 +240,15 @@ def format_actions(actions: list[Action]) -> str:
 def parse_actions(text: str) -> list[Action]:
     """Inverse of `format_actions` (commas are accepted as separators too)."""
     return [Action.parse(tok) for tok in re.split(r"[\s,]+", text.strip()) if tok]
+
+
+def stage_to_rank(schedule: str, num_stages: int, num_ranks: int) -> tuple[int, ...]:
+    """The rank that runs each stage: in a V schedule (`zbv`, `dualpipev`; 2R stages)
+    down the ranks and back up (rank r runs stages r and 2R-1-r), elsewhere round-robin
+    (stage s on rank s % num_ranks: one stage per rank, or several looped ones)."""
+    if schedule in V_SCHEDULES:
+        return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+    return tuple(s % num_ranks for s in range(num_stages))
 
 
 @dataclass(frozen=True)

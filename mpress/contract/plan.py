@@ -40,7 +40,7 @@ import yaml
 
 from mpress import __version__
 from mpress.config.loader import from_dict, load_yaml, to_dict, write_text_atomic
-from mpress.contract.actions import Action, parse_actions
+from mpress.contract.actions import Action, parse_actions, stage_to_rank
 from mpress.errors import ConfigError, PlanError, ScheduleError
 from mpress.hardware.server import Hardware
 from mpress.config.limits import MAX_DEVICES, MAX_MICROBATCH_SIZE, MAX_MICROBATCHES, MAX_STAGES
@@ -378,13 +378,13 @@ class Plan:
         return parse_actions(self.actions[rank])
 
     def rank_of_stage(self, stage: int) -> int:
-        """The rank that runs `stage`: stage s on rank s % ranks (one stage per rank, or
-        several under interleaved schedules)."""
-        return stage % self.num_ranks
+        """The rank that runs `stage` (`mpress.contract.actions.stage_to_rank`)."""
+        return stage_to_rank(self.schedule, self.num_stages, self.num_ranks)[stage]
 
     def stages_of_rank(self, rank: int) -> list[int]:
         """The stages `rank` runs, in order."""
-        return list(range(rank, self.num_stages, self.num_ranks))
+        ranks = stage_to_rank(self.schedule, self.num_stages, self.num_ranks)
+        return [s for s, r in enumerate(ranks) if r == rank]
 
     def peer_pool_bytes_by_device(self) -> dict[int, int]:
         """Peer pool each device reserves for its D2D exporters (the sum over the stages

@@ -36,7 +36,7 @@ from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile.profile import Profile
 from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
 from mpress.config.units import MAX_BYTES, fmt_bytes
-from mpress.config.vocabulary import ScheduleName, Technique
+from mpress.config.vocabulary import Technique
 
 
 PLAN_NEWS_EVERY_S = 10.0
@@ -262,7 +262,7 @@ def _setup(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware,
     """One replica's pipeline (`world`: its ranks), with the replicas' DDP reduction and
     buckets counted when the config has several (`data_parallel_for`)."""
     return setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
-                          num_ranks=world if cfg.schedule is ScheduleName.INTERLEAVED else None, profile=profile,
+                          num_ranks=world, profile=profile,
                           microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches, ranges=ranges,
                           data_parallel=data_parallel_for(cfg, hardware))
 

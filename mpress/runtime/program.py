@@ -37,7 +37,7 @@ from mpress.contract.live_bytes import LiveBytes
 INSIDE_FORWARD = frozenset({Kind.SO, Kind.DO, Kind.DR})
 """Memory actions the list puts right after F(s, m): run inside that forward."""
 INSIDE_BACKWARD = frozenset({Kind.RC})
-"""Memory actions the list puts right after B(s, m): run inside that backward."""
+"""Memory actions the list puts right after B(s, m) or I(s, m): run inside that backward."""
 ISSUED = frozenset({Kind.SI, Kind.DI, Kind.OI, Kind.OO})
 """Memory actions issued between compute actions, by a handler."""
 
@@ -72,6 +72,7 @@ class RankProgram:
         for a in self.actions:
             if a.kind in INSIDE_FORWARD:
                 self._inside.setdefault((a.stage, a.microbatch), {})[a.tensor or ""] = a.kind
+        self._split = {(a.stage, a.microbatch) for a in self.actions if a.kind is Kind.I}
         self._handlers: dict[tuple[Kind, int], Handler] = {}
         self._releases: list[Callable[[], None]] = []
         self._pos = 0
@@ -90,6 +91,11 @@ class RankProgram:
     def compacted(self, stage: int, microbatch: int) -> dict[str, Kind]:
         """The units the list compacts inside F(stage, microbatch): unit name -> SO, DO or DR."""
         return self._inside.get((stage, microbatch), {})
+
+    def split(self, stage: int, microbatch: int) -> bool:
+        """Whether the list splits the backward of (stage, microbatch) into I and W (what
+        W reads is unpacked again in W, after I)."""
+        return (stage, microbatch) in self._split
 
     def optimizer_actions(self) -> list[Action]:
         """The list's optimizer steps (whole stages, or one layer's chunk each), in order:
@@ -162,7 +168,8 @@ class RankProgram:
         current = self._current
         if current is None:
             return
-        inside = INSIDE_FORWARD if current.kind is Kind.F else INSIDE_BACKWARD if current.kind is Kind.B else ()
+        inside = INSIDE_FORWARD if current.kind is Kind.F else \
+            INSIDE_BACKWARD if current.kind in (Kind.B, Kind.I) else ()
         logged: set[Action] = set()
         while self._pos < len(self.actions):
             a = self.actions[self._pos]

@@ -13,7 +13,9 @@ microbatch are moved, by the action it names there:
   it; when the layer's forward ends the group goes to the host / D2D swap engine as one
   swap (one placement, one copy batch: host work per unit, not per tensor); the unit's
   SI / DI (`prefetch_unit`, issued by the program where the list puts it) starts the
-  copy back; the unpack hook in backward takes the tensor from the fetched group;
+  copy back; the unpack hook in backward takes the tensor from the fetched group (a
+  split backward unpacks it in its I and again in its W: torch's I retains the graph,
+  so the fetched tensor stays with the graph until W frees it, as torch's own saves do);
 - DR: the layer's forward runs under non-reentrant `torch.utils.checkpoint` (RNG state
   preserved, so dropout masks repeat), whole, or, when the rules recompute only some of
   what it saves, with the operators producing the rest cached (`mpress.contract.selective`); its
@@ -56,10 +58,12 @@ class _Group:
     the unit's layer runs, issued when its forward ends (where the emulator starts the
     swap-out), brought back together by the unit's SI / DI."""
 
-    def __init__(self, engine: SwapEngine, key: TensorKey, weights: Any) -> None:
+    def __init__(self, engine: SwapEngine, key: TensorKey, weights: Any, *, split: bool = False) -> None:
         self.engine = engine
         self.key = key
         self.weights = weights
+        self.split = split
+        """The microbatch's backward is split: its I and its W each unpack the saves."""
         self.parts: list[tuple[str, torch.Tensor]] | None = []
         """(name, tensor) until issued; then the engine holds them."""
         self.versions: list[int] | None = []
@@ -125,7 +129,9 @@ class _Swapped:
     def unpack(self) -> torch.Tensor:
         tensor = self.tensor if self.tensor is not None else self.group.take(self.index)
         self.uses -= 1
-        self.tensor = tensor if self.uses > 0 else None
+        # a split backward's W unpacks again what its I did (torch's I keeps the graph):
+        # the fetched tensor then lives as long as the graph holds this save
+        self.tensor = tensor if self.uses > 0 or self.group.split else None
         return tensor
 
 
@@ -187,6 +193,7 @@ class SavedTensorRouter:
         self._check_plan()
         self._active = False
         self._microbatch = -1
+        self._split_now = False  # the microbatch's backward is split into I and W
         self._units: dict[str, Kind] = {}
         self._dropped: dict[str, str] = {}    # layer -> its DR unit, this microbatch
         self._saved: dict[tuple[torch.device, int], _Entry] = {}
@@ -223,7 +230,11 @@ class SavedTensorRouter:
         self._cached: dict[tuple[str, int], frozenset[int]] = {}  # (layer, microbatch) -> cached ops
         for m in range(num_microbatches or 0):  # a set the checkpoint cannot recompute: refused now
             for name in self.layer_names:
-                self._cached_ops(name, m)
+                if self._cached_ops(name, m) and self.stage > 0 and program.split(self.stage, m):
+                    # torch's selective checkpoint serves each cached output once; a split
+                    # backward replays the layer in its I and again in its W
+                    raise PlanError(f"stage {self.stage} microbatch {m} layer {name}: the plan recomputes part of "
+                                    "the layer, which a split backward (I and W) cannot run: recompute it whole")
         self.namer = SavedTensorNamer(module, self.layer_names)
         self._buffers = list(module.buffers())  # the module holds them
         self._input_hook = module.register_forward_pre_hook(self._stage_input)
@@ -320,6 +331,17 @@ class SavedTensorRouter:
         return found
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        packed = self._decide(tensor)
+        if self._split_now and packed is tensor and tensor.grad_fn is not None:
+            # a tensor saved by the node that made it would hold that node, which holds
+            # the save: a cycle that only running the node breaks, and a split backward's
+            # I runs nodes keeping the graph (W never runs them again), so the tensor
+            # would outlive the microbatch. Its detached alias holds no node.
+            return tensor.detach()
+        return packed
+
+    def _decide(self, tensor: torch.Tensor) -> Any:
+        """What the graph saves for `tensor` (it, or its swap)."""
         if not self._active:  # (active only when routing: the namer exists)
             return tensor
         storage = tensor.untyped_storage()
@@ -376,7 +398,8 @@ class SavedTensorRouter:
         # forward) form another group: another key
         tkey = TensorKey(rank=self.rank, stage=self.stage, microbatch=self._microbatch,
                          tensor=unit if not groups else f"{unit}/{len(groups)}")
-        group = self._open[unit] = _Group(engine, tkey, weights)
+        group = self._open[unit] = _Group(engine, tkey, weights,
+                                          split=self.program.split(self.stage, self._microbatch))
         groups.append(group)
         return group
 
@@ -406,6 +429,7 @@ class SavedTensorRouter:
             yield
             return
         self._units = self.program.compacted(self.stage, microbatch)
+        self._split_now = self.program.split(self.stage, microbatch)
         self._dropped = {UnitId.parse(u).layer: u for u, k in self._units.items() if k is Kind.DR}  # type: ignore[misc]
         with self._saved_lock:
             self._saved = {}

@@ -4,7 +4,9 @@
     schedule = Schedule1F1B(stage, n_microbatches, loss_fn=stage.route_loss(loss))   # torch's own engine
 
 `MpressStage` is a `torch.distributed.pipelining.PipelineStage`: the schedules (GPipe,
-1F1B, interleaved) call its `forward_one_chunk` / `backward_one_chunk`; mpress runs each
+1F1B, interleaved, zero bubble, V) call its `forward_one_chunk` / `backward_one_chunk`
+(a whole backward B, or its input-gradient half I) / `backward_weight_one_chunk` (the
+weight-gradient half W); mpress runs each
 as the compute action of the rank's program (`program.py`) that it is: the program
 checks it is the next one, waits for the copy-outs it releases, issues the swap-ins the
 list puts before it, and the router (`router.py`) carries out what the list puts inside
@@ -139,6 +141,10 @@ class MpressStage(PipelineStage):
                  runtime: StageRuntime, **kwargs: Any) -> None:
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         self.runtime = runtime
+        self._whole_in_input: set[int] = set()
+        """First stage: microbatches whose whole backward ran in their I (see `backward_one_chunk`)."""
+        self._input_halves = 0
+        """First stage: Is run so far in this step (modulo the microbatches): the last one reduces."""
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
                           save_forward_output: bool = True) -> Any:
@@ -153,13 +159,46 @@ class MpressStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
+        """The microbatch's backward (B), or its input-gradient half (I) when the schedule
+        splits it (`full_backward=False`): what the W half reads stays until W.
+
+        The first stage has no input gradient to make: torch's I would do nothing there
+        and its W the whole backward. It runs the whole backward in its I instead, where
+        the plan's program puts the microbatch's recomputes and where the memory model
+        gives back what the backward frees; its W is then empty. A rank runs a stage's Is
+        and its Ws each in microbatch order, so every parameter's gradient accumulates
+        in the same order as torch's: the same bits."""
         rt = self.runtime
-        action = Action(self.stage_index, Kind.B, bwd_chunk_id)
+        action = Action(self.stage_index, Kind.B if full_backward else Kind.I, bwd_chunk_id)
+        whole = not full_backward and self.is_first and self.dw_builder is None
         rt.program.begin(action)
         with torch.profiler.record_function(f"mpress:{action}"):
-            out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                             last_backward=last_backward)
-        rt.router.finish(bwd_chunk_id)
+            if whole:
+                self._whole_in_input.add(bwd_chunk_id)
+                self._input_halves = (self._input_halves + 1) % (self.chunks or 1)
+                out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True,
+                                                 last_backward=self._input_halves == 0)
+            else:
+                out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                 last_backward=last_backward)
+        if full_backward or whole:
+            rt.router.finish(bwd_chunk_id)
+        rt.program.end()
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        """The weight-gradient half (W) of a split backward: the microbatch's backward ends
+        here (empty on the first stage, whose I ran it whole)."""
+        rt = self.runtime
+        action = Action(self.stage_index, Kind.W, bwd_chunk_id)
+        rt.program.begin(action)
+        out = None
+        if bwd_chunk_id in self._whole_in_input:
+            self._whole_in_input.discard(bwd_chunk_id)
+        else:
+            with torch.profiler.record_function(f"mpress:{action}"):
+                out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            rt.router.finish(bwd_chunk_id)
         rt.program.end()
         return out
 
@@ -265,6 +304,10 @@ class PlainStage(PipelineStage):
                          lambda: super(PlainStage, self).forward_one_chunk(fwd_chunk_id, *args, **kwargs))
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: object, **kwargs: object) -> object:
-        return self._run(Action(self.stage_index, Kind.B, bwd_chunk_id),
+        kind = Kind.B if kwargs.get("full_backward", True) else Kind.I
+        return self._run(Action(self.stage_index, kind, bwd_chunk_id),
                          lambda: super(PlainStage, self).backward_one_chunk(bwd_chunk_id, *args, **kwargs))
 
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: object, **kwargs: object) -> object:
+        return self._run(Action(self.stage_index, Kind.W, bwd_chunk_id),
+                         lambda: super(PlainStage, self).backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs))

@@ -37,11 +37,14 @@ class TiedGrads:
     """The tied parameters of this rank's stages and where their other copies live."""
 
     def __init__(self, groups: Sequence[TiedGroup], *, stage_ids: Sequence[int], modules: Sequence[nn.Module],
-                 world: int, group: dist.ProcessGroup | None = None) -> None:
+                 world: int, group: dist.ProcessGroup | None = None,
+                 stage_ranks: Sequence[int] | None = None) -> None:
         """groups: every tied parameter of the model (`HFModel.tied_groups`); stage_ids and
-        modules: this rank's stages and their modules; stage s runs on rank s % world of
-        `group` (the pipeline's process group, None = the default one)."""
+        modules: this rank's stages and their modules; stage s runs on rank
+        `stage_ranks[s]` (default s % world) of `group` (the pipeline's process group,
+        None = the default one)."""
         self.world = world
+        self.stage_ranks = stage_ranks
         self.group = group
         self.groups: list[_Group] = []
         for g in groups:
@@ -59,7 +62,7 @@ class TiedGrads:
         return {id(p) for g in self.groups for s, p in g.local.items() if s != g.stages[0]}
 
     def _peer(self, stage: int) -> int:
-        rank = stage % self.world
+        rank = self.stage_ranks[stage] if self.stage_ranks is not None else stage % self.world
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def sum_gradients(self) -> None:

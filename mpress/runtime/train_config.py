@@ -11,8 +11,7 @@ config, `data.path`, `checkpoint.dir`) are relative to the config file's directo
 config travels with its plan and data; `load_train_config` returns them absolute. A
 `model`/`hardware` value with no `.yaml`/`.yml`/`.json` suffix and no `/` is a preset name.
 
-Rules that need the world size (one stage per rank for GPipe/1F1B, a whole number of
-stages per rank for interleaved 1F1B) are checked at launch by `check_world_size`.
+Rules that need the world size (stages per rank) are checked at launch (`check_world_size`).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from mpress.models.hf_model import check_hf_model, load_hf_model
 from mpress.models.user import UserModel, check_user_module, load_user_model
 from mpress.config.overrides import apply_overrides
 from mpress.config.units import MAX_BYTES, parse_bytes
-from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, Strategy, as_word
+from mpress.config.vocabulary import RUNNABLE_SCHEDULES, V_SCHEDULES, ScheduleName, Strategy, as_word
 from mpress.runtime.data_config import TOKENIZER_TRAIN, DataConfig
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, NO_DECAY_CATEGORIES
 
@@ -163,9 +162,9 @@ class TrainConfig:
     [EMBED, BLOCKS, NORM, HEAD] module paths (e.g. [model.embed_tokens, "model.layers.*",
     model.norm, lm_head]), for a family mpress does not know."""
     schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
-    """Pipeline schedule: gpipe, 1f1b or interleaved (torch.distributed.pipelining's)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, interleaved-zb, looped-bfs, zbv or dualpipev."""
     num_stages: int | None = field(default=None, metadata={"min": 1, "max": MAX_STAGES})
-    """Pipeline stages; default = world size (one per rank); interleaved: a multiple of it."""
+    """Pipeline stages; default = world size (one per rank; zbv, dualpipev: twice it)."""
     dp: int = field(default=1, metadata={"min": 1, "max": MAX_REPLICAS})
     """Data-parallel replicas of the pipeline: the job's ranks are dp x pp, replica k on
     ranks [k * pp, (k + 1) * pp) (one node each under `mpress train --nnodes dp`), each
@@ -206,9 +205,8 @@ class TrainConfig:
     dropout: float | None = field(default=None, metadata={"min": 0, "max": 0.99})
     """Override the model preset's dropout probability; null = keep the preset's."""
     trace: str | None = None
-    """Write a Perfetto trace of the last step as executed (compute, memory actions, swap
-    copies and waits, each CPU device's live bytes) to this JSON path, in the layout of
-    `mpress emulate --trace`; null = none."""
+    """Write a Perfetto trace of the last step as executed (compute, memory actions, swap copies
+    and waits, each CPU device's live bytes) to this JSON path, as `mpress emulate --trace`; null: none."""
     report: str | None = None
     """Also write the end-of-run per-rank figures (predicted and measured peaks, swaps,
     recomputes) as JSON to this path; null = the tables only."""
@@ -451,31 +449,33 @@ def pipeline_ranks(cfg: TrainConfig, world_size: int) -> int:
     return world_size // cfg.dp
 
 
+LOOPED = (ScheduleName.INTERLEAVED, ScheduleName.INTERLEAVED_ZB, ScheduleName.LOOPED_BFS)  # stages round-robin
+
+
 def check_world_size(cfg: TrainConfig, world_size: int) -> int:
     """Check the config against the launch's world size (every replica's ranks: dp x pp);
     return the number of stages.
 
-    GPipe and 1F1B run one stage per rank (num_stages == world_size); interleaved 1F1B
-    runs num_stages / world_size stages per rank and needs a whole number of them, and
-    torch's interleaved schedule needs num_microbatches to split into whole rounds.
-    Raises `UserError` naming the key to change.
+    GPipe and 1F1B run one stage per rank; the `LOOPED` schedules (interleaved-zb with
+    one stage per rank is ZB-H1) a whole number per rank, the interleaved ones with
+    num_microbatches in whole rounds; zbv and dualpipev two per rank (the default), and
+    dualpipev num_microbatches >= num_stages. Raises `UserError` naming the key to change.
     """
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
     world_size = pipeline_ranks(cfg, world_size)
-    num_stages = cfg.num_stages if cfg.num_stages is not None else world_size
-    if cfg.schedule is not ScheduleName.INTERLEAVED and num_stages != world_size:
-        raise UserError(f"num_stages: {cfg.schedule} runs one stage per rank, so num_stages ({num_stages}) "
-                        f"must equal the world size ({world_size}); change num_stages or --nproc-per-node")
-    if cfg.schedule is ScheduleName.INTERLEAVED:
-        if num_stages % world_size:
-            raise UserError(f"num_stages: interleaved needs a multiple of the world size ({world_size}), "
-                            f"got {num_stages}")
-        # torch's ScheduleInterleaved1F1B splits microbatches into rounds of ~world_size.
-        rounds = max(1, cfg.num_microbatches // world_size)
-        if cfg.num_microbatches % rounds:
-            raise UserError(f"num_microbatches: interleaved needs a multiple of the world size ({world_size}), "
-                            f"got {cfg.num_microbatches}")
+    v, looped = cfg.schedule in V_SCHEDULES, cfg.schedule in LOOPED
+    num_stages = cfg.num_stages if cfg.num_stages is not None else world_size * (2 if v else 1)
+    if num_stages != world_size * (2 if v else 1) and not looped or looped and num_stages % world_size:
+        runs, need = ("two stages per rank", "be twice") if v else ("stages round-robin", "be a multiple of") \
+            if looped else ("one stage per rank", "equal")
+        raise UserError(f"num_stages: {cfg.schedule} runs {runs}, so num_stages ({num_stages}) must {need} the "
+                        f"world size ({world_size}); change num_stages or --nproc-per-node")
+    rounds = max(1, cfg.num_microbatches // world_size)  # torch's interleaved schedules' rounds
+    if cfg.schedule in (ScheduleName.INTERLEAVED, ScheduleName.INTERLEAVED_ZB) and cfg.num_microbatches % rounds \
+            or cfg.schedule is ScheduleName.DUALPIPEV and cfg.num_microbatches < num_stages:
+        need = f"at least num_stages ({num_stages})" if v else f"a multiple of the world size ({world_size})"
+        raise UserError(f"num_microbatches: {cfg.schedule} needs {need}, got {cfg.num_microbatches}")
     try:
         _check_microbatches(cfg, num_stages, "num_microbatches")
     except ConfigError as exc:

@@ -21,9 +21,14 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 
 from mpress.errors import PlanError, SwapError, UserError
+from mpress.contract.actions import stage_to_rank
 from mpress.contract.identity import layer_paths
 from mpress.contract.live_bytes import LiveBytes
 from mpress.config.model_config import ModelConfig
@@ -43,10 +48,15 @@ from mpress.runtime.program import RankProgram, Span
 from mpress.runtime.stage import MpressStage, PlainStage, meta_examples, wrap_stage
 from mpress.runtime.swap.store import PeerStores
 from mpress.runtime.tied_grads import TiedGrads
-from mpress.config.vocabulary import RUNNABLE_SCHEDULES, ScheduleName, as_word
+from mpress.config.vocabulary import RUNNABLE_SCHEDULES, V_SCHEDULES, ScheduleName, as_word
 
 SCHEDULES = {ScheduleName.GPIPE: ScheduleGPipe, ScheduleName.ONE_F_ONE_B: Schedule1F1B}
-"""torch's schedules for one stage per rank (interleaved 1F1B takes several)."""
+"""torch's schedules for one stage per rank."""
+MULTI_STAGE_SCHEDULES = {ScheduleName.INTERLEAVED: ScheduleInterleaved1F1B,
+                         ScheduleName.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
+                         ScheduleName.LOOPED_BFS: ScheduleLoopedBFS,
+                         ScheduleName.ZBV: ScheduleZBVZeroBubble, ScheduleName.DUALPIPEV: ScheduleDualPipeV}
+"""torch's schedules that take a rank's list of stages (looped round-robin, or two in a V)."""
 
 
 @dataclass(kw_only=True)
@@ -57,7 +67,7 @@ class JobSpec:
     """A reference model (GPT/BERT preset) or a user's own module (`mpress.models.user`)."""
     schedule: ScheduleName
     ranges: list[tuple[int, int]]
-    """Layer range [start, end) of each stage (stage s runs on rank s % world size)."""
+    """Layer range [start, end) of each stage (on the rank `stage_to_rank` says)."""
     microbatch_size: int
     num_microbatches: int
     seed: int = 0
@@ -116,8 +126,10 @@ class StepResult:
 class PipelineJob:
     """This rank's stage(s), schedule and optimizer.
 
-    GPipe and 1F1B: stage s on rank s. Interleaved 1F1B: stage s on rank s % world, so a
-    rank holds num_stages / world stages (torch's `ScheduleInterleaved1F1B`).
+    GPipe and 1F1B: stage s on rank s. Interleaved 1F1B and zero bubble: stage s on rank
+    s % world, so a rank holds num_stages / world stages (torch's `ScheduleInterleaved1F1B`,
+    `ScheduleInterleavedZeroBubble`; ZB-H1 with one stage per rank). ZB-V: 2 * world
+    stages in a V, rank r runs r and 2 * world - 1 - r (`ScheduleZBVZeroBubble`).
     """
 
     def __init__(self, spec: JobSpec, plan: Plan | None, device: torch.device, *,
@@ -134,14 +146,17 @@ class PipelineJob:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.num_stages = len(spec.ranges)
-        interleaved = spec.schedule is ScheduleName.INTERLEAVED
-        if (self.num_stages % self.world) if interleaved else (self.num_stages != self.world):
-            raise UserError(f"{self.num_stages} stages cannot run on {self.world} ranks with {spec.schedule} "
-                            f"({'a multiple of the ranks' if interleaved else 'one stage per rank'})")
+        looped = spec.schedule in MULTI_STAGE_SCHEDULES and spec.schedule not in V_SCHEDULES
+        wrong, need = (self.num_stages != 2 * self.world, "two stages per rank") if spec.schedule in V_SCHEDULES \
+            else (self.num_stages % self.world != 0, "a multiple of the ranks") if looped \
+            else (self.num_stages != self.world, "one stage per rank")
+        if wrong:
+            raise UserError(f"{self.num_stages} stages cannot run on {self.world} ranks with {spec.schedule} ({need})")
         if plan is not None:
             check_plan(plan, shape=Shape(spec.schedule, self.num_stages, spec.num_microbatches, spec.microbatch_size),
                        ranges=spec.ranges, world_size=self.world, runtime=True)
-        self.stage_ids = list(range(self.rank, self.num_stages, self.world))
+        self.stage_ranks = stage_to_rank(spec.schedule, self.num_stages, self.world)
+        self.stage_ids = [s for s, r in enumerate(self.stage_ranks) if r == self.rank]
         if plan is not None and plan.uses_peer_pools and peers is None:
             raise PlanError("the plan reserves peer pools or D2D-swaps, but no peer pools were set up "
                             "(mpress.launcher.job.start_job sets them up on every rank)")
@@ -175,13 +190,14 @@ class PipelineJob:
         if dp_group is not None:  # before the schedule runs them; the modules keep their names
             replicate_stages(self.stages, dp_group, device)
         self.tied = TiedGrads(getattr(spec.model, "tied_groups", []), stage_ids=self.stage_ids,
-                              modules=self.modules, world=self.world, group=group)
+                              modules=self.modules, world=self.world, group=group,
+                              stage_ranks=self.stage_ranks)
         """Copies of a weight several stages use (tied embeddings): gradients summed each step."""
         last = self.stages[-1]
         self.loss = loss = spec.model.loss if isinstance(spec.model, UserModel) else lm_loss
         loss_fn = last.route_loss(loss) if isinstance(last, MpressStage) else loss
-        if interleaved:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, spec.num_microbatches, loss_fn=loss_fn)
+        if spec.schedule in MULTI_STAGE_SCHEDULES:
+            self.schedule = MULTI_STAGE_SCHEDULES[spec.schedule](self.stages, spec.num_microbatches, loss_fn=loss_fn)
         else:
             self.schedule = SCHEDULES[spec.schedule](self.stages[0], spec.num_microbatches, loss_fn=loss_fn)
         # Adam steps the fp32 parameters themselves, fp32 masters of half-precision ones, or
@@ -325,7 +341,7 @@ class PipelineJob:
     @property
     def last_rank(self) -> int:
         """The rank holding the last stage (it computes the loss)."""
-        return (self.num_stages - 1) % self.world
+        return self.stage_ranks[-1]
 
     def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], targets: torch.Tensor, *,
              step: int | None = None) -> StepResult:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from mpress.contract.actions import Action, Kind
+from mpress.config.vocabulary import ScheduleName
+from mpress.contract.actions import Action, Kind, stage_to_rank
 
 
 def v_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
     """Rank of each of the 2R stages of a V schedule: down the ranks, then back up."""
-    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+    return stage_to_rank(ScheduleName.ZBV, 2 * num_ranks, num_ranks)
 
 
 class _Counted:

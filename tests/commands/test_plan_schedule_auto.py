@@ -62,7 +62,7 @@ def test_auto_refuses_a_stage_count(capsys):
 
 def test_v_schedule_flags_lay_out_two_stages_per_rank(tmp_path, capsys):
     path = tmp_path / "zbv.yaml"
-    code = main(["plan", "--model", "gpt-tiny", "--hardware", "cpu-local", "--devices", "2", "--device-memory", "3MB",
+    code = main(["plan", "--model", "gpt-tiny", "--hardware", "cpu-local", "--devices", "2", "--device-memory", "3.4MB",
                  "--schedule", "zbv", "--microbatch-size", "2", "--microbatches", "4", "--out", str(path)])
     _out, err = capsys.readouterr()
     assert code == 0, err

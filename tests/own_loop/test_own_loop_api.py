@@ -253,20 +253,25 @@ def test_the_readme_diff_is_the_examples_mpress_lines_in_full():
 
 
 @pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 12),
-                    reason="torch 2.11's interleaved schedule sends stage 0's shapes to stage 1 at start-up even "
+                    reason="torch 2.11's schedules send stage 0's shapes to stage 1 at start-up even "
                            "when both are this rank's (a world of one here), and gloo has no pair to itself; "
                            "on several ranks a rank's stages are never neighbours")
-def test_a_rank_of_two_stages_walks_one_program(group, plans, tmp_path):
-    """Interleaved 1F1B with both stages on one rank: `rank_program` shared by the two
-    `apply_mpress` calls, one wrapped optimizer over both stages (optimizer offload on
-    one, the host step on the other) -- the same parameters as the plain loop."""
+@pytest.mark.parametrize("name", ["interleaved", "zbv"])
+def test_a_rank_of_two_stages_walks_one_program(group, plans, tmp_path, name):
+    """Interleaved 1F1B, and ZB-V (its backwards split into I and W), with both stages on
+    one rank: `rank_program` shared by the two `apply_mpress` calls, one wrapped
+    optimizer over both stages (optimizer offload on one, the host step on the other) --
+    the same parameters as the plain loop."""
     import copy
 
-    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
 
-    plan = own_loop_plan(tmp_path / "interleaved.yaml", 1,
+    plan = own_loop_plan(tmp_path / f"{name}.yaml", 1,
                         {0: [rule("optim:*", "host"), rule("blocks.0.**", "host")], 1: [rule("blocks.4.**", "recompute")]},
-                        host_step=(1,), num_stages=2)
+                        host_step=(1,), num_stages=2, schedule=name)
     torch.manual_seed(0)
     model = Net()
     layers = model.layer_names()
@@ -281,7 +286,8 @@ def test_a_rank_of_two_stages_walks_one_program(group, plans, tmp_path):
     assert "\n" not in str(e.value)
     optimizer = mpress.wrap_optimizer(torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=0.01),
                                       stages)
-    schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=stages[-1].route_loss(lambda out, _t: loss(out)))
+    torch_schedule = ScheduleZBVZeroBubble if name == "zbv" else ScheduleInterleaved1F1B
+    schedule = torch_schedule(stages, 4, loss_fn=stages[-1].route_loss(lambda out, _t: loss(out)))
     reference = Loop(None)  # the plain loop, with the optimizer used here: one group, a constant rate
     reference.optimizer = torch.optim.AdamW(reference.module.parameters(), lr=0.01)
     reference.scheduler = LambdaLR(reference.optimizer, lambda _s: 1.0)

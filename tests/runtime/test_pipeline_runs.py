@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from mpress.errors import PlanError
 from mpress.config.model_config import load_model_config
+from mpress.config.vocabulary import SPLIT_BACKWARD_SCHEDULES
+from mpress.contract.actions import stage_to_rank
 from mpress.contract.plan import Plan, Stripe, TensorRule
 from mpress.launcher.job import start_job
 from mpress.runtime.trainer import JobSpec, PipelineJob
@@ -136,9 +138,10 @@ def random_plan(draw, schedule: str, world: int = 2, num_microbatches: int = 4) 
     device) or not."""
     rules: dict[int, list[TensorRule]] = {}
     pools: dict[int, int] = {}
-    for stage, layers in LAYERS[num_stages_of(schedule, world)].items():
+    n = num_stages_of(schedule, world)
+    for stage, layers in LAYERS[n].items():
         stage_rules = []
-        other = (stage + 1) % world  # the next rank's device
+        other = (stage_to_rank(schedule, n, world)[stage] + 1) % world  # the next rank's device
         stripes = [Stripe(device=other, fraction=1.0)]
         optim = draw(st.sampled_from(["none", "all", "one"]))
         if optim != "none":
@@ -148,7 +151,10 @@ def random_plan(draw, schedule: str, world: int = 2, num_microbatches: int = 4) 
                                           stripes=stripes if where == "d2d" else []))
         for layer in draw(st.lists(st.sampled_from(layers), unique=True, max_size=3)):
             mbs = draw(st.lists(st.integers(0, num_microbatches - 1), unique=True, min_size=1, max_size=4))
-            technique = draw(st.sampled_from(["host", "recompute", "keep", "d2d", "op-level"]))
+            techniques = ["host", "recompute", "keep", "d2d"]
+            if stage == 0 or schedule not in SPLIT_BACKWARD_SCHEDULES:  # (see router: a split backward replays)
+                techniques.append("op-level")
+            technique = draw(st.sampled_from(techniques))
             selector = ",".join(map(str, sorted(mbs)))
             if technique == "op-level":  # part of the layer recomputed: one of its profile's choices
                 stage_rules += op_level_recompute(layer, draw(st.integers(0, 3)), selector)

@@ -241,6 +241,28 @@ def test_check_world_size():
         check_world_size(cfg, 0)
 
 
+def test_the_split_backward_and_v_schedules_take_their_stage_counts():
+    """ZB-H1 is interleaved-zb with one stage per rank; zbv and dualpipev run two per rank
+    in a V (the default); each count that cannot run is one line naming the key."""
+    assert check_world_size(TrainConfig(model="gpt-tiny", schedule="interleaved-zb", num_microbatches=4), 2) == 2
+    assert check_world_size(TrainConfig(model="gpt-tiny", schedule="zbv", num_microbatches=4), 2) == 4
+    assert check_world_size(TrainConfig(model="gpt-tiny", schedule="looped-bfs", num_stages=4,
+                                        num_microbatches=4), 2) == 4
+    for schedule, stages, message in [
+            ("zbv", 6, (r"^num_stages: zbv runs two stages per rank, so num_stages \(6\) must be twice the world "
+                        r"size \(2\); change num_stages or --nproc-per-node$")),
+            ("looped-bfs", 3, (r"^num_stages: looped-bfs runs stages round-robin, so num_stages \(3\) must be a "
+                               r"multiple of the world size \(2\)"))]:
+        with pytest.raises(UserError, match=message):
+            check_world_size(TrainConfig(model="gpt-tiny", schedule=schedule, num_stages=stages,
+                                         num_microbatches=4), 2)
+    with pytest.raises(UserError, match=r"^num_microbatches: dualpipev needs at least num_stages \(4\), got 2$"):
+        check_world_size(TrainConfig(model="gpt-tiny", schedule="dualpipev", num_microbatches=2), 2)
+    with pytest.raises(UserError, match=r"^num_microbatches: interleaved-zb needs a multiple of the world size"):
+        check_world_size(TrainConfig(model="gpt-tiny", schedule="interleaved-zb", num_stages=4,
+                                     num_microbatches=5), 2)
+
+
 def test_resolve_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_backend(TrainConfig(model="gpt-tiny")) == "gloo"

@@ -11,6 +11,7 @@ from pathlib import Path
 from mpress.config.presets import HARDWARE_DIR, resolve_config
 from mpress.hardware.server import load_hardware
 from mpress.config.model_config import ModelConfig, load_model_config
+from mpress.contract.actions import stage_to_rank
 from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
 from mpress.static.profile.analytic import analytic_profile
 from mpress.static.plan.evaluate import setup_pipeline
@@ -73,15 +74,15 @@ def pipeline_plan(schedule: str, world: int, num_microbatches: int, rules: dict[
     cfg = model or load_model_config(MODEL)
     n = num_stages_of(schedule, world)
     ranges = ranges or RANGES[n]
-    stages = [StagePlan(stage=s, device=s % world, first_layer=a, end_layer=b, rules=rules.get(s, []),
+    devices = list(stage_to_rank(schedule, n, world))
+    stages = [StagePlan(stage=s, device=devices[s], first_layer=a, end_layer=b, rules=rules.get(s, []),
                         pinned_host_bytes=POOL_BYTES, optimizer_step="host" if s in host_step else "device",
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
               for s, (a, b) in enumerate(ranges)]
     plan = Plan(strategy="test", model=cfg.name, model_fingerprint=cfg.fingerprint(), dtype=cfg.precision, profile_fingerprint="test",
                 hardware=hardware, hardware_fingerprint="test", num_devices=world, device_memory_bytes=1 << 30,
                 schedule=schedule, num_stages=n, num_ranks=world, num_microbatches=num_microbatches,
-                microbatch_size=MICROBATCH_SIZE, stage_to_device=[s % world for s in range(n)], stages=stages,
-                fits=True)
+                microbatch_size=MICROBATCH_SIZE, stage_to_device=devices, stages=stages, fits=True)
     return with_program(plan, cfg)
 
 
@@ -104,7 +105,7 @@ def with_program(plan: Plan, model: ModelConfig) -> Plan:
     ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages]
     setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
-                           num_ranks=plan.num_ranks if plan.num_ranks != plan.num_stages else None, ranges=ranges)
+                           num_ranks=plan.num_ranks, ranges=ranges)
     plan = dataclasses.replace(plan, hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
     return plan_from_rules(setup, plan)
 
@@ -162,23 +163,25 @@ OWN_LOOP_LAYERS = 8
 
 
 def own_loop_plan(out: Path, world: int, rules: dict[int, list[TensorRule]], *, host_step: tuple[int, ...] = (),
-                  peer_pools: dict[int, int] | None = None, num_stages: int | None = None) -> Plan:
+                  peer_pools: dict[int, int] | None = None, num_stages: int | None = None,
+                  schedule: str | None = None) -> Plan:
     """A complete plan for the own-loop example (`examples/own_loop`), made as `mpress
     train` makes a plan file written by hand (the program, pinned pools and peaks from
     the static half, `mpress.launcher.startup.plan_for`), on `world` CPU ranks (1F1B,
     4 microbatches of 2): stage s holds an even share of the layers, with `rules[s]`, its optimizer stepped on
     the host when s is in `host_step`, a peer pool of `peer_pools[s]` bytes lent by its
     device. `num_stages` (a multiple of `world`): interleaved 1F1B, stage s on rank
-    s % world. Written to `out` and returned."""
+    s % world, or `schedule` (e.g. zbv: stages in a V). Written to `out` and returned."""
     # what mpress train does with a plan written by hand
     from mpress.launcher.startup import plan_for
     from mpress.runtime.train_config import load_train_config, model_config
 
     n = num_stages or world
-    schedule = "interleaved" if n != world else "1f1b"
+    schedule = schedule or ("interleaved" if n != world else "1f1b")
+    devices = list(stage_to_rank(schedule, n, world))
     model = model_config(load_train_config(OWN_LOOP / "train.yaml", [("module", OWN_LOOP_SPEC), ("plan", "none")]))
     per = -(-OWN_LOOP_LAYERS // n)
-    stages = [StagePlan(stage=s, device=s % world, first_layer=s * per, end_layer=min(OWN_LOOP_LAYERS, (s + 1) * per),
+    stages = [StagePlan(stage=s, device=devices[s], first_layer=s * per, end_layer=min(OWN_LOOP_LAYERS, (s + 1) * per),
                         rules=rules.get(s, []), optimizer_step="host" if s in host_step else "device",
                         peer_pool_bytes=(peer_pools or {}).get(s, 0))
               for s in range(n)]
@@ -186,7 +189,7 @@ def own_loop_plan(out: Path, world: int, rules: dict[int, list[TensorRule]], *, 
     hand = Plan(strategy="hand", model=OWN_LOOP_SPEC, model_fingerprint=model.fingerprint(), dtype="fp32",
                 profile_fingerprint="hand", hardware="cpu-local", num_devices=world, device_memory_bytes=1 << 30,
                 hardware_fingerprint=hardware_fingerprint(hardware), schedule=schedule, num_stages=n,
-                num_ranks=world, num_microbatches=4, microbatch_size=2, stage_to_device=[s % world for s in range(n)],
+                num_ranks=world, num_microbatches=4, microbatch_size=2, stage_to_device=devices,
                 stages=stages, fits=True)
     hand_path = out.with_suffix(".hand.yaml")
     hand.save(hand_path)

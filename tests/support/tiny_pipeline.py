@@ -17,7 +17,9 @@ POOL_BYTES = 64 << 20
 
 
 def num_stages_of(schedule: str, world: int) -> int:
-    return 2 * world if schedule == "interleaved" else world
+    """Stages of the tiny pipeline on `world` ranks: two per rank under interleaved 1F1B
+    looped BFS and the V schedules, one otherwise (interleaved zero bubble is then ZB-H1)."""
+    return 2 * world if schedule in ("interleaved", "looped-bfs", "zbv", "dualpipev") else world
 
 
 def batch(step: int, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -246,10 +246,13 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             rc = {unit_layer(x): x for x in inside if x.kind is Kind.RC}
             recomputed = [_choice(rc[j], tensors) if j in rc else None for j in range(len(c.layers))]
             output_held = (a.stage, a.microbatch) in held
-            if a.kind is Kind.I:  # the parameters' gradients and what W reads wait for the W
+            whole = a.kind is Kind.B or a.stage == 0  # the first stage's I runs its whole backward
+            if not whole:  # the parameters' gradients and what W reads wait for the W
                 steps, weight_steps[(a.stage, a.microbatch)] = split_backward_steps(
                     c.layers, recomputed, first_weight=False, output_held=output_held)
             else:
+                if a.kind is Kind.I:
+                    weight_steps[(a.stage, a.microbatch)] = []
                 first = a.stage not in backward_seen
                 steps = backward_steps(c.layers, recomputed, first_backward=first, output_held=output_held)
                 backward_seen.add(a.stage)
@@ -263,14 +266,14 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 consumes = issued_in.get((a.stage, a.microbatch, j), [])
                 if k == 0:  # stashed weights (no layer) come back before the backward
                     consumes = consumes + issued_in.get((a.stage, a.microbatch, None), [])
-                time_s = c.layers[j].input_grad_time_s if a.kind is Kind.I else c.layers[j].backward_time_s
+                time_s = c.layers[j].backward_time_s if whole else c.layers[j].input_grad_time_s
                 # gradients drained to the host after every backward are made anew in each
                 remade = c.layers[j].grad_bytes if j in drained and a.kind is Kind.B and not first else 0
                 group.append(Task(a, layer=j, compute_s=time_s, alloc_bytes=step.alloc_bytes + remade,
                                   transient_bytes=step.transient_bytes, free_bytes=step.free_bytes + stash,
                                   consumes=tuple(consumes)))
                 group.extend(_layer_data_after(data, unit_layer, j, j - 1, tensors, device, hardware, issued_in))
-            let_go = 0 if a.kind is Kind.I else releases.get((a.stage, a.microbatch), 0)  # sends held it till now
+            let_go = releases.get((a.stage, a.microbatch), 0) if whole else 0  # sends held it till now
             if let_go:  # at the end of the backward's last layer (the copies after it are not the backward)
                 end = max(n for n, t in enumerate(group) if t.action is a)
                 group[end] = Task(**{**group[end].__dict__, "free_bytes": group[end].free_bytes + let_go})
@@ -282,10 +285,16 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 raise ScheduleError(f"action {a}: no input-gradient half ({a.stage}I{a.microbatch}) before it")
             first = a.stage not in backward_seen
             backward_seen.add(a.stage)
-            group = [Task(a, layer=len(split) - 1 - k, compute_s=c.layers[len(split) - 1 - k].weight_grad_time_s,
-                          alloc_bytes=c.layers[len(split) - 1 - k].grad_bytes if first else 0,
-                          free_bytes=step.free_bytes) for k, step in enumerate(split)]
-            let_go = releases.get((a.stage, a.microbatch), 0)
+            group = []
+            for k, step in enumerate(split):
+                j = len(split) - 1 - k
+                alloc = c.layers[j].grad_bytes if first else 0  # (`split` was made with first_weight=False)
+                group.append(Task(a, layer=j, compute_s=c.layers[j].weight_grad_time_s, alloc_bytes=alloc,
+                                  transient_bytes=max(step.alloc_bytes + step.transient_bytes - alloc, 0),
+                                  free_bytes=step.free_bytes))
+            let_go = releases.get((a.stage, a.microbatch), 0) if group else 0  # (a whole I let it go)
+            if not group:  # the first stage's: its I ran the whole backward
+                group = [Task(a, compute_s=0.0)]
             if let_go:
                 group[-1] = Task(**{**group[-1].__dict__, "free_bytes": group[-1].free_bytes + let_go})
             out.append(start(group[0]))

@@ -24,9 +24,10 @@ recomputed layer uses its `recompute_memory`, one recomputed in part the memory 
   lowering gives it back when torch's schedule lets that send go
   (`schedules.held_input_grads`);
 - a split backward (I, then W, `split_backward_steps`): I of j is j's backward without
-  the parameters' gradients and keeps what j's weight gradient reads (its linears'
-  saved inputs, `SavedTensor.weight_grad`), W of j takes the parameters' gradients (in
-  the step's first W of the stage) and gives that back.
+  the parameters' gradients and keeps what torch's I leaves for W (the layer's measured
+  `split_held_bytes`: the retained graph's saves and the output gradients W starts
+  from; else what j's weight gradient reads, `SavedTensor.weight_grad`), W of j takes
+  the parameters' gradients (in the step's first W of the stage) and gives that back.
 
 Units: bytes.
 """
@@ -169,18 +170,36 @@ def split_backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Ch
     """(I steps, W steps) of a split backward of one microbatch, last layer first (as
     `backward_steps`, which says what the whole backward takes and gives back; the two
     halves together take and give back the same). first_weight: the step's first W of
-    this stage (it makes the parameters' gradients). What W keeps is at most what the
-    layer's backward gives back."""
+    this stage (it makes the parameters' gradients).
+
+    What I leaves for W is the layer's measured `split_held_bytes` (torch's I retains
+    the graph's saves and holds the output gradients of the operators with weights), or,
+    where not measured, what its weight gradient reads; and a stage that does not end
+    the model keeps its output with the I's state until W. I and W peak at the layer's
+    measured `input_peak_bytes` and `weight_peak_bytes` (where not measured, I where the
+    whole backward does)."""
     whole = backward_steps(layers, recomputed, first_backward=False, output_held=output_held)
+    n = len(layers)
+    last = layer_memory(layers[n - 1], recomputed[n - 1])
     inputs: list[StepMemory] = []
     weights: list[StepMemory] = []
     for k, step in enumerate(whole):
-        j = len(whole) - 1 - k
-        kept = min(step.free_bytes, weight_grad_bytes(layers[j]))
-        inputs.append(StepMemory(alloc_bytes=step.alloc_bytes, transient_bytes=step.transient_bytes,
-                                 free_bytes=step.free_bytes - kept))
-        weights.append(StepMemory(alloc_bytes=layers[j].grad_bytes if first_weight else 0, transient_bytes=0,
-                                  free_bytes=kept))
+        j = n - 1 - k
+        mem = layer_memory(layers[j], recomputed[j])
+        held = mem.split_held_bytes if mem.split_held_bytes >= 0 else min(step.free_bytes, weight_grad_bytes(layers[j]))
+        if mem.split_held_bytes >= 0 and j > 0 and mem.saves_input and \
+                not layer_memory(layers[j - 1], recomputed[j - 1]).saves_output:
+            held += layer_memory(layers[j - 1], recomputed[j - 1]).output_bytes  # its saved input (not probed)
+        if j == 0 and not output_held and not last.loss_bytes:
+            held += last.output_bytes
+        extra = max(held - step.free_bytes, 0)  # held beyond what the whole step gives back: taken here
+        peak = mem.input_peak_bytes if mem.input_peak_bytes >= 0 else step.alloc_bytes + step.transient_bytes
+        inputs.append(StepMemory(alloc_bytes=step.alloc_bytes + extra,
+                                 transient_bytes=max(peak - step.alloc_bytes - extra, 0),
+                                 free_bytes=max(step.free_bytes - held, 0)))
+        alloc = layers[j].grad_bytes if first_weight else 0
+        weights.append(StepMemory(alloc_bytes=alloc, transient_bytes=max(mem.weight_peak_bytes - alloc, 0),
+                                  free_bytes=held))
     return inputs, weights
 
 

@@ -18,6 +18,8 @@ milliseconds). It records (`mpress.static.profile.profile.LayerMemory`):
   start includes what the forward kept and the incoming gradient);
 - input_grad_bytes: the gradient of the input the backward hands to the layer before;
 - loss_bytes: with a loss, the loss's bytes (its seed gradient is as large);
+- split_held_bytes / input_peak_bytes / weight_peak_bytes: the same forward, then its backward split as
+  torch's zero-bubble schedules split it (`split_backward`);
 - and, beside it, the parameters' gradients the first backward of a step creates.
 
 `mpress/static/memory/stage_memory.py` composes these into a stage's memory curve. Units: bytes.
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from mpress.contract.identity import side_effect_free
 from mpress.contract.live_bytes import LiveBytes, tensors_in
@@ -48,13 +51,14 @@ def _nbytes(values: Any) -> int:
     return sum(seen.values())
 
 
-def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
-                loss_fn: LossFn | None = None) -> tuple[LayerMemory, int]:
+def probe_layer(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | None = None,
+                split: bool = True) -> tuple[LayerMemory, int]:
     """Probe `layer` on `args` (one microbatch, on the layer's device; floating inputs that
     should carry gradients must require them). With `loss_fn(output) -> scalar`, the loss
     is part of the layer (the last layer of a model). The layer's parameters must not have
     gradients; none are left behind. Random streams and buffers are left as they were.
-    Returns the layer's memory and the bytes of the parameter gradients its backward made."""
+    Returns the layer's memory and the bytes of the parameter gradients its backward made.
+    split: measure a split backward too (`split_backward`)."""
     tracker = LiveBytes(rank=0)
     for t in tensors_in(args):
         tracker.adopt(t, "input")
@@ -101,9 +105,59 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *,
     with torch.no_grad():
         for b, value in buffers:
             b.copy_(value)
+    held, input_peak, weight_peak = split_backward(layer, args, loss_fn=loss_fn) if split else (-1, -1, -1)
     return LayerMemory(kept_bytes=kept, forward_peak_bytes=forward_peak, saves_input=bool(saved & inputs),
                        saves_output=bool(saved & outputs), backward_peak_bytes=backward_peak,
-                       input_grad_bytes=input_grads, output_bytes=output_bytes, loss_bytes=loss_bytes), param_grads
+                       input_grad_bytes=input_grads, output_bytes=output_bytes, loss_bytes=loss_bytes,
+                       split_held_bytes=held, input_peak_bytes=input_peak, weight_peak_bytes=weight_peak), param_grads
+
+
+def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
+                   loss_fn: LossFn | None = None) -> tuple[int, int, int]:
+    """(split_held_bytes, input_peak_bytes, weight_peak_bytes) of `layer` on `args` (see `LayerMemory`):
+    its forward, then torch's own halves of the backward, I (`stage_backward_input`)
+    and W (`stage_backward_weight`), as the zero-bubble schedules run them; -1 each
+    when no input takes a gradient (torch then runs the whole backward in W) or an
+    output is a view (alone, the layer's output would be the stage's). Leaves
+    the layer as `probe_layer` does."""
+    inputs = [t for t in tensors_in(args) if t.requires_grad]
+    if not inputs:
+        return -1, -1, -1
+    tracker = LiveBytes(rank=0)
+    for t in tensors_in(args):
+        tracker.adopt(t, "input")
+    for p in layer.parameters():
+        tracker.adopt(p, "parameter")
+    for b in layer.buffers():
+        tracker.adopt(b, "buffer")
+    devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
+    buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+    found = (-1, -1, -1)
+    with torch.random.fork_rng(devices=devices), tracker.watch():
+        output = layer(*args)
+        root = loss_fn(output) if loss_fn is not None else output
+        roots = [t for t in tensors_in(root) if t.requires_grad]
+        if not any(t._is_view() for t in roots):  # torch's I detaches them in place, which a view refuses
+            grads = [torch.ones_like(t) for t in roots] if loss_fn is None else None
+            start = tracker.live_bytes
+            tracker.reset_peak()
+            _dinputs, groups = stage_backward_input(roots, grads, inputs, layer.parameters())
+            input_peak = tracker.peak_bytes - start
+            del output, root, roots, grads, _dinputs
+            after_input = tracker.live_bytes
+            tracker.reset_peak()
+            stage_backward_weight(layer.parameters(), groups)
+            del groups
+            weight_peak = tracker.peak_bytes - after_input
+            param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
+            found = (max(after_input - (tracker.live_bytes - param_grads), 0), input_peak, weight_peak)
+    for t in tensors_in(args):
+        t.grad = None
+    layer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for b, value in buffers:
+            b.copy_(value)
+    return found
 
 
 class _Checkpointed(nn.Module):
@@ -155,7 +209,8 @@ def probe(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | None = N
     options = []
     for tensors in recompute_menu(ops):
         cached = cached_ops(ops, tensors)
-        memory, _ = probe_layer(_Checkpointed(layer, ops, cached), args, loss_fn=loss_fn)
+        # (a split backward replays a layer twice, which a selective checkpoint refuses)
+        memory, _ = probe_layer(_Checkpointed(layer, ops, cached), args, loss_fn=loss_fn, split=False)
         if memory.kept_bytes < plain.kept_bytes:  # else what it caches outweighs what it frees
             # the checkpoint keeps its input; a cached output lives until the backward
             options.append((tensors, replace(memory, saves_input=True,

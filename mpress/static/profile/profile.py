@@ -98,6 +98,18 @@ class LayerMemory:
     loss_bytes: int = field(default=0, metadata={"min": 0})
     """The last layer of a model: its loss (part of `kept_bytes`); the loss's seed gradient
     is as large. 0 for every other layer."""
+    split_held_bytes: int = field(default=-1, metadata={"min": -1})
+    """A split backward (torch's `stage_backward_input`, then `stage_backward_weight`):
+    what its input-gradient half I leaves live until its weight-gradient half W beyond
+    what the whole backward leaves (torch's I retains the graph and its saves, and holds
+    the output gradients of the operators with weights, which W starts from). -1: not
+    measured (a layer whose input takes no gradient, an op-level choice)."""
+    input_peak_bytes: int = field(default=-1, metadata={"min": -1})
+    """Highest live bytes above the start of that I (as `backward_peak_bytes` is counted:
+    I frees nothing as it goes, the graph stays for W). -1: not measured."""
+    weight_peak_bytes: int = field(default=-1, metadata={"min": -1})
+    """Highest live bytes above the start of that W (a fresh layer's: its parameters'
+    gradients are part of it). -1: not measured."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -128,9 +128,16 @@ def test_a_real_size_layer_under_fake_tensors_equals_the_analytic_one(name, chan
     assert (fake.forward_flops, fake.backward_flops) == (analytic.forward_flops, analytic.backward_flops)
     extra = sum(t.bytes for t in rng)
     memory = dataclasses.replace(analytic.memory, kept_bytes=analytic.memory.kept_bytes + extra,
-                                 forward_peak_bytes=analytic.memory.forward_peak_bytes + extra)
+                                 forward_peak_bytes=analytic.memory.forward_peak_bytes + extra,
+                                 split_held_bytes=analytic.memory.split_held_bytes + extra)
+    # a split backward's W replays the checkpoint once per weight (torch's
+    # `stage_backward_weight` runs one gradient call per parameter group), each replay's
+    # saves kept until W ends
+    weights = len(list(build_stage(cfg, 1, 2, seed=0, device="meta").parameters()))
     recompute = dataclasses.replace(analytic.recompute_memory,
-                                    backward_peak_bytes=analytic.recompute_memory.backward_peak_bytes + extra)
+                                    backward_peak_bytes=analytic.recompute_memory.backward_peak_bytes + extra,
+                                    input_peak_bytes=analytic.recompute_memory.input_peak_bytes + extra,
+                                    weight_peak_bytes=analytic.recompute_memory.weight_peak_bytes + weights * extra)
     assert (fake.memory, fake.recompute_memory) == (memory, recompute)
     assert fake.param_bytes == analytic.param_bytes
 

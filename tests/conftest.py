@@ -9,6 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# Parallel test workers (pytest -n) are given COLUMNS=80, which every `mpress` command a
+# test launches would inherit and lay its tables out for; the tests read the commands'
+# output as a user piping it sees it (mpress.ui: the pipe width unless COLUMNS is set).
+os.environ.pop("COLUMNS", None)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -80,7 +80,7 @@ def equal_size(rows: dict[str, MaxSize], ours: str, theirs: str, hw: Hardware, f
     s = shape(family)
     setup = setup_pipeline(cfg, hw, schedule=s["schedule"], num_stages=s["num_stages"],
                            microbatch_size=s["microbatch_size"], num_microbatches=s["num_microbatches"])
-    mine = plan_strategy(setup, Strategy.MPRESS.value, PlannerOptions(drive=ours == MPRESS_NVME))
+    mine = plan_strategy(setup, Strategy.MPRESS.value, PlannerOptions(drive=ours == MPRESS_NVME, layer_data=True))
     zero = plan_zero(setup, theirs)
     return {"model": cfg.name, "num_parameters": row.num_parameters,
             "mpress_s": mine.evaluation.result.iteration_s if mine.fits else None,

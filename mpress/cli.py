@@ -55,7 +55,8 @@ per tensor (recompute, host swap, D2D swap over NVLink) as a plan says.
 
 `mpress COMMAND --help` shows a command's flags and examples. Flags are named as the
 train config's keys (--num-stages, --num-microbatches, --microbatch-size,
---device-memory, ...); sizes in GB (1e9 bytes), times in seconds."""
+--device-memory, ...); sizes take a unit (2GB = 2e9 bytes, 512MiB; a bare number is
+bytes), times are in seconds."""
 
 
 def _epilog() -> str:

@@ -1,6 +1,6 @@
 """An HF model in bf16 through the documented commands (issue 28): `mpress profile
 --hf-config llama-tiny --dtype bf16` -> `mpress plan` -> `mpress train --dtype bf16` on 2
-CPU ranks under a mixed plan (the optimizer on the host, recompute) is `torch.equal` to
+CPU ranks under a mixed plan (two techniques or more) is `torch.equal` to
 plain pipelining of the same bf16 model, with bf16 parameters and fp32 master weights;
 the plan records bf16, and a job training the model in fp32 under it is refused in one
 line before any rank starts."""
@@ -53,7 +53,7 @@ def test_a_bf16_plan_trains_as_plain_bf16_pipelining(planned):
     plan = yaml.safe_load((planned / "plan.yaml").read_text())
     assert plan["dtype"] == "bf16"
     techniques = {r["technique"] for st in plan["stages"] for r in st.get("rules", [])}
-    assert {"host", "recompute"} <= techniques, techniques  # a mixed plan
+    assert len(techniques - {"keep"}) >= 2, techniques  # a mixed plan
 
     mixed = mpress([*TRAIN, "--dtype", "bf16", "--checkpoint.dir", "ck-mixed"], planned)
     plain = mpress([*TRAIN, "--dtype", "bf16", "--plan", "none", "--checkpoint.dir", "ck-plain"], planned)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import PeerQuota, Plan, TensorRule
@@ -208,18 +207,20 @@ def test_d2d_and_mixed_plans_equal_the_plain_run_and_move_exactly_the_swapped_by
         assert d2d_ahead[rank]["pool_usage"][rank]["high_water_bytes"] > 0
 
 
-@st.composite
-def random_d2d_plan(draw) -> Plan:
+def random_d2d_plan(rng: random.Random) -> Plan:
+    """Per stage: up to two random layers, each D2D-swapped (striped over one to three
+    peers in random proportions), host-swapped, recomputed or kept, in a random set of
+    microbatches; at least one D2D rule in every plan."""
     rules: dict[int, list[TensorRule]] = {}
     for stage, layers in STAGE_LAYERS.items():
         peers = [d for d in range(WORLD) if d != stage]
-        for layer in draw(st.lists(st.sampled_from(layers), unique=True, max_size=2)):
-            mbs = draw(st.lists(st.integers(0, MICROBATCHES - 1), unique=True, min_size=1, max_size=4))
+        for layer in rng.sample(layers, rng.randint(0, min(2, len(layers)))):
+            mbs = rng.sample(range(MICROBATCHES), rng.randint(1, min(4, MICROBATCHES)))
             selector = ",".join(map(str, sorted(mbs)))
-            technique = draw(st.sampled_from(["d2d", "d2d", "host", "recompute", "keep"]))
+            technique = rng.choice(["d2d", "d2d", "host", "recompute", "keep"])
             if technique == "d2d":
-                chosen = draw(st.lists(st.sampled_from(peers), unique=True, min_size=1, max_size=3))
-                weights = draw(st.lists(st.integers(1, 4), min_size=len(chosen), max_size=len(chosen)))
+                chosen = rng.sample(peers, rng.randint(1, min(3, len(peers))))
+                weights = [rng.randint(1, 4) for _ in chosen]
                 stripes = {d: w / sum(weights) for d, w in zip(chosen, weights)}
                 rules.setdefault(stage, []).append(d2d_rule(f"{layer}.**", stripes, selector))
             else:
@@ -230,9 +231,10 @@ def random_d2d_plan(draw) -> Plan:
     return with_pools(pipeline_plan("1f1b", WORLD, MICROBATCHES, rules), {d: POOL for d in range(WORLD)})
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(plans=st.lists(random_d2d_plan(), min_size=3, max_size=3))
-def test_random_d2d_plans_are_bit_identical_to_the_plain_run(plans):
+def test_random_d2d_plans_are_bit_identical_to_the_plain_run():
+    rng = random.Random("d2d-runs")
+    plans = [random_d2d_plan(rng) for _ in range(3)]
+    assert len({tuple(p.actions) for p in plans}) == 3  # drawn, not one plan repeated
     results, errors, _ = run([None, *plans])
     assert not errors, errors
     finished(results)

@@ -15,50 +15,17 @@ import pytest
 import torch
 
 from mpress.config.vocabulary import SPLIT_BACKWARD_SCHEDULES
-from mpress.contract.actions import Kind, parse_actions, stage_to_rank
-from mpress.contract.plan import Plan, Stripe, TensorRule
+from mpress.contract.actions import Kind, parse_actions
+from mpress.contract.plan import Plan
 from mpress.errors import PlanError
-from tests.runtime.test_pipeline_runs import LAYERS, assert_ran_as_planned, run_jobs
+from tests.runtime.test_pipeline_runs import MIXED_MICROBATCHES as MICROBATCHES
+from tests.runtime.test_pipeline_runs import assert_ran_as_planned, mixed_plan, run_jobs
 from tests.support.compare import assert_identical
 from tests.support.plans import one_line, op_level_recompute, pipeline_plan
 from tests.support.spawn import spawn
-from tests.support.tiny_pipeline import num_stages_of
 
-MICROBATCHES = 4
 PLANS = 5
 """Random plans per schedule, each run against the plain run in one spawn."""
-
-
-def mixed_plan(rng: random.Random, schedule: str, world: int) -> Plan:
-    """Per stage: up to three random layers, each with a technique (keep, recompute, host
-    swap, D2D swap striped to the next rank's device, and op-level recompute where a
-    split backward allows it) for a random set of microbatches, and optimizer offload (all
-    layers or one, to the host or the next device) or not. The peer pools are the
-    program's (`plan_from_rules` sizes them from its D2D slots)."""
-    n = num_stages_of(schedule, world)
-    ranks = stage_to_rank(schedule, n, world)
-    rules: dict[int, list[TensorRule]] = {}
-    for stage, layers in LAYERS[n].items():
-        stripes = [Stripe(device=(ranks[stage] + 1) % world, fraction=1.0)]
-        stage_rules = []
-        optim = rng.choice(["none", "all", "one"])
-        if optim != "none":
-            where = rng.choice(["host", "d2d"])
-            stage_rules.append(TensorRule(tensor=f"optim:{'*' if optim == 'all' else rng.choice(layers)}",
-                                          technique=where, stripes=stripes if where == "d2d" else []))
-        techniques = ["host", "recompute", "keep", "d2d"]
-        if stage == 0 or schedule not in SPLIT_BACKWARD_SCHEDULES:  # see test_partial_recompute_...
-            techniques.append("op-level")
-        for layer in rng.sample(layers, rng.randint(1, min(3, len(layers)))):
-            selector = ",".join(map(str, sorted(rng.sample(range(MICROBATCHES), rng.randint(1, MICROBATCHES)))))
-            technique = rng.choice(techniques)
-            if technique == "op-level":
-                stage_rules += op_level_recompute(layer, rng.randint(0, 3), selector)
-                continue
-            stage_rules.append(TensorRule(tensor=f"{layer}.**", technique=technique, microbatches=selector,
-                                          stripes=stripes if technique == "d2d" else []))
-        rules[stage] = stage_rules
-    return pipeline_plan(schedule, world, MICROBATCHES, rules)
 
 
 V_NEEDS = pytest.mark.skipif(

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpress.contract.actions import Action, Kind, Schedule, UnitId, UnitKind
-from mpress.contract.identity import StageRules
+from mpress.contract.stage_rules import StageRules
 from mpress.errors import UserError
 from mpress.static.emulate.lowering import TensorInfo
 from mpress.static.memory.stage_costs import StageCosts

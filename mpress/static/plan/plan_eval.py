@@ -124,18 +124,32 @@ def complete_plan(setup: PipelineSetup, plan: Plan) -> tuple[Plan, Evaluation]:
     this profile (its `profile_fingerprint` is the setup's) states figures that follow
     from its content, and an edited one no longer does. A plan made from another profile
     (a measured one) keeps its peaks: this profile cannot recompute them."""
-    return _completed(setup, plan, evaluate_plan(setup, plan))
+    return _completed(setup, *_with_program_pools(setup, plan, evaluate_plan(setup, plan)))
 
 
 def plan_from_rules(setup: PipelineSetup, plan: Plan) -> Plan:
     """`plan` whose rules were written or changed by hand (tests, benches), with every
     figure its program has on `setup`: program, pools, quotas, peaks, iteration and
     whether it fits. None is kept from before: a figure the planner wrote for other
-    rules is stale, and `complete_plan` refuses stale figures. One emulation."""
+    rules is stale, and `complete_plan` refuses stale figures. One emulation, or two where
+    the program resizes the peer pools."""
     bare = replace(plan, actions=[], predicted_iteration_s=0.0,
                    stages=[replace(sp, predicted_peak_bytes=0) for sp in plan.stages])
-    ev = evaluate_plan(setup, bare)
+    bare, ev = _with_program_pools(setup, bare, evaluate_plan(setup, bare))
     return _completed(setup, replace(bare, fits=ev.result.fits), ev)[0]
+
+
+def _with_program_pools(setup: PipelineSetup, plan: Plan, ev: Evaluation) -> tuple[Plan, Evaluation]:
+    """`plan` (emulated as `ev`) with its D2D quotas and peer pools sized for its program
+    where no stage gives any (`with_peer_quotas`), and its emulation with those pools: a
+    pool is device memory its lender holds from start-up, so the peaks count the pools the
+    runtime will allocate, not the ones the plan was first emulated with."""
+    if any(sp.peer_quotas for sp in plan.stages):
+        return plan, ev
+    sized = replace(plan, stages=with_peer_quotas(plan.stages, ev.peer_quotas))
+    if [sp.peer_pool_bytes for sp in sized.stages] == [sp.peer_pool_bytes for sp in plan.stages]:
+        return sized, ev
+    return sized, evaluate_plan(setup, sized)
 
 
 def _completed(setup: PipelineSetup, plan: Plan, ev: Evaluation) -> tuple[Plan, Evaluation]:

@@ -95,6 +95,8 @@ class PlannerOptions:
     layers only (for comparison)."""
     drive: bool = True
     """mpress may move optimizer data to the server's local drive when the pins exceed the host's (`planner_nvme`)."""
+    layer_data: bool = False
+    """mpress may keep layers' parameters and gradients on the host (emulated, not yet run: size studies only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -459,8 +461,7 @@ class _Planner(D2DSteps, LayerDataSteps):
 
     def _why_not(self, ev: Evaluation) -> str:
         worst = max(range(len(ev.result.peak_bytes)), key=lambda dev: ev.result.peak_bytes[dev] - self.capacity)
-        return (f"device {worst} peaks at {fmt_bytes(ev.result.peak_bytes[worst])} of "
-                f"{fmt_bytes(self.capacity)} usable")
+        return f"device {worst} peaks at {fmt_bytes(ev.result.peak_bytes[worst])} of {fmt_bytes(self.capacity)} usable"
 
 
 def _better(a: Evaluation, b: Evaluation, a_pins_ok: bool = True, b_pins_ok: bool = True) -> bool:
@@ -489,10 +490,10 @@ def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions |
     return _Planner(setup, strategy, options or PlannerOptions(), progress, cache).run()
 
 
-def check_fits_at_all(setup: PipelineSetup, strategy: str = Strategy.MPRESS) -> None:
-    """Raise a one-line `UserError` when even moving every movable byte cannot fit."""
+def check_fits_at_all(setup: PipelineSetup, strategy: str = Strategy.MPRESS, layer_data: bool = False) -> None:
+    """A one-line `UserError` when even moving every movable byte (`layer_data`: as the option) cannot fit."""
     cap = setup.hardware.usable_memory_bytes
-    for m, floor in zip(setup.memory, minimum_need_bytes(setup, strategy == Strategy.MPRESS)):
+    for m, floor in zip(setup.memory, minimum_need_bytes(setup, layer_data and strategy == Strategy.MPRESS)):
         if floor > cap:
             raise UserError(
                 f"does not fit even with every tensor swapped: stage {m.stage} needs {floor / 1e9:.1f} GB of "

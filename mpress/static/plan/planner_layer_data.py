@@ -26,6 +26,8 @@ Units: bytes, seconds.
 
 from __future__ import annotations
 
+from typing import Any
+
 from mpress.config.units import fmt_bytes
 from mpress.contract.actions import Schedule
 from mpress.contract.plan import Plan
@@ -90,6 +92,7 @@ class LayerDataSteps:
     costs: list[StageCosts]
     num_mb: int
     sched: Schedule
+    options: Any  # the planner's PlannerOptions
 
     def _pcie_sharing(self, s: int) -> int:  # implemented by the planner
         raise NotImplementedError
@@ -110,6 +113,8 @@ class LayerDataSteps:
                 return shed
         else:
             shed = 0
+        if not self.options.layer_data:  # plans to train: the runtime does not run param:/grad: rules yet
+            return shed
         for _score, neg_bytes, what, j in layer_data_candidates(c, self.hw, self.num_mb,
                                                                 self._pcie_sharing(s), d.params[s], d.grads[s]):
             if shed >= need:

@@ -219,7 +219,7 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
     if zero and hardware.host_memory_gbps is None:
         raise UserError(f"{strategy}: hardware {hardware.name} states no host_memory_gbps, so its CPU optimizer "
                         "step cannot be timed")
-    quick = PlannerOptions(max_d2d_rounds=0, drive=drive)  # D2D rounds buy speed, not fit: skip while searching
+    quick = PlannerOptions(max_d2d_rounds=0, drive=drive, layer_data=True)  # D2D rounds buy speed, not fit: skip while searching
     rule = family_rule(family, precision)
     shape = dict(schedule=schedule, num_stages=num_stages, num_ranks=num_ranks, microbatch_size=microbatch_size,
                  num_microbatches=num_microbatches)
@@ -294,7 +294,7 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
     if zero:
         return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model), result=None,
                        evaluations=count, bound=bound, bound_detail=detail, baseline=plan_zero(setup, strategy))
-    result = plan_strategy(setup, planned, PlannerOptions(drive=drive))
+    result = plan_strategy(setup, planned, PlannerOptions(drive=drive, layer_data=True))
     count += 1
     if not result.fits:  # the full search never loses the fit the quick one found; if it did, keep that
         result = plan_strategy(setup, planned, quick)

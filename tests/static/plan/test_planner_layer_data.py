@@ -19,7 +19,10 @@ from mpress.contract.plan import LAYER_DATA_PREFIXES
 from mpress.hardware.server import load_hardware
 from mpress.static.plan.evaluate import setup_pipeline
 from mpress.static.plan.plan_eval import evaluate_plan
-from mpress.static.plan.planner import minimum_need_bytes, plan_strategy
+from mpress.static.plan.planner import PlannerOptions, minimum_need_bytes, plan_strategy
+
+LAYER_DATA = PlannerOptions(layer_data=True)
+"""The size studies' planner: layers' parameters and gradients may go to the host."""
 from mpress.static.plan.planner_layer_data import layer_data_candidates
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES
 
@@ -44,7 +47,7 @@ def layer_rules(plan):
 @pytest.fixture(scope="module")
 def tight():
     setup = setup_at(1_000_000)
-    return setup, plan_strategy(setup, "mpress")
+    return setup, plan_strategy(setup, "mpress", LAYER_DATA)
 
 
 def test_a_tight_device_fits_with_layers_on_the_host(tight):
@@ -59,7 +62,7 @@ def test_a_tight_device_fits_with_layers_on_the_host(tight):
 
 def test_the_host_step_alone_comes_first():
     setup = setup_at(1_500_000)
-    res = plan_strategy(setup, "mpress")
+    res = plan_strategy(setup, "mpress", LAYER_DATA)
     assert res.fits, res.reason
     assert layer_rules(res.plan) == [[], []]
     assert any(str(sp.optimizer_step) == "host" for sp in res.plan.stages)
@@ -76,7 +79,7 @@ def test_without_those_rules_the_plan_does_not_fit(tight):
 
 
 def test_a_roomy_device_moves_no_layer():
-    res = plan_strategy(setup_at(1 << 30), "mpress")
+    res = plan_strategy(setup_at(1 << 30), "mpress", LAYER_DATA)
     assert res.fits
     assert layer_rules(res.plan) == [[], []]
     assert all(str(sp.optimizer_step) == "device" for sp in res.plan.stages)
@@ -94,7 +97,7 @@ def test_the_host_must_hold_the_host_steps(tight):
     pageable = sum(host_step_host_bytes(res.plan, setup.costs))
     assert pageable > 0
     small = setup_at(1_000_000, host_bytes=pinned + pageable // 2)
-    res = plan_strategy(small, "mpress")
+    res = plan_strategy(small, "mpress", LAYER_DATA)
     assert not res.fits
     assert res.reason.startswith("host memory"), res.reason
     assert plan_bound(small.hardware, res) is Bound.HOST_RAM
@@ -143,8 +146,16 @@ def test_interleaved_stages_share_a_rank():
     hw = dataclasses.replace(load_hardware("cpu-local", num_devices=2, memory_bytes=1_000_000), host_memory_gbps=20.0)
     setup = setup_pipeline(CFG, hw, schedule="interleaved", num_stages=4, num_ranks=2, microbatch_size=2,
                            num_microbatches=4)
-    res = plan_strategy(setup, "mpress")
+    res = plan_strategy(setup, "mpress", LAYER_DATA)
     assert res.fits, res.reason
     assert any(layer_rules(res.plan))
     parts = peak_breakdown(res.evaluation.result, setup.costs, weight_stashing=False)
     assert [sum(p.values()) for p in parts[:2]] == list(res.evaluation.result.peak_bytes[:2])
+
+
+def test_plans_to_train_keep_every_layers_parameters_and_gradients_on_the_device(tight):
+    """The runtime does not carry out param:/grad: rules yet: the planner's default (what
+    `mpress plan` and `mpress train` use) never writes one, even where it then does not fit."""
+    setup, _ = tight
+    res = plan_strategy(setup, "mpress")
+    assert not [r.tensor for sp in res.plan.stages for r in sp.rules if r.tensor.startswith(("param:", "grad:"))]

@@ -25,8 +25,10 @@ data off the device (recompute alone is not enough)."""
 
 
 def _hardware(tmp_path, pinnable: int, **drive: float) -> Hardware:
+    """Host memory is what may be pinned: no pageable room for a host optimizer step
+    (which would otherwise take the optimizer data off the pins instead of the drive)."""
     hw = load_hardware(drive_hardware(tmp_path), num_devices=2, memory_bytes=DEVICE_BYTES)
-    return dataclasses.replace(hw, pinnable_host_bytes=pinnable, **drive)
+    return dataclasses.replace(hw, pinnable_host_bytes=pinnable, host_memory_bytes=pinnable, **drive)
 
 
 def _setup(hw: Hardware):

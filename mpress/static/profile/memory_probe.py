@@ -59,13 +59,7 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | No
     gradients; none are left behind. Random streams and buffers are left as they were.
     Returns the layer's memory and the bytes of the parameter gradients its backward made.
     split: measure a split backward too (`split_backward`)."""
-    tracker = LiveBytes(rank=0)
-    for t in tensors_in(args):
-        tracker.adopt(t, "input")
-    for p in layer.parameters():
-        tracker.adopt(p, "parameter")
-    for b in layer.buffers():
-        tracker.adopt(b, "buffer")
+    tracker = _tracker(layer, args)
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -123,13 +117,7 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
     inputs = [t for t in tensors_in(args) if t.requires_grad]
     if not inputs:
         return -1, -1, -1
-    tracker = LiveBytes(rank=0)
-    for t in tensors_in(args):
-        tracker.adopt(t, "input")
-    for p in layer.parameters():
-        tracker.adopt(p, "parameter")
-    for b in layer.buffers():
-        tracker.adopt(b, "buffer")
+    tracker = _tracker(layer, args)
     devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
     found = (-1, -1, -1)
@@ -256,3 +244,15 @@ def _with_grad(value: Any, grad: bool) -> Any:
     if isinstance(value, torch.Tensor) and grad and value.is_floating_point():
         return value.requires_grad_(True)
     return value
+
+
+def _tracker(layer: nn.Module, args: tuple) -> LiveBytes:
+    """A byte counter that already holds the layer's inputs, parameters and buffers."""
+    tracker = LiveBytes(rank=0)
+    for t in tensors_in(args):
+        tracker.adopt(t, "input")
+    for p in layer.parameters():
+        tracker.adopt(p, "parameter")
+    for b in layer.buffers():
+        tracker.adopt(b, "buffer")
+    return tracker

@@ -59,7 +59,8 @@ def train(tmp: Path, model: dict, budget: str) -> tuple[list[dict], dict]:
     corpus(tmp)
     res = launch(config, tmp, nproc=2, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "plan mpress (auto)" in res.stdout and "evaluating 2 batches" in res.stdout, res.stdout
+    flat = " ".join(res.stdout.split())  # a long run directory wraps the header line
+    assert "plan mpress (auto)" in flat and "evaluating 2 batches" in flat, res.stdout
     first = re.search(r"^│\s+0 │\s+0 │\s+([^│]*?)\s+│", res.stdout, re.MULTILINE)
     assert first and first.group(1) != "keep", res.stdout  # the first stage's plan compacts it
     records = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]

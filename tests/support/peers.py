@@ -114,6 +114,8 @@ def replay(actions: Sequence[Action], stage: int, quotas: Mapping[int, int], uni
                 in_flight[unit_key] = held.pop(unit_key)  # type: ignore[index]
             elif a.kind is Kind.B:
                 done |= {k for k in in_flight if k[1] == a.microbatch}
-    for placement in in_flight.values():
-        store.release(placement)  # type: ignore[arg-type]
+        for placement in in_flight.values():  # a step ends with every swap-in complete
+            store.release(placement)  # type: ignore[arg-type]
+        in_flight.clear()
+        done.clear()
     return pools

@@ -35,8 +35,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.benchmark import Measurement
-from torch.utils.benchmark.utils.common import TaskSpec
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpress.errors import UserError
@@ -345,6 +343,11 @@ def layer_profiles(module: nn.Module, found: Instrumented, times: Sequence[tuple
 
 
 def _median_iqr(samples: list[float], what: str) -> tuple[float, float]:
+    # imported here: torch.utils.benchmark loads torch.utils.cpp_extension, which warns on
+    # stderr under a CUDA build of torch without a CUDA runtime (every mpress command's output)
+    from torch.utils.benchmark import Measurement
+    from torch.utils.benchmark.utils.common import TaskSpec
+
     m = Measurement(number_per_run=1, raw_times=[max(x, 0.0) for x in samples],
                     task_spec=TaskSpec(stmt=what, setup=""))
     return m.median, m.iqr

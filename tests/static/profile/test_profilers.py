@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-import time
 
 import pytest
 import torch
@@ -128,12 +127,11 @@ def test_measured_stage_profiles_match_analytic_layers():
 
 # -- analytic profile at scale -------------------------------------------------------------
 
-def test_analytic_25b_is_instant_and_block_activations_match_the_literature():
+def test_analytic_25b_block_activations_match_the_literature():
+    # (its speed is measured where speed belongs: bench/plan_speed.py)
     cfg = load_model_config("gpt-25.5b")
     hw = load_hardware("dgx1-v100")
-    start = time.perf_counter()
     prof = analytic_profile(cfg, hw, 2)
-    assert time.perf_counter() - start < 1.0
     assert prof.source == "analytic" and prof.device == hw.name and prof.dtype == "fp16"
     # Korthikanti et al. 2022 (activation memory of a transformer layer, 16-bit, with
     # dropout): s*b*h*(34 + 5*a*s/h) bytes; plus LayerNorm mean/rstd in fp32: 2 LNs x 2 x s*b x 4.

@@ -231,16 +231,14 @@ class CutTable:
         capped = any(math.isfinite(x) for x in ingress)  # else every rate stands as it is
         pool = self._pool[::-1]
         fill = None if self._use_pool else [max(pool[0] if pool else 0, x) for x in self._idle]
-        # per device, what its spare is in this state: its occupant's, (without the pool)
-        # its best filler's, or None for a free device the pool's spares go to
+        # per device, its spare in this state: its occupant's, (no pool) its best filler's, or None (pool's)
         offer = [spare[st] if st >= 0 else (None if fill is None else fill[d]) for d, st in enumerate(occ)]
         for mask in range(0 if self._ports else 1, len(self._rows)):
             terms, free, reach = [], [], 0
             for d, rate in enumerate(self._rows[mask]):
                 if rate <= 0:
                     continue
-                if capped:
-                    rate = min(rate, ingress[d])
+                rate = min(rate, ingress[d]) if capped else rate
                 sp = offer[d]
                 if sp is None:
                     free.append(rate)

@@ -93,12 +93,7 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | No
         input_grads = sum(t.grad.untyped_storage().nbytes() for t in tensors_in(args)
                           if isinstance(t, torch.Tensor) and t.grad is not None)
         param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
-    for t in tensors_in(args):
-        t.grad = None
-    layer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for b, value in buffers:
-            b.copy_(value)
+    _restore(layer, args, buffers)
     held, input_peak, weight_peak = split_backward(layer, args, loss_fn=loss_fn) if split else (-1, -1, -1)
     return LayerMemory(kept_bytes=kept, forward_peak_bytes=forward_peak, saves_input=bool(saved & inputs),
                        saves_output=bool(saved & outputs), backward_peak_bytes=backward_peak,
@@ -139,12 +134,7 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
             weight_peak = tracker.peak_bytes - after_input
             param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
             found = (max(after_input - (tracker.live_bytes - param_grads), 0), input_peak, weight_peak)
-    for t in tensors_in(args):
-        t.grad = None
-    layer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for b, value in buffers:
-            b.copy_(value)
+    _restore(layer, args, buffers)
     return found
 
 
@@ -256,3 +246,13 @@ def _tracker(layer: nn.Module, args: tuple) -> LiveBytes:
     for b in layer.buffers():
         tracker.adopt(b, "buffer")
     return tracker
+
+
+def _restore(layer: nn.Module, args: tuple, buffers: list) -> None:
+    """Leaves the layer and its inputs as a probe found them: no gradients, buffers reset."""
+    for t in tensors_in(args):
+        t.grad = None
+    layer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for b, value in buffers:
+            b.copy_(value)

@@ -10,7 +10,10 @@ backward consumes the copy-ins of its own saved tensors. A split backward's I(s,
 costs each layer's input-gradient time and its W(s, m) the weight-gradient time
 (`LayerProfile.input_grad_time_s`, `weight_grad_time_s`); their memory is
 `stage_memory.split_backward_steps`'s (what W reads stays from I until W; a unit
-swapped back for the backward is back before I, so before W too). The optimizer step of a stage
+swapped back for the backward is back before I, so before W too). A layer the I
+recomputes (its RC) is replayed by W too, before its weight gradient, as often as its
+probe counted (`stage_memory.weight_replay_time_s`; the replays' bytes are in the
+layer's measured W peak). The optimizer step of a stage
 (OPT), or of one layer's chunk of it (`OPT:{s}:optim:LAYER`), gives back the gradients it
 used, holding the optimizer's temporaries while it runs. The step of a layer of a stage
 that steps on the host (`TensorInfo.host_step`) runs on its rank's thread as the runtime
@@ -46,6 +49,7 @@ from mpress.static.emulate.program import Cost, Program, Task, Transfer
 from mpress.static.schedules import held_input_grads, held_outputs
 from mpress.static.memory.stage_memory import (
     WHOLE, Choice, StepMemory, backward_steps, forward_steps, recompute_time_s, split_backward_steps,
+    weight_replay_time_s,
 )
 
 __all__ = ["LateFrees", "TensorInfo", "build_program", "late_frees", "lower_rank", "lower_rank_traced",
@@ -193,6 +197,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
     issued_in: dict[tuple[int, int | None, int | None], list[str]] = {}  # (stage, mb, layer) -> copy-ins
     backward_seen: set[int] = set()   # stages whose parameters' gradients exist (a B or a W ran)
     weight_steps: dict[tuple[int, int | None], list[StepMemory]] = {}  # an I's W half, until its W
+    weight_recomputed: dict[tuple[int, int | None], list[Choice]] = {}  # the recompute choices of its I
     grads_out: set[int] = set()
     host_params_in: dict[int, str] = {}  # stage -> its host step's last parameters copy-in
     layer_of: dict[tuple[int, str | None], int | None] = {}  # a unit's layer, parsed once per name
@@ -250,6 +255,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             if not whole:  # the parameters' gradients and what W reads wait for the W
                 steps, weight_steps[(a.stage, a.microbatch)] = split_backward_steps(
                     c.layers, recomputed, first_weight=False, output_held=output_held)
+                weight_recomputed[(a.stage, a.microbatch)] = recomputed
             else:
                 if a.kind is Kind.I:
                     weight_steps[(a.stage, a.microbatch)] = []
@@ -283,11 +289,15 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             split = weight_steps.pop((a.stage, a.microbatch), None)
             if split is None:
                 raise ScheduleError(f"action {a}: no input-gradient half ({a.stage}I{a.microbatch}) before it")
+            recomputed = weight_recomputed.pop((a.stage, a.microbatch), [])
             first = a.stage not in backward_seen
             backward_seen.add(a.stage)
             group = []
             for k, step in enumerate(split):
                 j = len(split) - 1 - k
+                replay_s = weight_replay_time_s(c.layers[j], recomputed[j])
+                if replay_s > 0:  # the layer its I recomputed is replayed again by W (its memory: the step's)
+                    group.append(Task(a, layer=j, compute_s=replay_s, cost=Cost.RECOMPUTE))
                 alloc = c.layers[j].grad_bytes if first else 0  # (`split` was made with first_weight=False)
                 group.append(Task(a, layer=j, compute_s=c.layers[j].weight_grad_time_s, alloc_bytes=alloc,
                                   transient_bytes=max(step.alloc_bytes + step.transient_bytes - alloc, 0),

@@ -102,6 +102,19 @@ def recompute_time_s(layer: LayerProfile, choice: Choice) -> float:
     return layer.forward_time_s if choice == WHOLE else layer.recompute_options[choice].time_s
 
 
+def weight_replay_time_s(layer: LayerProfile, choice: Choice) -> float:
+    """What a split backward's W spends replaying `layer` recomputed under `choice` (0
+    for None): the recompute's time once per replay its probe counted in W
+    (`LayerMemory.weight_replays`: torch's W runs one gradient pass per group of
+    parameters, and the checkpoint replays the layer in each). Not measured: once when
+    the layer has parameters (W then unpacks its saves at least once), else never."""
+    if choice is None:
+        return 0.0
+    replays = layer_memory(layer, choice).weight_replays
+    if replays < 0:
+        replays = 1 if layer.param_bytes > 0 else 0
+    return replays * recompute_time_s(layer, choice)
+
 
 def forward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Choice]) -> list[StepMemory]:
     """The forward of one microbatch, one step per layer in order."""

@@ -18,8 +18,8 @@ milliseconds). It records (`mpress.static.profile.profile.LayerMemory`):
   start includes what the forward kept and the incoming gradient);
 - input_grad_bytes: the gradient of the input the backward hands to the layer before;
 - loss_bytes: with a loss, the loss's bytes (its seed gradient is as large);
-- split_held_bytes / input_peak_bytes / weight_peak_bytes: the same forward, then its backward split as
-  torch's zero-bubble schedules split it (`split_backward`);
+- split_held_bytes / input_peak_bytes / weight_peak_bytes / weight_replays: the same forward, then
+  its backward split as torch's zero-bubble schedules split it (`split_backward`);
 - and, beside it, the parameters' gradients the first backward of a step creates.
 
 `mpress/static/memory/stage_memory.py` composes these into a stage's memory curve. Units: bytes.
@@ -94,28 +94,30 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | No
                           if isinstance(t, torch.Tensor) and t.grad is not None)
         param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
     _restore(layer, args, buffers)
-    held, input_peak, weight_peak = split_backward(layer, args, loss_fn=loss_fn) if split else (-1, -1, -1)
+    held, input_peak, weight_peak, replays = split_backward(layer, args, loss_fn=loss_fn) if split else (-1,) * 4
     return LayerMemory(kept_bytes=kept, forward_peak_bytes=forward_peak, saves_input=bool(saved & inputs),
                        saves_output=bool(saved & outputs), backward_peak_bytes=backward_peak,
                        input_grad_bytes=input_grads, output_bytes=output_bytes, loss_bytes=loss_bytes,
-                       split_held_bytes=held, input_peak_bytes=input_peak, weight_peak_bytes=weight_peak), param_grads
+                       split_held_bytes=held, input_peak_bytes=input_peak, weight_peak_bytes=weight_peak,
+                       weight_replays=replays), param_grads
 
 
 def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
-                   loss_fn: LossFn | None = None) -> tuple[int, int, int]:
-    """(split_held_bytes, input_peak_bytes, weight_peak_bytes) of `layer` on `args` (see `LayerMemory`):
-    its forward, then torch's own halves of the backward, I (`stage_backward_input`)
-    and W (`stage_backward_weight`), as the zero-bubble schedules run them; -1 each
+                   loss_fn: LossFn | None = None) -> tuple[int, int, int, int]:
+    """(split_held_bytes, input_peak_bytes, weight_peak_bytes, weight_replays) of `layer` on `args` (see
+    `LayerMemory`): its forward, then torch's own halves of the backward, I (`stage_backward_input`)
+    and W (`stage_backward_weight`), as the zero-bubble schedules run them (a checkpointed
+    layer counts the runs of its forward during W); -1 each
     when no input takes a gradient (torch then runs the whole backward in W) or an
     output is a view (alone, the layer's output would be the stage's). Leaves
     the layer as `probe_layer` does."""
     inputs = [t for t in tensors_in(args) if t.requires_grad]
     if not inputs:
-        return -1, -1, -1
+        return -1, -1, -1, -1
     tracker = _tracker(layer, args)
     devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
-    found = (-1, -1, -1)
+    found = (-1, -1, -1, -1)
     with torch.random.fork_rng(devices=devices), tracker.watch():
         output = layer(*args)
         root = loss_fn(output) if loss_fn is not None else output
@@ -129,29 +131,34 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
             del output, root, roots, grads, _dinputs
             after_input = tracker.live_bytes
             tracker.reset_peak()
+            runs = layer.runs if isinstance(layer, _Checkpointed) else 0
             stage_backward_weight(layer.parameters(), groups)
+            replays = (layer.runs if isinstance(layer, _Checkpointed) else 0) - runs
             del groups
             weight_peak = tracker.peak_bytes - after_input
             param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
-            found = (max(after_input - (tracker.live_bytes - param_grads), 0), input_peak, weight_peak)
+            found = (max(after_input - (tracker.live_bytes - param_grads), 0), input_peak, weight_peak, replays)
     _restore(layer, args, buffers)
     return found
 
 
 class _Checkpointed(nn.Module):
     """A layer run as the runtime runs a recomputed one (`mpress.contract.selective.run_recomputed`:
-    non-reentrant checkpoint, random state preserved, the operators `cached` cached)."""
+    non-reentrant checkpoint, random state preserved, the operators `cached` cached).
+    `runs`: how many times the layer's forward ran, the checkpoint's replays included."""
 
     def __init__(self, layer: nn.Module, ops: LayerOps | None = None, cached: frozenset[int] | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.ops = ops
         self.cached = cached
+        self.runs = 0
 
     def forward(self, *args: Any) -> Any:
         layer = self.layer
 
         def run(*inputs: Any) -> Any:  # the recompute runs a GPU's kernels too (`cuda_kernels.in_recompute`)
+            self.runs += 1
             with in_recompute():
                 return layer(*inputs)
 

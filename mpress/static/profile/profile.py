@@ -110,6 +110,12 @@ class LayerMemory:
     weight_peak_bytes: int = field(default=-1, metadata={"min": -1})
     """Highest live bytes above the start of that W (a fresh layer's: its parameters'
     gradients are part of it). -1: not measured."""
+    weight_replays: int = field(default=-1, metadata={"min": -1})
+    """How many times that W runs the layer's forward again: 0 for a layer that keeps
+    what it saves; for a recomputed one, torch's W runs one gradient pass per group of
+    parameters (`stage_backward_weight`) and the non-reentrant checkpoint replays the
+    layer in each pass that unpacks its saves (its I replays it once more, as a whole
+    backward does). -1: not measured."""
 
 
 @dataclass(kw_only=True, frozen=True)

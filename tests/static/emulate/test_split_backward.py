@@ -7,22 +7,32 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+from torch.distributed.pipelining._backward import (
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 from mpress.config.model_config import load_model_config
 from mpress.config.vocabulary import ScheduleName
-from mpress.contract.actions import Kind
+from mpress.contract.actions import Action, Kind, UnitId
 from mpress.contract.plan import Stripe
+from mpress.contract.selective import run_recomputed
 from mpress.hardware.server import load_hardware
-from mpress.static.emulate.program import walk_peaks
+from mpress.models.transformer import build_stage
+from mpress.static.emulate.program import Cost, walk_peaks
+from mpress.static.memory.model import memory_model
+from mpress.static.memory.stage_costs import stage_costs
 from mpress.static.memory.stage_memory import (
     backward_steps,
     split_backward_steps,
     weight_grad_bytes,
 )
 from mpress.static.plan.evaluate import evaluate, setup_pipeline
+from mpress.static.plan.plan_eval import evaluate_plan
 from mpress.static.profile.analytic import analytic_profile
 from tests.support.plans import rule
-from tests.support.rewriter import Case
+from tests.support.rewriter import FWD, Case
 
 A100 = load_hardware("dgx-a100")
 
@@ -120,6 +130,12 @@ def test_what_w_reads_stays_until_w() -> None:
     assert max(zb.peak_bytes) >= max(plain.peak_bytes)
 
 
+def _layer_in_stage(case: Case, action: Action) -> int:
+    """The index within its stage of the layer an activation unit's action names."""
+    layer = UnitId.parse(action.tensor or "").layer
+    return [x.name for x in case.costs[action.stage].layers].index(layer)
+
+
 SPLIT = [("interleaved-zb", {"num_ranks": 4}), ("interleaved-zb", {"num_ranks": 2}), ("zbv", {}),
          ("dualpipev", {})]
 
@@ -162,6 +178,62 @@ def test_memory_actions_around_a_split_backward(name: str, kw: dict) -> None:
     # (the first stage's W is empty: torch's first stage makes no input gradient, and the
     # runtime runs its whole backward in its I)
     ws = [t for tasks in program.ranks for t in tasks if t.action.kind is Kind.W and t.action.stage > 0]
-    assert ws and all(t.compute_s == case.costs[t.action.stage].layers[t.layer].weight_grad_time_s for t in ws)
+    grads = [t for t in ws if t.cost is Cost.COMPUTE]
+    assert grads and all(t.compute_s == case.costs[t.action.stage].layers[t.layer].weight_grad_time_s for t in grads)
+    # and each layer an I recomputed (its RC) is replayed before its weight gradient: once
+    # here (the toy profile counts no replays, and its layers have parameters)
+    replays = sorted((t.action.stage, t.action.microbatch, t.layer) for t in ws if t.cost is Cost.RECOMPUTE)
+    split = {(a.stage, a.microbatch) for acts in case.rw.schedule.ranks for a in acts if a.kind is Kind.I}
+    rcs = sorted((a.stage, a.microbatch, _layer_in_stage(case, a)) for acts in case.rw.schedule.ranks for a in acts
+                 if a.kind is Kind.RC and a.stage > 0 and (a.stage, a.microbatch) in split)  # (not in a whole B)
+    assert replays and replays == rcs
+    assert all(t.compute_s == case.costs[t.action.stage].layers[t.layer].forward_time_s
+               for t in ws if t.cost is Cost.RECOMPUTE)
     assert all(t.compute_s == 0 and t.alloc_bytes == t.free_bytes == 0
                for tasks in program.ranks for t in tasks if t.action.kind is Kind.W and t.action.stage == 0)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_the_profile_counts_the_replays_torch_runs_in_w(name: str) -> None:
+    """A layer recomputed whole (non-reentrant checkpoint, as the runtime runs it) is
+    replayed once by torch's I and again in W for every gradient pass W runs (one per
+    group of parameters): the profile's count is what torch does, counted here apart."""
+    cfg = load_model_config(name)
+    block = build_stage(cfg, 1, 2, seed=0).train()
+    runs = 0
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        nonlocal runs
+        runs += 1
+        return block(x)
+
+    x = torch.randn(1, cfg.seq_len, cfg.hidden_size, requires_grad=True)
+    out = run_recomputed(forward, None, None, x)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], block.parameters())
+    assert runs == 2  # the forward, and the I's replay
+    del out
+    stage_backward_weight(block.parameters(), groups)
+    layer = analytic_profile(cfg, A100, 1).layers[1]
+    assert layer.recompute_memory.weight_replays == runs - 2 == len(groups) > 1
+    assert layer.memory.weight_replays == 0
+
+
+def test_w_charges_the_replays_of_what_its_i_recomputed() -> None:
+    """On one rank everything runs in turn: the iteration of a plan recomputing stage 1's
+    layers grows by exactly their forward time per replay W runs, per microbatch."""
+    case = Case("interleaved-zb", [(0, 2), (2, 4)], 4,
+                {1: [rule("layers.2.**", "recompute"), rule("layers.3.**", "recompute")]}, num_ranks=1)
+
+    def iteration_s(replays: int) -> float:
+        profile = replace(case.profile, layers=[
+            replace(x, recompute_memory=replace(x.recompute_memory, weight_replays=replays))
+            for x in case.profile.layers])
+        costs = stage_costs(profile, case.ranges)
+        setup = replace(case.setup, profile=profile, costs=costs,
+                        memory=memory_model(costs, case.schedule, case.hardware, case.setup.stage_to_device))
+        return evaluate_plan(setup, case.plan).result.iteration_s
+
+    per_replay = 4 * (FWD[2] + FWD[3])  # 4 microbatches, each replaying layers 2 and 3
+    base = iteration_s(0)
+    assert iteration_s(1) == pytest.approx(base + per_replay, rel=1e-12)
+    assert iteration_s(6) == pytest.approx(base + 6 * per_replay, rel=1e-12)

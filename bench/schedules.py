@@ -13,7 +13,10 @@ computed in this run by the static half:
     the fastest fitting ZeRO baseline's iteration over this one ("x ZeRO": > 1 is mpress
     faster);
   - the ZeRO baselines (`zero.plan_zero`, every variant the server supports) on the
-    same model, global batch and server, one row each.
+    same model, global batch and server, one row each;
+  - per model, a verdict on each of issue 32's goals, from the table's rows (`verdicts`):
+    the fastest fitting mpress schedule at least `SPEEDUP_GOAL` x mpress-under-1F1B
+    where 1F1B has a bubble, and no slower than the fastest fitting ZeRO baseline.
 
 Shapes: 8 ranks (one per GPU); one stage per rank for 1F1B and ZB-H1, two for the
 others (interleaved's stages round-robin, the V schedules' in a V); the same layers,
@@ -58,6 +61,8 @@ SETTING_OF = {"bert-6.2b": "paper-bert", "gpt-25.5b": "paper-gpt", "gpt-20.4b": 
 """Models trained as a paper setting trains them (precision, microbatch size)."""
 DEFAULT_MODELS = "gpt-20.4b,llama-2-70b,bert-6.2b,gpt-25.5b"
 DEFAULT_MICROBATCH_SIZE = 2
+SPEEDUP_GOAL = 1.15
+"""The best mpress schedule over mpress under 1F1B that issue 32 asks for where a bubble exists."""
 
 
 @dataclass
@@ -161,6 +166,45 @@ def table(hw: Hardware, rows: list[Row], zero: list[ZeroRow]) -> Table:
     return t
 
 
+def bubble_fraction(microbatches: int) -> float:
+    """The idle share of a stage's slots under 1F1B with one stage per rank ((p-1)/(m+p-1))."""
+    return (NUM_RANKS - 1) / (microbatches + NUM_RANKS - 1)
+
+
+def verdicts(rows: list[Row], zero: list[ZeroRow], microbatches: int) -> list[str]:
+    """Per model, one line per goal (module docstring), each met / not met with its ratio,
+    or why it cannot be judged; computed from the rows alone."""
+    out = []
+    bubble = bubble_fraction(microbatches)
+    for m in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == m and r.fits]
+        best = min(mine, key=lambda r: r.iteration_s, default=None)
+        base = next((r for r in mine if r.schedule == "1F1B"), None)
+        if best is None:
+            out.append(f"{m}: speedup goal: not judged (no mpress schedule fits)")
+        elif bubble == 0:
+            out.append(f"{m}: speedup goal: not judged (1F1B has no bubble)")
+        elif base is None:
+            out.append(f"{m}: speedup goal: not judged (mpress under 1F1B does not fit or was not run)")
+        else:
+            ratio = base.iteration_s / best.iteration_s
+            met = "met" if ratio >= SPEEDUP_GOAL else "not met"
+            out.append(f"{m}: speedup goal: {met}: best mpress schedule {best.schedule} is {ratio:.2f}x "
+                       f"mpress under 1F1B (goal >= {SPEEDUP_GOAL:.2f}x; 1F1B bubble {bubble:.0%} of the slots)")
+        fitting = [z for z in zero if z.model == m and z.fits]
+        if best is None or not fitting:
+            what = "no mpress schedule fits" if best is None else "no ZeRO baseline fits"
+            out.append(f"{m}: ZeRO goal: not judged ({what})")
+            continue
+        fastest = min(fitting, key=lambda z: z.iteration_s)
+        ratio = fastest.iteration_s / best.iteration_s
+        met = "met" if ratio >= 1.0 else "not met"
+        out.append(f"{m}: ZeRO goal: {met}: best mpress schedule {best.schedule} is {ratio:.2f}x the fastest "
+                   f"fitting ZeRO baseline {fastest.variant} (goal >= 1.00x; {len(fitting)} of "
+                   f"{sum(z.model == m for z in zero)} baselines fit)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=DEFAULT_MODELS)
@@ -184,11 +228,14 @@ def main() -> None:
             rows += r
             zero += z
     if args.json:
-        print_json({"hardware": hw.name, "rows": [r.__dict__ for r in rows], "zero": [z.__dict__ for z in zero]})
+        print_json({"hardware": hw.name, "rows": [r.__dict__ for r in rows], "zero": [z.__dict__ for z in zero],
+                    "verdicts": verdicts(rows, zero, args.microbatches)})
         return
     console.print(table(hw, rows, zero))
     console.print("x 1F1B: mpress-under-1F1B's iteration / this one; x ZeRO: the fastest fitting ZeRO "
                   "baseline's iteration / this one; *: the fastest mpress schedule of the model.")
+    for line in verdicts(rows, zero, args.microbatches):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

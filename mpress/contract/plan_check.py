@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from mpress.errors import PlanError
 from mpress.hardware.server import Hardware
+from mpress.contract.host_bytes import PINNED, host_bytes, on_drive
 from mpress.contract.stage_rules import MODEL_DATA_KINDS, StageRules
 from mpress.config.model_config import ModelConfig
 from mpress.contract.plan import LAYER_DATA_PREFIXES, Plan, hardware_fingerprint
@@ -68,12 +69,14 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
     model / model_fingerprint: the plan must have been made for this model.
     hardware: same device count and topology; every device a stage, a stripe or a peer
         quota names exists, stripes and quotas only to NVLink neighbours of the stage's
-        device; the pinned pools fit the host memory, each device's peer pools (and the
-        quotas exporters hold in it) its usable memory.
+        device; the pinned pools, with the drive's staging buffers, fit what the host
+        can pin, each device's peer pools (and the quotas exporters hold in it) its
+        usable memory.
     host_step_bytes: with `hardware`, per stage whose optimizer steps on the host, the
         (pinned, pageable) host bytes its step keeps (staging buffers apart from the
-        pool; fp32 copies and Adam states): with the pools, the pinned ones must fit what
-        the hardware can pin, and all of them its host memory.
+        pool; fp32 copies and Adam states): with the pools and the drive's staging, the
+        pinned ones must fit what the hardware can pin, and all of them its host memory
+        (`host_bytes.host_bytes`, the sum the planner uses too).
     shape: the pipeline's schedule, stage count, microbatch count and size (at run time
         a PipeDream plan runs as 1F1B). ranges: each stage's layer range [start, end).
     world_size: the ranks of the job; each rank's stages on one device of its own.
@@ -123,8 +126,7 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
                                               f"the plan carries); plan again for {hardware.name!r}")
         _check_devices(plan, source, hardware)
         _check_pools(plan, source, hardware)
-        if host_step_bytes:
-            _check_host_steps(plan, source, hardware, host_step_bytes)
+        _check_host(plan, source, hardware, host_step_bytes or {})
     if ranges is not None:
         for sp, (start, end) in zip(plan.stages, ranges):
             if (sp.first_layer, sp.end_layer) != (start, end):
@@ -230,23 +232,31 @@ def _check_pools(plan: Plan, source: str, hardware: Hardware) -> None:
                           f"quotas on device {d}'s peer pool total {fmt_bytes(total)}, more than its memory: {allowed}")
 
 
-def _check_host_steps(plan: Plan, source: str, hardware: Hardware,
-                      host_step_bytes: Mapping[int, tuple[int, int]]) -> None:
-    """The host optimizer steps' buffers, with the pinned pools, within the host."""
-    pools = sum(sp.pinned_host_bytes for sp in plan.stages)
-    pinned = sum(p for p, _h in host_step_bytes.values())
-    pageable = sum(h for _p, h in host_step_bytes.values())
-    big = max(host_step_bytes, key=lambda s: sum(host_step_bytes[s]))
-    key = f"stages[{big}].optimizer_step"
-    if pools + pinned > hardware.pinnable_bytes:
-        raise refusal(source, key, f"the host optimizer steps' pinned staging buffers ({fmt_bytes(pinned)}) and the "
-                                   f"pinned pools ({fmt_bytes(pools)}) need {fmt_bytes(pools + pinned)}; "
+def _check_host(plan: Plan, source: str, hardware: Hardware,
+                host_step_bytes: Mapping[int, tuple[int, int]]) -> None:
+    """What is pinned apart from the pools (the host optimizer steps' slabs, the drive's
+    staging buffers) and the host steps' pageable copies, with the pools, within the host
+    (`host_bytes`; the pools alone are `_check_pools`')."""
+    need = host_bytes(plan, host_step_bytes)
+    exceeds = need.exceeds(hardware)
+    if exceeds is None or not (need.slabs or need.drive or need.pageable):
+        return
+    if host_step_bytes:
+        big = max(host_step_bytes, key=lambda s: sum(host_step_bytes[s]))
+        key = f"stages[{big}].optimizer_step"
+    else:  # the drive's staging buffers: the first nvme rule of the first stage with one
+        sp = next(sp for sp in plan.stages if on_drive(sp))
+        key = f"stages[{sp.stage}].rules[{next(r for r, x in enumerate(sp.rules) if x.technique is Technique.NVME)}]"
+    if exceeds == PINNED:
+        parts = [("the host optimizer steps' pinned staging buffers", need.slabs),
+                 ("the drive's pinned staging buffers", need.drive), ("the pinned pools", need.pools)]
+        listed = [f"{what} ({fmt_bytes(nbytes)})" for what, nbytes in parts if nbytes or what == "the pinned pools"]
+        raise refusal(source, key, f"{', '.join(listed[:-1])} and {listed[-1]} need {fmt_bytes(need.pinned)}; "
                                    f"{hardware.name} can pin {fmt_bytes(hardware.pinnable_bytes)}")
-    if pools + pinned + pageable > hardware.host_memory_bytes:
-        raise refusal(source, key, f"the host optimizer steps keep {fmt_bytes(pageable)} of fp32 copies and Adam "
-                                   f"states and {fmt_bytes(pinned)} of pinned staging, the pools pin "
-                                   f"{fmt_bytes(pools)}: {fmt_bytes(pools + pinned + pageable)} of "
-                                   f"{hardware.name}'s {fmt_bytes(hardware.host_memory_bytes)} of host memory")
+    raise refusal(source, key, f"the host optimizer steps keep {fmt_bytes(need.pageable)} of fp32 copies and Adam "
+                               f"states and {fmt_bytes(need.slabs + need.drive)} of pinned staging, the pools pin "
+                               f"{fmt_bytes(need.pools)}: {fmt_bytes(need.total)} of "
+                               f"{hardware.name}'s {fmt_bytes(hardware.host_memory_bytes)} of host memory")
 
 
 def _check_names(plan: Plan, source: str, stage_tensors: Mapping[int, Sequence[str]],

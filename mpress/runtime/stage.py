@@ -28,12 +28,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from mpress.contract.actions import Action, Kind
-from mpress.contract.host_bytes import on_drive
 from mpress.errors import PlanError, SwapError
 from mpress.contract.identity import MODEL_DATA_KINDS, layer_paths
 from mpress.contract.live_bytes import LiveBytes
 from mpress.contract.plan import Plan
-from mpress.contract.plan_check import check_plan
+from mpress.contract.plan_check import check_plan, on_drive
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.program import RankProgram, Span

@@ -12,9 +12,8 @@ from mpress.errors import PlanError
 from mpress.hardware.server import load_hardware
 from mpress.config.model_config import load_model_config
 from mpress.config.units import fmt_bytes
-from mpress.contract.host_bytes import NVME_STAGING_BYTES, host_bytes
 from mpress.contract.plan import PeerQuota, Plan, Stripe, TensorRule, hardware_fingerprint
-from mpress.contract.plan_check import Shape, check_plan
+from mpress.contract.plan_check import NVME_STAGING_BYTES, Shape, check_plan, host_bytes
 from mpress.config.vocabulary import ScheduleName
 from tests.support.plans import contract_plan as make_plan
 from tests.support.plans import one_line, rule
@@ -112,7 +111,7 @@ def test_check_plan_pinned_host_memory() -> None:
 
 def test_check_plan_counts_the_drive_stores_staging_beside_the_pools() -> None:
     """A stage with `nvme` rules pins its drive store's two staging buffers apart from its
-    pool (`host_bytes.drive_staging_bytes`): pools that fit alone but not with them are
+    pool (`plan_check.drive_staging_bytes`): pools that fit alone but not with them are
     refused, naming the stage's first nvme rule; with room for them, the plan passes."""
     hw = load_hardware("dgx1-v100")
     staging = 2 * NVME_STAGING_BYTES

@@ -19,8 +19,8 @@ import torch
 import yaml
 
 from mpress.config.model_config import load_model_config
-from mpress.contract.host_bytes import NVME_STAGING_BYTES, drive_staging_bytes, on_drive
 from mpress.contract.plan import Plan, StagePlan, TensorRule
+from mpress.contract.plan_check import NVME_STAGING_BYTES, drive_staging_bytes, on_drive
 from mpress.errors import ConfigError, PlanError
 from mpress.launcher.startup import plan_for
 from mpress.runtime.optimizer_offload import layer_params

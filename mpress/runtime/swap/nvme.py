@@ -19,7 +19,7 @@ take neither device nor host memory. The I/O:
   buffer per direction (`staging_bytes` each, page-locked when CUDA is available, plain
   host memory otherwise: a `PinnedHostPool`); a group larger than it moves window by
   window. The default is the contract's `NVME_STAGING_BYTES`, which the plan counts in
-  what it pins (`mpress.contract.host_bytes`): a power of two, so a block size divides it
+  what it pins (`mpress.contract.plan_check.host_bytes`): a power of two, so a block size divides it
   and the store pins exactly what the plan says.
 - **Asynchronous.** The copies run on the engine's swap-out and swap-in issuer threads
   (`workers.py`), never on the training thread: an `OO` returns at once, and `OI` is
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from mpress.config.units import round_up
-from mpress.contract.host_bytes import NVME_STAGING_BYTES
+from mpress.contract.plan_check import NVME_STAGING_BYTES
 from mpress.errors import SwapError
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import Residency

@@ -30,8 +30,8 @@ from typing import Any
 
 from mpress.config.units import fmt_bytes
 from mpress.contract.actions import Schedule
-from mpress.contract.host_bytes import PINNED, host_bytes
 from mpress.contract.plan import Plan
+from mpress.contract.plan_check import PINNED, host_bytes
 from mpress.hardware.server import Hardware
 from mpress.static.emulate.lowering import optimizer_transient_bytes
 from mpress.static.memory.stage_costs import StageCosts
@@ -62,7 +62,7 @@ def layer_data_candidates(costs: StageCosts, hardware: Hardware, num_microbatche
 def plan_pinned_bytes(plan: Plan, costs: list[StageCosts]) -> int:
     """Host memory `plan` pins over all stages: their pools, their host steps' slabs
     (`rewriter.host_step_pinned_bytes`; the second slab holds host parameters) and their
-    drives' staging buffers (`mpress.contract.host_bytes`)."""
+    drives' staging buffers (`mpress.contract.plan_check.host_bytes`)."""
     return host_bytes(plan, host_step_bytes(plan, costs)).pinned
 
 
@@ -70,7 +70,7 @@ def host_why(plan: Plan, costs: list[StageCosts], hardware: Hardware) -> str:
     """Why the server's host cannot hold what `plan` puts there, in one line ("": it can):
     what it pins (`plan_pinned_bytes`) within what the host can pin, and with the host
     steps' pageable fp32 copies and Adam states (`rewriter.host_step_host_bytes`) within
-    its memory: the sum the plan check refuses a plan by (`mpress.contract.host_bytes`)."""
+    its memory: the sum the plan check refuses a plan by (`mpress.contract.plan_check.host_bytes`)."""
     need = host_bytes(plan, host_step_bytes(plan, costs))
     exceeds = need.exceeds(hardware)
     if exceeds == PINNED:

@@ -10,7 +10,7 @@ drive's bandwidth costs its copies: `channels.drive_transfers`), until the pins 
 It moves nothing the drive cannot hold (`Hardware.nvme_bytes`, less what is already
 there), nothing while the pins fit (host memory is faster than any drive), and no stage
 whose move would not lower the pins: each stage on the drive pins its store's staging
-buffers (`mpress.contract.host_bytes.NVME_STAGING_BYTES` each way), more than a small
+buffers (`mpress.contract.plan_check.NVME_STAGING_BYTES` each way), more than a small
 stage's share of the pool.
 
 Optimizer data the search kept on a device stays there: the drive frees host memory,

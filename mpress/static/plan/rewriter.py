@@ -428,7 +428,7 @@ def host_step_host_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
 def host_step_bytes(plan: Plan, costs: list[StageCosts]) -> dict[int, tuple[int, int]]:
     """Per stage whose optimizer steps on the host, its step's (pinned, pageable) host
     bytes (`host_step_pinned_bytes`, `host_step_host_bytes`): what the plan check and the
-    planner's host sum (`mpress.contract.host_bytes`) take."""
+    planner's host sum (`mpress.contract.plan_check.host_bytes`) take."""
     pinned, pageable = host_step_pinned_bytes(plan, costs), host_step_host_bytes(plan, costs)
     return {s: (p, h) for s, (p, h) in enumerate(zip(pinned, pageable)) if p or h}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from mpress.config.model_config import load_model_config
-from mpress.contract.host_bytes import NVME_STAGING_BYTES
+from mpress.contract.plan_check import NVME_STAGING_BYTES
 from mpress.contract.plan import Plan
 from mpress.hardware.server import Hardware, load_hardware
 from mpress.static.emulate.channels import NVME_READ, NVME_WRITE

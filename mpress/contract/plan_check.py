@@ -14,6 +14,23 @@ belong to it. The line names the plan file, the plan's key (`stages[2].rules[5].
   and world size, the layers of the stages it builds, and `runtime=True`, which also
   refuses what torch's pipelining cannot execute.
 
+What a plan keeps in host memory is one sum (`host_bytes`), which the planner reads too
+(`planner_layer_data.host_why` calls a plan unfit by it), so the two never disagree about
+a plan. A plan takes host memory in four parts:
+
+- **pools**: each stage's pinned host pool (`StagePlan.pinned_host_bytes`), which the
+  stage's host swaps use;
+- **slabs**: the pinned staging slabs of the stages whose optimizer steps on the host
+  (gradients in, parameters out; the static side's `rewriter.host_step_pinned_bytes`);
+- **drive staging**: the pinned staging buffers of each stage with `nvme` rules: the
+  runtime's drive store (`mpress/runtime/swap/nvme.py`) moves every byte between the
+  device and the file through one buffer per direction of `NVME_STAGING_BYTES`, pinned
+  apart from the pool (`drive_staging_bytes`: what both the plan and the store read);
+- **pageable**: the host-step stages' fp32 copies and Adam states (not pinned).
+
+The first three must fit what the server lets plans pin (`Hardware.pinnable_bytes`), all
+four its host memory. Units: bytes.
+
 Rules are read by the identity module's `StageRules`, the resolver both halves use: a
 rule must name something of its stage (a saved tensor of one of its layers, or, for
 `optim:`/`stash:` rules, one of its layers).
@@ -28,9 +45,9 @@ from mpress.errors import PlanError
 from mpress.hardware.server import Hardware
 from mpress.contract.stage_rules import MODEL_DATA_KINDS, StageRules
 from mpress.config.model_config import ModelConfig
-from mpress.contract.plan import LAYER_DATA_PREFIXES, Plan, hardware_fingerprint
+from mpress.contract.plan import LAYER_DATA_PREFIXES, Plan, StagePlan, hardware_fingerprint
 from mpress.config.units import fmt_bytes
-from mpress.config.vocabulary import ScheduleName, Technique
+from mpress.config.vocabulary import OptimizerStep, ScheduleName, Technique
 
 RUNS_AS = {ScheduleName.PIPEDREAM: ScheduleName.ONE_F_ONE_B}
 """Planned schedules torch's pipelining runs as another: PipeDream's asynchronous 1F1B
@@ -55,6 +72,68 @@ def refusal(source: str, key: str, problem: str) -> PlanError:
     return PlanError(f"{source}: {key}: {problem}")
 
 
+# ---- what a plan keeps in host memory ----------------------------------------------
+
+NVME_STAGING_BYTES = 8 << 20
+"""Pinned staging buffer of a drive store, per direction (device -> file, file -> device):
+large enough for sequential drive I/O, small beside the pools a large model's plan pins.
+A power of two, so every drive's logical block size (a power of two, at most this)
+divides it: the store pins exactly twice this, no more."""
+
+PINNED, MEMORY = "pinned", "memory"
+"""What `HostBytes.exceeds` names: the server's pinnable memory, or its host memory."""
+
+
+def on_drive(sp: StagePlan) -> bool:
+    """Whether stage `sp` keeps optimizer states on the local drive (it has `nvme` rules;
+    a stage stepping on the host has none, `StagePlan` refuses them)."""
+    return sp.optimizer_step is not OptimizerStep.HOST and any(r.technique is Technique.NVME for r in sp.rules)
+
+
+def drive_staging_bytes(sp: StagePlan) -> int:
+    """Pinned bytes of stage `sp`'s drive staging buffers: both directions' (0 without a drive)."""
+    return 2 * NVME_STAGING_BYTES if on_drive(sp) else 0
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """A plan's host memory in its parts (see the module docstring)."""
+
+    pools: int
+    slabs: int
+    drive: int
+    pageable: int
+
+    @property
+    def pinned(self) -> int:
+        """What is page-locked: pools, host steps' slabs and drive staging."""
+        return self.pools + self.slabs + self.drive
+
+    @property
+    def total(self) -> int:
+        return self.pinned + self.pageable
+
+    def exceeds(self, hardware: Hardware) -> str | None:
+        """`PINNED` when the pinned parts exceed what `hardware` lets plans pin, else
+        `MEMORY` when all parts exceed its host memory, else None (it holds them)."""
+        if self.pinned > hardware.pinnable_bytes:
+            return PINNED
+        if self.total > hardware.host_memory_bytes:
+            return MEMORY
+        return None
+
+
+def host_bytes(plan: Plan, host_step_bytes: Mapping[int, tuple[int, int]]) -> HostBytes:
+    """The host memory of `plan`, given per stage stepping its optimizer on the host the
+    (pinned, pageable) bytes of that step (the static side's figures from the profile)."""
+    return HostBytes(pools=sum(sp.pinned_host_bytes for sp in plan.stages),
+                     slabs=sum(p for p, _h in host_step_bytes.values()),
+                     drive=sum(drive_staging_bytes(sp) for sp in plan.stages),
+                     pageable=sum(h for _p, h in host_step_bytes.values()))
+
+
+# ---- the check ---------------------------------------------------------------------
+
 def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = None,
                model_fingerprint: str | None = None, hardware: Hardware | None = None,
                shape: Shape | None = None, ranges: Sequence[tuple[int, int]] | None = None,
@@ -68,12 +147,14 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
     model / model_fingerprint: the plan must have been made for this model.
     hardware: same device count and topology; every device a stage, a stripe or a peer
         quota names exists, stripes and quotas only to NVLink neighbours of the stage's
-        device; the pinned pools fit the host memory, each device's peer pools (and the
-        quotas exporters hold in it) its usable memory.
+        device; the pinned pools, with the drive's staging buffers, fit what the host
+        can pin, each device's peer pools (and the quotas exporters hold in it) its
+        usable memory.
     host_step_bytes: with `hardware`, per stage whose optimizer steps on the host, the
         (pinned, pageable) host bytes its step keeps (staging buffers apart from the
-        pool; fp32 copies and Adam states): with the pools, the pinned ones must fit what
-        the hardware can pin, and all of them its host memory.
+        pool; fp32 copies and Adam states): with the pools and the drive's staging, the
+        pinned ones must fit what the hardware can pin, and all of them its host memory
+        (`host_bytes`, the sum the planner uses too).
     shape: the pipeline's schedule, stage count, microbatch count and size (at run time
         a PipeDream plan runs as 1F1B). ranges: each stage's layer range [start, end).
     world_size: the ranks of the job; each rank's stages on one device of its own.
@@ -123,8 +204,7 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
                                               f"the plan carries); plan again for {hardware.name!r}")
         _check_devices(plan, source, hardware)
         _check_pools(plan, source, hardware)
-        if host_step_bytes:
-            _check_host_steps(plan, source, hardware, host_step_bytes)
+        _check_host(plan, source, hardware, host_step_bytes or {})
     if ranges is not None:
         for sp, (start, end) in zip(plan.stages, ranges):
             if (sp.first_layer, sp.end_layer) != (start, end):
@@ -230,23 +310,31 @@ def _check_pools(plan: Plan, source: str, hardware: Hardware) -> None:
                           f"quotas on device {d}'s peer pool total {fmt_bytes(total)}, more than its memory: {allowed}")
 
 
-def _check_host_steps(plan: Plan, source: str, hardware: Hardware,
-                      host_step_bytes: Mapping[int, tuple[int, int]]) -> None:
-    """The host optimizer steps' buffers, with the pinned pools, within the host."""
-    pools = sum(sp.pinned_host_bytes for sp in plan.stages)
-    pinned = sum(p for p, _h in host_step_bytes.values())
-    pageable = sum(h for _p, h in host_step_bytes.values())
-    big = max(host_step_bytes, key=lambda s: sum(host_step_bytes[s]))
-    key = f"stages[{big}].optimizer_step"
-    if pools + pinned > hardware.pinnable_bytes:
-        raise refusal(source, key, f"the host optimizer steps' pinned staging buffers ({fmt_bytes(pinned)}) and the "
-                                   f"pinned pools ({fmt_bytes(pools)}) need {fmt_bytes(pools + pinned)}; "
+def _check_host(plan: Plan, source: str, hardware: Hardware,
+                host_step_bytes: Mapping[int, tuple[int, int]]) -> None:
+    """What is pinned apart from the pools (the host optimizer steps' slabs, the drive's
+    staging buffers) and the host steps' pageable copies, with the pools, within the host
+    (`host_bytes`; the pools alone are `_check_pools`')."""
+    need = host_bytes(plan, host_step_bytes)
+    exceeds = need.exceeds(hardware)
+    if exceeds is None or not (need.slabs or need.drive or need.pageable):
+        return
+    if host_step_bytes:
+        big = max(host_step_bytes, key=lambda s: sum(host_step_bytes[s]))
+        key = f"stages[{big}].optimizer_step"
+    else:  # the drive's staging buffers: the first nvme rule of the first stage with one
+        sp = next(sp for sp in plan.stages if on_drive(sp))
+        key = f"stages[{sp.stage}].rules[{next(r for r, x in enumerate(sp.rules) if x.technique is Technique.NVME)}]"
+    if exceeds == PINNED:
+        parts = [("the host optimizer steps' pinned staging buffers", need.slabs),
+                 ("the drive's pinned staging buffers", need.drive), ("the pinned pools", need.pools)]
+        listed = [f"{what} ({fmt_bytes(nbytes)})" for what, nbytes in parts if nbytes or what == "the pinned pools"]
+        raise refusal(source, key, f"{', '.join(listed[:-1])} and {listed[-1]} need {fmt_bytes(need.pinned)}; "
                                    f"{hardware.name} can pin {fmt_bytes(hardware.pinnable_bytes)}")
-    if pools + pinned + pageable > hardware.host_memory_bytes:
-        raise refusal(source, key, f"the host optimizer steps keep {fmt_bytes(pageable)} of fp32 copies and Adam "
-                                   f"states and {fmt_bytes(pinned)} of pinned staging, the pools pin "
-                                   f"{fmt_bytes(pools)}: {fmt_bytes(pools + pinned + pageable)} of "
-                                   f"{hardware.name}'s {fmt_bytes(hardware.host_memory_bytes)} of host memory")
+    raise refusal(source, key, f"the host optimizer steps keep {fmt_bytes(need.pageable)} of fp32 copies and Adam "
+                               f"states and {fmt_bytes(need.slabs + need.drive)} of pinned staging, the pools pin "
+                               f"{fmt_bytes(need.pools)}: {fmt_bytes(need.total)} of "
+                               f"{hardware.name}'s {fmt_bytes(hardware.host_memory_bytes)} of host memory")
 
 
 def _check_names(plan: Plan, source: str, stage_tensors: Mapping[int, Sequence[str]],

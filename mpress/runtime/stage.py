@@ -32,7 +32,7 @@ from mpress.errors import PlanError, SwapError
 from mpress.contract.identity import MODEL_DATA_KINDS, layer_paths
 from mpress.contract.live_bytes import LiveBytes
 from mpress.contract.plan import Plan
-from mpress.contract.plan_check import check_plan
+from mpress.contract.plan_check import check_plan, on_drive
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import MemoryManager
 from mpress.runtime.program import RankProgram, Span
@@ -68,12 +68,12 @@ class StageRuntime:
         self.program = program
         self.stats = StageStats()
         techniques = {r.technique for r in self.stage_plan.rules}
-        on_drive = Technique.NVME in techniques and self.stage_plan.optimizer_step is not OptimizerStep.HOST
-        if on_drive and nvme_dir is None:
+        drive_stage = on_drive(self.stage_plan)
+        if drive_stage and nvme_dir is None:
             raise PlanError(f"stage {stage_index}: the plan keeps optimizer states on nvme: set nvme_dir in the "
                             "training config, or pass it to apply_mpress (a directory on a local drive)")
         # its file first: opening it is what may fail, before any engine starts its threads
-        drive = NvmeStore(nvme_dir, device, name=f"rank{rank}-stage{stage_index}") if on_drive else None
+        drive = NvmeStore(nvme_dir, device, name=f"rank{rank}-stage{stage_index}") if drive_stage else None
         self.manager = MemoryManager(device, rank=rank)
         self.pool: PinnedHostPool | None = None
         self.engine: SwapEngine | None = None

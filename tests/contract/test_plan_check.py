@@ -11,8 +11,9 @@ import pytest
 from mpress.errors import PlanError
 from mpress.hardware.server import load_hardware
 from mpress.config.model_config import load_model_config
+from mpress.config.units import fmt_bytes
 from mpress.contract.plan import PeerQuota, Plan, Stripe, TensorRule, hardware_fingerprint
-from mpress.contract.plan_check import Shape, check_plan
+from mpress.contract.plan_check import NVME_STAGING_BYTES, Shape, check_plan, host_bytes
 from mpress.config.vocabulary import ScheduleName
 from tests.support.plans import contract_plan as make_plan
 from tests.support.plans import one_line, rule
@@ -106,6 +107,25 @@ def test_check_plan_pinned_host_memory() -> None:
     assert msg.endswith("dgx1-v100 can pin 464 GB of its 550 GB of host memory")
     ok, hw = dgx1_plan(s0={"pinned_host_bytes": 250 * GB}, s1={"pinned_host_bytes": 200 * GB})
     check_plan(ok, source="p.yaml", hardware=hw)
+
+
+def test_check_plan_counts_the_drive_stores_staging_beside_the_pools() -> None:
+    """A stage with `nvme` rules pins its drive store's two staging buffers apart from its
+    pool (`plan_check.drive_staging_bytes`): pools that fit alone but not with them are
+    refused, naming the stage's first nvme rule; with room for them, the plan passes."""
+    hw = load_hardware("dgx1-v100")
+    staging = 2 * NVME_STAGING_BYTES
+    drive = {1: [rule("layers.*.**"), rule("optim:*", "nvme")]}
+    plan, hw = dgx1_plan(drive, s0={"pinned_host_bytes": hw.pinnable_bytes - staging + 1})
+    with pytest.raises(PlanError) as info:
+        check_plan(plan, source="p.yaml", hardware=hw)
+    assert one_line(info.value) == (
+        f"p.yaml: stages[1].rules[1]: the drive's pinned staging buffers ({fmt_bytes(staging)}) and the pinned "
+        f"pools ({fmt_bytes(hw.pinnable_bytes - staging + 1)}) need {fmt_bytes(hw.pinnable_bytes + 1)}; "
+        f"dgx1-v100 can pin {fmt_bytes(hw.pinnable_bytes)}")
+    ok, hw = dgx1_plan(drive, s0={"pinned_host_bytes": hw.pinnable_bytes - staging})
+    check_plan(ok, source="p.yaml", hardware=hw)
+    assert host_bytes(ok, {}).pinned == hw.pinnable_bytes
 
 
 def test_check_plan_peer_pool_within_device_memory() -> None:

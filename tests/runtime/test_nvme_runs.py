@@ -2,14 +2,17 @@
 the contract's refusals first, then one spawn of 2 CPU (gloo) ranks whose tier is a
 directory: a run with nvme rules (beside host ones) equals plain pipelining bit for bit,
 executes its program, keeps the nvme layers' states in its files between steps (not on
-the device, not in host memory), and resumes from a checkpoint taken with the states on
-the drive (the checkpoint reads them back from there) to the same parameters and losses."""
+the device, not in host memory), resumes from a checkpoint taken with the states on
+the drive (the checkpoint reads them back from there) to the same parameters and losses,
+and page-locks what its plan says it pins (the drive stores' staging buffers beside the
+pools), as a GPU run would (a stand-in CUDA runtime records each registration)."""
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,15 +20,18 @@ import yaml
 
 from mpress.config.model_config import load_model_config
 from mpress.contract.plan import Plan, StagePlan, TensorRule
+from mpress.contract.plan_check import NVME_STAGING_BYTES, drive_staging_bytes, on_drive
 from mpress.errors import ConfigError, PlanError
 from mpress.launcher.startup import plan_for
 from mpress.runtime.optimizer_offload import layer_params
 from mpress.runtime.train_config import load_train_config, model_config
 from mpress.runtime.trainer import JobSpec, PipelineJob
+from mpress.static.plan.planner_layer_data import plan_pinned_bytes
 from tests.support.compare import assert_identical
+from tests.support.cuda_fakes import FakeCudart, as_if_cuda
 from tests.support.documented import one_line_error, run_documented
 from tests.support.jobs import resumed
-from tests.support.plans import drive_hardware, one_line, pipeline_plan
+from tests.support.plans import drive_hardware, one_line, pipeline_plan, setup_for
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, batch
 
@@ -120,6 +126,17 @@ class Job:
 
 
 def _run_one(job: Job, plan_path: str | None, rank: int, nvme_dir: str) -> dict:
+    """One job on this rank, its pinned host memory page-locked through a stand-in CUDA
+    runtime (what a GPU run registers: the pools and the drive stores' staging buffers)."""
+    cudart = FakeCudart()
+    with pytest.MonkeyPatch.context() as patch:
+        as_if_cuda(patch, cudart)
+        result = _train(job, plan_path, rank, nvme_dir, cudart)
+    result["left_pinned"] = dict(cudart.registered)  # once the job closed: nothing stays page-locked
+    return result
+
+
+def _train(job: Job, plan_path: str | None, rank: int, nvme_dir: str, cudart: FakeCudart) -> dict:
     n = 2 * WORLD if job.schedule == "interleaved" else WORLD
     spec = JobSpec(model=MODEL_BF16, schedule=job.schedule, ranges=RANGES[n], microbatch_size=MICROBATCH_SIZE,
                    num_microbatches=NUM_MICROBATCHES, seed=3, nvme_dir=nvme_dir)
@@ -150,7 +167,8 @@ def _run_one(job: Job, plan_path: str | None, rank: int, nvme_dir: str) -> dict:
                       "said": rt.stats.extra["nvme"], "io": engine.stats.num_out + engine.stats.num_in})
     executed = ([str(a) for a in pj.program.last_log], [str(a) for a in pj.program.actions]) \
         if pj.program is not None else None
-    result = {"losses": losses, "state": pj.state(), "drive": drive, "executed": executed}
+    result = {"losses": losses, "state": pj.state(), "drive": drive, "executed": executed,
+              "pinned": sum(cudart.registered.values())}
     pj.close()
     result["left"] = [name for name in os.listdir(nvme_dir) if name.endswith(f"-{os.getpid()}.mpress-optim")]
     return result
@@ -161,8 +179,18 @@ def _jobs_worker(rank: int, world: int, plan_paths: list[str | None], jobs: list
         yield _run_one(job, path, rank, nvme_dir)
 
 
+def _pools_as_run(plan: Plan) -> Plan:
+    """`plan` without a pool for a stage that sends nothing to the host (no `host` rule):
+    the runtime makes none there, as a planned plan asks for none (`pipeline_plan` gives
+    every stage one)."""
+    return dataclasses.replace(plan, stages=[
+        sp if any(r.technique == "host" for r in sp.rules) else dataclasses.replace(sp, pinned_host_bytes=0)
+        for sp in plan.stages])
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def jobs(tmp_path_factory) -> tuple[Path, dict[str, Job]]:
+    """The directory the drive is in, and the jobs by name."""
     where = tmp_path_factory.mktemp("nvme")
     (where / "drive").mkdir()
     hardware = drive_hardware(where)
@@ -171,16 +199,22 @@ def results(tmp_path_factory):
     mixed = pipeline_plan("1f1b", WORLD, NUM_MICROBATCHES, {0: [NVME, ACTIVATIONS], 1: [NVME_BLOCKS, HOST]},
                           model=MODEL_BF16, hardware=hardware)
     # interleaved: two stages per rank, each with its own file (stage 2 on the drive, 3 on the host)
-    looped = pipeline_plan("interleaved", WORLD, NUM_MICROBATCHES, {0: [NVME], 1: [NVME_BLOCKS, HOST], 2: [NVME],
-                                                                     3: [HOST]}, model=MODEL_BF16, hardware=hardware)
-    jobs = {"plain": Job(), "nvme": Job(plan=mixed), "nvme-resumed": Job(plan=mixed, resume_after=2),
-            "plain-interleaved": Job(schedule="interleaved"),
-            "nvme-interleaved": Job(plan=looped, schedule="interleaved", resume_after=1)}
-    spawned = spawn(_jobs_worker, WORLD, [job.plan for job in jobs.values()], list(jobs.values()),
+    looped = _pools_as_run(pipeline_plan("interleaved", WORLD, NUM_MICROBATCHES,
+                                         {0: [NVME], 1: [NVME_BLOCKS, HOST], 2: [NVME], 3: [HOST]},
+                                         model=MODEL_BF16, hardware=hardware))
+    return where, {"plain": Job(), "nvme": Job(plan=mixed), "nvme-resumed": Job(plan=mixed, resume_after=2),
+                   "plain-interleaved": Job(schedule="interleaved"),
+                   "nvme-interleaved": Job(plan=looped, schedule="interleaved", resume_after=1)}
+
+
+@pytest.fixture(scope="module")
+def results(jobs):
+    where, named = jobs
+    spawned = spawn(_jobs_worker, WORLD, [job.plan for job in named.values()], list(named.values()),
                     str(where / "drive"))
     if spawned.errors:
         pytest.fail(f"ranks failed: { {r: t.splitlines()[0] for r, t in spawned.errors.items()} }")
-    return dict(zip(jobs, spawned.results))
+    return dict(zip(named, spawned.results))
 
 
 @pytest.mark.slow
@@ -210,3 +244,19 @@ def test_the_nvme_layers_states_live_in_the_files_between_steps(results, name, s
         assert r["left"] == [], r["left"]
     if "interleaved" not in name:  # stage 1 holds the head there: its chunk goes to the host, beside the drive
         assert results[name][1]["drive"][0]["host_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nvme", "nvme-resumed", "nvme-interleaved"])
+def test_a_run_pins_what_its_plan_says_it_pins(jobs, results, name):
+    """What the ranks page-lock together while they train is the plan's pinned total
+    (`plan_pinned_bytes`, which `mpress plan` reports and the plan check holds against
+    the host): the stages' pools and, apart, each drive store's two staging buffers. A
+    plan that left the staging out would fall short by those. Once the job closed,
+    nothing is left page-locked."""
+    plan = jobs[1][name].plan
+    drive = sum(drive_staging_bytes(sp) for sp in plan.stages)
+    assert drive == 2 * NVME_STAGING_BYTES * sum(on_drive(sp) for sp in plan.stages) > 0
+    pinned = [r["pinned"] for r in results[name]]
+    assert sum(pinned) == plan_pinned_bytes(plan, setup_for(plan, MODEL_BF16).costs), pinned
+    assert all(r["left_pinned"] == {} for r in results[name]), [r["left_pinned"] for r in results[name]]

@@ -14,7 +14,7 @@ from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.contract.actions import stage_to_rank
 from mpress.contract.plan import PeerQuota, Plan, StagePlan, Stripe, TensorRule, hardware_fingerprint
 from mpress.static.profile.analytic import analytic_profile
-from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.plan.plan_eval import plan_from_rules
 from tests.support.tiny_pipeline import (
     MICROBATCH_SIZE,
@@ -101,13 +101,18 @@ def with_program(plan: Plan, model: ModelConfig) -> Plan:
     static rewriter's, as `mpress plan` writes it) and each stage's predicted peak: the
     emulated peak of its device, its iteration and whether it fits, all derived from
     its rules (`plan_from_rules`: none kept from a plan it was edited from)."""
+    setup = setup_for(plan, model)
+    plan = dataclasses.replace(plan, hardware_fingerprint=hardware_fingerprint(setup.hardware))  # as planned
+    return plan_from_rules(setup, plan)
+
+
+def setup_for(plan: Plan, model: ModelConfig) -> PipelineSetup:
+    """The pipeline `plan` is for, with `model`: its hardware, shape and layer ranges."""
     hardware = load_hardware(plan.hardware, num_devices=plan.num_devices, memory_bytes=plan.device_memory_bytes)
     ranges = [(sp.first_layer, sp.end_layer) for sp in plan.stages]
-    setup = setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
-                           microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
-                           num_ranks=plan.num_ranks, ranges=ranges)
-    plan = dataclasses.replace(plan, hardware_fingerprint=hardware_fingerprint(hardware))  # as planned
-    return plan_from_rules(setup, plan)
+    return setup_pipeline(model, hardware, schedule=plan.schedule, num_stages=plan.num_stages,
+                          microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
+                          num_ranks=plan.num_ranks, ranges=ranges)
 
 
 @functools.cache

@@ -18,7 +18,9 @@ take neither device nor host memory. The I/O:
 - **Staged.** Bytes go device -> staging buffer -> file and back through one bounded
   buffer per direction (`staging_bytes` each, page-locked when CUDA is available, plain
   host memory otherwise: a `PinnedHostPool`); a group larger than it moves window by
-  window.
+  window. The default is the contract's `NVME_STAGING_BYTES`, which the plan counts in
+  what it pins (`mpress.contract.plan_check.host_bytes`): a power of two, so a block size divides it
+  and the store pins exactly what the plan says.
 - **Asynchronous.** The copies run on the engine's swap-out and swap-in issuer threads
   (`workers.py`), never on the training thread: an `OO` returns at once, and `OI` is
   issued ahead of the chunk's step by the plan's prefetch, as for host swap. Each
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 from mpress.config.units import round_up
+from mpress.contract.plan_check import NVME_STAGING_BYTES
 from mpress.errors import SwapError
 from mpress.runtime.memory.host_pool import PinnedHostPool
 from mpress.runtime.memory.manager import Residency
@@ -62,9 +65,6 @@ from mpress.runtime.swap.store import (
 
 DEFAULT_BLOCK_BYTES = 4096
 """Alignment where the drive's logical block size cannot be read (tmpfs, overlays)."""
-STAGING_BYTES = 8 << 20
-"""Default staging buffer per direction: large enough for sequential drive I/O, small
-beside the pinned pools a plan sizes."""
 
 
 def logical_block_bytes(directory: str | Path) -> int:
@@ -102,7 +102,7 @@ class NvmeStore(SwapStore):
     kind = "nvme"
 
     def __init__(self, directory: str | Path, device: torch.device, *, name: str,
-                 staging_bytes: int = STAGING_BYTES, capacity_bytes: int | None = None,
+                 staging_bytes: int = NVME_STAGING_BYTES, capacity_bytes: int | None = None,
                  block_bytes: int | None = None) -> None:
         super().__init__(torch.device(device))
         directory = Path(directory)

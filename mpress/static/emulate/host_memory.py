@@ -10,7 +10,9 @@ optimizer step, its OO takes them again. On a GPU the swap-in's copy may still r
 the step has been enqueued and the OO (or a later SO) reserves; the runtime frees the
 blocks when that copy completes, and a reservation the pool is short for waits for it
 (`HostStore.await_room`), so the pool never holds a chunk twice and this figure stays
-what the runtime holds. D2D units and chunks (with stripes) use peer pools, not this one.
+what the runtime holds. D2D units and chunks (with stripes) use peer pools, not this one;
+chunks on the drive (`nvme` rules) take no blocks: they cross the drive store's own
+staging buffers, pinned apart and counted apart (`mpress.contract.plan_check.host_bytes`).
 
 The pool the plan asks for is that peak plus room for fragmentation: the runtime carves
 blocks first fit, and blocks come back in another order than they went out (a swap-in

@@ -38,8 +38,7 @@ from mpress.static.emulate.program import Program
 from mpress.static.memory.model import memory_model
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup, profile_fingerprint
 from mpress.static.plan.rewriter import (
-    host_step_host_bytes,
-    host_step_pinned_bytes,
+    host_step_bytes,
     host_step_stages,
     offloaded_optim_bytes,
     rewrite,
@@ -51,13 +50,12 @@ def check_plan_for_setup(plan: Plan, setup: PipelineSetup, source: str = "plan")
     """Refuse a plan made for another model, hardware, pipeline shape or profile (all that
     a pipeline setup knows, given to the one plan check)."""
     sched = setup.schedule
-    pinned, pageable = host_step_pinned_bytes(plan, setup.costs), host_step_host_bytes(plan, setup.costs)
     check_plan(plan, source=source, model=setup.model, hardware=setup.hardware,
                shape=Shape(sched.name, sched.num_stages, sched.num_microbatches, setup.microbatch_size),
                ranges=setup.ranges,
                stage_tensors={c.stage: [t.id for t in c.saved] for c in setup.costs},
                stage_layers={c.stage: [x.name for x in c.layers] for c in setup.costs},
-               host_step_bytes={s: (p, h) for s, (p, h) in enumerate(zip(pinned, pageable)) if p or h})
+               host_step_bytes=host_step_bytes(plan, setup.costs))
 
 
 def evaluate_plan(setup: PipelineSetup, plan: Plan) -> Evaluation:

@@ -31,16 +31,13 @@ from typing import Any
 from mpress.config.units import fmt_bytes
 from mpress.contract.actions import Schedule
 from mpress.contract.plan import Plan
+from mpress.contract.plan_check import PINNED, host_bytes
 from mpress.hardware.server import Hardware
 from mpress.static.emulate.lowering import optimizer_transient_bytes
 from mpress.static.memory.stage_costs import StageCosts
 from mpress.static.plan.layer_data import schedule_allows
 from mpress.static.plan.plan_draft import KEEP, Draft
-from mpress.static.plan.rewriter import (
-    OPTIMIZER_PREFETCH_DEPTH,
-    host_step_host_bytes,
-    host_step_pinned_bytes,
-)
+from mpress.static.plan.rewriter import OPTIMIZER_PREFETCH_DEPTH, host_step_bytes
 
 
 def layer_data_candidates(costs: StageCosts, hardware: Hardware, num_microbatches: int, sharing: int,
@@ -63,24 +60,25 @@ def layer_data_candidates(costs: StageCosts, hardware: Hardware, num_microbatche
 
 
 def plan_pinned_bytes(plan: Plan, costs: list[StageCosts]) -> int:
-    """Host memory `plan` pins over all stages: their pools and their host steps' slabs
-    (`rewriter.host_step_pinned_bytes`; the second slab holds host parameters)."""
-    return sum(sp.pinned_host_bytes for sp in plan.stages) + sum(host_step_pinned_bytes(plan, costs))
+    """Host memory `plan` pins over all stages: their pools, their host steps' slabs
+    (`rewriter.host_step_pinned_bytes`; the second slab holds host parameters) and their
+    drives' staging buffers (`mpress.contract.plan_check.host_bytes`)."""
+    return host_bytes(plan, host_step_bytes(plan, costs)).pinned
 
 
 def host_why(plan: Plan, costs: list[StageCosts], hardware: Hardware) -> str:
     """Why the server's host cannot hold what `plan` puts there, in one line ("": it can):
-    the pinned pools and host steps' slabs within what it can pin, and with the host
+    what it pins (`plan_pinned_bytes`) within what the host can pin, and with the host
     steps' pageable fp32 copies and Adam states (`rewriter.host_step_host_bytes`) within
-    its memory (what `plan_check` refuses at run time)."""
-    pinned = plan_pinned_bytes(plan, costs)
-    if pinned > hardware.pinnable_bytes:
-        return (f"pinnable host memory too small for the host-swap volume: needs {fmt_bytes(pinned)}, "
+    its memory: the sum the plan check refuses a plan by (`mpress.contract.plan_check.host_bytes`)."""
+    need = host_bytes(plan, host_step_bytes(plan, costs))
+    exceeds = need.exceeds(hardware)
+    if exceeds == PINNED:
+        return (f"pinnable host memory too small for the host-swap volume: needs {fmt_bytes(need.pinned)}, "
                 f"{hardware.name} can pin {fmt_bytes(hardware.pinnable_bytes)}")
-    pageable = sum(host_step_host_bytes(plan, costs))
-    if pinned + pageable > hardware.host_memory_bytes:
+    if exceeds is not None:
         return (f"host memory too small for the host optimizer steps: their fp32 copies and Adam states take "
-                f"{fmt_bytes(pageable)} beside {fmt_bytes(pinned)} pinned, {hardware.name} has "
+                f"{fmt_bytes(need.pageable)} beside {fmt_bytes(need.pinned)} pinned, {hardware.name} has "
                 f"{fmt_bytes(hardware.host_memory_bytes)}")
     return ""
 

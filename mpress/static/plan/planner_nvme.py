@@ -8,7 +8,10 @@ data from the pinned pool to the drive (`nvme` rules: `mpress/runtime/swap/nvme.
 the stages with the most of it first, one stage at a time, each move emulated (the
 drive's bandwidth costs its copies: `channels.drive_transfers`), until the pins fit.
 It moves nothing the drive cannot hold (`Hardware.nvme_bytes`, less what is already
-there), and nothing while the pins fit: host memory is faster than any drive.
+there), nothing while the pins fit (host memory is faster than any drive), and no stage
+whose move would not lower the pins: each stage on the drive pins its store's staging
+buffers (`mpress.contract.plan_check.NVME_STAGING_BYTES` each way), more than a small
+stage's share of the pool.
 
 Optimizer data the search kept on a device stays there: the drive frees host memory,
 the device's overflow is the search's to solve.
@@ -34,28 +37,36 @@ def optimizer_to_drive(planner, d: Draft, ev: Evaluation) -> tuple[Draft, Evalua
     not allowed the drive (`PlannerOptions.drive`). Returns the draft and its emulation;
     `Draft.drive_full` says whether the drive's capacity stopped it."""
     hw = planner.hw
-    if planner.strategy is not Strategy.MPRESS or not planner.options.drive or not hw.has_nvme \
-            or _pinned(planner, d, ev) <= hw.pinnable_bytes:
+    if planner.strategy is not Strategy.MPRESS or not planner.options.drive or not hw.has_nvme:
+        return d, ev
+    pins = _pinned(planner, d, ev)
+    if pins <= hw.pinnable_bytes:
         return d, ev
     room = hw.nvme_bytes - drive_bytes(planner, d)
     order = sorted((s for s in range(len(planner.costs)) if d.optim[s] is Technique.HOST and not d.host_step[s]),
                    key=lambda s: -(planner.costs[s].optim_bytes + planner.costs[s].master_bytes))
-    moved = d.copy()
+    moved, best = d.copy(), ev
     for s in order:
         nbytes = planner.costs[s].optim_bytes + planner.costs[s].master_bytes
         if nbytes > room:
             moved.drive_full = True
             continue
-        moved.optim[s] = Technique.NVME
+        trial = moved.copy()
+        trial.optim[s] = Technique.NVME
+        trial_ev = planner.evaluate(trial)
+        trial_pins = _pinned(planner, trial, trial_ev)
+        if trial_pins >= pins:  # the drive's staging buffers pin more than the stage's pool gave back
+            continue
+        moved, best, pins = trial, trial_ev, trial_pins
         room -= nbytes
-        ev = planner.evaluate(moved)
         planner.progress(f"{planner.strategy}: stage {s}'s optimizer data to the drive, iteration "
-                         f"{ev.result.iteration_s:.3f} s")
-        if _pinned(planner, moved, ev) <= hw.pinnable_bytes:
+                         f"{best.result.iteration_s:.3f} s")
+        if pins <= hw.pinnable_bytes:
             break
-    return moved, ev
+    return moved, best
 
 
 def _pinned(planner, d: Draft, ev: Evaluation) -> int:
-    """Host memory the plan of draft `d` (emulated as `ev`) pins: pools and host steps' slabs."""
+    """Host memory the plan of draft `d` (emulated as `ev`) pins: pools, host steps' slabs
+    and drive staging buffers."""
     return plan_pinned_bytes(planner.writer.to_plan(d, ev), planner.costs)

@@ -425,6 +425,14 @@ def host_step_host_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
             for sp, c in zip(plan.stages, costs)]
 
 
+def host_step_bytes(plan: Plan, costs: list[StageCosts]) -> dict[int, tuple[int, int]]:
+    """Per stage whose optimizer steps on the host, its step's (pinned, pageable) host
+    bytes (`host_step_pinned_bytes`, `host_step_host_bytes`): what the plan check and the
+    planner's host sum (`mpress.contract.plan_check.host_bytes`) take."""
+    pinned, pageable = host_step_pinned_bytes(plan, costs), host_step_host_bytes(plan, costs)
+    return {s: (p, h) for s, (p, h) in enumerate(zip(pinned, pageable)) if p or h}
+
+
 def stash_offloaded(schedule: Schedule) -> list[bool]:
     """Per stage, whether the rewritten program `schedule` moves its stashed weight
     versions off the device: a rule may select only some microbatches (any of them moves

@@ -6,7 +6,8 @@ What it does:
 - hosts the job's store (a `TCPStore`; the ranks join it as torchrun's workers join the
   agent's, `TORCHELASTIC_USE_AGENT_STORE`), so the store outlives any rank and every
   surviving rank's watch can name the one that died (`rank_watch.py`);
-- starts one `python -m mpress.train --config CFG <overrides>` per rank, in a process
+- starts one `python -m mpress.train --config CFG <overrides>` per rank (forked by a rank
+  starter that imported it once, `rank_starter.py`, else executed), in a process
   group of the job's own (a Ctrl-C reaches the launcher only, which stops the ranks);
   each rank asks the kernel to kill it when the launcher dies (`liveness.die_with_parent`);
 - rank 0's stdout (progress lines, report tables) is the launcher's stdout, unchanged and
@@ -159,17 +160,17 @@ def shared_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def rank_env(spec: LaunchSpec, local: int, port: int, parent: int | None = None) -> dict[str, str]:
+def rank_env(spec: LaunchSpec, local: int, port: int) -> dict[str, str]:
     """Local rank `local`'s environment: as torchrun's workers get it (global rank and
-    world over every node), plus the run id and the pid of its parent (`parent`: the
-    rank starter that forks it; None: this launcher, which executes it)."""
+    world over every node), plus the run id and the pid of its parent (this launcher;
+    a rank starter puts its own there, `rank_starter.py`)."""
     env = shared_env(spec)
     nodes = spec.nodes or Nodes(nnodes=1, node_rank=0, host="127.0.0.1", port=port)
     rank, world = nodes.node_rank * spec.nproc + local, nodes.nnodes * spec.nproc
     env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(spec.nproc),
                GROUP_RANK=str(nodes.node_rank), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
                MASTER_ADDR=nodes.host, MASTER_PORT=str(nodes.port))
-    env[LAUNCHER_PID_ENV] = str(os.getpid() if parent is None else parent)
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
 
 
@@ -275,7 +276,7 @@ def _start_ranks(spec: LaunchSpec, port: int, starter: RankStarter | None, procs
             try:
                 if rank == 0:
                     starter.ready()
-                proc = starter.fork(argv, rank_env(spec, rank, port, parent=starter.proc.pid),
+                proc = starter.fork(argv, rank_env(spec, rank, port),
                                     out=("2" if spec.json_report is not None else None) if rank == 0 else str(log),
                                     err=str(log), pgid=pgid)
             except StarterRefused as exc:

@@ -228,11 +228,13 @@ def _why_not_fork() -> str | None:
         return f"it runs {threading.active_count()} Python threads after its imports"
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            cuda = any(os.path.basename(line.split()[-1]).startswith("libcuda.so") for line in f if "/" in line)
+            loaded = {os.path.basename(line.split()[-1]).split(".so")[0] for line in f if "/" in line}
     except OSError as exc:
         return f"procfs cannot be read ({exc})"
-    if cuda:
+    if "libcuda" in loaded:
         return "the CUDA driver is loaded in it"
+    if "libnvidia-ml" in loaded:
+        return "NVML is loaded in it"
     return None
 
 
@@ -282,10 +284,19 @@ class _Server:
             if why is not None:
                 self.send({"refused": why})
                 continue
+            request = json.loads(line)
+            # the rank's lifeline: it checks that its parent is still this process (if
+            # this one died before the child asked for the parent-death signal, the
+            # child is re-parented and must not start)
+            request["env"][LAUNCHER_PID_ENV] = str(os.getpid())
+            # a signal the launcher sends the child before it has its own handlers stays
+            # pending (blocked) rather than reaching the starter's, and acts once it has
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
             pid = os.fork()
             if pid == 0:
                 self._leave()
-                return json.loads(line)
+                return request
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
             pidfd = os.pidfd_open(pid)
             self.children[pidfd] = pid
             self.sel.register(pidfd, selectors.EVENT_READ)
@@ -300,6 +311,14 @@ class _Server:
         os.close(self.replies)
 
 
+_STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+"""The signals that stop a rank (the launcher's, or the terminal's Ctrl-C)."""
+
+
+def _ignore(_signum: int, _frame: object) -> None:
+    """The starter's handler of `_STOPS`: it outlives its ranks, the launcher ends it."""
+
+
 def _run_rank(request: dict, module: str) -> None:
     """In a forked child: become the rank `request` describes, and run it as
     `python -m <module>` would (as `__main__`; its exit status and atexit handlers are
@@ -307,6 +326,7 @@ def _run_rank(request: dict, module: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # what came since the fork acts now
     try:
         os.setpgid(0, int(request["pgid"]))
     except PermissionError:  # the group's leader (rank 0) has ended already: the launcher names it
@@ -322,7 +342,7 @@ def _run_rank(request: dict, module: str) -> None:
         _redirect(request["err"], 2)
     os.environ.clear()
     os.environ.update(request["env"])
-    die_with_parent()  # the starter; it dies with the launcher
+    die_with_parent()  # the starter (`LAUNCHER_PID_ENV`); it dies with the launcher
     sys.argv = [sys.argv[0], *request["argv"]]
     sys.modules.pop(module, None)  # as under `-m`: the module runs once, as `__main__` (its imports stay)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -338,8 +358,8 @@ def main(argv: list[str]) -> int:
     """`python -m mpress.launcher.rank_starter REPLY_FD MODULE` (the launcher runs it)."""
     replies, module = int(argv[0]), argv[1]
     die_with_parent()  # the launcher
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # the launcher stops the ranks; a Ctrl-C reaches its group
+    for sig in _STOPS:  # the launcher stops the ranks; a Ctrl-C reaches its group, this process too
+        signal.signal(sig, _ignore)  # not SIG_IGN: a child would drop what is sent to it before its reset
     server = _Server(replies)
     try:
         importlib.import_module(module)

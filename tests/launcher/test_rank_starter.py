@@ -131,7 +131,7 @@ def test_forked_and_executed_ranks_train_the_same(tmp_path):
     for how in ("fork", "exec"):
         run_dir = tmp_path / how
         res = subprocess.run([sys.executable, "-m", "mpress", "train", "--config", str(config), "--run-dir",
-                              str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              str(run_dir)], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
                              env={**os.environ, "MPRESS_RANK_START": how})
         assert res.returncode == 0, res.stderr
         losses[how] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()

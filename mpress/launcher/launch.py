@@ -69,6 +69,7 @@ from mpress.launcher.rank_starter import (
 )
 from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
 from mpress.launcher.verdict import RankEnd, diagnose, interrupted_line
+from mpress.config.loader import write_text_atomic
 from mpress.config.overrides import Override, override_argv
 
 Rank = subprocess.Popen | ForkedRank
@@ -389,4 +390,4 @@ def _write_run_file(spec: LaunchSpec, procs: list[Rank], started_by: str) -> Non
     rank's pid, how the ranks were started), for whoever reads the logs, and for tests."""
     info = {"config": spec.config, "overrides": [list(o) for o in spec.overrides], "run_id": spec.run_id,
             "launcher_pid": os.getpid(), "ranks": [p.pid for p in procs], "started_by": started_by}
-    (spec.run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+    write_text_atomic(spec.run_dir / "run.json", json.dumps(info, indent=1) + "\n")  # read while the run starts

@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         where = "" if nodes is None else f" on node {nodes.node_rank} of {nodes.nnodes}"
         print(f"mpress train: {nproc} ranks{where} ({backend}); rank 0's output follows, every rank's log is in {run_dir}",
               file=sys.stderr if args.json else sys.stdout, flush=True)
-        phase_line(f"starting {nproc} ranks: each loads torch and mpress, then they meet",
+        phase_line(f"starting {nproc} ranks: they load torch and mpress, then they meet",
                    sys.stderr if args.json else sys.stdout)
         return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir,
                                  run_id=run_id, json_report=report, nodes=nodes,

@@ -6,7 +6,8 @@ What it does:
 - hosts the job's store (a `TCPStore`; the ranks join it as torchrun's workers join the
   agent's, `TORCHELASTIC_USE_AGENT_STORE`), so the store outlives any rank and every
   surviving rank's watch can name the one that died (`rank_watch.py`);
-- starts one `python -m mpress.train --config CFG <overrides>` per rank, in a process
+- starts one `python -m mpress.train --config CFG <overrides>` per rank (forked by a rank
+  starter that imported it once, `rank_starter.py`, else executed), in a process
   group of the job's own (a Ctrl-C reaches the launcher only, which stops the ranks);
   each rank asks the kernel to kill it when the launcher dies (`liveness.die_with_parent`);
 - rank 0's stdout (progress lines, report tables) is the launcher's stdout, unchanged and
@@ -57,9 +58,22 @@ from mpress.launcher.rank_watch import (
     this_machine,
     watch_store,
 )
+from mpress.launcher.rank_starter import (
+    RANK_MODULE,
+    RANK_START_ENV,
+    ForkedRank,
+    RankStarter,
+    StarterRefused,
+    StarterSpec,
+    can_fork,
+)
 from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
 from mpress.launcher.verdict import RankEnd, diagnose, interrupted_line
+from mpress.config.loader import write_text_atomic
 from mpress.config.overrides import Override, override_argv
+
+Rank = subprocess.Popen | ForkedRank
+"""A rank process: executed (`Popen`) or forked by the rank starter."""
 
 POLL_S = 0.1
 """How often the launcher looks at its ranks."""
@@ -101,6 +115,11 @@ class LaunchSpec:
     nodes: Nodes | None = None
     """A job over several machines, one launcher each; None: this machine only."""
 
+    @property
+    def first_rank(self) -> int:
+        """This node's first global rank."""
+        return self.nodes.node_rank * self.nproc if self.nodes is not None else 0
+
 
 @dataclass(frozen=True)
 class Nodes:
@@ -129,22 +148,29 @@ def threads_per_rank(nproc: int, cores: int | None = None) -> int:
     return max(1, cores // max(1, nproc))
 
 
-def rank_env(spec: LaunchSpec, local: int, port: int) -> dict[str, str]:
-    """Local rank `local`'s environment: as torchrun's workers get it (global rank and
-    world over every node), plus the run id and this launcher's pid."""
+def shared_env(spec: LaunchSpec) -> dict[str, str]:
+    """The environment every rank of this node shares (the rank starter's, `rank_starter.py`)."""
     env = {**os.environ, **spec.env}
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
     # NVLink SHARP buffers take GiB per communicator on an NVSwitch node (vllm-project/
     # vllm#9699) and serve all-reduces; a pipeline's traffic is sends and receives, and
     # no plan budgets them. The user's setting wins.
     env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.update(PYTHONUNBUFFERED="1", TORCHELASTIC_USE_AGENT_STORE="True")
+    env[RUN_ID_ENV] = spec.run_id
+    return env
+
+
+def rank_env(spec: LaunchSpec, local: int, port: int) -> dict[str, str]:
+    """Local rank `local`'s environment: as torchrun's workers get it (global rank and
+    world over every node), plus the run id and the pid of its parent (this launcher;
+    a rank starter puts its own there, `rank_starter.py`)."""
+    env = shared_env(spec)
     nodes = spec.nodes or Nodes(nnodes=1, node_rank=0, host="127.0.0.1", port=port)
     rank, world = nodes.node_rank * spec.nproc + local, nodes.nnodes * spec.nproc
     env.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(spec.nproc),
                GROUP_RANK=str(nodes.node_rank), ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
-               MASTER_ADDR=nodes.host, MASTER_PORT=str(nodes.port), TORCHELASTIC_USE_AGENT_STORE="True",
-               PYTHONUNBUFFERED="1")
-    env[RUN_ID_ENV] = spec.run_id
+               MASTER_ADDR=nodes.host, MASTER_PORT=str(nodes.port))
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
 
@@ -178,6 +204,15 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     (`diagnose`) to `err` (default stderr)."""
     err = err or sys.stderr
     spec.run_dir.mkdir(parents=True, exist_ok=True)
+    starter = RankStarter.start(StarterSpec(env=shared_env(spec))) if can_fork() else None  # imports meanwhile
+    try:
+        return _launch(spec, err, starter)
+    finally:
+        if starter is not None:
+            starter.close()
+
+
+def _launch(spec: LaunchSpec, err, starter: RankStarter | None) -> int:
     nodes = spec.nodes
     # the store outlives every rank: on one machine this launcher's; over several, node 0's
     # at the endpoint (listening on every interface), which the other nodes' launchers and
@@ -191,26 +226,14 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
         return 1
     port = store.port
     watched = watch_store(store)  # where the ranks' watches look each other up (rank_watch.py)
-    first = nodes.node_rank * spec.nproc if nodes is not None else 0  # this node's first global rank
-    procs: list[subprocess.Popen] = []
+    first = spec.first_rank
+    procs: list[Rank] = []
     logs: list[Path] = []
     killed: set[int] = set()  # ranks the launcher itself killed
-    rank0_out = 2 if spec.json_report is not None else None  # fd 2: stdout is the report's alone
     with _Interrupted() as interrupted:
         try:
-            for rank in range(spec.nproc):
-                log = spec.run_dir / f"rank{first + rank}.log"  # named by global rank
-                logs.append(log)
-                with open(log, "wb") as f:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "mpress.train", "--config", spec.config, *override_argv(spec.overrides)],
-                        stdin=subprocess.DEVNULL, stdout=rank0_out if rank == 0 else f, stderr=f,
-                        env=rank_env(spec, rank, port), process_group=0 if rank == 0 else procs[0].pid))
-                # known to the other ranks' watches from spawn: a rank killed before it runs a
-                # line of its own is named by its pid (same machine) like one killed mid-run
-                register(watched, RankProcess(rank=first + rank, machine=this_machine(),
-                                              process=ProcessId.of(procs[-1].pid)))
-            _write_run_file(spec, procs)
+            started_by = _start_ranks(spec, port, starter, procs, logs, functools.partial(_spawned, watched, first))
+            _write_run_file(spec, procs, started_by)
             _watch(procs, killed, interrupted, functools.partial(_started, watched, first),
                    functools.partial(_training, watched))
         finally:
@@ -237,6 +260,39 @@ def launch(spec: LaunchSpec, *, err=None) -> int:
     return 0
 
 
+def _start_ranks(spec: LaunchSpec, port: int, starter: RankStarter | None, procs: list[Rank], logs: list[Path],
+                 started: Callable[[int, Rank], None]) -> str:
+    """Start this node's ranks into `procs` (their logs into `logs`), forked by `starter`
+    where it can (else executed), calling `started` on each as soon as it runs; how they
+    were started, for `run.json` ("fork", or "exec" and why not fork)."""
+    argv = ["--config", spec.config, *override_argv(spec.overrides)]
+    how = "fork" if starter is not None else f"exec ({RANK_START_ENV}=exec or no fork here)"
+    for rank in range(spec.nproc):
+        log = spec.run_dir / f"rank{spec.first_rank + rank}.log"  # named by global rank
+        logs.append(log)
+        log.write_bytes(b"")
+        pgid = 0 if rank == 0 else procs[0].pid  # rank 0 leads the ranks' own process group
+        proc: Rank | None = None
+        if starter is not None:
+            try:
+                if rank == 0:
+                    starter.ready()
+                proc = starter.fork(argv, rank_env(spec, rank, port),
+                                    out=("2" if spec.json_report is not None else None) if rank == 0 else str(log),
+                                    err=str(log), pgid=pgid)
+            except StarterRefused as exc:
+                starter, how = None, f"exec ({exc})"
+        if proc is None:
+            with open(log, "ab") as f:
+                rank0_out = 2 if spec.json_report is not None else None  # fd 2: stdout is the report's alone
+                proc = subprocess.Popen([sys.executable, "-m", RANK_MODULE, *argv], stdin=subprocess.DEVNULL,
+                                        stdout=rank0_out if rank == 0 else f, stderr=f,
+                                        env=rank_env(spec, rank, port), process_group=pgid)
+        procs.append(proc)
+        started(rank, proc)
+    return how
+
+
 def _print_report(path: Path, err) -> int:
     """`--json`: the report rank 0 wrote, as JSON on stdout; 1 when it is not there."""
     try:
@@ -247,6 +303,13 @@ def _print_report(path: Path, err) -> int:
     sys.stdout.write(json.dumps(rows, indent=1) + "\n")
     sys.stdout.flush()
     return 0
+
+
+def _spawned(watched: dist.Store, first: int, local: int, proc: Rank) -> None:
+    """Make local rank `local` known to the other ranks' watches from spawn: a rank killed
+    before it runs a line of its own is named by its pid (same machine) like one killed
+    mid-run."""
+    register(watched, RankProcess(rank=first + local, machine=this_machine(), process=ProcessId.of(proc.pid)))
 
 
 def _started(watched: dist.Store, first: int, local: int) -> bool:
@@ -264,7 +327,7 @@ def _training(watched: dist.Store) -> bool:
         return False
 
 
-def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interrupted,
+def _watch(procs: list[Rank], killed: set[int], interrupted: _Interrupted,
            started: Callable[[int], bool], training: Callable[[], bool]) -> None:
     """Until every rank has ended: after a bad end, the grace period (from when every rank
     still there watches, `START_GRACE_S` at most) and the killing of stopped or left-over
@@ -305,13 +368,13 @@ def _watch(procs: list[subprocess.Popen], killed: set[int], interrupted: _Interr
         time.sleep(POLL_S)
 
 
-def _kill(procs: list[subprocess.Popen], ranks: list[int], killed: set[int]) -> None:
+def _kill(procs: list[Rank], ranks: list[int], killed: set[int]) -> None:
     for r in ranks:
         killed.add(r)
         procs[r].kill()  # SIGKILL ends a stopped process too
 
 
-def _end_group(procs: list[subprocess.Popen]) -> None:
+def _end_group(procs: list[Rank]) -> None:
     """SIGKILL what is left of the ranks' process group (their shared-memory resource
     trackers), right after the ranks were reaped."""
     if not procs:
@@ -322,9 +385,9 @@ def _end_group(procs: list[subprocess.Popen]) -> None:
         pass
 
 
-def _write_run_file(spec: LaunchSpec, procs: list[subprocess.Popen]) -> None:
+def _write_run_file(spec: LaunchSpec, procs: list[Rank], started_by: str) -> None:
     """`<run dir>/run.json`: what ran (config, overrides, run id, the launcher's and every
-    rank's pid), for whoever reads the logs, and for tests."""
+    rank's pid, how the ranks were started), for whoever reads the logs, and for tests."""
     info = {"config": spec.config, "overrides": [list(o) for o in spec.overrides], "run_id": spec.run_id,
-            "launcher_pid": os.getpid(), "ranks": [p.pid for p in procs]}
-    (spec.run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+            "launcher_pid": os.getpid(), "ranks": [p.pid for p in procs], "started_by": started_by}
+    write_text_atomic(spec.run_dir / "run.json", json.dumps(info, indent=1) + "\n")  # read while the run starts

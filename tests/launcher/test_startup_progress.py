@@ -38,7 +38,7 @@ def test_every_start_up_phase_shows_a_line_in_order(tmp_path):
         r"mpress train: gpt-tiny-gpipe: loading torch and checking the job$",
         r"-- torch --$",  # the first line came before torch
         r"mpress train: 2 ranks \(gloo\); rank 0's output follows",
-        r"start-up: starting 2 ranks: each loads torch and mpress, then they meet \(\d:\d\d:\d\d\)$",
+        r"start-up: starting 2 ranks: they load torch and mpress, then they meet \(\d:\d\d:\d\d\)$",
         r"start-up: rendezvous: waiting for the 2 ranks \(gloo\) \(\d:\d\d:\d\d\)$",
         r"start-up: profiling gpt-tiny \(analytic\) for planning on cpu-local \(\d:\d\d:\d\d\)$",
         r"start-up: planning mpress for 2 stages on cpu-local \(plan: auto\) \(\d:\d\d:\d\d\)$",

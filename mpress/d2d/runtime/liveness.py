@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from mpress.ui import say_line
 
 LAUNCHER_PID_ENV = "MPRESS_LAUNCHER_PID"
-"""The pid of the `mpress train` process that started this rank (set by the launcher)."""
+"""The pid of the process that started this rank: the `mpress train` launcher, or the
+rank starter it forks ranks from (`mpress/launcher/rank_starter.py`)."""
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

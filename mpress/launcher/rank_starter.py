@@ -372,7 +372,10 @@ def main(argv: list[str]) -> int:
         return 0
     request = server.serve()
     if request is None:
-        return 0
+        # every rank has ended and no more will come: leave without the interpreter's
+        # finalisation of torch and mpress (about a second on this machine's cores, which
+        # the launcher would wait for); nothing is buffered (replies go out by os.write)
+        os._exit(0)
     _run_rank(request, module)
     return 0
 

@@ -17,7 +17,7 @@ from mpress.config.loader import from_dict, load_yaml
 from mpress.config.presets import HARDWARE_DIR, resolve_config
 from mpress.errors import ConfigError, UserError
 from mpress.config.limits import MAX_DEVICES, MAX_LATENCY_S, MAX_NVLINK_LINKS, MIN_BANDWIDTH_GBPS
-from mpress.config.units import MAX_BYTES
+from mpress.config.units import MAX_BYTES, fmt_bytes
 
 MiB = 1 << 20
 
@@ -290,5 +290,9 @@ def load_hardware(name_or_path: str | Path, *, num_devices: int | None = None,
     if memory_bytes is not None:
         if memory_bytes <= 0:
             raise UserError(f"device memory must be > 0 bytes, got {memory_bytes}")
+        if memory_bytes <= hw.device.reserve_bytes:  # a size given without its unit reads as bytes
+            raise UserError(f"--device-memory: {fmt_bytes(memory_bytes)} is not above {path}'s reserve of "
+                            f"{fmt_bytes(hw.device.reserve_bytes)} (what the CUDA context and workspaces take); "
+                            "a size takes its unit, e.g. 16GB")
         hw = replace(hw, device=replace(hw.device, memory_bytes=memory_bytes))
     return hw

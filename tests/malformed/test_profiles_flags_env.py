@@ -55,6 +55,8 @@ FLAGS = [
     flag("emulate-device-memory-1e400", "emulate", "--device-memory", "1e400", words=("--device-memory",),
          subprocess=True),
     flag("emulate-device-memory-word", "emulate", "--device-memory", "lots", words=("--device-memory",)),
+    flag("emulate-device-memory-no-unit", "emulate", "--device-memory", "8", words=("--device-memory", "reserve",
+                                                                                    "takes its unit")),
     flag("emulate-trace-under-a-file", "emulate", "--trace", "{d}/afile/t.json", words=("--trace", "afile"),
          files={"afile": "x"}, subprocess=True),
     flag("emulate-trace-is-a-directory", "emulate", "--trace", "{d}", words=("--trace",)),

@@ -82,9 +82,9 @@ class ForkedRank:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else _monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
-            left = None if deadline is None else deadline - _monotonic()
+            left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
             self.starter.collect(block=True, timeout=left)
@@ -126,7 +126,7 @@ class RankStarter:
         env = {**spec.env, LAUNCHER_PID_ENV: str(os.getpid())}
         try:
             proc = subprocess.Popen([sys.executable, "-m", __name__, str(write), spec.module], stdin=subprocess.PIPE,
-                                    pass_fds=(write,), env=env, start_new_session=False)
+                                    pass_fds=(write,), env=env)
         finally:
             os.close(write)
         return RankStarter(proc, read)
@@ -135,8 +135,7 @@ class RankStarter:
         """Wait until the starter has imported; StarterRefused when it cannot fork."""
         reply = self._next(timeout_s)
         if reply != "ready":
-            raise StarterRefused(reply.get("refused", "the rank starter ended") if isinstance(reply, dict)
-                                 else "the rank starter ended")
+            raise _refusal(reply)
 
     def fork(self, argv: list[str], env: dict[str, str], *, out: str | None, err: str | None,
              pgid: int) -> ForkedRank:
@@ -155,8 +154,7 @@ class RankStarter:
                 self._record(reply)
                 continue
             if not isinstance(reply, dict) or "pid" not in reply:
-                raise StarterRefused(reply.get("refused", "the rank starter ended") if isinstance(reply, dict)
-                                     else "the rank starter ended")
+                raise _refusal(reply)
             break
         rank = ForkedRank(self, int(reply["pid"]))
         self.ranks[rank.pid] = rank
@@ -212,8 +210,10 @@ class RankStarter:
         return json.loads(line)
 
 
-def _monotonic() -> float:
-    return time.monotonic()
+def _refusal(reply: object) -> StarterRefused:
+    """What a reply other than the one awaited says: the starter's refusal, or its end."""
+    why = reply.get("refused") if isinstance(reply, dict) else None
+    return StarterRefused(why or "the rank starter ended")
 
 
 # --- the starter's side -------------------------------------------------------------

@@ -16,7 +16,8 @@ belong to it. The line names the plan file, the plan's key (`stages[2].rules[5].
 
 What a plan keeps in host memory is one sum (`host_bytes`), which the planner reads too
 (`planner_layer_data.host_why` calls a plan unfit by it), so the two never disagree about
-a plan. A plan takes host memory in four parts:
+a plan; the launcher's check of several replicas on one node (`HostBytes.times`) and the
+out-of-core study's host figure read it through `planner_layer_data.plan_host_bytes`. A plan takes host memory in four parts:
 
 - **pools**: each stage's pinned host pool (`StagePlan.pinned_host_bytes`), which the
   stage's host swaps use;
@@ -112,6 +113,10 @@ class HostBytes:
     @property
     def total(self) -> int:
         return self.pinned + self.pageable
+
+    def times(self, n: int) -> HostBytes:
+        """What `n` copies of the plan take (replicas of its pipeline on one server)."""
+        return HostBytes(pools=n * self.pools, slabs=n * self.slabs, drive=n * self.drive, pageable=n * self.pageable)
 
     def exceeds(self, hardware: Hardware) -> str | None:
         """`PINNED` when the pinned parts exceed what `hardware` lets plans pin, else

@@ -26,7 +26,7 @@ from mpress.launcher.devices import cuda_bus_ids, cuda_index_of
 from mpress.config.model_config import ModelConfig
 from mpress.models.user import UserModel
 from mpress.contract.plan import Plan
-from mpress.contract.plan_check import Shape, check_plan, refusal
+from mpress.contract.plan_check import PINNED, Shape, check_plan, refusal
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.profile.analytic import analytic_profile
 from mpress.static.memory.data_parallel import DataParallel
@@ -35,6 +35,7 @@ from mpress.static.profile.fake_profile import fake_profile
 from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile.profile import Profile
 from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
+from mpress.static.plan.planner_layer_data import plan_host_bytes
 from mpress.config.units import MAX_BYTES, fmt_bytes
 from mpress.config.vocabulary import Technique
 
@@ -85,7 +86,7 @@ def plan_for(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     bus_ids = cuda_bus_ids() if cuda else None
     start, setup = _plan_of(cfg, model, num_stages, world, cuda, say)
-    maps = replica_devices_for(start.plan, world, replicas_per_node(world), host=setup.hardware) if cuda else None
+    maps = replica_devices_for(start.plan, world, replicas_per_node(world), setup=setup) if cuda else None
     return dataclasses.replace(start, device_bus_ids=bus_ids, replica_devices=maps, **model_flops(setup))
 
 
@@ -96,23 +97,23 @@ def replicas_per_node(pp_world: int) -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or pp_world) // pp_world)
 
 
-def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *, host: Hardware | None = None,
+def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *, setup: PipelineSetup | None = None,
                         nvml: object = None) -> tuple[tuple[int, ...], ...] | None:
     """Where each of `per_node` replicas on a GPU node trains (`StartPlan.replica_devices`):
     the node's GPUs as this process's CUDA sees them (linked as NVML reports), split by
     `mpress.hardware.cluster.replica_devices` -- replica 0 on the plan's devices, every
     other replica on GPUs of its own linked alike. None for one replica per node. A
-    one-line `UserError` when the node cannot hold them, when the replicas' pinned host
-    pools together exceed what `host` (the job's hardware) can pin, or when the plan swaps
-    to peer GPUs (D2D addresses them by the plan's numbers, which are replica 0's GPUs).
-    Rank 0 only; `nvml` replaces the pynvml module (tests)."""
+    one-line `UserError` when the node cannot hold them, when the replicas together keep
+    more on the host than `setup` (the pipeline the plan was checked against: its
+    hardware and profile costs) allows -- each pins what the plan pins (its pools, its
+    host optimizer steps' slabs, its drive's staging buffers: `plan_host_bytes`, the sum
+    the plan check and the planner read) and keeps its host steps' pageable copies --, or
+    when the plan swaps to peer GPUs (D2D addresses them by the plan's numbers, which are
+    replica 0's GPUs). Rank 0 only; `nvml` replaces the pynvml module (tests)."""
     if per_node == 1:
         return None
-    pinned = per_node * (sum(sp.pinned_host_bytes for sp in plan.stages) if plan is not None else 0)
-    if host is not None and pinned > host.pinnable_bytes:
-        raise UserError(f"dp: {per_node} replicas per node pin {fmt_bytes(pinned)} of host pools ({per_node} x the "
-                        f"plan's); {host.name} can pin {fmt_bytes(host.pinnable_bytes)}: run fewer replicas per node "
-                        "or plan for a share of the host")
+    if plan is not None and setup is not None:
+        _check_replicas_host(plan, setup, per_node)
     if plan is not None and plan.uses_peer_pools:
         raise UserError(f"dp: {per_node} replicas per node under a plan with D2D swaps (peer pools): D2D addresses "
                         "peer GPUs by the plan's numbers, so only one replica per node can use it; run one replica "
@@ -121,6 +122,28 @@ def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *, host
     if topology is None:
         raise TopologyError(f"dp: cannot place {per_node} replicas on this node's GPUs: {why}")
     return replica_devices(topology.hardware, plan.num_devices if plan is not None else pp_world, per_node)
+
+
+def _check_replicas_host(plan: Plan, setup: PipelineSetup, per_node: int) -> None:
+    """Refuse (one line) `per_node` replicas of `plan` whose host memory together exceeds
+    what `setup.hardware` may pin, or its host memory."""
+    one = plan_host_bytes(plan, setup.costs)
+    need, host = one.times(per_node), setup.hardware
+    exceeds = need.exceeds(host)
+    if exceeds is None:
+        return
+    parts = ", ".join(f"{what} {fmt_bytes(nbytes)}" for what, nbytes in
+                      [("pools", one.pools), ("host optimizer steps' staging slabs", one.slabs),
+                       ("drive staging buffers", one.drive)] if nbytes or what == "pools")
+    if exceeds == PINNED:
+        held = (f"pin {fmt_bytes(need.pinned)} of host memory ({per_node} x the plan's {fmt_bytes(one.pinned)}: "
+                f"{parts}); {host.name} can pin {fmt_bytes(host.pinnable_bytes)}")
+    else:
+        held = (f"keep {fmt_bytes(need.total)} in host memory ({per_node} x the plan's {fmt_bytes(one.total)}: "
+                f"{parts} pinned, {fmt_bytes(one.pageable)} of the host steps' fp32 copies and Adam states); "
+                f"{host.name} has {fmt_bytes(host.host_memory_bytes)}")
+    raise UserError(f"dp: {per_node} replicas per node {held}: run fewer replicas per node or plan for a share "
+                    "of the host")
 
 
 def model_flops(setup: PipelineSetup) -> dict[str, float | None]:

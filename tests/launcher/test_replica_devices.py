@@ -13,8 +13,13 @@ import itertools
 
 import pytest
 import torch
+import yaml
 
 from mpress.commands.train import check_launch
+from mpress.config.presets import HARDWARE_DIR, resolve_config
+from mpress.config.units import fmt_bytes
+from mpress.contract.plan import Plan, StagePlan, TensorRule, hardware_fingerprint
+from mpress.d2d.static.topology import detect_local_hardware
 from mpress.errors import UserError
 from mpress.hardware.cluster import replica_devices
 from mpress.hardware.server import load_hardware
@@ -26,11 +31,14 @@ from mpress.launcher.devices import (
     cuda_bus_ids,
     join_replicas,
 )
-from mpress.runtime.train_config import TrainConfig
+from mpress.runtime.train_config import TrainConfig, model_config
+from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
+from mpress.static.plan.plan_eval import complete_plan
+from mpress.static.plan.planner_layer_data import plan_host_bytes
 from tests.d2d.static.test_topology import fake_dgx1
 from tests.d2d.static.test_visible_gpus import _fake_cuda
 from tests.support.hardware import DGX1_LINKS
-from tests.support.plans import contract_plan
+from tests.support.plans import contract_plan, one_line
 
 FOUR_STAGES = ((0, 1), (1, 2), (2, 3), (3, 4))
 
@@ -115,19 +123,87 @@ def test_a_d2d_plan_takes_one_replica_per_node(monkeypatch: pytest.MonkeyPatch) 
     assert startup.replica_devices_for(plan, 2, 1, nvml=fake_dgx1()) is None  # one per node: the plan's own
 
 
-def test_replicas_on_one_node_share_its_pinnable_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each replica pins the plan's host pools: together they must fit the node's host."""
+def _quad_hardware(path, **host: int) -> str:
+    """A hardware file: one quad of a DGX-1 (GPUs 0-3 and their links), with the preset's
+    other figures but those in `host` (`pinnable_host_bytes`, `host_memory_bytes`); its path."""
+    data = yaml.safe_load(resolve_config("dgx1-v100", HARDWARE_DIR, "hardware").read_text())
+    data.update(num_devices=4, nvlink_links=[row[:4] for row in data["nvlink_links"][:4]],
+                pcie_switches=[[0, 1], [2, 3]], **host)
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _slab_plan(cfg: TrainConfig, hardware: str) -> tuple[Plan, PipelineSetup]:
+    """gpt-tiny in 4 stages on `hardware`, stage 0's first block swapped to its pinned
+    pool and stage 3's optimizer stepping on the host (its staging slabs pinned apart from
+    the pool), completed as the launcher completes a plan file, and its pipeline."""
+    model = model_config(cfg)
+    hw = load_hardware(hardware)
+    setup = setup_pipeline(model, hw, schedule="1f1b", num_stages=4, microbatch_size=cfg.microbatch_size,
+                           num_microbatches=cfg.num_microbatches, num_ranks=4, ranges=list(FOUR_STAGES_TINY))
+    stages = [StagePlan(stage=s, device=s, first_layer=a, end_layer=b, optimizer_step="host" if s == 3 else "device",
+                        rules=[TensorRule(tensor="layers.0.**", technique="host")] if s == 0 else [])
+              for s, (a, b) in enumerate(FOUR_STAGES_TINY)]
+    plan = Plan(strategy="test", model=model.name, model_fingerprint=model.fingerprint(), dtype=model.precision,
+                profile_fingerprint="test", hardware=hw.name, hardware_fingerprint=hardware_fingerprint(hw),
+                num_devices=4, device_memory_bytes=hw.device.memory_bytes, schedule="1f1b", num_stages=4,
+                num_ranks=4, num_microbatches=cfg.num_microbatches, microbatch_size=cfg.microbatch_size,
+                stage_to_device=[0, 1, 2, 3], stages=stages, fits=True)
+    return complete_plan(setup, plan)[0], setup
+
+
+FOUR_STAGES_TINY = ((0, 2), (2, 3), (3, 4), (4, 6))
+
+
+def test_replicas_on_one_node_share_what_the_plan_pins(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Each replica pins what the plan pins: its pools, its host optimizer steps' staging
+    slabs (and a drive's staging buffers): the sum the plan check reads (`host_bytes`).
+    Two replicas of a plan whose pools alone fit twice, but not with the slabs, are
+    refused at start-up (rank 0's `plan_for`, on a node of fake CUDA GPUs) in one line, a
+    `UserError` (`mpress.train` says it once and every rank exits 2)."""
     _fake_cuda(monkeypatch, list(range(8)))
-    dgx1 = load_hardware("dgx1-v100")
-    half = dgx1.pinnable_bytes // 2
-    plan = dataclasses.replace(contract_plan(ranges=FOUR_STAGES, devices=[0, 1, 2, 3], s0={"pinned_host_bytes": half}),
-                               num_devices=4)
-    assert startup.replica_devices_for(plan, 4, 2, host=dgx1, nvml=fake_dgx1())[1] == (4, 5, 6, 7)
-    over = dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], pinned_host_bytes=half + 1),
-                                             *plan.stages[1:]])
-    with pytest.raises(UserError, match=r"^dp: 2 replicas per node pin .+ of host pools \(2 x the plan's\); "
-                                        r"dgx1-v100 can pin "):
-        startup.replica_devices_for(over, 4, 2, host=dgx1, nvml=fake_dgx1())
+    monkeypatch.setattr(startup, "detect_local_hardware",
+                        lambda **kw: detect_local_hardware(**{**kw, "nvml": fake_dgx1()}))
+    monkeypatch.setattr(startup.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(startup.dist, "get_backend", lambda *_a: "nccl")
+    # 2 replicas of the 4-rank pipeline on this node (the node's ranks say it; the config's
+    # dp costs the replicas' reduction, which a one-quad hardware file has no network for)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = TrainConfig(model="gpt-tiny", num_stages=4, microbatch_size=2, num_microbatches=4,
+                      hardware=_quad_hardware(tmp_path / "quad.yaml"), plan=str(tmp_path / "plan.yaml"))
+    model = model_config(cfg)
+    plan, setup = _slab_plan(cfg, cfg.hardware)
+    one = plan_host_bytes(plan, setup.costs)
+    assert one.pools == sum(sp.pinned_host_bytes for sp in plan.stages) > 0 and one.slabs > 0 and one.drive == 0
+
+    def start(**host: int) -> startup.StartPlan:
+        """Rank 0's start-up with the plan made for the quad with `host`."""
+        hardware = _quad_hardware(tmp_path / "quad.yaml", **host)
+        plan, setup = _slab_plan(cfg, hardware)
+        assert plan_host_bytes(plan, setup.costs) == one
+        plan.save(cfg.plan)
+        return startup.plan_for(dataclasses.replace(cfg, hardware=hardware), model, 4, 4)
+
+    # what the host can pin: the pools of both replicas, and half of their slabs
+    with pytest.raises(UserError) as info:
+        start(pinnable_host_bytes=2 * one.pools + one.slabs)
+    assert one_line(info.value) == (
+        f"dp: 2 replicas per node pin {fmt_bytes(2 * one.pinned)} of host memory (2 x the plan's "
+        f"{fmt_bytes(one.pinned)}: pools {fmt_bytes(one.pools)}, host optimizer steps' staging slabs "
+        f"{fmt_bytes(one.slabs)}); dgx1-v100 can pin {fmt_bytes(2 * one.pools + one.slabs)}: run fewer replicas "
+        "per node or plan for a share of the host")
+    # room to pin both replicas' slabs, not for both host steps' fp32 copies and Adam states
+    assert one.pageable > 0
+    with pytest.raises(UserError) as info:
+        start(pinnable_host_bytes=2 * one.pinned, host_memory_bytes=2 * one.pinned + one.pageable)
+    assert one_line(info.value).startswith(
+        f"dp: 2 replicas per node keep {fmt_bytes(2 * one.total)} in host memory (2 x the plan's "
+        f"{fmt_bytes(one.total)}: pools {fmt_bytes(one.pools)}, host optimizer steps' staging slabs "
+        f"{fmt_bytes(one.slabs)} pinned, {fmt_bytes(one.pageable)} of the host steps' fp32 copies and Adam states); "
+        f"dgx1-v100 has {fmt_bytes(2 * one.pinned + one.pageable)}: run fewer"), info.value
+    # room for both: each replica on GPUs of its own, the second on the other quad
+    assert start(pinnable_host_bytes=2 * one.pinned, host_memory_bytes=2 * one.total).replica_devices == \
+        ((0, 1, 2, 3), (4, 5, 6, 7))
 
 
 def test_hardware_detect_plans_over_replica_0s_share_of_the_node(monkeypatch: pytest.MonkeyPatch) -> None:

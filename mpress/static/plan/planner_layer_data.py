@@ -31,7 +31,7 @@ from typing import Any
 from mpress.config.units import fmt_bytes
 from mpress.contract.actions import Schedule
 from mpress.contract.plan import Plan
-from mpress.contract.plan_check import PINNED, host_bytes
+from mpress.contract.plan_check import PINNED, HostBytes, host_bytes
 from mpress.hardware.server import Hardware
 from mpress.static.emulate.lowering import optimizer_transient_bytes
 from mpress.static.memory.stage_costs import StageCosts
@@ -59,11 +59,18 @@ def layer_data_candidates(costs: StageCosts, hardware: Hardware, num_microbatche
     return sorted(out)
 
 
+def plan_host_bytes(plan: Plan, costs: list[StageCosts]) -> HostBytes:
+    """The host memory of `plan` in its parts (`mpress.contract.plan_check.host_bytes`),
+    its host steps' bytes read from the stages' profile costs (`rewriter.host_step_bytes`):
+    the one sum the planner, the plan check, the launcher's replicas and the studies read."""
+    return host_bytes(plan, host_step_bytes(plan, costs))
+
+
 def plan_pinned_bytes(plan: Plan, costs: list[StageCosts]) -> int:
     """Host memory `plan` pins over all stages: their pools, their host steps' slabs
     (`rewriter.host_step_pinned_bytes`; the second slab holds host parameters) and their
-    drives' staging buffers (`mpress.contract.plan_check.host_bytes`)."""
-    return host_bytes(plan, host_step_bytes(plan, costs)).pinned
+    drives' staging buffers (`plan_host_bytes`)."""
+    return plan_host_bytes(plan, costs).pinned
 
 
 def host_why(plan: Plan, costs: list[StageCosts], hardware: Hardware) -> str:
@@ -71,7 +78,7 @@ def host_why(plan: Plan, costs: list[StageCosts], hardware: Hardware) -> str:
     what it pins (`plan_pinned_bytes`) within what the host can pin, and with the host
     steps' pageable fp32 copies and Adam states (`rewriter.host_step_host_bytes`) within
     its memory: the sum the plan check refuses a plan by (`mpress.contract.plan_check.host_bytes`)."""
-    need = host_bytes(plan, host_step_bytes(plan, costs))
+    need = plan_host_bytes(plan, costs)
     exceeds = need.exceeds(hardware)
     if exceeds == PINNED:
         return (f"pinnable host memory too small for the host-swap volume: needs {fmt_bytes(need.pinned)}, "

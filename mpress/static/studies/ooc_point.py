@@ -34,6 +34,7 @@ from mpress.static.emulate.emulator import EmulatorResult
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup, evaluate
 from mpress.static.plan.plan_eval import evaluate_plan
 from mpress.static.plan.planner import PlannerOptions, plan_strategy
+from mpress.static.plan.planner_layer_data import plan_pinned_bytes
 from mpress.static.studies.ooc_defaults import POLICIES
 from mpress.static.studies.ooc_model import OocModel, ooc_setup
 
@@ -56,7 +57,9 @@ class PolicyRun:
     samples_per_s: float
     peak_bytes: int
     host_bytes: int
-    """Pinned host memory the plan's swaps use."""
+    """Host memory the plan pins: its pools, its host optimizer steps' staging slabs and
+    its drive's staging buffers (`planner_layer_data.plan_pinned_bytes`, the sum the plan
+    check and the planner read)."""
     stall_s: float
     """Compute stalls, all causes."""
     stall_s_by_cost: dict[str, float]
@@ -93,8 +96,10 @@ class OocPoint:
 
 
 def policy_run(policy: SwapInPolicy, result: EmulatorResult, in_memory_s: float, *, plan: Plan | None,
-               host_bytes: int = 0) -> PolicyRun:
-    """What one policy's emulated iteration says (`result`), normalised by `in_memory_s`."""
+               setup: PipelineSetup) -> PolicyRun:
+    """What one policy's emulated iteration says (`result`), normalised by `in_memory_s`;
+    `plan` (None: nothing swapped) pins host memory as read from `setup`'s costs."""
+    host_bytes = plan_pinned_bytes(plan, setup.costs) if plan is not None else 0
     by_tensor = sorted(((t, s) for t, s in result.stall_s_by_tensor.items() if s > 0), key=lambda x: -x[1])
     return PolicyRun(policy=policy, fits=result.fits, swapped=plan is not None, iteration_s=result.iteration_s,
                      normalised=result.iteration_s / in_memory_s, samples_per_s=result.samples_per_s,
@@ -126,11 +131,10 @@ def evaluate_point(model: OocModel, hardware: Hardware, batch_size: int) -> OocP
     runs: dict[SwapInPolicy, PolicyRun] = {}
     for policy in POLICIES:
         if base.peak_bytes[0] <= capacity:
-            runs[policy] = policy_run(policy, base, base.iteration_s, plan=None)
+            runs[policy] = policy_run(policy, base, base.iteration_s, plan=None, setup=setup)
             continue
         plan, ev = plan_host_swap(setup, policy)
-        runs[policy] = policy_run(policy, ev.result, base.iteration_s, plan=plan,
-                                  host_bytes=sum(sp.pinned_host_bytes for sp in plan.stages))
+        runs[policy] = policy_run(policy, ev.result, base.iteration_s, plan=plan, setup=setup)
     return OocPoint(batch_size=batch_size, microbatch_size=model.microbatch_size,
                     num_microbatches=setup.schedule.num_microbatches, capacity_bytes=capacity,
                     in_memory_s=base.iteration_s, footprint_bytes=base.peak_bytes[0], runs=runs)
@@ -146,8 +150,8 @@ def reemulate(point: OocPoint, model: OocModel, hardware: Hardware) -> OocPoint:
     runs: dict[SwapInPolicy, PolicyRun] = {}
     for policy, run in point.runs.items():
         if run.plan is None:
-            runs[policy] = policy_run(policy, base, base.iteration_s, plan=None)
+            runs[policy] = policy_run(policy, base, base.iteration_s, plan=None, setup=setup)
             continue
         ev = evaluate_plan(setup, replace(run.plan, actions=[]))
-        runs[policy] = policy_run(policy, ev.result, base.iteration_s, plan=run.plan, host_bytes=run.host_bytes)
+        runs[policy] = policy_run(policy, ev.result, base.iteration_s, plan=run.plan, setup=setup)
     return replace(point, in_memory_s=base.iteration_s, footprint_bytes=base.peak_bytes[0], runs=runs)

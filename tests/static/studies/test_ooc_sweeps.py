@@ -15,7 +15,9 @@ from mpress.static.studies.ooc_model import (
     single_device,
     with_host_link,
 )
-from mpress.static.studies.ooc_point import POLICIES, evaluate_point
+from mpress.contract.plan_check import host_bytes
+from mpress.static.plan.rewriter import host_step_bytes
+from mpress.static.studies.ooc_point import POLICIES, evaluate_point, reemulate
 from mpress.static.studies.ooc_sweeps import (
     DEFAULT_OVER,
     bandwidth_sweep,
@@ -142,3 +144,21 @@ def test_conv_net_is_profiled_layer_by_layer():
     assert names[0] == "features.0" and names[-1] == "head" and len(names) == 32  # 13 conv + 13 ReLU + 5 pool + head
     with pytest.raises(UserError, match="--layers"):
         load_ooc_model(model="vgg16", module=None, hardware=hw, microbatch_size=2, layers=["features"])
+
+
+def test_a_policys_host_figure_is_what_its_plan_pins(tiny):
+    """A policy's host figure is the plan's host sum (`plan_check.host_bytes`, which the
+    plan check and the planner read): its pool, and the staging slabs of a stage whose
+    optimizer steps on the host (pinned apart from the pool), not the pool alone."""
+    model, hw = tiny
+    point = evaluate_point(model, hw, 8 * MB)
+    costs = ooc_setup(model, hw, 8 * MB).costs
+    for run in point.runs.values():
+        assert run.host_bytes == host_bytes(run.plan, host_step_bytes(run.plan, costs)).pinned > 0
+    # the same swaps with the stage's optimizer stepping on the host, emulated again
+    stepped = {policy: replace(run, plan=replace(run.plan, stages=[replace(run.plan.stages[0], optimizer_step="host")]))
+               for policy, run in point.runs.items()}
+    again = reemulate(replace(point, runs=stepped), model, hw)
+    for policy, run in again.runs.items():
+        need = host_bytes(run.plan, host_step_bytes(run.plan, costs))
+        assert need.slabs > 0 and run.host_bytes == need.pinned == need.pools + need.slabs, policy

@@ -136,7 +136,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     On the meta device (the analytic profiler's memory probe) torch has no fused kernel
     to choose and would take the math path, which saves the (B, nh, T, T) probabilities
     that no fused kernel keeps: there the CPU flash kernel's meta function stands in, so
-    the probe sees what a real run saves."""
+    the probe sees what a real run saves (a probe for a GPU runs the GPU's kernel in its
+    place: the profiler's `cuda_kernels.CudaKernels`)."""
     if q.device.type == "meta":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])

@@ -55,9 +55,10 @@ from mpress.static.profile.analytic_probe import probed_kind
 from mpress.static.profile.profile import LayerProfile, Profile, SavedTensor
 from mpress.static.profile.recompute_options import recompute_options, with_producers
 
-TORCH_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+TORCH_DTYPE_NAMES = analytic_llama.DTYPE_NAMES
+"""torch dtype names of the model's precisions."""
 
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "bool": 1, "int64": 8}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "bool": 1, "int64": 8, "uint64": 8}
 
 LOSS_BYTES = 4
 """The head's output: an fp32 scalar loss."""
@@ -110,13 +111,14 @@ def _embed_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
     _dropout(out, cfg, "embed.drop", [b, t, h], "embedding")
 
 
-def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList) -> None:
+def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList, hardware: Hardware | None) -> None:
     t, h, f = cfg.seq_len, cfg.hidden_size, cfg.ffn
     nh = cfg.num_heads
     hd = h // nh
     act = TORCH_DTYPE_NAMES[cfg.precision]
     if cfg.family == "llama":
-        return analytic_llama.block_saved(cfg, i, b, act, out)
+        return analytic_llama.block_saved(cfg, i, b, act, out,
+                                          cuda_flash=analytic_llama.flash_target(cfg, hardware) is not None)
     p = f"layers.{i}"
     _layer_norm(out, f"{p}.ln1", [b, t, h], act, "ln1", is_input=True)
     out.add(f"{p}.attn.qkv", [b * t, h], act, "qkv input", weight_grad=True)
@@ -158,15 +160,17 @@ def _head_saved(cfg: ModelConfig, b: int, out: _SavedList) -> None:
     out.add("head", [], "float32", "nll_loss total weight")
 
 
-def layer_saved_tensors(cfg: ModelConfig, index: int, microbatch_size: int) -> list[SavedTensor]:
-    """Tensors layer `index` (0 = embed, 1..L = blocks, L+1 = head) saves for backward."""
+def layer_saved_tensors(cfg: ModelConfig, index: int, microbatch_size: int,
+                        hardware: Hardware | None = None) -> list[SavedTensor]:
+    """Tensors layer `index` (0 = embed, 1..L = blocks, L+1 = head) saves for backward on
+    `hardware` (None: as on the CPU; a GPU changes Llama's SDPA saves, `analytic_llama`)."""
     out = _SavedList()
     if index == 0:
         _embed_saved(cfg, microbatch_size, out)
     elif index == cfg.num_layers + 1:
         _head_saved(cfg, microbatch_size, out)
     else:
-        _block_saved(cfg, index - 1, microbatch_size, out)
+        _block_saved(cfg, index - 1, microbatch_size, out, hardware)
     return out.tensors
 
 
@@ -243,7 +247,8 @@ def analytic_profile(cfg: ModelConfig, hardware: Hardware, microbatch_size: int)
             master_bytes=4 * n if cfg.mixed_precision else 0,
             largest_param_bytes=4 * layer_largest_parameter(cfg, index),
             output_bytes=layer_output_bytes(cfg, index, microbatch_size),
-            **_layer_memory(cfg, index, microbatch_size, layer_saved_tensors(cfg, index, microbatch_size), hardware),
+            **_layer_memory(cfg, index, microbatch_size, layer_saved_tensors(cfg, index, microbatch_size, hardware),
+                            hardware),
         ))
     return Profile(
         model=cfg.name,
@@ -267,8 +272,10 @@ def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int, saved: lis
                   hardware: Hardware) -> dict[str, object]:
     """The memory fields of layer `index`'s profile (the memory probe of its kind, read from
     the disk cache when an earlier run made it: `analytic_probe`), its saved tensors with
-    their producers, and its op-level recompute choices priced on `hardware`."""
-    probed, param_tensors = probed_kind(cfg, _kind(cfg, index), microbatch_size)
+    their producers, and its op-level recompute choices priced on `hardware` (a GPU that
+    runs Llama's SDPA on CUDA's flash kernel: probed with that kernel, `analytic_llama.flash_target`)."""
+    cc = analytic_llama.flash_target(cfg, hardware)
+    probed, param_tensors = probed_kind(cfg, _kind(cfg, index), microbatch_size, cc)
     return {"memory": probed.plain, "recompute_memory": probed.recomputed, "param_tensors": param_tensors,
             "saved": with_producers(saved, probed),
             "recompute_options": recompute_options(saved, probed, hardware, cfg.precision)}

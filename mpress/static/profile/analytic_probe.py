@@ -21,6 +21,7 @@ is passed over: the probe runs, as without it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -66,39 +67,45 @@ def _code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def probe_key(cfg: ModelConfig, kind: int, microbatch_size: int) -> str:
-    """The cache key of layer kind `kind`'s probe for `cfg` and the microbatch size."""
+def probe_key(cfg: ModelConfig, kind: int, microbatch_size: int, cc: tuple[int, int] | None = None) -> str:
+    """The cache key of layer kind `kind`'s probe for `cfg`, the microbatch size and the
+    GPU kernels it runs (`cc`, see `probed_kind`)."""
     fields = {k: v for k, v in to_dict(cfg).items() if k != "name"}
     data = json.dumps({"model": fields, "kind": kind, "microbatch_size": microbatch_size,
-                       "code": _code_fingerprint()}, sort_keys=True)
+                       "cuda": list(cc) if cc is not None else None, "code": _code_fingerprint()}, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()
 
 
 @functools.cache
-def probed_kind(cfg: ModelConfig, kind: int, microbatch_size: int) -> tuple[ProbeSummary, int]:
+def probed_kind(cfg: ModelConfig, kind: int, microbatch_size: int,
+                cc: tuple[int, int] | None = None) -> tuple[ProbeSummary, int]:
     """(probe summary, parameter tensors) of layer `kind` (0 embed, 1 a block, L+1 the
-    head) for one microbatch: from the disk cache, else probed now and stored."""
+    head) for one microbatch: from the disk cache, else probed now and stored. `cc`: the
+    layer runs the kernels of a GPU of that compute capability (`cuda_kernels.CudaKernels`,
+    on the meta device too); None: the CPU's."""
     directory = cache_dir()
-    path = directory / f"{probe_key(cfg, kind, microbatch_size)}.json" if directory is not None else None
+    path = directory / f"{probe_key(cfg, kind, microbatch_size, cc)}.json" if directory is not None else None
     if path is not None:
         try:
             data = json.loads(path.read_text())
             return ProbeSummary.from_dict(data["summary"]), int(data["param_tensors"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent, or unreadable: probe again (and overwrite it)
-    summary, params = _probe(cfg, kind, microbatch_size)
+    summary, params = _probe(cfg, kind, microbatch_size, cc)
     if path is not None:
         _store(path, {"model": cfg.name, "kind": kind, "microbatch_size": microbatch_size,
                       "summary": summary.to_dict(), "param_tensors": params})
     return summary, params
 
 
-def _probe(cfg: ModelConfig, kind: int, microbatch_size: int) -> tuple[ProbeSummary, int]:
+def _probe(cfg: ModelConfig, kind: int, microbatch_size: int, cc: tuple[int, int] | None) -> tuple[ProbeSummary, int]:
     """Probe layer `kind` on the meta device (nothing is computed or allocated), the head
-    with the model's loss, with its op-level recompute choices."""
+    with the model's loss, with its op-level recompute choices; with a GPU's kernels
+    where `cc` is given."""
     import torch
 
     from mpress.models.transformer import TORCH_DTYPES, build_stage, lm_loss
+    from mpress.static.profile.cuda_kernels import CudaKernels
     from mpress.static.profile.memory_probe import probe
     from mpress.static.profile.recompute_options import summarize
 
@@ -111,7 +118,8 @@ def _probe(cfg: ModelConfig, kind: int, microbatch_size: int) -> tuple[ProbeSumm
     targets = torch.zeros(b, t, dtype=torch.long, device="meta")
     loss = (lambda out: lm_loss(out, targets)) if kind == cfg.num_layers + 1 else None
     params = len(list(layer.parameters()))
-    return summarize(probe(layer, (x,), loss_fn=loss)), params
+    with CudaKernels(cc) if cc is not None else contextlib.nullcontext():
+        return summarize(probe(layer, (x,), loss_fn=loss)), params
 
 
 def _store(path: Path, data: dict[str, object]) -> None:

@@ -26,11 +26,13 @@ attention              (fp32 scores, probabilities and noise,      and % 8, no m
 `CudaKernels` makes the fake CPU run save what the GPU saves, at the source, so every
 figure the profile derives from the saved tensors (kept bytes, peaks, recompute choices)
 follows: dropout calls `native_dropout` (CPU has that kernel), attention calls the CUDA
-kernel the target GPU picks (`attention_kernel`: torch's fake implementations of
+kernel the target GPU picks (`attention_kernel`, `sdpa_choice.py`'s choice: torch's fake implementations of
 `_scaled_dot_product_flash_attention` and `_scaled_dot_product_efficient_attention` run
 on CPU fake tensors, forward and backward; the math path is the device-generic
 `_scaled_dot_product_attention_math`, its dropout given as a bool mask), and LayerNorm's
-statistics come out fp32 (`CUDA_STATISTICS`). `tests/static/profile/test_cuda_kernels.py` checks each row
+statistics come out fp32 (`CUDA_STATISTICS`). On the meta device, where the reference
+Llama calls the CPU flash kernel in SDPA's place (`mpress/models/llama.py`; the analytic
+profile's memory probe runs there), that call is SDPA as well: the GPU's kernel runs. `tests/static/profile/test_cuda_kernels.py` checks each row
 against torch's own fake CUDA tensors under a CUDA build of torch.
 
 Why not fake CUDA tensors themselves: without a GPU, a CUDA build of torch runs their
@@ -52,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
 import warnings
 from typing import Any, Self
 
@@ -61,16 +62,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpress.hardware.server import Hardware
+from mpress.static.profile.sdpa_choice import sdpa_kernel
 
 HALF = (torch.float16, torch.bfloat16)
-
-COMPUTE_CAPABILITY = {"V100": (7, 0), "T4": (7, 5), "A100": (8, 0), "A10": (8, 6), "A40": (8, 6),
-                      "L4": (8, 9), "L40": (8, 9), "H100": (9, 0), "H200": (9, 0), "H800": (9, 0),
-                      "B200": (10, 0)}
-"""Compute capability by GPU model (the word in a preset's device name)."""
-UNKNOWN_GPU = (8, 0)
-"""A GPU whose model the table does not know: assumed to run flash attention."""
 
 CUDA_STATISTICS = {torch.ops.aten.native_layer_norm.default: (1, 2)}
 """Outputs CUDA's kernel returns (and autograd saves) in fp32 whatever the input's dtype:
@@ -81,40 +75,18 @@ EFFICIENT_MASK_ALIGNMENT = 16
 efficient kernel and saves the padded storage (`attention.cpp`, `preprocess_mask`)."""
 
 
-def compute_capability(hardware: Hardware) -> tuple[int, int] | None:
-    """The target's CUDA compute capability; None for a CPU stand-in (a device named CPU)."""
-    name = hardware.device.name
-    if re.search(r"\bCPU\b", name, re.IGNORECASE):
-        return None
-    words = set(re.findall(r"[A-Z]+\d+", name.upper()))
-    return next((cc for model, cc in COMPUTE_CAPABILITY.items() if model in words), UNKNOWN_GPU)
-
-
 def attention_kernel(cc: tuple[int, int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attn_mask: torch.Tensor | None, enable_gqa: bool = False, is_causal: bool = False,
                      grad: bool = False) -> str:
-    """"flash", "efficient" or "math": the kernel SDPA runs on a GPU of compute capability
-    `cc` (torch's order: flash, then efficient, then math; their main conditions, torch
-    2.11's `sdp_utils.cpp`). `grad`: the backward will run (some GPUs' flash refuses wide
-    heads then). Grouped-query attention (`enable_gqa`) runs on flash or math only."""
+    """"flash", "efficient" or "math": the kernel SDPA runs for these tensors on a GPU of
+    compute capability `cc` (`sdpa_choice.sdpa_kernel`, which the analytic Llama profile
+    reads too). `grad`: the backward will run."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "math"
-    heads, kv_heads = query.size(1), key.size(1)
-    if kv_heads != value.size(1) or (heads != kv_heads and not (enable_gqa and heads % kv_heads == 0)):
-        return "math"  # torch raises on such shapes; nothing fused takes them
-    head, dtype = query.size(-1), query.dtype
-    tq, tk = query.size(-2), key.size(-2)
-    if cc >= (8, 0) and dtype in HALF and attn_mask is None and head == value.size(-1) \
-            and head % 8 == 0 and head <= 256 and not (is_causal and tq != tk) \
-            and not (cc in ((8, 6), (8, 9)) and head > 192 and grad):
-        return "flash"
-    if enable_gqa:
-        return "math"
-    align = 4 if dtype == torch.float32 else 8
-    aligned = head % align == 0 and value.size(-1) % align == 0
-    if aligned and (dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and cc >= (8, 0))):
-        return "efficient"
-    return "math"
+    return sdpa_kernel(cc, dtype=str(query.dtype).removeprefix("torch."), heads=query.size(1),
+                       kv_heads=key.size(1), value_heads=value.size(1), head_dim=query.size(-1),
+                       value_head_dim=value.size(-1), queries=query.size(-2), keys=key.size(-2),
+                       mask=attn_mask is not None, enable_gqa=enable_gqa, is_causal=is_causal, grad=grad)
 
 
 def _additive(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -157,29 +129,46 @@ class _Functions(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
+        if func in _CPU_FLASH and args[0].device.type == "meta":
+            return self._cpu_flash(*args, **kwargs)
         if func in (F.dropout, torch.dropout):
             return _dropout(func, *args, **kwargs)
         if func in (F.rms_norm, torch.rms_norm):
             return _rms_norm(func, *args, **kwargs)
         return func(*args, **kwargs)
 
+    def _cpu_flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+                   is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
+                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU flash kernel called on the meta device, where a model stands it in for
+        SDPA (`mpress/models/llama.py`: torch picks no fused kernel on meta): the GPU's
+        kernel instead, grouped-query heads as SDPA's `enable_gqa` takes them. Returns
+        (output, the kernel's second output) as the CPU kernel's (output, logsumexp)."""
+        return self._kernel(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                            key.size(1) != query.size(1))[:2]
+
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                    scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        return self._kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[0]
+
+    def _kernel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[Any, ...]:
+        """All outputs of the kernel the GPU runs for this SDPA call (the output first)."""
         grad = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
         kernel = attention_kernel(self.cc, query, key, value, attn_mask, enable_gqa, is_causal, grad)
         if kernel == "flash":
             return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+                query, key, value, dropout_p, is_causal, False, scale=scale)
         if kernel == "efficient":
             bias = _bias(attn_mask, query, key) if attn_mask is not None else None
             return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+                query, key, value, bias, grad, dropout_p, is_causal, scale=scale)
         return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def _math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-          dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+          dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[torch.Tensor, ...]:
     """SDPA's math path as CUDA runs it (`_scaled_dot_product_attention_math`, device
     generic: fp32 scores and probabilities for fp16/bf16 input). Plain SDPA on CPU would
     pick CPU flash instead. Its dropout is given as a bool mask: CUDA's `at::dropout` is
@@ -192,7 +181,12 @@ def _math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
     with warnings.catch_warnings():  # torch warns that a given dropout mask is for tests
         warnings.filterwarnings("ignore", "Dropout mask should only be used")
         return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, mask, dropout_p, is_causal, keep, scale=scale, enable_gqa=enable_gqa)[0]
+            query, key, value, mask, dropout_p, is_causal, keep, scale=scale, enable_gqa=enable_gqa)
+
+
+_CPU_FLASH = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+"""The CPU flash kernel, as a call names it (the operator, or its overload)."""
 
 
 _ACTIVE: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("mpress_cuda_kernels", default=None)

@@ -53,7 +53,8 @@ from mpress.contract.live_bytes import tensors_in
 from mpress.config.model_config import ModelConfig
 from mpress.models.transformer import build_model, example_batch, lm_loss
 from mpress.static.profile.analytic import flops_time_s
-from mpress.static.profile.cuda_kernels import CudaKernels, compute_capability
+from mpress.static.profile.cuda_kernels import CudaKernels
+from mpress.static.profile.sdpa_choice import compute_capability
 from mpress.static.profile.measured import (
     _precision,
     available_bytes,

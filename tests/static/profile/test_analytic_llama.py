@@ -8,15 +8,20 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from mpress.hardware.server import load_hardware
 from mpress.config.model_config import load_model_config
 from mpress.models.transformer import TORCH_DTYPES, build_model, build_stage, example_batch, lm_loss
 from mpress.static.profile.analytic import analytic_profile, layer_saved_tensors
+from mpress.static.profile.analytic_llama import flash_target
 from mpress.static.profile.fake_profile import fake_model_profile, fake_profile
 from mpress.contract.flop_formulas import EXTRA_FLOP_FORMULAS
-from mpress.static.profile.measured import measure_model_profile
+from mpress.static.profile.measured import measure_model_profile, storage_id
+from mpress.static.profile.sdpa_choice import compute_capability
 
 CPU = load_hardware("cpu-local")
 H100 = load_hardware("hgx-h100")
@@ -119,27 +124,22 @@ def test_a_real_size_layer_under_fake_tensors_equals_the_analytic_one(name, chan
 
     fake = fake_profile(factory, model_name=name, hardware=H100, layers=["layers.0", "layers.1"]).layers[0]
     analytic = analytic_profile(cfg, H100, 1).layers[1]
-    # grouped-query SDPA runs CUDA flash on an H100 (`cuda_kernels`), which also keeps its
-    # RNG state (24 B); the analytic model lists the CPU kernel's saves and leaves it out
-    rng = [t for t in fake.saved if t.dtype == "uint64"]
-    assert [(t.shape, t.bytes) for t in rng] == ([([2], 16), ([], 8)] if cfg.attention == "sdpa" else [])
-    fake_saved = [t for t in fake.saved if t not in rng]
-    assert _saved(fake_saved) == _saved(analytic.saved) == _saved(layer_saved_tensors(cfg, 1, 1))
+    # grouped-query SDPA runs CUDA flash on an H100 (`cuda_kernels`, `sdpa_choice`), which
+    # also keeps its RNG state (24 B): the analytic layer lists it, and its memory probe
+    # runs that kernel, so its memory and recompute choices are the fake run's
+    rng = [(t.shape, t.dtype, t.bytes) for t in analytic.saved if t.dtype == "uint64"]
+    assert rng == ([([2], "uint64", 16), ([], "uint64", 8)] if cfg.attention == "sdpa" else [])
+    assert _saved(fake.saved) == _saved(analytic.saved) == _saved(layer_saved_tensors(cfg, 1, 1, H100))
+    assert fake.saved_bytes == analytic.saved_bytes
+    assert [(t.op, t.op_flops, t.op_bytes) for t in fake.saved] == [(t.op, t.op_flops, t.op_bytes) for t in analytic.saved]
     assert (fake.forward_flops, fake.backward_flops) == (analytic.forward_flops, analytic.backward_flops)
-    extra = sum(t.bytes for t in rng)
-    memory = dataclasses.replace(analytic.memory, kept_bytes=analytic.memory.kept_bytes + extra,
-                                 forward_peak_bytes=analytic.memory.forward_peak_bytes + extra,
-                                 split_held_bytes=analytic.memory.split_held_bytes + extra)
-    # a split backward's W replays the checkpoint once per weight (torch's
-    # `stage_backward_weight` runs one gradient call per parameter group), each replay's
-    # saves kept until W ends
-    weights = len(list(build_stage(cfg, 1, 2, seed=0, device="meta").parameters()))
-    recompute = dataclasses.replace(analytic.recompute_memory,
-                                    backward_peak_bytes=analytic.recompute_memory.backward_peak_bytes + extra,
-                                    input_peak_bytes=analytic.recompute_memory.input_peak_bytes + extra,
-                                    weight_peak_bytes=analytic.recompute_memory.weight_peak_bytes + weights * extra)
-    assert (fake.memory, fake.recompute_memory) == (memory, recompute)
+    assert (fake.memory, fake.recompute_memory) == (analytic.memory, analytic.recompute_memory)
+    assert fake.recompute_options == analytic.recompute_options and analytic.recompute_options
     assert fake.param_bytes == analytic.param_bytes
+    # the CPU's flash kernel keeps no RNG state
+    on_cpu = layer_saved_tensors(cfg, 1, 1, CPU)
+    assert _saved(on_cpu) == _saved(layer_saved_tensors(cfg, 1, 1)) == _saved(t for t in analytic.saved
+                                                                              if t.dtype != "uint64")
 
 
 def test_op_level_recompute_prices_sdpa_with_its_flops():
@@ -150,3 +150,52 @@ def test_op_level_recompute_prices_sdpa_with_its_flops():
     q = [1, cfg.num_heads, cfg.seq_len, cfg.head_dim]  # key/value heads broadcast to the query's, as computed
     sdpa = [t for t in layer.saved if "scaled_dot_product" in (t.op or "")]
     assert cfg.kv_heads < cfg.num_heads and sdpa and all(t.op_flops == sdpa_flop_count(q, q, q) for t in sdpa)
+
+
+cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                reason="fake CUDA tensors need a CUDA build of torch (no GPU needed)")
+
+
+class _CudaFlash(TorchFunctionMode):
+    """SDPA as an H100 runs it: CUDA's flash kernel (fake CUDA tensors cannot ask the
+    device which kernel it runs, and would take the math path)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        assert kwargs.get("enable_gqa", False) == (k.size(1) != q.size(1))
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, kwargs.get("is_causal", False))[0]
+
+
+@cuda_build
+@pytest.mark.parametrize("changes", [{"attention": "sdpa", "precision": "bf16", "num_kv_heads": 1},
+                                     {"attention": "sdpa", "precision": "fp16", "num_kv_heads": 4}])
+def test_a_blocks_analytic_saves_are_what_fake_cuda_tensors_save(changes):
+    """A block's forward on fake CUDA tensors (a CUDA build of torch: torch's own CUDA
+    flash kernel, whose RNG seed and offset it saves) saves what the analytic profile of
+    an H100 lists: the same tensors in the same order, and as many bytes (its parameters
+    apart, which the profile never lists)."""
+    cfg, b = _cfg(**changes), 2
+    assert flash_target(cfg, H100) == compute_capability(H100)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    layer = build_stage(cfg, 1, 2, device="meta").train()
+    for sub in layer.modules():  # its parameters as fake CUDA tensors
+        for name, p in [(n, p) for n, p in sub._parameters.items() if p is not None]:
+            sub._parameters[name] = torch.nn.Parameter(
+                mode.fake_tensor_converter.from_meta_and_device(mode, p.detach(), torch.device("cuda")))
+    saved = []
+    with mode:
+        x = torch.zeros(b, cfg.seq_len, cfg.hidden_size, dtype=TORCH_DTYPES[cfg.precision], device="cuda",
+                        requires_grad=True)
+        with _CudaFlash(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            layer(x)
+    params = {storage_id(p) for p in layer.parameters()}
+    activations = [t for t in saved if storage_id(t) not in params]
+    storages = {storage_id(t): t.untyped_storage().nbytes() for t in activations}
+    analytic = layer_saved_tensors(cfg, 1, b, H100)
+    assert [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in activations] == \
+        [(t.dtype, t.shape) for t in analytic]
+    assert sum(storages.values()) == sum(t.bytes for t in analytic)
+    assert [(t.shape, t.bytes) for t in analytic if t.dtype == "uint64"] == [([2], 16), ([], 8)]

@@ -19,12 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from mpress.hardware.server import load_hardware
-from mpress.static.profile.cuda_kernels import (
-    CudaKernels,
-    attention_kernel,
-    compute_capability,
-)
+from mpress.static.profile.cuda_kernels import CudaKernels, attention_kernel
 from mpress.static.profile.fake_profile import fake_profile
+from mpress.static.profile.sdpa_choice import compute_capability
 
 B, T, HEADS, HEAD_DIM = 2, 100, 4, 16
 HIDDEN = HEADS * HEAD_DIM

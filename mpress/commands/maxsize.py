@@ -4,8 +4,11 @@
         --microbatch-size 2 --num-microbatches 16
     mpress maxsize --model bert --hardware dgx-a100 --strategy recompute,mpress --json
     mpress maxsize --setting paper-bert --hardware dgx-a100 --time-budget 60
+    mpress maxsize --model llama-2-7b --hardware hgx-h100 --strategy mpress
 
-Models grow as the family's presets do, width and depth together (`maxsize.ShapeRule`).
+Models grow as the family's presets do, width and depth together (`maxsize.ShapeRule`);
+--model names a family (its largest preset sets sequence, vocabulary, head size and, for
+Llama, the MLP proportion and key/value heads) or a preset of one (that preset sets them).
 Each row says what bounds it: why the next size up does not fit (device memory, pinned
 host, host RAM, peer memory, drives), or the search's --time-budget, or the widest shape
 tried. The ZeRO baselines (zero-offload, zero-infinity, and zero-infinity-nvme where the
@@ -50,15 +53,16 @@ if TYPE_CHECKING:  # the search loads torch (through the analytic profile): impo
     from mpress.static.studies.maxsize import MaxSize
 
 
-FAMILIES = ("gpt", "bert")
+FAMILIES = ("gpt", "bert", "llama")
+"""The families `--model` names (`maxsize.FAMILIES`; a preset of one is taken too)."""
 DEFAULT_FAMILY = "gpt"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "maxsize", help="largest model of a family each strategy fits", description=__doc__)
-    add_flag(p, "model", aliases=("--family",), default=None, choices=FAMILIES, metavar="FAMILY",
-             help=f"model family whose billion-scale presets are scaled ({', '.join(FAMILIES)}; default: "
-                  f"the setting's, else {DEFAULT_FAMILY})")
+    add_flag(p, "model", aliases=("--family",), default=None, choices=None, metavar="FAMILY|PRESET",
+             help=f"model family whose billion-scale presets are scaled ({', '.join(FAMILIES)}), or a preset of "
+                  f"one, the base of its family's scaling (default: the setting's family, else {DEFAULT_FAMILY})")
     add_flag(p, "hardware", default=None,
              help=f"hardware preset ({', '.join(hardware_presets())}) or YAML (default: the setting's first, "
                   f"else {DEFAULT_HARDWARE})")
@@ -152,10 +156,14 @@ def maxsize_json(rows: list[MaxSize], hardware: Hardware, family: str, shape: Pi
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpress.static.studies.maxsize import find_max_size
+    from mpress.static.studies.maxsize import family_of, find_max_size
 
     setting = setting_from_args(args)
-    if setting is not None and args.model not in (None, setting.family):
+    try:
+        chosen = family_of(args.model) if args.model is not None else None
+    except UserError as exc:
+        raise UserError(f"--model: {exc}") from None
+    if setting is not None and chosen not in (None, setting.family):
         raise UserError(f"--setting {setting.name} trains the {setting.family} family, not --model {args.model}")
     family = args.model or (setting.family if setting is not None else DEFAULT_FAMILY)
     precision = setting.precision if setting is not None else None
@@ -179,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
               f"{fmt_bytes(hardware.usable_memory_bytes)} usable; {fmt_bytes(hardware.pinnable_bytes)} pinnable host"
               + (f"; drives {fmt_bytes(hardware.nvme_bytes)} at {hardware.nvme_gbps('read'):g} GB/s read, "
                  f"{hardware.nvme_gbps('write'):g} GB/s write" if hardware.has_nvme else "") + ")")
-    console.print(f"settings: {v('model', f'model family {family}')}{trained}, {v('hardware', server)}, "
+    model = f"model family {family}" if family in FAMILIES else f"model family {chosen}, scaled from {family}"
+    console.print(f"settings: {v('model', model)}{trained}, {v('hardware', server)}, "
                   f"{shape.describe()}", markup=False, soft_wrap=True)
     strategies = args.strategy or [*Strategy.words(), *((MPRESS_NVME,) if hardware.has_nvme else ()),
                                    *zero_variants(hardware)]

@@ -116,6 +116,29 @@ def test_maxsize_table(capsys):
     one_line_error(capsys, "unknown strategy 'magic'")
 
 
+def test_maxsize_of_a_llama_preset(capsys):
+    """`--model` names a Llama preset: its family is searched on the family's depth rule,
+    the preset's sequence, vocabulary and key/value heads (`maxsize.family_rule`); a name
+    that is no family and no preset is one line, exit 2."""
+    import json
+
+    from mpress.static.studies.maxsize import family_rule
+
+    assert main(["maxsize", "--model", "llama-3-8b", "--hardware", "hgx-h100", "--strategy", "recompute",
+                 "--json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["settings"]["model"] == "llama-3-8b"
+    assert any(x.startswith("settings: model family llama, scaled from llama-3-8b") for x in err.splitlines()), err
+    row = doc["strategies"][0]
+    model = family_rule("llama-3-8b").model(row["hidden_size"])
+    assert (row["largest_model"], row["num_layers"]) == (model.name, model.num_layers)
+    assert model.family == "llama" and model.kv_heads == 8 and model.seq_len == 8192
+    assert row["bound"] == "device memory"
+    assert main(["maxsize", "--model", "llama-9"]) == 2
+    one_line_error(capsys, "--model: 'llama-9' is neither a family (gpt, bert, llama) nor a model preset")
+
+
 def test_plan_from_a_preset_profile_alone(tmp_path, capsys):
     profile = tmp_path / "p.yaml"
     assert main(["profile", "--model", "gpt-10.3b", "--microbatch-size", "2", "--analytic",

@@ -2,10 +2,18 @@
 
 Models grow the way the family's presets do: width and depth together. The family's
 billion-scale presets set the rule (`ShapeRule`): depth = scale x width^exponent, fitted
-to the presets by least squares in log-log space; heads of the largest preset's head
-size; sequence, vocabulary and precision of the largest preset (the precision unless a
-setting overrides it: `family_rule(..., precision=)`, as `--setting` does). The candidates are the
-widths that are multiples of the head size, each at the rule's depth; bigger width means
+to the presets by least squares in log-log space; heads of the base preset's head size;
+sequence, vocabulary and precision of the base preset (the precision unless a setting
+overrides it: `family_rule(..., precision=)`, as `--setting` does). The base is the
+family's largest preset, or the preset named instead of the family (`family_rule("llama-2-7b")`:
+Llama 2's sequence, vocabulary and plain multi-head attention). The Llama family keeps
+its own knobs as it grows (`ShapeRule.model`): the MLP width in the base's proportion to
+the hidden size, rounded up to Meta's multiple (`LLAMA_FFN_MULTIPLE`), and, under
+grouped-query attention, the base's key/value head count (Llama 3 keeps 8 from 8B to
+70B), so its widths step by that many heads (`ShapeRule.step`: 1,024 for Llama 3, as its
+presets' widths do); plain multi-head attention stays so; rotary base, norm epsilon and
+attention kernel as the base's. The candidates are the widths that are multiples of the
+step (the head size, but for grouped-query Llama), each at the rule's depth; bigger width means
 more parameters, more bytes per stage and wider activations, so fitting is taken as
 monotone in width: the search doubles the width from the smallest preset's until a size
 does not fit, then bisects.
@@ -36,7 +44,7 @@ from typing import Callable
 from mpress.errors import UserError
 from mpress.hardware.server import Hardware
 from mpress.config.limits import MAX_WIDTH
-from mpress.config.model_config import ModelConfig, load_model_config, model_presets
+from mpress.config.model_config import LLAMA_FFN_MULTIPLE, ModelConfig, load_model_config, model_presets
 from mpress.models import num_parameters
 from mpress.static.plan.evaluate import setup_pipeline
 from mpress.static.plan.planner import (
@@ -90,31 +98,64 @@ class ShapeRule:
         """Blocks of the model of this width."""
         return max(1, round(self.scale * width ** self.exponent))
 
+    @property
+    def grouped(self) -> bool:
+        """The base is a Llama with grouped-query attention (fewer key/value heads)."""
+        return self.base.family == "llama" and self.base.kv_heads != self.base.num_heads
+
+    @property
+    def step(self) -> int:
+        """What widths step by: a head, or under grouped-query attention as many heads as
+        the base has key/value heads (each width then groups its heads alike)."""
+        return self.head_dim * (self.base.kv_heads if self.grouped else 1)
+
     def model(self, width: int) -> ModelConfig:
-        """The family's model of this width (a multiple of `head_dim`), named by its size."""
-        if width <= 0 or width % self.head_dim:
-            raise UserError(f"width {width} is not a positive multiple of the {self.family} head size {self.head_dim}")
+        """The family's model of this width (a multiple of `step`), named by its size:
+        the base's heads of `head_dim`, its MLP width in proportion (Llama: rounded up to
+        `LLAMA_FFN_MULTIPLE`) and, for Llama, its key/value heads (the base's)."""
+        if width <= 0 or width % self.step:
+            what = f"{self.base.kv_heads} key/value heads x head size" if self.grouped else "head size"
+            raise UserError(f"width {width} is not a positive multiple of the {self.family} {what} {self.step}")
         b = self.base
+        heads = width // self.head_dim
         ffn = None if b.ffn_hidden_size is None else round(b.ffn_hidden_size * width / b.hidden_size)
-        cfg = replace(b, hidden_size=width, num_heads=width // self.head_dim, num_layers=self.depth(width),
-                      ffn_hidden_size=ffn, num_kv_heads=None)
+        if ffn is not None and b.family == "llama":
+            ffn = -(-ffn // LLAMA_FFN_MULTIPLE) * LLAMA_FFN_MULTIPLE
+        cfg = replace(b, hidden_size=width, num_heads=heads, num_layers=self.depth(width), ffn_hidden_size=ffn,
+                      num_kv_heads=b.kv_heads if self.grouped else None)
         return replace(cfg, name=f"{b.family}-{num_parameters(cfg) / 1e9:.2f}b-L{cfg.num_layers}-h{width}")
+
+
+FAMILIES = ("gpt", "bert", "llama")
+"""The families maxsize scales (`ModelConfig.family`)."""
 
 
 def family_ladder(family: str) -> list[ModelConfig]:
     """Billion-scale presets of `family` (names ending in `b`), smallest first."""
     configs = [load_model_config(n) for n in model_presets() if n.startswith(f"{family}-") and n.endswith("b")]
-    if not configs:
-        raise UserError(f"unknown family {family!r} (known: gpt, bert)")
+    if family not in FAMILIES or not configs:
+        raise UserError(f"unknown family {family!r} (known: {', '.join(FAMILIES)}, or a preset of one of them)")
     return sorted(configs, key=num_parameters)
 
 
-def family_rule(family: str, precision: str | None = None) -> ShapeRule:
-    """`ShapeRule` fitted to the family's billion-scale presets (least squares of log depth
-    on log width; a single width, or one preset: depth in proportion to width).
-    precision: the models' training precision (None: the largest preset's)."""
+def family_of(model: str) -> str:
+    """The family of `model`: a family's name, or a model preset's (one line otherwise)."""
+    if model in FAMILIES:
+        return model
+    if model in model_presets():
+        return load_model_config(model).family
+    raise UserError(f"{model!r} is neither a family ({', '.join(FAMILIES)}) nor a model preset "
+                    f"({', '.join(model_presets())})")
+
+
+def family_rule(model: str, precision: str | None = None) -> ShapeRule:
+    """`ShapeRule` fitted to the billion-scale presets of `model`'s family (least squares of
+    log depth on log width; a single width, or one preset: depth in proportion to width).
+    model: a family (its largest preset is the base) or a preset (itself the base).
+    precision: the models' training precision (None: the base's)."""
+    family = family_of(model)
     ladder = family_ladder(family)
-    top = ladder[-1]
+    top = ladder[-1] if model == family else load_model_config(model)
     if precision is not None:
         top = replace(top, precision=precision)
     xs = [math.log(c.hidden_size) for c in ladder]
@@ -206,8 +247,9 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
                   microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
                   precision: str | None = None, time_budget_s: float | None = None,
                   progress: Callable[[str], None] | None = None) -> MaxSize:
-    """Largest model of `family` that `strategy` (a planner strategy or a ZeRO variant)
-    fits (see the module docstring).
+    """Largest model of `family` (a family, or a preset that is the base of its family's
+    rule: `family_rule`) that `strategy` (a planner strategy or a ZeRO variant) fits (see
+    the module docstring).
     precision: train the family in this precision (None: its presets').
     time_budget_s: stop trying larger sizes after this many seconds (None: no limit)."""
     note = progress or (lambda _m: None)
@@ -231,7 +273,7 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
         nonlocal count
         if i in why:
             return False
-        cfg = rule.model(i * rule.head_dim)
+        cfg = rule.model(i * rule.step)
         if cfg.num_layers + 2 < num_stages:
             why[i] = (Bound.PIPELINE_DEPTH, f"{cfg.name}: {cfg.num_layers} blocks for {num_stages} stages")
             return False
@@ -258,8 +300,8 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
     def out_of_time() -> bool:
         return time_budget_s is not None and time.monotonic() - t0 >= time_budget_s
 
-    top = MAX_WIDTH // rule.head_dim
-    start = max(1, family_ladder(family)[0].hidden_size // rule.head_dim)
+    top = MAX_WIDTH // rule.step
+    start = max(1, family_ladder(rule.family)[0].hidden_size // rule.step)
     lo, hi = (start, None) if fits(start) else (0, start)  # lo fits (or is 0), hi does not (or is None)
     timed_out = False
     while hi is None and lo < top:
@@ -283,13 +325,13 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
     if timed_out:
         bound, detail = Bound.TIME, f"stopped after {time_budget_s} s"
     elif hi is None:
-        bound, detail = Bound.LARGEST_SHAPE, f"width {lo * rule.head_dim} is the widest searched"
+        bound, detail = Bound.LARGEST_SHAPE, f"width {lo * rule.step} is the widest searched"
     else:
         bound, detail = why[hi]
     if lo == 0:
         return MaxSize(strategy=strategy, model=None, num_parameters=0, result=None, evaluations=count,
                        bound=bound, bound_detail=detail)
-    model = rule.model(lo * rule.head_dim)
+    model = rule.model(lo * rule.step)
     setup = setup_pipeline(model, hardware, **shape)
     if zero:
         return MaxSize(strategy=strategy, model=model, num_parameters=num_parameters(model), result=None,

@@ -117,8 +117,8 @@ def _block_saved(cfg: ModelConfig, i: int, b: int, out: _SavedList, hardware: Ha
     hd = h // nh
     act = TORCH_DTYPE_NAMES[cfg.precision]
     if cfg.family == "llama":
-        return analytic_llama.block_saved(cfg, i, b, act, out,
-                                          cuda_flash=analytic_llama.flash_target(cfg, hardware) is not None)
+        gpu = analytic_llama.gpu_kernel(cfg, hardware)
+        return analytic_llama.block_saved(cfg, i, b, act, out, kernel=gpu[1] if gpu else None)
     p = f"layers.{i}"
     _layer_norm(out, f"{p}.ln1", [b, t, h], act, "ln1", is_input=True)
     out.add(f"{p}.attn.qkv", [b * t, h], act, "qkv input", weight_grad=True)
@@ -273,9 +273,9 @@ def _layer_memory(cfg: ModelConfig, index: int, microbatch_size: int, saved: lis
     """The memory fields of layer `index`'s profile (the memory probe of its kind, read from
     the disk cache when an earlier run made it: `analytic_probe`), its saved tensors with
     their producers, and its op-level recompute choices priced on `hardware` (a GPU that
-    runs Llama's SDPA on CUDA's flash kernel: probed with that kernel, `analytic_llama.flash_target`)."""
-    cc = analytic_llama.flash_target(cfg, hardware)
-    probed, param_tensors = probed_kind(cfg, _kind(cfg, index), microbatch_size, cc)
+    runs Llama's SDPA on a fused CUDA kernel: probed with it, `analytic_llama.gpu_kernel`)."""
+    gpu = analytic_llama.gpu_kernel(cfg, hardware)
+    probed, param_tensors = probed_kind(cfg, _kind(cfg, index), microbatch_size, gpu[0] if gpu else None)
     return {"memory": probed.plain, "recompute_memory": probed.recomputed, "param_tensors": param_tensors,
             "saved": with_producers(saved, probed),
             "recompute_options": recompute_options(saved, probed, hardware, cfg.precision)}

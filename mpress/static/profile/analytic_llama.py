@@ -6,16 +6,16 @@ counted listed with 0 bytes). What is Llama-specific:
 
 * **Saved tensors** are, in order, what torch 2.13 autograd saves for the model in
   training mode. They are the same on every device except SDPA's: the CPU flash kernel
-  saves (k, q, v, log-sum-exp, output), as listed; where the target is a GPU whose SDPA
-  kernel for the block's call is flash (`flash_target`: `sdpa_choice.sdpa_kernel`, the
-  choice the fake profiler's `cuda_kernels` makes too), the CUDA flash kernel also saves
-  its random-generator seed (uint64[2]) and offset (a uint64 scalar), 24 bytes per
-  attention call, listed after its output, and the layer's memory probe runs that kernel
+  saves (k, q, v, log-sum-exp, output), as listed. Where the target is a GPU whose SDPA
+  kernel for the block's call is a fused one (`gpu_kernel`: `sdpa_choice.sdpa_kernel`,
+  the choice the fake profiler's `cuda_kernels` makes too), that kernel saves the same
+  five, its log-sum-exp padded as it pads it (the efficient kernel: to a multiple of 32
+  queries), then its random generator's seed and offset (`sdpa_choice.RNG_STATE`: flash
+  24 bytes, efficient 16, per attention call); the layer's memory probe runs that kernel
   (`analytic_probe`), so its memory and recompute choices count them. Not modelled: a
-  GPU that runs the efficient kernel (fp32 on sm80+, fp16 before it: a log-sum-exp
-  padded to a multiple of 32 tokens, an int64 seed and offset) or the math path (fp32
-  with grouped-query heads): those are listed as the CPU kernel saves. RMSNorm is
-  written out (see the model), so its fp32 working copy is saved in fp32 under bf16/fp16.
+  GPU that runs the math path (fp32 with grouped-query heads, bf16 before sm80), listed
+  as the CPU kernel saves. RMSNorm is written out (see the model), so its fp32 working
+  copy is saved in fp32 under bf16/fp16.
 * **FLOPs** count matrix products as `torch.utils.flop_counter.FlopCounterMode` does:
   2·m·n·k per product, scores for all T x T pairs (the causal mask is not discounted).
   Backward is 2 x forward except SDPA's attention, which torch counts as 5 products in
@@ -35,8 +35,10 @@ from typing import Protocol
 from mpress.config.model_config import ModelConfig
 from mpress.hardware.server import Hardware
 from mpress.static.profile.sdpa_choice import (
-    FLASH_RNG_STATE,
+    FUSED,
+    RNG_STATE,
     compute_capability,
+    lse_columns,
     sdpa_kernel,
 )
 
@@ -51,10 +53,11 @@ class SavedSink(Protocol):
             is_input: bool = False, held: bool = False, weight_grad: bool = False) -> str: ...
 
 
-def flash_target(cfg: ModelConfig, hardware: Hardware | None) -> tuple[int, int] | None:
-    """The compute capability of `hardware` when it is a GPU whose SDPA kernel for `cfg`'s
-    attention (causal, grouped-query heads where kv < nh, with a backward) is CUDA's flash
-    kernel; None for eager attention, a CPU target (or none given) and other kernels."""
+def gpu_kernel(cfg: ModelConfig, hardware: Hardware | None) -> tuple[tuple[int, int], str] | None:
+    """(compute capability, kernel) of `hardware` when it is a GPU whose SDPA kernel for
+    `cfg`'s attention (causal, grouped-query heads where kv < nh, with a backward) is a
+    fused one (`sdpa_choice.FUSED`); None for eager attention, a CPU target (or none
+    given) and the math path."""
     cc = compute_capability(hardware) if hardware is not None else None
     if cc is None or cfg.family != "llama" or cfg.attention != "sdpa":
         return None
@@ -62,7 +65,7 @@ def flash_target(cfg: ModelConfig, hardware: Hardware | None) -> tuple[int, int]
     kernel = sdpa_kernel(cc, dtype=DTYPE_NAMES[cfg.precision], heads=nh, kv_heads=kv, value_heads=kv, head_dim=hd,
                          value_head_dim=hd, queries=cfg.seq_len, keys=cfg.seq_len, enable_gqa=kv != nh,
                          is_causal=True, grad=True)
-    return cc if kernel == "flash" else None
+    return (cc, kernel) if kernel in FUSED else None
 
 
 def rms_norm_saved(out: SavedSink, module: str, shape: list[int], act: str, what: str, *,
@@ -83,10 +86,10 @@ def embed_saved(cfg: ModelConfig, b: int, out: SavedSink) -> None:
     out.add("embed.tok", [b, cfg.seq_len], "int64", "token ids", is_input=True)
 
 
-def block_saved(cfg: ModelConfig, i: int, b: int, act: str, out: SavedSink, *, cuda_flash: bool = False) -> None:
+def block_saved(cfg: ModelConfig, i: int, b: int, act: str, out: SavedSink, *, kernel: str | None = None) -> None:
     """Block `i` (0-based): attention norm, q/k/v, rotary tables, attention (eager or SDPA),
-    output projection, MLP norm, SwiGLU. `cuda_flash`: SDPA runs CUDA's flash kernel
-    (`flash_target`), which also saves its random-generator state."""
+    output projection, MLP norm, SwiGLU. `kernel`: the fused CUDA kernel SDPA runs
+    (`gpu_kernel`), None: the CPU's flash kernel."""
     t, h, f = cfg.seq_len, cfg.hidden_size, cfg.ffn
     nh, kv, hd = cfg.num_heads, cfg.kv_heads, cfg.head_dim
     p = f"layers.{i}"
@@ -104,10 +107,10 @@ def block_saved(cfg: ModelConfig, i: int, b: int, act: str, out: SavedSink, *, c
         out.add(f"{p}.attn", [b, kv, t, hd], act, "rotated keys for SDPA")
         out.add(f"{p}.attn", [b, nh, t, hd], act, "rotated queries for SDPA")
         out.add(f"{p}.attn", [b, kv, t, hd], act, "values for SDPA (the v projection's output)")
-        out.add(f"{p}.attn", [b, nh, t], "float32", "SDPA log-sum-exp")
+        out.add(f"{p}.attn", [b, nh, lse_columns(kernel, t) if kernel else t], "float32", "SDPA log-sum-exp")
         y = out.add(f"{p}.attn", [b, nh, t, hd], act, "SDPA output", weight_grad=True)
-        for name, shape, dtype in FLASH_RNG_STATE if cuda_flash else ():
-            out.add(f"{p}.attn", list(shape), dtype, f"CUDA flash kernel's random-generator {name}")
+        for name, shape, dtype in RNG_STATE[kernel] if kernel else ():
+            out.add(f"{p}.attn", list(shape), dtype, f"CUDA {kernel} kernel's random-generator {name}")
         # the kernel's output is laid out (B, T, nh, hd): the projection input is a view of it
         out.add(f"{p}.attn.o_proj", [b * t, h], act, "output projection input", alias_of=y)
     else:

@@ -35,11 +35,27 @@ UNKNOWN_GPU = (8, 0)
 HALF_DTYPES = ("float16", "bfloat16")
 """torch dtype names (`str(torch.float16)` less its `torch.` prefix) of 16-bit floats."""
 
-FLASH_RNG_STATE = (("seed", [2], "uint64"), ("offset", [], "uint64"))
-"""What CUDA's flash kernel saves beside its output and log-sum-exp: its random
-generator's seed and offset, (name, shape, dtype) each, 24 bytes in all, whatever the
-dropout (torch's meta function for `_scaled_dot_product_flash_attention`, which CUDA's
-kernel matches; the CPU's flash kernel saves none)."""
+FUSED = ("flash", "efficient")
+"""The fused kernels: they save (query, key, value, output, log-sum-exp) and their random
+generator's state, never the T x T probabilities the math path keeps."""
+
+RNG_STATE = {"flash": (("seed", [2], "uint64"), ("offset", [], "uint64")),
+             "efficient": (("seed", [], "int64"), ("offset", [], "int64"))}
+"""What each fused CUDA kernel saves beside its output and log-sum-exp, (name, shape,
+dtype) each, whatever the dropout: flash's philox seed and offset (24 bytes), the
+efficient kernel's (16 bytes); torch's meta functions for
+`_scaled_dot_product_flash_attention` and `_scaled_dot_product_efficient_attention`,
+which CUDA's kernels match. The CPU's flash kernel saves none."""
+
+LSE_ALIGNMENT = {"flash": 1, "efficient": 32}
+"""The log-sum-exp (B x heads x queries, fp32) each fused CUDA kernel keeps has its query
+dimension padded to a multiple of this (the efficient kernel's blocks of 32 queries)."""
+
+
+def lse_columns(kernel: str, queries: int) -> int:
+    """The query dimension of the log-sum-exp `kernel` saves for `queries` queries."""
+    align = LSE_ALIGNMENT[kernel]
+    return -(-queries // align) * align
 
 
 def compute_capability(hardware: Hardware) -> tuple[int, int] | None:

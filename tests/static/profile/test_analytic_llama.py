@@ -17,7 +17,7 @@ from mpress.hardware.server import load_hardware
 from mpress.config.model_config import load_model_config
 from mpress.models.transformer import TORCH_DTYPES, build_model, build_stage, example_batch, lm_loss
 from mpress.static.profile.analytic import analytic_profile, layer_saved_tensors
-from mpress.static.profile.analytic_llama import flash_target
+from mpress.static.profile.analytic_llama import gpu_kernel
 from mpress.static.profile.fake_profile import fake_model_profile, fake_profile
 from mpress.contract.flop_formulas import EXTRA_FLOP_FORMULAS
 from mpress.static.profile.measured import measure_model_profile, storage_id
@@ -62,6 +62,45 @@ def test_analytic_profile_equals_the_fake_one(changes):
             (a.param_bytes, a.optim_bytes, a.master_bytes, a.param_tensors, a.output_bytes), a.name
         if a.name != "head":  # the head's loss holds the targets in a fake run only (see _saved)
             assert (f.memory, f.recompute_memory) == (a.memory, a.recompute_memory), a.name
+
+
+V100 = load_hardware("dgx1-v100")
+
+GPU_VARIANTS = [
+    (H100, {"attention": "sdpa", "precision": "bf16", "num_kv_heads": 1}, "flash"),
+    (H100, {"attention": "sdpa", "precision": "fp16", "num_kv_heads": 4, "seq_len": 100}, "flash"),
+    (H100, {"attention": "sdpa", "num_kv_heads": 4, "seq_len": 100}, "efficient"),  # fp32: lse padded to 128
+    (V100, {"attention": "sdpa", "precision": "fp16", "num_kv_heads": 4}, "efficient"),  # no flash before sm80
+]
+
+
+@pytest.mark.parametrize("hardware, changes, kernel", GPU_VARIANTS)
+def test_a_gpu_targets_analytic_profile_equals_its_fake_one(hardware, changes, kernel):
+    """On a GPU the fake profile runs CUDA's fused SDPA kernel (`cuda_kernels`): the
+    analytic profile lists what it saves (its padded log-sum-exp, its RNG state), and its
+    memory probe runs it, so saved tensors, memory and recompute choices are the fake's."""
+    cfg = _cfg(**changes)
+    assert gpu_kernel(cfg, hardware) == (compute_capability(hardware), kernel)
+    fake, analytic = fake_model_profile(cfg, 2, hardware), analytic_profile(cfg, hardware, 2)
+    for f, a in zip(fake.layers, analytic.layers):
+        assert _saved(f.saved) == _saved(a.saved), a.name
+        assert (f.forward_flops, f.backward_flops) == (a.forward_flops, a.backward_flops), a.name
+        if a.name != "head":  # the head's loss holds the targets in a fake run only (see _saved)
+            assert (f.memory, f.recompute_memory) == (a.memory, a.recompute_memory), a.name
+            assert f.recompute_options == a.recompute_options, a.name
+    block = analytic.layers[1].saved
+    lse = next(t for t in block if t.what == "SDPA log-sum-exp")
+    assert lse.shape[-1] == (-(-cfg.seq_len // 32) * 32 if kernel == "efficient" else cfg.seq_len)
+    rng = [(t.shape, t.dtype) for t in block if t.what.startswith(f"CUDA {kernel} kernel's random-generator")]
+    assert rng == ([([2], "uint64"), ([], "uint64")] if kernel == "flash" else [([], "int64"), ([], "int64")])
+
+
+def test_the_math_path_on_a_gpu_is_listed_as_the_cpu_kernel_saves():
+    """fp32 with grouped-query heads runs SDPA's math path on a GPU: not modelled (see the
+    module docstring), listed as on the CPU."""
+    cfg = _cfg(attention="sdpa")
+    assert cfg.kv_heads < cfg.num_heads and gpu_kernel(cfg, H100) is None
+    assert _saved(layer_saved_tensors(cfg, 1, 2, H100)) == _saved(layer_saved_tensors(cfg, 1, 2, CPU))
 
 
 def test_attention_kinds_save_what_they_should():
@@ -178,7 +217,7 @@ def test_a_blocks_analytic_saves_are_what_fake_cuda_tensors_save(changes):
     an H100 lists: the same tensors in the same order, and as many bytes (its parameters
     apart, which the profile never lists)."""
     cfg, b = _cfg(**changes), 2
-    assert flash_target(cfg, H100) == compute_capability(H100)
+    assert gpu_kernel(cfg, H100) == (compute_capability(H100), "flash")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     layer = build_stage(cfg, 1, 2, device="meta").train()
     for sub in layer.modules():  # its parameters as fake CUDA tensors

@@ -26,14 +26,15 @@ attention              (fp32 scores, probabilities and noise,      and % 8, no m
 `CudaKernels` makes the fake CPU run save what the GPU saves, at the source, so every
 figure the profile derives from the saved tensors (kept bytes, peaks, recompute choices)
 follows: dropout calls `native_dropout` (CPU has that kernel), attention calls the CUDA
-kernel the target GPU picks (`attention_kernel`, `sdpa_choice.py`'s choice: torch's fake implementations of
-`_scaled_dot_product_flash_attention` and `_scaled_dot_product_efficient_attention` run
-on CPU fake tensors, forward and backward; the math path is the device-generic
-`_scaled_dot_product_attention_math`, its dropout given as a bool mask), and LayerNorm's
-statistics come out fp32 (`CUDA_STATISTICS`). On the meta device, where the reference
-Llama calls the CPU flash kernel in SDPA's place (`mpress/models/llama.py`; the analytic
-profile's memory probe runs there), that call is SDPA as well: the GPU's kernel runs. `tests/static/profile/test_cuda_kernels.py` checks each row
-against torch's own fake CUDA tensors under a CUDA build of torch.
+kernel the target GPU picks (`attention_kernel`, the choice of `sdpa_choice.py`: torch's
+fake implementations of `_scaled_dot_product_flash_attention` and
+`_scaled_dot_product_efficient_attention` run on CPU fake tensors, forward and backward;
+the math path is the device-generic `_scaled_dot_product_attention_math`, its dropout
+given as a bool mask), and LayerNorm's statistics come out fp32 (`CUDA_STATISTICS`). On
+the meta device, where the reference Llama calls the CPU flash kernel in SDPA's place
+(`mpress/models/llama.py`; the analytic profile's memory probe runs there), that call is
+SDPA as well: the GPU's kernel runs. `tests/static/profile/test_cuda_kernels.py` checks
+each row against torch's own fake CUDA tensors under a CUDA build of torch.
 
 Why not fake CUDA tensors themselves: without a GPU, a CUDA build of torch runs their
 forward (saved tensors as the GPU's kernels have them) but its autograd engine stops in

@@ -208,7 +208,9 @@ def probe_layers(module: nn.Module, args: tuple[Any, ...], paths: list[str], *,
                  loss_fn: LossFn | None = None) -> list[Probed]:
     """`probe` of each layer of `module` (paths as `mpress.contract.identity.layer_paths` gives them)
     on the input it gets in a forward of `args`; the loss goes with the last layer. Each
-    layer runs alone, so what the module computes between its layers is not counted."""
+    layer runs alone, so what the module computes between its layers is not counted.
+    Layers of one `layer_signature` (a model's repeated blocks) are probed once and share
+    what it found: a 64-block model's fake profile probes 3 layers, not 65."""
     if paths == [""]:
         return [probe(module, args, loss_fn=loss_fn)]
     inputs: dict[int, tuple[Any, ...]] = {}
@@ -222,10 +224,64 @@ def probe_layers(module: nn.Module, args: tuple[Any, ...], paths: list[str], *,
         for h in handles:
             h.remove()
     out = []
+    found: dict[tuple, Probed] = {}
     for i, p in enumerate(paths):
+        layer = module.get_submodule(p)
         layer_args = tuple(_with_grad(x, i > 0 or _needs_grad(args)) for x in inputs[i])
-        out.append(probe(module.get_submodule(p), layer_args, loss_fn=loss_fn if i == len(paths) - 1 else None))
+        last = i == len(paths) - 1
+        key = None if last else layer_signature(layer, layer_args)
+        if key is None or key not in found:
+            probed = probe(layer, layer_args, loss_fn=loss_fn if last else None)
+            if key is not None:
+                found[key] = probed
+        out.append(found[key] if key is not None else probed)
     return out
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _value_key(value: Any) -> tuple | None:
+    """An attribute's or argument's part of a signature; None where it cannot say."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
+                value.device.type, value.requires_grad)
+    if isinstance(value, _PLAIN):
+        return ("plain", type(value).__name__, value)
+    if isinstance(value, tuple | list):
+        parts = [_value_key(v) for v in value]
+        return None if any(k is None for k in parts) else (type(value).__name__, tuple(parts))
+    return None
+
+
+def _storage_pattern(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Per tensor, the position of the first one sharing its storage (tied weights,
+    inputs that are views of one another)."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(t.untyped_storage()._cdata, i) for i, t in enumerate(tensors))
+
+
+def layer_signature(layer: nn.Module, args: tuple[Any, ...]) -> tuple | None:
+    """What `probe` of `layer` on `args` depends on, so that two layers of one signature
+    probe alike: per submodule its path, class, training flag and every public attribute
+    (a plain value, or the identity of any other object: layers that share a config object
+    match, layers holding objects of their own do not), its parameters' and buffers' paths,
+    shapes, strides, dtypes and gradient flags and which share storage, forward hooks, and
+    the arguments' shapes, strides, dtypes, gradient flags and aliasing. None (probe it)
+    where an argument is neither a tensor nor a plain value."""
+    arg_keys = [_value_key(a) for a in args]
+    if any(k is None for k in arg_keys):
+        return None
+    parts: list[Any] = [tuple(arg_keys), _storage_pattern([a for a in args if isinstance(a, torch.Tensor)])]
+    for name, m in layer.named_modules():
+        attrs = tuple(sorted((k, _value_key(v) or ("object", id(v))) for k, v in vars(m).items()
+                             if not k.startswith("_")))
+        hooks = tuple(id(h) for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for h in d.values())
+        parts.append((name, type(m), m.training, attrs, hooks))
+    tensors = list(layer.named_parameters(remove_duplicate=False)) + list(layer.named_buffers(remove_duplicate=False))
+    parts.append(tuple((n, _value_key(t)) for n, t in tensors))
+    parts.append(_storage_pattern([t for _n, t in tensors]))
+    return tuple(parts)
 
 
 def _detached(value: Any) -> Any:

@@ -1,0 +1,86 @@
+"""The memory probe probes each kind of layer once: layers of one signature
+(`memory_probe.layer_signature`) share a probe, and what `probe_layers` returns is what
+probing every layer on its own returns, also where layers differ only in what their
+attributes make them compute."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpress.static.profile.memory_probe import layer_signature, probe, probe_layers
+
+
+class Gate(nn.Module):
+    """Squares its input (saving it) or adds to it (saving nothing): what it keeps depends
+    on an attribute, not on its parameters."""
+
+    def __init__(self, square: bool, width: int = 16) -> None:
+        super().__init__()
+        self.square = square
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * y if self.square else y + 1
+
+
+class Stack(nn.Module):
+    def __init__(self, gates: list[Gate]) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList(gates)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for g in self.gates:
+            x = g(x)
+        return self.head(x)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def test_probing_each_kind_once_finds_what_probing_every_layer_finds():
+    torch.manual_seed(0)
+    model = Stack([Gate(True), Gate(True), Gate(False), Gate(True), Gate(False)])
+    x = torch.randn(3, 16, requires_grad=True)
+    paths = [f"gates.{i}" for i in range(5)] + ["head"]
+    shared = probe_layers(model, (x,), paths, loss_fn=_loss)
+    # each layer alone, on the input the model hands it
+    alone, h = [], x
+    for i, path in enumerate(paths):
+        layer = model.get_submodule(path)
+        arg = h.detach().clone().requires_grad_(True)
+        alone.append(probe(layer, (arg,), loss_fn=_loss if i == len(paths) - 1 else None))
+        with torch.no_grad():
+            h = layer(h)
+    assert [p.plain for p in shared] == [p.plain for p in alone]
+    assert [p.recomputed for p in shared] == [p.recomputed for p in alone]
+    assert [p.options for p in shared] == [p.options for p in alone]
+    assert [p.param_grad_bytes for p in shared] == [p.param_grad_bytes for p in alone]
+    # the squaring gates keep more than the adding ones: a probe shared across the two
+    # kinds would have made these equal
+    assert shared[0].plain.kept_bytes > shared[2].plain.kept_bytes
+    # two kinds of gate over five gates, and the head: three probes
+    assert len({id(p) for p in shared}) == 3
+
+
+def test_a_signature_tells_apart_what_a_probe_depends_on():
+    x = torch.randn(3, 16, requires_grad=True)
+    a, b = Gate(True), Gate(True)
+    assert layer_signature(a, (x,)) == layer_signature(b, (x,))
+    assert layer_signature(a, (x,)) != layer_signature(Gate(False), (x,))  # an attribute
+    assert layer_signature(a, (x,)) != layer_signature(a, (x.detach(),))  # the input's gradient
+    assert layer_signature(a, (x,)) != layer_signature(a, (torch.randn(4, 16, requires_grad=True),))  # its shape
+    tied, untied = Gate(True), Gate(True)
+    tied.extra = tied.lin.bias  # a second path to the same parameter
+    untied.extra = nn.Parameter(torch.zeros(16))  # the same names and shapes, a storage of its own
+    assert layer_signature(tied, (x,)) != layer_signature(untied, (x,))
+    c = Gate(True)
+    c.register_forward_hook(lambda *_: None)  # a hook may change what runs
+    assert layer_signature(c, (x,)) != layer_signature(b, (x,))
+    assert layer_signature(a, (x, object())) is None  # an argument it cannot describe: probe it
+    d = Gate(True)
+    d.cache = {}  # an object of its own: not known to match another layer's
+    assert layer_signature(d, (x,)) != layer_signature(Gate(True), (x,))

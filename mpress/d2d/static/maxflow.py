@@ -38,8 +38,9 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import add
 from typing import NamedTuple
 
 INF = math.inf
@@ -148,6 +149,12 @@ def solve_concave(terms: list[tuple[float, float]], need: float) -> float:
     """
     if need <= 0:
         return 0.0
+    if len(terms) == 1:  # the search's common case: the steps below, for one term
+        cap, slope = terms[0]
+        if cap < need:
+            return INF
+        t = need / slope
+        return t if t * slope <= cap or t <= cap / slope else cap / slope
     if sum(cap for cap, _ in terms) < need:
         return INF
     total_slope = sum(slope for _, slope in terms)
@@ -189,6 +196,7 @@ class CutTable:
         self._demand, self._spare, self._idle, self._use_pool = demand_bytes, spare_bytes, idle_spare_bytes, pool
         self._ports = any(math.isfinite(x) for x in list(egress_bps) + list(ingress_bps))
         n = len(link_bps)
+        self._linked = [frozenset(d for d, rate in enumerate(row) if rate > 0) for row in link_bps]
         self.stage_on = [-1] * n
         self.device_of = [-1] * len(demand_bytes)
         self._placed: list[int] = []  # overflowing stages in placement order: bit i of a row mask
@@ -205,7 +213,7 @@ class CutTable:
         b = self._demand[stage]
         if b > 0:
             link = self._link[device]
-            self._rows += [[x + y for x, y in zip(row, link)] for row in self._rows]
+            self._rows += [list(map(add, row, link)) for row in self._rows]
             self._row_demand += [x + b for x in self._row_demand]
             self._placed.append(stage)
 
@@ -223,42 +231,55 @@ class CutTable:
         """(own demand, need, terms, reach) per cut family of the placed stages: made once
         per placement state (a search asks both bounds of each state)."""
         if self._cuts is None:
-            self._cuts = list(self._cut_families())
+            self._cuts = self._cut_families()
         return self._cuts
 
-    def _cut_families(self) -> Iterator[tuple[int, int, list[tuple[float, float]], int]]:
+    def _cut_families(self) -> list[tuple[int, int, list[tuple[float, float]], int]]:
         occ, spare, ingress = self.stage_on, self._spare, self._ingress
         capped = any(math.isfinite(x) for x in ingress)  # else every rate stands as it is
         pool = self._pool[::-1]
         fill = None if self._use_pool else [max(pool[0] if pool else 0, x) for x in self._idle]
-        # per device, its spare in this state: its occupant's, (no pool) its best filler's, or None (pool's)
-        offer = [spare[st] if st >= 0 else (None if fill is None else fill[d]) for d, st in enumerate(occ)]
+        # per device, its spare in this state: its occupant's, (no pool) its best filler's, or
+        # the pool's; made once per state, then each family walks only the devices that count
+        known: list[tuple[int, int]] = []  # (device, its known spare > 0), ascending devices
+        free: list[int] = []  # devices that take the pool's spares
+        for d, st in enumerate(occ):
+            sp = spare[st] if st >= 0 else (None if fill is None else fill[d])
+            if sp is None:
+                free.append(d)
+            elif sp > 0:
+                known.append((d, sp))
+        placed = [(i, st, self._demand[st], self._egress[self.device_of[st]])
+                  for i, st in enumerate(self._placed)] if self._ports else []
+        lent = pool[:sum(1 for sp in pool if sp > 0)]  # the pool's spares that count, largest first
+        families = []
         for mask in range(0 if self._ports else 1, len(self._rows)):
-            terms, free, reach = [], [], 0
-            for d, rate in enumerate(self._rows[mask]):
-                if rate <= 0:
-                    continue
-                rate = min(rate, ingress[d]) if capped else rate
-                sp = offer[d]
-                if sp is None:
-                    free.append(rate)
-                elif sp > 0:
+            row = self._rows[mask]
+            if capped:  # a device's ingress caps the rate into it (a rate of 0 stays out)
+                rates = [min(rate, cap) if rate > 0 else 0.0 for rate, cap in zip(row, ingress)]
+            else:
+                rates = row
+            terms, reach = [], 0
+            for d, sp in known:
+                if row[d] > 0:
+                    terms.append((sp, rates[d]))
+                    reach += sp
+            if lent and free:  # the fastest free devices reached take the largest spares
+                into = [rates[d] for d in free if row[d] > 0]
+                if len(lent) == 1:
+                    into = [max(into)] if into else into
+                else:
+                    into.sort(reverse=True)
+                for rate, sp in zip(into, lent):
                     terms.append((sp, rate))
                     reach += sp
-            if free:
-                free.sort(reverse=True)
-                for rate, sp in zip(free, pool):
-                    if sp > 0:
-                        terms.append((sp, rate))
-                        reach += sp
             own = need = self._row_demand[mask]
-            if self._ports:
-                for i, st in enumerate(self._placed):
-                    egress = self._egress[self.device_of[st]]
-                    if not mask >> i & 1 and egress < INF:
-                        need += self._demand[st]
-                        terms.append((self._demand[st], egress))
-            yield own, need, terms, reach
+            for i, _st, b, egress in placed:
+                if not mask >> i & 1 and egress < INF:
+                    need += b
+                    terms.append((b, egress))
+            families.append((own, need, terms, reach))
+        return families
 
     def _spare_within(self, devices: set[int]) -> int:
         """Most spare the given devices can hold in any completion."""
@@ -278,7 +299,7 @@ class CutTable:
         worst = max([0] + [own - reach for own, _, _, reach in self._families()])
         waiting = self._waiting_bytes()
         if waiting:
-            near_placed = {d for d, rate in enumerate(self._rows[-1]) if rate > 0}
+            near_placed = set().union(*(self._linked[self.device_of[st]] for st in self._placed))
             worst = max(worst, self._waiting_shortfall(),
                         waiting + self._row_demand[-1] - self._spare_within(self._near_free() | near_placed))
         return worst
@@ -287,7 +308,7 @@ class CutTable:
         return sum(b for st, b in enumerate(self._demand) if b > 0 and self.device_of[st] < 0)
 
     def _near_free(self) -> set[int]:
-        return {d for v, st in enumerate(self.stage_on) if st < 0 for d, rate in enumerate(self._link[v]) if rate > 0}
+        return set().union(*(self._linked[v] for v, st in enumerate(self.stage_on) if st < 0))
 
     def _waiting_shortfall(self) -> int:
         """Bytes that the stages still waiting must leave unplaced whatever happens:
@@ -306,7 +327,12 @@ class CutTable:
             return INF
         worst = 0.0
         for own, need, terms, reach in self._families():
-            t = INF if own - reach > unplaced else solve_concave(terms, need - unplaced)
+            if own - reach > unplaced:
+                t = INF
+            elif need <= unplaced:
+                continue  # solve_concave's 0: nothing to move
+            else:
+                t = solve_concave(terms, need - unplaced)
             if t > worst:
                 worst = t
                 if worst >= stop_at:

@@ -66,6 +66,8 @@ _NO_MICROBATCH_KINDS = frozenset({Kind.OPT, Kind.OO, Kind.OI})
 # longest codes first so "OPT" is not read as "O"+"PT"
 _CODES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_CODES})(\d+)?(?::(\S+))?$")
+_SPACE_RE = re.compile(r"\s")
+"""Any whitespace character (what `str.isspace` calls one)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class Action:
             raise ScheduleError(f"{self.kind.value} actions need a tensor name")
         if self.kind not in TENSOR_KINDS and self.kind is not Kind.OPT and self.tensor is not None:
             raise ScheduleError(f"{self.kind.value} actions take no tensor name")
-        if self.tensor is not None and any(c.isspace() for c in self.tensor):
+        if self.tensor is not None and _SPACE_RE.search(self.tensor):
             raise ScheduleError(f"tensor name may not contain spaces: {self.tensor!r}")
 
     def __str__(self) -> str:

@@ -147,8 +147,8 @@ class Planning:
 def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
     """The layers' split, decided once before the comparison, with what deciding planned.
 
-    With --balance, that split. Without it, both splits are laid out and the memory
-    model says up front which one the strategy to write (--strategy) is planned on
+    With --balance, that split. Without it, the memory model says up front which split
+    the strategy to write (--strategy) is planned on
     (`mpress.static.plan.balance_choice`): stages balanced for compute, unless that
     model rules them out for the strategy and not stages balanced for memory (the first
     stage, with the most microbatches in flight, holds the most; a memory split evens
@@ -165,22 +165,27 @@ def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
     console.print(settings_line(by_compute.setup, by_compute.shape), markup=False, soft_wrap=True)
     if args.balance is not None:
         return by_compute
-    args.balance = "memory"
-    by_memory = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
-    planning = {"compute": by_compute, "memory": by_memory}
+    planning = {"compute": by_compute}
+
+    def by_memory() -> PipelineSetup:  # laid out once, where the choice needs it
+        if "memory" not in planning:
+            args.balance = "memory"
+            planning["memory"] = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
+            args.balance = None
+        return planning["memory"].setup
 
     def plan(balance: str, names: list[str]) -> dict[str, PlanResult]:
         on = planning[balance]
         with TaskProgress(console, len(Strategy), "planning", completed=len(on.results)) as progress:
             return on.plan(names, progress)
 
-    chosen = choose(by_compute.setup, by_memory.setup, args.strategy, plan,
+    chosen = choose(by_compute.setup, by_memory, args.strategy, plan,
                     lambda line: console.print(line, markup=False, soft_wrap=True))
-    args.balance = None if chosen == "compute" else chosen
     if chosen == "compute":
         return by_compute
-    console.print(settings_line(by_memory.setup, by_memory.shape), markup=False, soft_wrap=True)
-    return by_memory
+    args.balance = chosen
+    console.print(settings_line(planning["memory"].setup, planning["memory"].shape), markup=False, soft_wrap=True)
+    return planning["memory"]
 
 
 def plan_baselines(setup: PipelineSetup) -> dict[str, BaselineResult]:

@@ -8,7 +8,7 @@ techniques cannot take off the device (its floor, `floor_bytes`) against the dev
 usable memory. A floor above it rules the split out before any planning
 (`ruled_out`); a floor within it leaves the answer to the planner, which emulates.
 
-`choose_balance` reads the two splits' verdicts once, up front (`first_balance`):
+`choose_balance` reads the verdicts once, up front:
 
 - compute ruled out, memory not: memory, and the strategy is planned there only;
 - both ruled out: compute, the default split, where the other strategies are compared
@@ -65,30 +65,27 @@ def ruled_out(setup: PipelineSetup, strategy: str) -> str:
     return f"stage {worst} keeps at least {fmt_bytes(floors[worst])} of {fmt_bytes(usable)} usable"
 
 
-def first_balance(by_compute: PipelineSetup, by_memory: PipelineSetup, strategy: str) -> tuple[Balance, str, str]:
-    """(split to plan `strategy` on first, why the memory model rules out compute, why
-    it rules out memory; "" where it does not): memory only where compute is ruled
-    out and memory is not."""
-    compute_out, memory_out = ruled_out(by_compute, strategy), ruled_out(by_memory, strategy)
-    return ("memory" if compute_out and not memory_out else "compute"), compute_out, memory_out
-
-
-def choose_balance(by_compute: PipelineSetup, by_memory: PipelineSetup, strategy: str, plan: PlanOn,
-                   say: Callable[[str], None]) -> Balance:
+def choose_balance(by_compute: PipelineSetup, by_memory: Callable[[], PipelineSetup], strategy: str,
+                   plan: PlanOn, say: Callable[[str], None]) -> Balance:
     """The split to plan every strategy on (see the module docstring): `strategy`'s
-    planned on the split `first_balance` names, and on the other only where the memory
-    model could not tell and the first does not fit. `say`: one line per decision."""
-    first, compute_out, memory_out = first_balance(by_compute, by_memory, strategy)
-    if first == "memory":
+    planned first on memory only where the memory model rules out compute and not
+    memory, and on the other split only where the model could not tell and the first
+    does not fit. `by_memory`: lays out the memory split, asked only where the answer
+    needs it (a split laid out anew may profile the model again: `--hf-config`). `say`:
+    one line per decision."""
+    compute_out = ruled_out(by_compute, strategy)
+    if compute_out:
+        memory_out = ruled_out(by_memory(), strategy)
+        if memory_out:
+            say(f"{strategy} cannot fit the layers balanced by compute nor by memory by the memory model "
+                f"({compute_out}; balanced by memory, {memory_out}); keeping them balanced by compute")
+            return "compute"
         say(f"{strategy} cannot fit the layers balanced by compute by the memory model ({compute_out}); "
             "planning them balanced by memory (--balance memory)")
         return "memory" if plan("memory", [strategy])[strategy].fits else _neither(strategy, plan, say)
-    if compute_out:
-        say(f"{strategy} cannot fit the layers balanced by compute nor by memory by the memory model "
-            f"({compute_out}; balanced by memory, {memory_out}); keeping them balanced by compute")
-        return "compute"
     if plan("compute", [strategy])[strategy].fits:
         return "compute"
+    memory_out = ruled_out(by_memory(), strategy)
     if memory_out:
         say(f"{strategy} does not fit with the layers balanced by compute, and the memory model rules out "
             f"balancing them by memory ({memory_out}); keeping them balanced by compute")

@@ -52,6 +52,10 @@ class Kind(enum.Enum):
     OO = "OO"
     OI = "OI"
 
+    # members are singletons, equal only to themselves: the built-in identity hash serves
+    # (Enum's own calls Python code; the emulator hashes kinds some 700,000 times a plan)
+    __hash__ = object.__hash__
+
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.RC})
 """Kinds that occupy the compute stream."""

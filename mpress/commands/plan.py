@@ -143,19 +143,20 @@ class Planning:
                              + f" (planning {fmt_seconds(r.plan_s)})")
         return {n: self.results[n] for n in Strategy.words() if n in self.results}
 
-    def fits(self, name: str) -> bool:
-        return self.results[name].fits
-
 
 def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
     """The layers' split, decided once before the comparison, with what deciding planned.
 
-    With --balance, that split. Without it, stages balanced for compute, unless the
-    strategy to write (--strategy) does not fit them and fits stages balanced for memory
-    (the first stage, with the most microbatches in flight, holds the most; a memory
-    split evens that out): then memory, and the other strategies are planned there only.
-    Where --strategy fits neither, the split where any strategy fits, compute first.
+    With --balance, that split. Without it, the memory model says up front which split
+    the strategy to write (--strategy) is planned on
+    (`mpress.static.plan.balance_choice`): stages balanced for compute, unless that
+    model rules them out for the strategy and not stages balanced for memory (the first
+    stage, with the most microbatches in flight, holds the most; a memory split evens
+    that out). Only where the model cannot tell and compute does not fit is the strategy
+    planned on memory too. Where it fits neither split, the split where any strategy
+    fits, compute first.
     """
+    from mpress.static.plan.balance_choice import choose_balance as choose
     from mpress.static.plan.planner import check_fits_at_all
 
     profile = profile_for_args(args)
@@ -164,25 +165,27 @@ def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
     console.print(settings_line(by_compute.setup, by_compute.shape), markup=False, soft_wrap=True)
     if args.balance is not None:
         return by_compute
-    with TaskProgress(console, len(Strategy), "planning") as progress:
-        by_compute.plan([args.strategy], progress)
-    if by_compute.fits(args.strategy):
+    planning = {"compute": by_compute}
+
+    def by_memory() -> PipelineSetup:  # laid out once, where the choice needs it
+        if "memory" not in planning:
+            args.balance = "memory"
+            planning["memory"] = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
+            args.balance = None
+        return planning["memory"].setup
+
+    def plan(balance: str, names: list[str]) -> dict[str, PlanResult]:
+        on = planning[balance]
+        with TaskProgress(console, len(Strategy), "planning", completed=len(on.results)) as progress:
+            return on.plan(names, progress)
+
+    chosen = choose(by_compute.setup, by_memory, args.strategy, plan,
+                    lambda line: console.print(line, markup=False, soft_wrap=True))
+    if chosen == "compute":
         return by_compute
-    args.balance = "memory"
-    by_memory = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
-    console.print(f"{args.strategy} does not fit with the layers balanced by compute; trying them balanced by memory "
-                  "(--balance memory)", markup=False, soft_wrap=True)
-    with TaskProgress(console, len(Strategy), "planning") as progress:
-        by_memory.plan([args.strategy], progress)
-    if not by_memory.fits(args.strategy):  # neither: the split where any strategy fits, compute first
-        with TaskProgress(console, len(Strategy), "planning", completed=1) as progress:
-            if any(r.fits for r in by_compute.plan(Strategy.words(), progress).values()):
-                args.balance = None
-                console.print(f"{args.strategy} fits neither split; keeping the layers balanced by compute, where "
-                              "another strategy fits", markup=False, soft_wrap=True)
-                return by_compute
-    console.print(settings_line(by_memory.setup, by_memory.shape), markup=False, soft_wrap=True)
-    return by_memory
+    args.balance = chosen
+    console.print(settings_line(planning["memory"].setup, planning["memory"].shape), markup=False, soft_wrap=True)
+    return planning["memory"]
 
 
 def plan_baselines(setup: PipelineSetup) -> dict[str, BaselineResult]:

@@ -52,6 +52,10 @@ class Kind(enum.Enum):
     OO = "OO"
     OI = "OI"
 
+    # members are singletons, equal only to themselves: the built-in identity hash serves
+    # (Enum's own calls Python code; the emulator hashes kinds some 700,000 times a plan)
+    __hash__ = object.__hash__
+
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.RC})
 """Kinds that occupy the compute stream."""
@@ -66,6 +70,8 @@ _NO_MICROBATCH_KINDS = frozenset({Kind.OPT, Kind.OO, Kind.OI})
 # longest codes first so "OPT" is not read as "O"+"PT"
 _CODES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_CODES})(\d+)?(?::(\S+))?$")
+_SPACE_RE = re.compile(r"\s")
+"""Any whitespace character (what `str.isspace` calls one)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ class Action:
             raise ScheduleError(f"{self.kind.value} actions need a tensor name")
         if self.kind not in TENSOR_KINDS and self.kind is not Kind.OPT and self.tensor is not None:
             raise ScheduleError(f"{self.kind.value} actions take no tensor name")
-        if self.tensor is not None and any(c.isspace() for c in self.tensor):
+        if self.tensor is not None and _SPACE_RE.search(self.tensor):
             raise ScheduleError(f"tensor name may not contain spaces: {self.tensor!r}")
 
     def __str__(self) -> str:

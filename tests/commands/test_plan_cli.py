@@ -1,5 +1,7 @@
 """`mpress plan`, `mpress emulate PLAN` and `mpress maxsize` end to end, with bad input."""
 
+import json
+
 import pytest
 import yaml
 
@@ -175,3 +177,49 @@ def test_when_the_strategy_does_not_fit_balanced_by_compute_the_layers_are_balan
     plan = Plan.load(str(out))
     stage0 = plan.stages[0].end_layer - plan.stages[0].first_layer
     assert stage0 < min(sp.end_layer - sp.first_layer for sp in plan.stages[1:-1])  # the first stage holds fewer
+
+
+def _planned(printed: str) -> list[str]:
+    """The strategies whose planning ended, in order (the lines `[n/6] planned name: ...`)."""
+    return [line.split()[2].rstrip(":") for line in printed.splitlines()
+            if line.startswith("[") and line.split()[1:2] == ["planned"]]
+
+
+BERT_4B = ["plan", "--model", "bert-4b", "--hardware", "dgx1-v100", "--microbatch-size", "4", "--strategy", "none"]
+"""bert-4b with 4 x 512 tokens per microbatch: without compaction, stage 0 of the compute
+split needs 29.9 GB (8 microbatches in flight), the memory split's largest stage 26.2 GB."""
+
+
+def test_the_memory_model_chooses_the_memory_balance_up_front_where_compute_cannot_fit(tmp_path, capsys):
+    """On 32 GB devices (27.8 GB usable) `none` cannot fit the compute split by the memory
+    model and can fit the memory split: it is planned once, on memory, and fits; the
+    planner agrees that the compute split does not fit."""
+    out = tmp_path / "none.yaml"
+    assert main([*BERT_4B, "--device-memory", "32GB", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ("none cannot fit the layers balanced by compute by the memory model (stage 0 keeps at least 29.9 GB "
+            "of 27.8 GB usable); planning them balanced by memory") in printed
+    assert _planned(printed) == ["none", "recompute", "host-swap", "d2d", "mpress", "megatron-selective"]
+    plan = Plan.load(out)
+    assert plan.fits and plan.strategy == "none"
+    capsys.readouterr()
+    by_memory = tmp_path / "memory.yaml"
+    assert main([*BERT_4B, "--device-memory", "32GB", "--balance", "memory", "--out", str(by_memory)]) == 0
+    assert [(sp.first_layer, sp.end_layer) for sp in plan.stages] == \
+        [(sp.first_layer, sp.end_layer) for sp in Plan.load(by_memory).stages]
+    assert main([*BERT_4B, "--device-memory", "32GB", "--balance", "compute"]) == 1  # does not fit
+
+
+def test_the_compute_balance_is_kept_and_planned_once_where_the_memory_model_rules_out_both(capsys):
+    """On 28 GB devices (23.8 GB usable) `none` fits neither split by the memory model: the
+    compute split is kept and `none` planned once (before, on both splits); the other
+    strategies are compared there."""
+    assert main([*BERT_4B, "--device-memory", "28GB", "--json"]) == 1
+    printed = capsys.readouterr()
+    assert ("none cannot fit the layers balanced by compute nor by memory by the memory model (stage 0 keeps at "
+            "least 29.9 GB of 23.8 GB usable; balanced by memory, stage 1 keeps at least 26.2 GB") in printed.err
+    assert _planned(printed.err) == ["none", "recompute", "host-swap", "d2d", "mpress", "megatron-selective"]
+    assert "balanced by memory (--balance memory)" not in printed.err
+    stages = json.loads(printed.out)["stages"]
+    assert main([*BERT_4B, "--device-memory", "28GB", "--balance", "compute", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["stages"] == stages  # the compute split's

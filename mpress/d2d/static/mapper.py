@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from mpress.d2d.static.cut_table import CutTable
 from mpress.d2d.static.mapping import (
     MAX_CUT_STAGES,
     REL_TOL,
@@ -37,7 +38,6 @@ from mpress.d2d.static.mapping import (
     mapping_value,
     reaches,
 )
-from mpress.d2d.static.maxflow import CutTable
 
 DEFAULT_TIME_BUDGET_S = 10.0
 """Search time when the caller gives none; the search stops sooner once it has proved optimality."""

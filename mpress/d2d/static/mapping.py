@@ -18,8 +18,8 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mpress.d2d.static.cut_table import CutTable
 from mpress.d2d.static.maxflow import (
-    CutTable,
     SwapNetwork,
     integer_stripes,
     solve_by_flow,

@@ -35,7 +35,7 @@ from mpress.runtime.train_config import TrainConfig, model_config
 from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.plan.plan_eval import complete_plan
 from mpress.static.plan.planner_layer_data import plan_host_bytes
-from tests.d2d.static.test_topology import fake_dgx1
+from tests.d2d.static.test_topology import A100_BUS_IDS, fake_a100, fake_dgx1
 from tests.d2d.static.test_visible_gpus import _fake_cuda
 from tests.support.hardware import DGX1_LINKS
 from tests.support.plans import contract_plan, one_line
@@ -217,6 +217,31 @@ def test_hardware_detect_plans_over_replica_0s_share_of_the_node(monkeypatch: py
     plan = dataclasses.replace(contract_plan(ranges=FOUR_STAGES, devices=[0, 1, 2, 3]), num_devices=hw.num_devices)
     assert startup.replica_devices_for(plan, 4, startup.replicas_per_node(4), nvml=fake_dgx1()) == \
         ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def _fake_a100_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of a job on a DGX A100 whose CUDA and NVML see its eight GPUs, NCCL up."""
+    _fake_cuda(monkeypatch, list(range(8)), A100_BUS_IDS)
+    monkeypatch.setattr(startup, "detect_local_hardware",
+                        lambda **kw: detect_local_hardware(**{**kw, "nvml": fake_a100()}))
+    monkeypatch.setattr(startup.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(startup.dist, "get_backend", lambda *_a: "nccl")
+
+
+@pytest.mark.parametrize("hardware, dp", [("detect", 2), ("dgx-a100", 2), ("dgx-a100", 4)])
+def test_replicas_on_half_a_node_each_start(monkeypatch: pytest.MonkeyPatch, hardware: str, dp: int) -> None:
+    """Two replicas of a 4-rank pipeline on one DGX A100 (dp 2), or on each of two (dp 4):
+    rank 0's start-up plans for 4 of the node's 8 GPUs and costs the replicas. Refused
+    before: the network preset's 8 NICs against the pipeline's 4 GPUs ("nic_of_device
+    names 8 devices"), or a network asked of detected hardware with all replicas on one
+    node, which needs none."""
+    _fake_a100_node(monkeypatch)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = TrainConfig(model="gpt-tiny", num_stages=4, microbatch_size=2, num_microbatches=4, dp=dp,
+                      hardware=hardware, plan="none")
+    start = startup.plan_for(cfg, model_config(cfg), 4, 4)
+    assert start.replica_devices == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert len(start.predicted_peak_bytes) == 4
 
 
 def test_replicas_per_node_are_the_nodes_ranks_over_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:

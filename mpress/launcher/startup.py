@@ -107,17 +107,16 @@ def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *, setu
     more on the host than `setup` (the pipeline the plan was checked against: its
     hardware and profile costs) allows -- each pins what the plan pins (its pools, its
     host optimizer steps' slabs, its drive's staging buffers: `plan_host_bytes`, the sum
-    the plan check and the planner read) and keeps its host steps' pageable copies --, or
-    when the plan swaps to peer GPUs (D2D addresses them by the plan's numbers, which are
-    replica 0's GPUs). Rank 0 only; `nvml` replaces the pynvml module (tests)."""
+    the plan check and the planner read) and keeps its host steps' pageable copies.
+    Every one of the plan's devices is placed, those no stage runs on too, so a D2D
+    plan's replicas each lend and borrow on GPUs of their own (the runtime maps the plan's
+    peer numbers through the slot, `mpress.d2d.runtime.peer_store.peer_device`): where
+    the node cannot hold that many, it is refused, never shared. Rank 0 only; `nvml`
+    replaces the pynvml module (tests)."""
     if per_node == 1:
         return None
     if plan is not None and setup is not None:
         _check_replicas_host(plan, setup, per_node)
-    if plan is not None and plan.uses_peer_pools:
-        raise UserError(f"dp: {per_node} replicas per node under a plan with D2D swaps (peer pools): D2D addresses "
-                        "peer GPUs by the plan's numbers, so only one replica per node can use it; run one replica "
-                        "per node (--nproc-per-node = the pipeline's ranks) or plan without D2D")
     return node_replicas_for(plan.num_devices if plan is not None else pp_world, per_node, nvml=nvml).devices
 
 
@@ -396,8 +395,8 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
     plan_bus_ids (`StartPlan.device_bus_ids`): the PCI bus id of each of the plan's
     devices. The rank takes the CUDA device with its device's bus id, whatever this
     process's CUDA numbers it; without them, the plan's number is taken as this process's
-    CUDA index. A D2D plan addresses peer GPUs by the plan's numbers, so there every rank
-    must number them as rank 0 did.
+    CUDA index. A D2D plan addresses peer GPUs by CUDA index (the plan's numbers, through
+    `node_devices` in a replica's slot), so there every rank must number them as rank 0 did.
     """
     if not cuda:
         return torch.device("cpu")
@@ -419,7 +418,7 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
     local = cuda_index_of(bus_id, cuda_bus_ids(), rank=rank, plan_device=index)
     if local != index and plan.uses_peer_pools:
         raise PlanError(f"rank {rank}: the plan's GPU {index} (PCI {bus_id}) is cuda:{local} here, and D2D swaps "
-                        "address peer GPUs by the plan's numbers: give every rank the same CUDA_VISIBLE_DEVICES")
+                        "address peer GPUs by rank 0's CUDA numbers: give every rank the same CUDA_VISIBLE_DEVICES")
     return torch.device("cuda", local)
 
 

@@ -325,8 +325,8 @@ def data_parallel_for(cfg: TrainConfig, hardware: Hardware, local: NodeReplicas 
         return None
     per_node = local.per_node if local is not None else 1
     if cfg.dp % per_node:
-        raise UserError(f"dp: {cfg.dp} replicas cannot be {per_node} on each node (the node's ranks over the "
-                        "pipeline's): run dp / nodes replicas on each node")
+        raise UserError(f"dp: {cfg.dp} replicas cannot run {per_node} on each node (this node's ranks over the "
+                        f"pipeline's): make dp a multiple of {per_node}, or run another number of ranks per node")
     nodes = cfg.dp // per_node
     try:
         cluster = make_cluster(local.node if local is not None else hardware, nodes) if nodes > 1 else None

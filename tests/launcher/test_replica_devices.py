@@ -33,6 +33,7 @@ from mpress.launcher.devices import (
     join_replicas,
 )
 from mpress.runtime.train_config import TrainConfig, model_config
+from mpress.static.emulate.dp_reduction import reduction_channels
 from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.plan.plan_eval import complete_plan
 from mpress.static.plan.planner_layer_data import plan_host_bytes
@@ -275,6 +276,30 @@ def test_replicas_on_half_a_node_each_start(monkeypatch: pytest.MonkeyPatch, har
     start = startup.plan_for(cfg, model_config(cfg), 4, 4)
     assert start.replica_devices == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert len(start.predicted_peak_bytes) == 4
+
+
+def test_the_replicas_reduction_is_costed_on_their_gpus_with_the_presets_link_figures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a DGX A100 (NVSwitch, 12 links per GPU), two replicas of a 4-GPU plan: GPU d and
+    its twin d + 4 ring over their 12 links at the preset's 25 GB/s x 0.9 = 270 GB/s
+    (NVML would give the default efficiency, 0.8: 240 GB/s), 2 steps of 5 us; dp 2 needs
+    no network, dp 4 adds two nodes' NICs (25 GB/s x 0.9, 2 steps of 5 us)."""
+    _fake_a100_node(monkeypatch)
+    hw = load_hardware("dgx-a100", num_devices=4)
+    local = startup.node_replicas_for(4, 2, hardware=hw)
+    assert local.devices == ((0, 1, 2, 3), (4, 5, 6, 7)) and local.node.name == "dgx-a100"
+    one_node = startup.data_parallel_for(TrainConfig(model="gpt-tiny", dp=2, hardware="dgx-a100"), hw, local)
+    assert one_node is not None and one_node.cluster is None and one_node.degree == 2
+    channels = reduction_channels(one_node)
+    assert sorted(channels) == [f"dp-link:{d}" for d in range(4)]
+    assert channels["dp-link:3"].gbps == pytest.approx(270.0) and channels["dp-link:3"].latency_s == pytest.approx(1e-5)
+    two_nodes = startup.data_parallel_for(TrainConfig(model="gpt-tiny", dp=4, hardware="dgx-a100"), hw, local)
+    assert two_nodes is not None and (two_nodes.nodes, two_nodes.per_node) == (2, 2)
+    channels = reduction_channels(two_nodes)
+    assert len(channels) == 8 + 4 and channels["nic:7"].gbps == pytest.approx(22.5)
+    assert channels["nic:7"].latency_s == pytest.approx(1e-5)
+    with pytest.raises(UserError, match=r"^dp: 3 replicas cannot run 2 on each node .*: make dp a multiple of 2, or run"):
+        startup.data_parallel_for(TrainConfig(model="gpt-tiny", dp=3, hardware="dgx-a100"), hw, local)
 
 
 def test_replicas_per_node_are_the_nodes_ranks_over_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -104,9 +104,9 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     # replica k runs on node k // per_node, in slot k % per_node of its GPUs; the bus ids
     # are rank 0's node's: another node numbers its GPUs as CUDA does
     per_node = replicas_per_node(pp_world)
+    node_devices = start.replica_devices[dp_rank % per_node] if start.replica_devices else None
     device = rank_device(plan, pp_rank, pp_world, dist.get_backend() == "nccl",
-                         plan_bus_ids=start.device_bus_ids if dp_rank < per_node else None,
-                         node_devices=start.replica_devices[dp_rank % per_node] if start.replica_devices else None)
+                         plan_bus_ids=start.device_bus_ids if dp_rank < per_node else None, node_devices=node_devices)
     claims: list[object] = [None] * world
     dist.all_gather_object(claims, claim_for(rank, device), group=control)
     check_distinct_devices(claims)  # type: ignore[arg-type]  # before NCCL meets one GPU twice
@@ -139,7 +139,7 @@ def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: 
     else:  # peer pools stay inside a replica: their handshake on the replica's gloo group
         replica_control = replicas.pp_group if control is None else replica_control_group(replicas, COLLECTIVE_TIMEOUT_S)
         job = start_job(spec, plan, device, group=replicas.pp_group, control_group=replica_control,
-                        dp_group=replicas.dp_group)
+                        dp_group=replicas.dp_group, node_devices=node_devices)
     checkpoints = Checkpoints(cfg, job, control, dp_rank=dp_rank)
     first = checkpoints.resume()
     job.next_step = first  # the learning rate follows from the step index alone

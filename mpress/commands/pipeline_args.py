@@ -305,7 +305,7 @@ def cluster_line(setup: PipelineSetup, result: EmulatorResult) -> str | None:
     all replicas counted), per replica, and the data-parallel reduction, overlapped and
     exposed (`data_parallel.exposed_reduction_s`)."""
     dp = setup.data_parallel
-    if dp is None or dp.degree == 1:
+    if dp is None or dp.degree == 1 or dp.cluster is None:  # --nodes makes a cluster
         return None
     c = dp.cluster
     return (f"cluster {c.name} ({c.num_nodes * c.hardware.num_devices} GPUs, {dp.sharding}): "

@@ -8,7 +8,9 @@ one node is replicated on every node, and GPU i of each node reaches GPU i of th
 through its NIC (`nic_of_device`), as on a rail-optimised fabric; GPUs that share a NIC
 share its bandwidth.
 
-Several replicas may also share one node (`replica_devices`). A plan lays one replica's pipeline out over devices 0..N-1 of its hardware: on a GPU node
+Several replicas may also share one node (`replica_devices`, `NodeReplicas`: their
+gradients meet over the node's links before the NICs, `mpress.static.emulate.dp_reduction`).
+A plan lays one replica's pipeline out over devices 0..N-1 of its hardware: on a GPU node
 those are the node's first N GPUs (in the CUDA order rank 0 planned in), and the plan's
 stage-to-device map is replica 0's. Several replicas on one node each need N GPUs of
 their own, linked as the plan's are -- the plan's D2D stripes, transfer times and
@@ -99,7 +101,8 @@ class Cluster:
     num_nodes: int = field(metadata={"min": 1, "max": MAX_NODES})
     """Servers; each runs one replica of the pipeline."""
     hardware: Hardware
-    """One server."""
+    """One server, or the first N GPUs of one that a pipeline uses (device d is the node's
+    GPU d: its NIC is `nic_of_device[d]`)."""
     network: NetworkSpec
     """Its compute NICs."""
 
@@ -107,7 +110,7 @@ class Cluster:
         if not 1 <= self.num_nodes <= MAX_NODES:
             raise UserError(f"--nodes must be in 1..{MAX_NODES}, got {self.num_nodes}")
         mapped = len(self.network.nic_of_device)
-        if mapped and mapped != self.hardware.num_devices:
+        if mapped and mapped < self.hardware.num_devices:  # more: a pipeline on the node's first N GPUs
             raise UserError(f"network of {self.network.hardware}: nic_of_device names {mapped} devices, hardware "
                             f"{self.hardware.name} has {self.hardware.num_devices} (give one NIC per device)")
 
@@ -155,6 +158,27 @@ def make_cluster(hardware: Hardware, num_nodes: int, network: str | Path | None 
         raise UserError(f"network {network or hardware.name}: its NICs belong to hardware {spec.hardware!r}, "
                         f"not {hardware.name!r}")
     return Cluster(num_nodes=num_nodes, hardware=hardware, network=spec)
+
+
+@dataclass(frozen=True)
+class NodeReplicas:
+    """Several replicas of one pipeline sharing a node: the node and, per replica slot,
+    the node GPU of each of the plan's devices (`replica_devices`; slot 0 is the plan's
+    own). The replicas' twin GPUs reduce gradients over the node's own links."""
+
+    node: Hardware
+    """The whole node."""
+    devices: tuple[tuple[int, ...], ...]
+    """`replica_devices(node, plan devices, replicas)`."""
+
+    @property
+    def per_node(self) -> int:
+        return len(self.devices)
+
+    def twins(self, device: int) -> list[int]:
+        """The node GPUs of the plan's `device` in every replica slot, in slot order (the
+        ring its gradient reduction runs over)."""
+        return [m[device] for m in self.devices]
 
 
 def replica_devices(node: Hardware, plan_devices: int, replicas: int) -> tuple[tuple[int, ...], ...]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mpress.hardware.cluster import Sharding, make_cluster, replica_devices
+from mpress.hardware.cluster import NodeReplicas, Sharding, make_cluster, replica_devices
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
 from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware.server import Hardware, load_hardware
@@ -107,21 +107,41 @@ def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *, setu
     more on the host than `setup` (the pipeline the plan was checked against: its
     hardware and profile costs) allows -- each pins what the plan pins (its pools, its
     host optimizer steps' slabs, its drive's staging buffers: `plan_host_bytes`, the sum
-    the plan check and the planner read) and keeps its host steps' pageable copies --, or
-    when the plan swaps to peer GPUs (D2D addresses them by the plan's numbers, which are
-    replica 0's GPUs). Rank 0 only; `nvml` replaces the pynvml module (tests)."""
+    the plan check and the planner read) and keeps its host steps' pageable copies.
+    Every one of the plan's devices is placed, those no stage runs on too, so a D2D
+    plan's replicas each lend and borrow on GPUs of their own (the runtime maps the plan's
+    peer numbers through the slot, `mpress.d2d.runtime.peer_store.peer_device`): where
+    the node cannot hold that many, it is refused, never shared. Rank 0 only; `nvml`
+    replaces the pynvml module (tests)."""
     if per_node == 1:
         return None
     if plan is not None and setup is not None:
         _check_replicas_host(plan, setup, per_node)
-    if plan is not None and plan.uses_peer_pools:
-        raise UserError(f"dp: {per_node} replicas per node under a plan with D2D swaps (peer pools): D2D addresses "
-                        "peer GPUs by the plan's numbers, so only one replica per node can use it; run one replica "
-                        "per node (--nproc-per-node = the pipeline's ranks) or plan without D2D")
+    return node_replicas_for(plan.num_devices if plan is not None else pp_world, per_node, nvml=nvml).devices
+
+
+LINK_FIGURES = ("nvlink_gbps_per_link", "nvlink_efficiency", "nvlink_latency_s", "pcie_h2d_gbps", "pcie_d2h_gbps",
+                "pcie_efficiency", "pcie_latency_s")
+"""What `node_replicas_for` takes from the plan's hardware rather than from NVML."""
+
+
+def node_replicas_for(plan_devices: int, per_node: int, *, hardware: Hardware | None = None,
+                      nvml: object = None) -> NodeReplicas:
+    """The `per_node` replicas of a plan over `plan_devices` GPUs on this node: the node's
+    GPUs as this process's CUDA sees them, linked as NVML reports (with `hardware`, the
+    plan's, its name -- whose network preset joins such nodes -- and its links' figures,
+    `LINK_FIGURES`), and each replica's GPUs on it
+    (`mpress.hardware.cluster.replica_devices`). What the ranks bind
+    (`replica_devices_for`) and what the replicas' reduction is costed over
+    (`data_parallel_for`) read this one answer. A one-line error when the node's GPUs
+    cannot be read or cannot hold the replicas. `nvml` replaces the pynvml module (tests)."""
     topology, why = detect_local_hardware(nvml=nvml, visible_bus_ids=cuda_bus_ids())
     if topology is None:
         raise TopologyError(f"dp: cannot place {per_node} replicas on this node's GPUs: {why}")
-    return replica_devices(topology.hardware, plan.num_devices if plan is not None else pp_world, per_node)
+    node = topology.hardware
+    if hardware is not None:
+        node = dataclasses.replace(node, name=hardware.name, **{key: getattr(hardware, key) for key in LINK_FIGURES})
+    return NodeReplicas(node, replica_devices(node, plan_devices, per_node))
 
 
 def _check_replicas_host(plan: Plan, setup: PipelineSetup, per_node: int) -> None:
@@ -174,7 +194,7 @@ def _plan_of(cfg: TrainConfig, model: ModelConfig | UserModel, num_stages: int, 
     how = "on fake tensors" if isinstance(model, UserModel) else "analytic"
     say(f"profiling {model.name} ({how}) for " + ("the stages' split (plan: none)" if cfg.plan == "none" else
                                                  f"planning on {hardware.name}"))
-    setup = _setup(cfg, model, hardware, num_stages, world, profile=profile_for(cfg, model, hardware))
+    setup = _setup(cfg, model, hardware, num_stages, world, profile=profile_for(cfg, model, hardware), cuda=cuda)
     if cfg.plan == "none":
         return StartPlan(None, setup.ranges,
                          _rank_peaks(evaluate(setup).result.peak_bytes, setup.stage_to_device, world)), setup
@@ -227,7 +247,7 @@ def load_checked_plan(cfg: TrainConfig, model: ModelConfig | UserModel, num_stag
     profile = profile_for(cfg, model, hardware)
     check_plan(plan, source=source, num_layers=profile.num_layers)
     setup = _setup(cfg, model, hardware, num_stages, world, profile=profile,
-                   ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages])
+                   ranges=[(sp.first_layer, sp.end_layer) for sp in plan.stages], cuda=cuda)
     check_plan_for_setup(plan, setup, source=source)
     return plan, setup
 
@@ -281,25 +301,38 @@ def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig | UserModel, num
 
 
 def _setup(cfg: TrainConfig, model: ModelConfig | UserModel, hardware: Hardware, num_stages: int, world: int,
-           ranges: list[tuple[int, int]] | None = None, profile: Profile | None = None) -> PipelineSetup:
+           ranges: list[tuple[int, int]] | None = None, profile: Profile | None = None, *,
+           cuda: bool = False) -> PipelineSetup:
     """One replica's pipeline (`world`: its ranks), with the replicas' DDP reduction and
-    buckets counted when the config has several (`data_parallel_for`)."""
+    buckets counted when the config has several (`data_parallel_for`; on CUDA, those
+    sharing this node on its GPUs as `node_replicas_for` places them)."""
+    per_node = replicas_per_node(world) if cuda and cfg.dp > 1 else 1
+    local = node_replicas_for(hardware.num_devices, per_node, hardware=hardware) if per_node > 1 else None
     return setup_pipeline(model, hardware, schedule=cfg.schedule, num_stages=num_stages,  # type: ignore[arg-type]
                           num_ranks=world, profile=profile,
                           microbatch_size=cfg.microbatch_size, num_microbatches=cfg.num_microbatches, ranges=ranges,
-                          data_parallel=data_parallel_for(cfg, hardware))
+                          data_parallel=data_parallel_for(cfg, hardware, local))
 
 
-def data_parallel_for(cfg: TrainConfig, hardware: Hardware) -> DataParallel | None:
-    """What the runtime replicates (`mpress.runtime.data_parallel`): `dp` nodes of
-    `hardware` joined by its network preset (configs/clusters/), gradients reduced by
-    DDP; None for one replica. A `UserError` when the hardware has no network preset."""
+def data_parallel_for(cfg: TrainConfig, hardware: Hardware, local: NodeReplicas | None = None) -> DataParallel | None:
+    """What the runtime replicates (`mpress.runtime.data_parallel`): `dp` replicas of the
+    pipeline on `hardware`, `local.per_node` of them sharing each node (`local`; None: one
+    per node), gradients reduced by DDP, over the node's links first
+    (`mpress.static.emulate.dp_reduction`); the dp / per_node nodes joined by the network
+    preset of the node's hardware (configs/clusters/). None for one replica. A
+    `UserError` when the replicas span nodes whose hardware has no network preset."""
     if cfg.dp == 1:
         return None
+    per_node = local.per_node if local is not None else 1
+    if cfg.dp % per_node:
+        raise UserError(f"dp: {cfg.dp} replicas cannot run {per_node} on each node (this node's ranks over the "
+                        f"pipeline's): make dp a multiple of {per_node}, or run another number of ranks per node")
+    nodes = cfg.dp // per_node
     try:
-        return DataParallel(cluster=make_cluster(hardware, cfg.dp), sharding=Sharding.DDP)
+        cluster = make_cluster(local.node if local is not None else hardware, nodes) if nodes > 1 else None
     except UserError as exc:
         raise UserError(f"dp: {exc}") from None
+    return DataParallel(cluster=cluster, local=local, sharding=Sharding.DDP)
 
 
 def _rank_peaks(device_peaks: list[int], stage_to_device: list[int], world: int) -> list[int]:
@@ -362,8 +395,8 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
     plan_bus_ids (`StartPlan.device_bus_ids`): the PCI bus id of each of the plan's
     devices. The rank takes the CUDA device with its device's bus id, whatever this
     process's CUDA numbers it; without them, the plan's number is taken as this process's
-    CUDA index. A D2D plan addresses peer GPUs by the plan's numbers, so there every rank
-    must number them as rank 0 did.
+    CUDA index. A D2D plan addresses peer GPUs by CUDA index (the plan's numbers, through
+    `node_devices` in a replica's slot), so there every rank must number them as rank 0 did.
     """
     if not cuda:
         return torch.device("cpu")
@@ -385,7 +418,7 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
     local = cuda_index_of(bus_id, cuda_bus_ids(), rank=rank, plan_device=index)
     if local != index and plan.uses_peer_pools:
         raise PlanError(f"rank {rank}: the plan's GPU {index} (PCI {bus_id}) is cuda:{local} here, and D2D swaps "
-                        "address peer GPUs by the plan's numbers: give every rank the same CUDA_VISIBLE_DEVICES")
+                        "address peer GPUs by rank 0's CUDA numbers: give every rank the same CUDA_VISIBLE_DEVICES")
     return torch.device("cuda", local)
 
 

@@ -20,7 +20,8 @@ from mpress.config.presets import HARDWARE_DIR, resolve_config
 from mpress.config.units import fmt_bytes
 from mpress.contract.plan import Plan, StagePlan, TensorRule, hardware_fingerprint
 from mpress.d2d.static.topology import detect_local_hardware
-from mpress.errors import UserError
+from mpress.d2d.runtime.peer_store import peer_device
+from mpress.errors import PlanError, UserError
 from mpress.hardware.cluster import replica_devices
 from mpress.hardware.server import load_hardware
 from mpress.launcher import devices as devices_module
@@ -32,13 +33,14 @@ from mpress.launcher.devices import (
     join_replicas,
 )
 from mpress.runtime.train_config import TrainConfig, model_config
+from mpress.static.emulate.dp_reduction import reduction_channels
 from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.plan.plan_eval import complete_plan
 from mpress.static.plan.planner_layer_data import plan_host_bytes
-from tests.d2d.static.test_topology import fake_dgx1
+from tests.d2d.static.test_topology import A100_BUS_IDS, fake_a100, fake_dgx1
 from tests.d2d.static.test_visible_gpus import _fake_cuda
 from tests.support.hardware import DGX1_LINKS
-from tests.support.plans import contract_plan, one_line
+from tests.support.plans import contract_plan, d2d_rule, one_line
 
 FOUR_STAGES = ((0, 1), (1, 2), (2, 3), (3, 4))
 
@@ -114,13 +116,45 @@ def test_each_replica_binds_its_own_gpus_whatever_order_cuda_numbers_them(monkey
     check_distinct_devices(claims)  # the start-up check every rank makes passes
 
 
-def test_a_d2d_plan_takes_one_replica_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    """D2D addresses peer GPUs by the plan's numbers (replica 0's): refused in one line."""
+def test_each_replica_of_a_d2d_plan_lends_and_borrows_on_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas of a 2-stage D2D plan over 4 GPUs on a DGX-1 whose CUDA numbers NVML's
+    GPUs 0,1,2,3,6,4,7,5: stage 0 stripes to stage 1's GPU and to the idle GPUs 2 and 3.
+    Each replica's ranks and the peers they stripe to (`peer_device`, through the
+    replica's slot) are GPUs of its own quad, linked to the rank's as the plan's peers
+    are to device 0; no GPU is two replicas'."""
+    order = [0, 1, 2, 3, 6, 4, 7, 5]
+    _fake_cuda(monkeypatch, order)
+    plan = dataclasses.replace(contract_plan({0: [d2d_rule("layers.0.**", {1: 0.5, 2: 0.25, 3: 0.25})]},
+                                             ranges=((0, 1), (1, 2)), devices=[0, 1], s1={"peer_pool_bytes": 1 << 20}),
+                               num_devices=4)
+    assert plan.uses_peer_pools
+    maps = startup.replica_devices_for(plan, 2, 2, nvml=fake_dgx1())
+    planned = cuda_bus_ids()
+    used: list[set[int]] = []
+    for k in range(2):
+        rank0 = startup.rank_device(plan, 0, 2, True, plan_bus_ids=planned, node_devices=maps[k])
+        peers = {d: peer_device(rank0, d, maps[k]) for d in (1, 2, 3)}
+        nvml = {d: order[peers[d].index] for d in peers} | {0: order[rank0.index]}
+        assert nvml[1] == order[startup.rank_device(plan, 1, 2, True, plan_bus_ids=planned,
+                                                    node_devices=maps[k]).index]  # stage 1's GPU lends its pool
+        assert all(DGX1_LINKS[nvml[0]][nvml[d]] == DGX1_LINKS[0][d] for d in (1, 2, 3)), (k, nvml)
+        used.append(set(nvml.values()))
+    assert used == [{0, 1, 2, 3}, {4, 5, 6, 7}]
+    assert peer_device(torch.device("cpu"), 3, maps[1]) == torch.device("cpu")  # CPU pools: shared memory
+    with pytest.raises(PlanError, match=r"^the plan stripes to its device 4; this replica has GPUs for devices 0-3$"):
+        peer_device(torch.device("cuda", 4), 4, maps[1])
+
+
+def test_replicas_whose_lenders_would_collide_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A D2D plan over all eight GPUs of a DGX-1 (two stages, six idle lenders): a second
+    replica would share the first's lenders, so two per node are refused in one line;
+    one per node is the plan's own."""
     _fake_cuda(monkeypatch, list(range(8)))
     plan = contract_plan(ranges=((0, 1), (1, 2)), devices=[0, 1], s1={"peer_pool_bytes": 1 << 20})
-    with pytest.raises(UserError, match=r"^dp: 2 replicas per node under a plan with D2D swaps \(peer pools\)"):
+    assert plan.num_devices == 8 and plan.uses_peer_pools
+    with pytest.raises(UserError, match=r"^dp: 2 replicas per node of a plan over 8 GPUs need 16 GPUs; local has 8"):
         startup.replica_devices_for(plan, 2, 2, nvml=fake_dgx1())
-    assert startup.replica_devices_for(plan, 2, 1, nvml=fake_dgx1()) is None  # one per node: the plan's own
+    assert startup.replica_devices_for(plan, 2, 1, nvml=fake_dgx1()) is None
 
 
 def _quad_hardware(path, **host: int) -> str:
@@ -217,6 +251,55 @@ def test_hardware_detect_plans_over_replica_0s_share_of_the_node(monkeypatch: py
     plan = dataclasses.replace(contract_plan(ranges=FOUR_STAGES, devices=[0, 1, 2, 3]), num_devices=hw.num_devices)
     assert startup.replica_devices_for(plan, 4, startup.replicas_per_node(4), nvml=fake_dgx1()) == \
         ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def _fake_a100_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of a job on a DGX A100 whose CUDA and NVML see its eight GPUs, NCCL up."""
+    _fake_cuda(monkeypatch, list(range(8)), A100_BUS_IDS)
+    monkeypatch.setattr(startup, "detect_local_hardware",
+                        lambda **kw: detect_local_hardware(**{**kw, "nvml": fake_a100()}))
+    monkeypatch.setattr(startup.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(startup.dist, "get_backend", lambda *_a: "nccl")
+
+
+@pytest.mark.parametrize("hardware, dp", [("detect", 2), ("dgx-a100", 2), ("dgx-a100", 4)])
+def test_replicas_on_half_a_node_each_start(monkeypatch: pytest.MonkeyPatch, hardware: str, dp: int) -> None:
+    """Two replicas of a 4-rank pipeline on one DGX A100 (dp 2), or on each of two (dp 4):
+    rank 0's start-up plans for 4 of the node's 8 GPUs and costs the replicas. Refused
+    before: the network preset's 8 NICs against the pipeline's 4 GPUs ("nic_of_device
+    names 8 devices"), or a network asked of detected hardware with all replicas on one
+    node, which needs none."""
+    _fake_a100_node(monkeypatch)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = TrainConfig(model="gpt-tiny", num_stages=4, microbatch_size=2, num_microbatches=4, dp=dp,
+                      hardware=hardware, plan="none")
+    start = startup.plan_for(cfg, model_config(cfg), 4, 4)
+    assert start.replica_devices == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert len(start.predicted_peak_bytes) == 4
+
+
+def test_the_replicas_reduction_is_costed_on_their_gpus_with_the_presets_link_figures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a DGX A100 (NVSwitch, 12 links per GPU), two replicas of a 4-GPU plan: GPU d and
+    its twin d + 4 ring over their 12 links at the preset's 25 GB/s x 0.9 = 270 GB/s
+    (NVML would give the default efficiency, 0.8: 240 GB/s), 2 steps of 5 us; dp 2 needs
+    no network, dp 4 adds two nodes' NICs (25 GB/s x 0.9, 2 steps of 5 us)."""
+    _fake_a100_node(monkeypatch)
+    hw = load_hardware("dgx-a100", num_devices=4)
+    local = startup.node_replicas_for(4, 2, hardware=hw)
+    assert local.devices == ((0, 1, 2, 3), (4, 5, 6, 7)) and local.node.name == "dgx-a100"
+    one_node = startup.data_parallel_for(TrainConfig(model="gpt-tiny", dp=2, hardware="dgx-a100"), hw, local)
+    assert one_node is not None and one_node.cluster is None and one_node.degree == 2
+    channels = reduction_channels(one_node)
+    assert sorted(channels) == [f"dp-link:{d}" for d in range(4)]
+    assert channels["dp-link:3"].gbps == pytest.approx(270.0) and channels["dp-link:3"].latency_s == pytest.approx(1e-5)
+    two_nodes = startup.data_parallel_for(TrainConfig(model="gpt-tiny", dp=4, hardware="dgx-a100"), hw, local)
+    assert two_nodes is not None and (two_nodes.nodes, two_nodes.per_node) == (2, 2)
+    channels = reduction_channels(two_nodes)
+    assert len(channels) == 8 + 4 and channels["nic:7"].gbps == pytest.approx(22.5)
+    assert channels["nic:7"].latency_s == pytest.approx(1e-5)
+    with pytest.raises(UserError, match=r"^dp: 3 replicas cannot run 2 on each node .*: make dp a multiple of 2, or run"):
+        startup.data_parallel_for(TrainConfig(model="gpt-tiny", dp=3, hardware="dgx-a100"), hw, local)
 
 
 def test_replicas_per_node_are_the_nodes_ranks_over_the_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:

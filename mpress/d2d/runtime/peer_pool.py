@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from mpress.config.vocabulary import Technique
 from mpress.contract.plan import Plan
 from mpress.d2d.runtime.liveness import ProcessId
-from mpress.d2d.runtime.peer_store import PeerStore
+from mpress.d2d.runtime.peer_store import PeerStore, peer_device
 from mpress.d2d.runtime.pool_layout import (
     Quota,
     exporter_peers,
@@ -130,8 +130,11 @@ class PeerPools:
     def __init__(self, plan: Plan, rank: int, device: torch.device, transport: PoolTransport,
                  infos: list[_RankInfo], local_buffers: dict[int, torch.Tensor],
                  ledgers: list[shared_memory.SharedMemory], quotas: dict[tuple[int, int], QuotaPool],
-                 attached: list[mmap.mmap], group: dist.ProcessGroup | None = None) -> None:
+                 attached: list[mmap.mmap], group: dist.ProcessGroup | None = None,
+                 node_devices: Sequence[int] | None = None) -> None:
         self.plan = plan
+        self.node_devices = node_devices
+        """The GPU of each of the plan's devices in this rank's replica (`peer_device`)."""
         self.rank = rank
         self.group = group
         self.device = device
@@ -163,7 +166,8 @@ class PeerPools:
         rule = next((r for r in self.plan.stage(stage).rules if r.technique is Technique.D2D), None)
         if rule is None:
             raise PlanError(f"stage {stage} has no D2D rule: it writes into no peer pool")
-        return PeerStore(self, stage, self.device, tuple((st.device, st.fraction) for st in rule.stripes))
+        return PeerStore(self, stage, self.device, tuple((st.device, st.fraction) for st in rule.stripes),
+                         node_devices=self.node_devices)
 
     def check_peer(self, device: int) -> None:
         """Raise SwapError if the process holding device `device`'s pool is gone."""
@@ -237,10 +241,13 @@ def _usage(export: _Export, counters: torch.Tensor) -> dict[str, int]:
 
 def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
                      group: dist.ProcessGroup | None = None, pool_override_bytes: int | None = None,
-                     transport: PoolTransport | None = None) -> PeerPools:
+                     transport: PoolTransport | None = None, node_devices: Sequence[int] | None = None) -> PeerPools:
     """Allocate, exchange and open the job's peer pools (a collective over `group`).
 
     stage_ids: the stages this rank runs (their plan devices are its devices).
+    node_devices: the CUDA index of each of the plan's devices in this rank's replica
+    (the pools and peers of replica k > 0 on a node shared with others are its own GPUs,
+    `peer_device`); None: the plan's numbers.
     Two rounds, each ending in an all-gather of every rank's outcome: allocate and export
     (a pool too small for its quotas, an allocation that failed), then open the peers'
     pools (a peer that cannot be reached). Every rank raises the same error when any rank
@@ -259,7 +266,7 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
             if holder != rank:
                 continue
             nbytes = sum(q.nbytes for q in quotas[d])
-            buffer, payload = transport.create(nbytes, _peer_device(device, d))
+            buffer, payload = transport.create(nbytes, peer_device(device, d, node_devices))
             local[d] = buffer
             ledger = create_segment(max(8, 8 * _LEDGER_FIELDS * len(quotas[d])))
             ledgers.append(ledger)
@@ -278,14 +285,14 @@ def setup_peer_pools(plan: Plan, stage_ids: list[int], device: torch.device, *,
     try:
         own = {e.device: (local[e.device], torch.frombuffer(ledger.buf, dtype=torch.int64))
                for e, ledger in zip(exports, ledgers)}
-        opened = _open_quotas(infos, stage_ids, device, transport, plan, attached, own)
+        opened = _open_quotas(infos, stage_ids, device, transport, plan, attached, own, node_devices)
     except Exception as exc:  # noqa: BLE001 - as above
         error = _describe_failure(exc)
     outcomes: list[Any] = [None] * world
     dist.all_gather_object(outcomes, _RankInfo(rank=rank, process=mine.process, exports=(),
                                                error=error), group=group)
     _raise_if_any_failed(outcomes, transport, ledgers, attached)
-    return PeerPools(plan, rank, device, transport, infos, local, ledgers, opened, attached, group)
+    return PeerPools(plan, rank, device, transport, infos, local, ledgers, opened, attached, group, node_devices)
 
 
 def _raise_if_any_failed(infos: list[_RankInfo], transport: PoolTransport, ledgers: list[shared_memory.SharedMemory],
@@ -310,8 +317,8 @@ def _describe_failure(exc: Exception) -> tuple[str, str]:
 
 
 def _open_quotas(infos: list[_RankInfo], stage_ids: list[int], device: torch.device, transport: PoolTransport,
-                 plan: Plan, attached: list[mmap.mmap],
-                 own: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[int, int], QuotaPool]:
+                 plan: Plan, attached: list[mmap.mmap], own: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 node_devices: Sequence[int] | None = None) -> dict[tuple[int, int], QuotaPool]:
     """The quotas of this rank's stages. `own`: pool device -> (buffer, ledger counters) of
     the pools this rank holds; its stages write into those directly (no IPC open of its
     own export), and open the other ranks' pools through `transport`."""
@@ -321,12 +328,13 @@ def _open_quotas(infos: list[_RankInfo], stage_ids: list[int], device: torch.dev
     for stage in stage_ids:
         for peer in exporter_peers(plan, stage):
             export = exports[peer]
+            where = peer_device(device, peer, node_devices)
             if device.type == "cuda":
-                _check_peer_access(device, peer)
+                _check_peer_access(device, where.index)
             if peer not in buffers:
                 ledger = attach_shared_memory(export.ledger)
                 attached.append(ledger)
-                buffers[peer] = (transport.open(export.payload, _peer_device(device, peer)),
+                buffers[peer] = (transport.open(export.payload, where),
                                  torch.frombuffer(ledger, dtype=torch.int64))
             buffer, counters = buffers[peer]
             slot, quota = next((i, q) for i, q in enumerate(export.quotas) if q.stage == stage)
@@ -335,10 +343,6 @@ def _open_quotas(infos: list[_RankInfo], stage_ids: list[int], device: torch.dev
             opened[(stage, peer)] = QuotaPool(view, quota=quota, ledger=counters, slot=slot,
                                               counts=counts)
     return opened
-
-
-def _peer_device(device: torch.device, peer: int) -> torch.device:
-    return torch.device("cuda", peer) if device.type == "cuda" else device
 
 
 def _check_peer_access(device: torch.device, peer: int) -> None:

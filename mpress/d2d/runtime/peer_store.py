@@ -34,7 +34,7 @@ from mpress.d2d.runtime.slot_pool import SlotPool
 from mpress.d2d.runtime.stripe_table import StripeState, StripeTable
 from mpress.d2d.static.pool_slots import unit_stripes
 from mpress.d2d.static.striping import DEFAULT_MIN_STRIPE_BYTES, StripeSpreader
-from mpress.errors import SwapError
+from mpress.errors import PlanError, SwapError
 from mpress.runtime.memory.block_pool import BlockPool
 from mpress.runtime.memory.manager import Residency
 from mpress.runtime.swap.store import (
@@ -49,6 +49,22 @@ from mpress.runtime.swap.store import (
     issue_copies,
     segments,
 )
+
+
+def peer_device(device: torch.device, peer: int, node_devices: Sequence[int] | None = None) -> torch.device:
+    """Where the plan's device `peer` is for a rank on `device`: on CUDA, the GPU that
+    plays it in the rank's replica (`node_devices[peer]`: the CUDA index of each of the
+    plan's devices, a slot of the launcher's `StartPlan.replica_devices`; without one, the
+    plan's number), so replicas sharing a node stripe to GPUs of their own; on CPU,
+    `device` itself (shared-memory pools)."""
+    if device.type != "cuda":
+        return device
+    if node_devices is None:
+        return torch.device("cuda", peer)
+    if not 0 <= peer < len(node_devices):
+        raise PlanError(f"the plan stripes to its device {peer}; this replica has GPUs for devices "
+                        f"0-{len(node_devices) - 1}")
+    return torch.device("cuda", node_devices[peer])
 
 
 class PoolQuotas(Protocol):
@@ -78,10 +94,13 @@ class PeerStore(SwapStore):
     kind = "d2d"
 
     def __init__(self, pools: PoolQuotas, stage: int, device: torch.device, weights: Sequence[tuple[int, float]], *,
-                 min_stripe_bytes: int = DEFAULT_MIN_STRIPE_BYTES, check_interval_s: float = 0.5) -> None:
+                 min_stripe_bytes: int = DEFAULT_MIN_STRIPE_BYTES, check_interval_s: float = 0.5,
+                 node_devices: Sequence[int] | None = None) -> None:
         super().__init__(device)
         self.pools = pools
         self.stage = stage
+        self.node_devices = node_devices
+        """The GPU of each of the plan's devices in this replica (`peer_device`)."""
         self.default_weights: Weights = tuple(weights)
         self.min_stripe_bytes = min_stripe_bytes
         self.check_interval_s = check_interval_s
@@ -107,7 +126,7 @@ class PeerStore(SwapStore):
                     self._peers.add(peer)
                     if self.cuda:
                         own = self.device
-                        other = torch.device("cuda", peer)
+                        other = peer_device(own, peer, self.node_devices)
                         self._streams[("out", peer)] = copy_stream(own)
                         self._streams[("in", peer)] = copy_stream(own)
                         self._streams[("in-src", peer)] = (copy_stream(other) if other != own

@@ -1,7 +1,8 @@
-"""Data parallelism across nodes as the memory model sees it: the replicas (`DataParallel`),
-what sharding (FSDP) changes in a stage's model states (`shard_profile`) and the buffers
-the reduction holds on the device (`reduction_buffer_bytes`). How the reduction runs and
-what it costs in time is the emulator's (`mpress/static/emulate/dp_reduction.py`, whose
+"""Data parallelism as the memory model sees it: the replicas (`DataParallel`, across
+nodes and several on a node), what sharding (FSDP) changes in a stage's model states
+(`shard_profile`) and the buffers the reduction holds on the device
+(`reduction_buffer_bytes`). How the reduction runs and what it costs in time is the
+emulator's (`mpress/static/emulate/dp_reduction.py`, whose
 docstring describes ddp and fsdp as modelled).
 
 Units: bytes.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mpress.hardware.cluster import DDP_GRADIENT_AS_BUCKET_VIEW, Cluster, Sharding
+from mpress.hardware.cluster import DDP_GRADIENT_AS_BUCKET_VIEW, Cluster, NodeReplicas, Sharding
 from mpress.static.memory.stage_costs import StageCosts
 from mpress.static.profile.profile import Profile
 
@@ -20,18 +21,36 @@ DDP_BUCKET_BYTES = 25 * (1 << 20)
 
 @dataclass(frozen=True, kw_only=True)
 class DataParallel:
-    """Replicas of the pipeline across the nodes of `cluster`."""
+    """Replicas of the pipeline: one or several (`local`) on each node of `cluster`, or
+    several on one node (no `cluster`)."""
 
-    cluster: Cluster
+    cluster: Cluster | None = None
+    """The nodes and their NICs; None: every replica is on one node (`local`)."""
+    local: NodeReplicas | None = None
+    """The replicas that share each node and their GPUs; None: one replica per node."""
     sharding: Sharding = Sharding.DDP
     """How replicas hold model states and reduce gradients (`mpress.hardware.cluster.Sharding`)."""
     bucket_bytes: int = field(default=DDP_BUCKET_BYTES)
     """ddp: gradient bytes per all-reduce bucket."""
 
+    def __post_init__(self) -> None:
+        if self.cluster is None and self.local is None:
+            raise ValueError("data parallelism needs nodes (a cluster) or several replicas on a node")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the replicas span."""
+        return self.cluster.num_nodes if self.cluster is not None else 1
+
+    @property
+    def per_node(self) -> int:
+        """Replicas on each node."""
+        return self.local.per_node if self.local is not None else 1
+
     @property
     def degree(self) -> int:
-        """Replicas: one per node."""
-        return self.cluster.num_nodes
+        """Replicas: `per_node` on each of the `nodes`."""
+        return self.nodes * self.per_node
 
     @property
     def sharded(self) -> bool:

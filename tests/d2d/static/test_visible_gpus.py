@@ -30,14 +30,15 @@ def _visible(order: list[int]) -> list[str]:
     return [normalize_bus_id(DGX1_BUS_IDS[i]) for i in order]
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, nvml_indices: list[int]) -> None:
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, nvml_indices: list[int], bus_ids: list[str] = DGX1_BUS_IDS) -> None:
     """This process's CUDA sees the GPUs NVML numbers `nvml_indices`, as cuda:0, cuda:1, ...
-    (torch's device properties carry each one's PCI domain, bus and device numbers)."""
+    (torch's device properties carry each one's PCI domain, bus and device numbers from
+    `bus_ids`, NVML's list: a DGX-1's unless given)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, nvml_indices)))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(nvml_indices))
 
     def properties(i: int) -> SimpleNamespace:
-        domain, bus, rest = normalize_bus_id(DGX1_BUS_IDS[nvml_indices[i]]).split(":")
+        domain, bus, rest = normalize_bus_id(bus_ids[nvml_indices[i]]).split(":")
         return SimpleNamespace(pci_domain_id=int(domain, 16), pci_bus_id=int(bus, 16),
                                pci_device_id=int(rest.split(".")[0], 16), name="Tesla V100-SXM2-32GB")
 

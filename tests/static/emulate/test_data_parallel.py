@@ -1,11 +1,12 @@
 """The data-parallel reduction across nodes on toy pipelines: its time against the ring
-formulas, its overlap with the last backward, and one node equal to one server."""
+formulas, its overlap with the last backward, and one node equal to one server; replicas
+sharing a node reduce over their GPUs' links first (times worked out by hand)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpress.hardware.cluster import Cluster, NetworkSpec, Sharding
+from mpress.hardware.cluster import Cluster, NetworkSpec, NodeReplicas, Sharding, replica_devices
 from mpress.hardware.server import DeviceSpec, Hardware
 from mpress.config.model_config import load_model_config
 from mpress.static.emulate.dp_reduction import exposed_reduction_s, is_reduction
@@ -134,3 +135,85 @@ def test_buckets_close_in_reverse_layer_order():
                                                 "1:optim:dp-reduce:b0"]
     sizes = [(end - start) * NIC_GBPS * 1e9 for _n, start, end in spans]
     assert sizes == pytest.approx([DDP_BUCKET_BYTES, 2 * DDP_BUCKET_BYTES, 3 * per_layer - 3 * DDP_BUCKET_BYTES])
+
+
+# -- several replicas on one node: their GPUs' links first, then the NICs -------------------------
+PER_LINK_GBPS, NVLINK_EFF, NVLINK_LATENCY_S = 25.0, 0.8, 1e-5  # 20 GB/s per link as achieved
+PCIE_LATENCY_S = 2e-5
+
+
+def node(twin_links: tuple[int, int]) -> Hardware:
+    """Four toy GPUs: the plan's pair 0-1 and its twin pair 2-3 one link each; GPU 0 to its
+    twin 2 and GPU 1 to its twin 3 over `twin_links` links (0: PCIe only, 12 GB/s)."""
+    a, b = twin_links
+    links = [[0, 1, a, 0], [1, 0, 0, b], [a, 0, 0, 1], [0, b, 1, 0]]
+    return Hardware(name="toy", num_devices=4, compute_efficiency=1.0,
+                    device=DeviceSpec(name="toy", memory_bytes=10**12, peak_flops={"fp32": 1e12}),
+                    host_memory_bytes=10**12, pcie_h2d_gbps=16.0, pcie_d2h_gbps=12.0, pcie_efficiency=1.0,
+                    nvlink_links=links, nvlink_gbps_per_link=PER_LINK_GBPS, nvlink_efficiency=NVLINK_EFF,
+                    pcie_latency_s=PCIE_LATENCY_S, nvlink_latency_s=NVLINK_LATENCY_S)
+
+
+def on_one_node(twin_links: tuple[int, int], sharding: str = "ddp", *, nodes: int = 1, nic_gbps: float = 5.0,
+                nics: list[int] | None = None) -> DataParallel:
+    """Two replicas on each of `nodes` toy nodes (the plan's GPUs 0-1, the twins 2-3)."""
+    hw = node(twin_links)
+    local = NodeReplicas(hw, replica_devices(hw, 2, 2))
+    assert local.devices == ((0, 1), (2, 3))
+    cluster = None
+    if nodes > 1:
+        network = NetworkSpec(hardware="toy", num_nics=4, nic_gbps=nic_gbps, nic_of_device=nics or [0, 1, 2, 3],
+                              efficiency=1.0, hop_latency_s=0.0)
+        cluster = Cluster(num_nodes=nodes, hardware=hw, network=network)
+    return DataParallel(cluster=cluster, local=local, sharding=Sharding(sharding))
+
+
+def test_twins_on_one_node_all_reduce_over_their_nvlink():
+    """dp 2 on one node: each stage's buckets go once (2(2-1)/2 = 1 x b) over the ring of
+    its GPU and its twin, at that pair's NVLink (GPU 0-2: two links, 40 GB/s; 1-3: one,
+    20 GB/s), two ring steps of latency; no NIC."""
+    b0, b1 = 4 * DDP_BUCKET_BYTES, 8 * DDP_BUCKET_BYTES  # 104857600 and 209715200 bytes
+    stages = [layer("a", grads=b0, bwd=0.1)], [layer("b", grads=b1, bwd=0.1)]
+    res = run(*stages, on_one_node((2, 1)))
+    (_, s0, e0), = reductions(res, 0)
+    (_, s1, e1), = reductions(res, 1)
+    assert e0 - s0 == pytest.approx(2e-5 + 104857600 / 40e9)  # 0.00264144 s
+    assert e1 - s1 == pytest.approx(2e-5 + 209715200 / 20e9)  # 0.01050576 s
+    assert not any(c.startswith("nic:") for c in res.program.channels)
+    assert res.program.samples_per_iteration == 2 * run(*stages, None).program.samples_per_iteration
+
+
+def test_twins_without_nvlink_reduce_over_pcie():
+    """GPU 1 and its twin 3 share no link: their ring runs at the slower PCIe direction
+    (12 GB/s) with PCIe's latency per step."""
+    b1 = 8 * DDP_BUCKET_BYTES
+    res = run([layer("a", grads=0, bwd=0.1)], [layer("b", grads=b1, bwd=0.1)], on_one_node((2, 0)))
+    (_, s1, e1), = reductions(res, 1)
+    assert e1 - s1 == pytest.approx(2 * 2e-5 + 209715200 / 12e9)  # 0.017516266... s
+
+
+def test_fsdp_twins_reduce_scatter_half_the_bytes_in_one_step():
+    b1 = 3 * MB
+    res = run([layer("a", grads=0, bwd=0.1)], [layer("b", grads=b1, bwd=0.1)], on_one_node((2, 1), "fsdp"))
+    (_, rs0, rs1), (_, ag0, ag1) = reductions(res, 1)
+    assert rs1 - rs0 == pytest.approx(1e-5 + 1.5e6 / 20e9)  # (2-1)/2 x 3 MB, one step
+    assert ag1 - ag0 == pytest.approx(1e-5 + 1.5e6 / 20e9)  # the parameters, as large
+
+
+@pytest.mark.parametrize("nics, nic_bytes", [([0, 1, 2, 3], 104857600), ([0, 1, 0, 1], 209715200)])
+def test_two_nodes_of_twins_send_each_twins_half_over_the_nics(nics, nic_bytes):
+    """dp 4 = 2 nodes x 2 replicas. After the twins' reduce-scatter each twin holds half
+    of b = 209715200; the nodes all-reduce it: 2(2-1)/2 x b/2 = 104857600 bytes on each
+    twin's NIC, at 5 GB/s 0.0209715 s, slower than the twins' link (0.0105058 s), so the
+    bucket lasts as long as its NIC. Twins on one NIC (GPU 1 and 3 on NIC 1) put both
+    halves on it: twice as long."""
+    b1 = 8 * DDP_BUCKET_BYTES
+    res = run([layer("a", grads=0, bwd=0.1)], [layer("b", grads=b1, bwd=0.1)],
+              on_one_node((2, 1), nodes=2, nics=nics))
+    (_, s1, e1), = reductions(res, 1)
+    assert e1 - s1 == pytest.approx(nic_bytes / 5e9)
+    twin_s = 2e-5 + 209715200 / 20e9
+    fast = run([layer("a", grads=0, bwd=0.1)], [layer("b", grads=b1, bwd=0.1)],
+               on_one_node((2, 1), nodes=2, nic_gbps=1000.0))
+    (_, f0, f1), = reductions(fast, 1)
+    assert f1 - f0 == pytest.approx(twin_s)  # with fast NICs, the twins' link is the slower step

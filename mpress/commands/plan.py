@@ -157,7 +157,7 @@ def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
     fits, compute first.
     """
     from mpress.static.plan.balance_choice import choose_balance as choose
-    from mpress.static.plan.planner import check_fits_at_all
+    from mpress.static.plan.balance_choice import check_fits_at_all
 
     profile = profile_for_args(args)
     by_compute = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)

@@ -34,7 +34,8 @@ from mpress.static.plan.evaluate import PipelineSetup, evaluate, setup_pipeline
 from mpress.static.profile.fake_profile import fake_profile
 from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
 from mpress.static.profile.profile import Profile
-from mpress.static.plan.planner import PlannerOptions, check_fits_at_all, plan_strategy
+from mpress.static.plan.balance_choice import check_fits_at_all
+from mpress.static.plan.planner import PlannerOptions, plan_strategy
 from mpress.static.plan.planner_layer_data import plan_host_bytes
 from mpress.config.units import MAX_BYTES, fmt_bytes
 from mpress.config.vocabulary import Technique

@@ -209,12 +209,14 @@ def _op_level(layers: dict[str, int]) -> list[TensorRule]:
 # Stages of 2 ranks, 1F1B: 0 = embed, layers.0, layers.1; 1 = layers.2, layers.3, head.
 # Interleaved (4 stages, s on rank s % 2): 0 = embed, layers.0; 1 = layers.1; 2 = layers.2; 3 = layers.3, head.
 # 4 ranks, 1F1B: the interleaved stages, one per rank; interleaved: `DEEP`, one layer a stage.
+# MIXED_2's stage 0 streams one layer's optimizer data and keeps the others' (as the planner's
+# last step writes a plan, `planner_optim_keep.py`).
 D2D_2 = plan_of(2, "1f1b", {0: [d2d_rule("layers.0.**", {1: 1.0}), d2d_rule("optim:layers.1", {1: 1.0})],
                             1: [d2d_rule("layers.3.**", {0: 1.0}), d2d_rule("optim:*", {0: 1.0})]})
 OP_LEVEL_2 = plan_of(2, "1f1b", {0: _op_level({"layers.0": 0, "layers.1": 1}),
                                  1: [*_op_level({"layers.2": 2}), rule("layers.3.**", "recompute")]})
 MIXED_2 = plan_of(2, "1f1b", {0: [*_op_level({"layers.0": 1}), d2d_rule("layers.1.**", {1: 1.0}, "0,2"),
-                                  rule("layers.1.**", "host", "1,3"), OFFLOAD],
+                                  rule("layers.1.**", "host", "1,3"), rule("optim:layers.1", "host")],
                               1: [d2d_rule("layers.2.**", {0: 1.0}), rule("layers.3.**", "recompute"),
                                   d2d_rule("optim:*", {0: 1.0})]})
 HOST_STEP_2 = plan_of(2, "1f1b", {0: [rule("layers.0.**", "host"), *_op_level({"layers.1": 0})],

@@ -23,7 +23,8 @@ The floors: `none` moves nothing (the stage's whole need); `recompute` and
 `megatron-selective` rebuild activations only (model states, PipeDream's stashed
 weights, torch's buffers and the largest transient stay); the swapping strategies
 (`host-swap`, `d2d`, `mpress`) can move all but parameters, gradients, buffers and the
-largest transient (`planner.minimum_need_bytes`). Units: bytes.
+largest transient (`minimum_need_bytes`), and where even that floor exceeds the usable
+memory nothing is planned (`check_fits_at_all`). Units: bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import Literal
 from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Strategy
 from mpress.static.plan.evaluate import PipelineSetup
-from mpress.static.plan.planner import PlanResult, minimum_need_bytes
+from mpress.errors import UserError
+from mpress.static.plan.planner import PlanResult
 
 Balance = Literal["compute", "memory"]
 
@@ -101,3 +103,20 @@ def _neither(strategy: str, plan: PlanOn, say: Callable[[str], None]) -> Balance
         say(f"{strategy} fits neither split; keeping the layers balanced by compute, where another strategy fits")
         return "compute"
     return "memory"
+
+
+def minimum_need_bytes(setup: PipelineSetup, layer_data: bool = False) -> list[int]:
+    """Per stage, bytes no technique can move: parameters and gradients (with `layer_data`,
+    as `mpress` plans: two layers' worth), torch's pipeline buffers, the largest transient."""
+    return [m.buffer_bytes + m.transient_bytes + (m.param_bytes + m.grad_bytes if not layer_data else 2 * max(
+        x.param_bytes + x.grad_bytes for x in c.layers)) for m, c in zip(setup.memory, setup.costs)]
+
+
+def check_fits_at_all(setup: PipelineSetup, strategy: str = Strategy.MPRESS, layer_data: bool = False) -> None:
+    """A one-line `UserError` when even moving every movable byte (`layer_data`: as the option) cannot fit."""
+    cap = setup.hardware.usable_memory_bytes
+    for m, floor in zip(setup.memory, minimum_need_bytes(setup, layer_data and strategy == Strategy.MPRESS)):
+        if floor > cap:
+            raise UserError(
+                f"does not fit even with every tensor swapped: stage {m.stage} needs {floor / 1e9:.1f} GB of "
+                f"parameters, gradients and pipeline buffers where {cap / 1e9:.1f} GB are usable")

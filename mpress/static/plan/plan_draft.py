@@ -21,6 +21,7 @@ from mpress.contract.plan import (
     hardware_fingerprint,
 )
 from mpress.static.emulate.host_memory import pinned_bytes
+from mpress.static.memory.stage_costs import StageCosts
 from mpress.static.memory.stage_memory import WHOLE
 from mpress.static.plan.evaluate import Evaluation, PipelineSetup, profile_fingerprint
 from mpress.static.plan.plan_eval import with_peer_quotas
@@ -82,17 +83,27 @@ class Draft:
     `grads` must)."""
     drive_full: bool = False
     """The local drive could not take optimizer data the pins needed moved (`planner_nvme`)."""
+    optim_kept: list[set[int]] = field(default_factory=list)
+    """Per stage whose `optim` moves its optimizer data: layers whose data stays on the
+    device all the same (`planner_optim_keep`)."""
 
     def __post_init__(self) -> None:
         self.params = self.params or [set() for _ in self.optim]
         self.grads = self.grads or [set() for _ in self.optim]
         self.host_step = self.host_step or [False for _ in self.optim]
+        self.optim_kept = self.optim_kept or [set() for _ in self.optim]
 
     def copy(self) -> "Draft":
         return Draft([[list(mb) for mb in st] for st in self.layer_tech], list(self.optim), list(self.stash),
                       list(self.stage_to_device), list(self.stripes), dict(self.pool_bytes), list(self.quotas),
                       self.unplaced_bytes, self.unplaced_why, dict(self.recompute_choice),
-                      [set(x) for x in self.params], [set(x) for x in self.grads], list(self.host_step), self.drive_full)
+                      [set(x) for x in self.params], [set(x) for x in self.grads], list(self.host_step), self.drive_full,
+                      [set(x) for x in self.optim_kept])
+
+    def moved_optim_bytes(self, s: int, c: StageCosts) -> int:
+        """Optimizer data of stage s (costs `c`) that its `optim` technique moves: all of
+        it but its kept layers'."""
+        return sum(x.optim_bytes + x.master_bytes for j, x in enumerate(c.layers) if j not in self.optim_kept[s])
 
     def choice(self, s: int, j: int) -> int:
         """The recompute choice of layer j of stage s (`WHOLE` unless op-level)."""
@@ -138,8 +149,11 @@ class PlanWriter:
         for s, c in enumerate(self.costs):
             rules: list[TensorRule] = []
             stripes = [Stripe(device=p, fraction=f) for p, f in (d.stripes[s] if d.stripes else ())]
-            if d.optim[s] != KEEP:
+            if d.optim[s] != KEEP and not d.optim_kept[s]:
                 rules.append(self._rule("optim:*", "all", d.optim[s], stripes))
+            elif d.optim[s] != KEEP:  # some layers' data stays: a rule per layer that moves
+                rules += [self._rule(f"optim:{x.name}", "all", d.optim[s], stripes)
+                          for j, x in enumerate(c.layers) if j not in d.optim_kept[s]]
             if d.stash[s] != KEEP:
                 rules.append(self._rule("stash:*", "all", d.stash[s], stripes))
             rules += [self._rule(f"{kind}:{c.layers[j].name}", "all", HOST, [])

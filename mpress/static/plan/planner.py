@@ -38,6 +38,8 @@ Steps (PAPERS.md section 1; one `PipelineSetup` in, one `PlanResult` out):
    where the device mapper finds spare peer memory over NVLink (stripes in proportion to
    link bandwidth), keep the step if the emulated iteration gets faster; stop when a
    step gains nothing. Ties prefer the technique that does not use scarce peer memory.
+6. Give spare device memory back to optimizer data the fit moved whole: keep layers'
+   states on devices with room while the iteration gets faster (`planner_optim_keep`).
 
 Strategies: `none`, `recompute` (recompute only: cannot touch model data), `host-swap`
 (host swap only), `d2d` (D2D only) and `mpress` (all three), from the same code;
@@ -65,6 +67,7 @@ from mpress.static.plan.plan_cache import PlanCache
 from mpress.static.plan.planner_d2d import D2DSteps
 from mpress.static.plan.planner_layer_data import LayerDataSteps, host_why, plan_pinned_bytes
 from mpress.static.plan.planner_nvme import optimizer_to_drive
+from mpress.static.plan.planner_optim_keep import OptimizerKeepSteps
 from mpress.static.memory.stage_memory import WHOLE, freeable_bytes, layer_memory, recompute_time_s
 from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Strategy, SwapInPolicy, Technique
@@ -121,7 +124,7 @@ class PlanResult:
     """The planner's working state the plan was written from (for `ablation.py`)."""
 
 
-class _Planner(D2DSteps, LayerDataSteps):
+class _Planner(D2DSteps, LayerDataSteps, OptimizerKeepSteps):
     def __init__(self, setup: PipelineSetup, strategy: str, options: PlannerOptions,
                  progress: Callable[[str], None] | None, cache: PlanCache | None = None) -> None:
         if strategy not in Strategy.words():
@@ -366,7 +369,7 @@ class _Planner(D2DSteps, LayerDataSteps):
         d, ev, _ = best
         if self.strategy is Strategy.MPRESS:
             d, ev = self._d2d_rounds(d, ev)
-        return self.result(d, ev, t0)
+        return self.result(*self._keep_optimizer_layers(d, ev), t0)
 
     def _fit(self, d: Draft, base: Evaluation, live: list[list[list[float]]]) -> tuple[Draft, Evaluation]:
         """Shed bytes, emulate, shed the remaining excess, until every device fits."""
@@ -436,7 +439,7 @@ class _Planner(D2DSteps, LayerDataSteps):
                     share = techs.count(t) / self.num_mb
                     by[t] = by.get(t, 0) + int(self._layer_saving(s, j, t, d.choice(s, j)) * k * share)
             if d.optim[s] != KEEP:
-                by[d.optim[s]] = by.get(d.optim[s], 0) + c.optim_bytes + c.master_bytes
+                by[d.optim[s]] = by.get(d.optim[s], 0) + d.moved_optim_bytes(s, c)
             if d.stash[s] != KEEP:
                 by[d.stash[s]] = by.get(d.stash[s], 0) + (k - 1) * c.param_bytes
             saved.append(by)
@@ -475,26 +478,9 @@ def _better(a: Evaluation, b: Evaluation, a_pins_ok: bool = True, b_pins_ok: boo
     return a.result.iteration_s < b.result.iteration_s
 
 
-def minimum_need_bytes(setup: PipelineSetup, layer_data: bool = False) -> list[int]:
-    """Per stage, bytes no technique can move: parameters and gradients (with `layer_data`,
-    as `mpress` plans: two layers' worth), torch's pipeline buffers, the largest transient."""
-    return [m.buffer_bytes + m.transient_bytes + (m.param_bytes + m.grad_bytes if not layer_data else 2 * max(
-        x.param_bytes + x.grad_bytes for x in c.layers)) for m, c in zip(setup.memory, setup.costs)]
-
-
 def plan_strategy(setup: PipelineSetup, strategy: str, options: PlannerOptions | None = None,
                   progress: Callable[[str], None] | None = None, cache: PlanCache | None = None) -> PlanResult:
     """Plan one strategy for a laid-out pipeline. cache: what planning other strategies
     of `setup` emulated and mapped (`plan_cache.PlanCache(setup)`, shared by them); None:
     this strategy's own."""
     return _Planner(setup, strategy, options or PlannerOptions(), progress, cache).run()
-
-
-def check_fits_at_all(setup: PipelineSetup, strategy: str = Strategy.MPRESS, layer_data: bool = False) -> None:
-    """A one-line `UserError` when even moving every movable byte (`layer_data`: as the option) cannot fit."""
-    cap = setup.hardware.usable_memory_bytes
-    for m, floor in zip(setup.memory, minimum_need_bytes(setup, layer_data and strategy == Strategy.MPRESS)):
-        if floor > cap:
-            raise UserError(
-                f"does not fit even with every tensor swapped: stage {m.stage} needs {floor / 1e9:.1f} GB of "
-                f"parameters, gradients and pipeline buffers where {cap / 1e9:.1f} GB are usable")

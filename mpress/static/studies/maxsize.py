@@ -47,12 +47,8 @@ from mpress.config.limits import MAX_WIDTH
 from mpress.config.model_config import LLAMA_FFN_MULTIPLE, ModelConfig, load_model_config, model_presets
 from mpress.models import num_parameters
 from mpress.static.plan.evaluate import setup_pipeline
-from mpress.static.plan.planner import (
-    PlannerOptions,
-    PlanResult,
-    minimum_need_bytes,
-    plan_strategy,
-)
+from mpress.static.plan.balance_choice import minimum_need_bytes
+from mpress.static.plan.planner import PlannerOptions, PlanResult, plan_strategy
 from mpress.static.baselines.zero import ZERO_VARIANTS, BaselineResult, plan_zero
 from mpress.config.vocabulary import MPRESS_NVME, ScheduleName, Strategy, Technique, Word
 

@@ -16,11 +16,8 @@ from mpress.static.memory.model import memory_model
 from mpress.static.memory.stage_costs import stage_costs
 from mpress.config.units import ALIGNMENT_BYTES, round_up
 from mpress.static.plan.plan_eval import check_plan_for_setup, evaluate_plan
-from mpress.static.plan.planner import (
-    PlannerOptions,
-    check_fits_at_all,
-    plan_strategy,
-)
+from mpress.static.plan.balance_choice import check_fits_at_all
+from mpress.static.plan.planner import PlannerOptions, plan_strategy
 from mpress.static.profile.profile import LayerMemory, LayerProfile, Profile, SavedTensor
 from mpress.static.schedules import build_schedule
 from mpress.config.vocabulary import Strategy

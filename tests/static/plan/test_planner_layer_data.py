@@ -19,7 +19,8 @@ from mpress.contract.plan import LAYER_DATA_PREFIXES
 from mpress.hardware.server import load_hardware
 from mpress.static.plan.evaluate import setup_pipeline
 from mpress.static.plan.plan_eval import evaluate_plan
-from mpress.static.plan.planner import PlannerOptions, minimum_need_bytes, plan_strategy
+from mpress.static.plan.balance_choice import minimum_need_bytes
+from mpress.static.plan.planner import PlannerOptions, plan_strategy
 
 LAYER_DATA = PlannerOptions(layer_data=True)
 """The size studies' planner: layers' parameters and gradients may go to the host."""

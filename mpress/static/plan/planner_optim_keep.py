@@ -72,7 +72,7 @@ class OptimizerKeepSteps:
     def _keep_optimizer_layers(self, d: Draft, ev: Evaluation) -> tuple[Draft, Evaluation]:
         """Keep layers' optimizer data on the devices while the emulated iteration gets
         faster and every device fits (see the module's docstring)."""
-        if not ev.result.fits:
+        if not ev.result.fits or not self.options.optimizer_keep:
             return d, ev
         for rnd in range(1, sum(len(c.layers) for c in self.costs) + 1):
             offers = self._offers(d, ev)

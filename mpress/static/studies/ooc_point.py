@@ -9,7 +9,8 @@ For a batch (`ooc_model.ooc_setup`: one stage, the batch as microbatches):
    footprint exceeds the device's usable memory, the planner's host-swap strategy
    (`planner.plan_strategy`, one stage) decides what goes to the host, with the policy as
    its `swap_in_policy` and every swap-in one compute action ahead of its backward
-   (`_OneAheadWriter` says why), and emulates its program; where the footprint fits, nothing is
+   (`_OneAheadWriter` says why; optimizer data moved whole under both policies, without the
+   planner's last step, so that only the swap-ins' timing differs), and emulates its program; where the footprint fits, nothing is
    swapped and the policy's run IS the in-memory one (the emulated walk is what the
    runtime measures; the planner's memory model, which decides its first shed, can ask
    to shed below the footprint, which would swap for nothing).
@@ -118,7 +119,9 @@ def plan_host_swap(setup: PipelineSetup, policy: SwapInPolicy) -> tuple[Plan, Ev
     copy back, up to 8) suits a pipeline stage; on one stage, where the backward of
     microbatch 0 follows the last forward, it would bring the swapped tensors back during
     the forwards, so nothing would be saved."""
-    result = plan_strategy(setup, Strategy.HOST_SWAP, PlannerOptions(swap_in_policy=policy, prefetch_lead=1))
+    # model data placed alike under both policies: only the swap-ins' timing differs
+    result = plan_strategy(setup, Strategy.HOST_SWAP, PlannerOptions(swap_in_policy=policy, prefetch_lead=1,
+                                                                     optimizer_keep=False))
     return result.plan, result.evaluation
 
 

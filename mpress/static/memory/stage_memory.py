@@ -26,8 +26,11 @@ recomputed layer uses its `recompute_memory`, one recomputed in part the memory 
 - a split backward (I, then W, `split_backward_steps`): I of j is j's backward without
   the parameters' gradients and keeps what torch's I leaves for W (the layer's measured
   `split_held_bytes`: the retained graph's saves and the output gradients W starts
-  from; else what j's weight gradient reads, `SavedTensor.weight_grad`), W of j takes
-  the parameters' gradients (in the step's first W of the stage) and gives that back.
+  from; else what j's weight gradient reads, `SavedTensor.weight_grad`); torch runs a
+  stage's I as one pass over the stage's graph, which frees what the forward kept only
+  when the whole I ends, so where probed, I of j takes what j's I has made by its end
+  and the stage's last I step gives back the rest; W of j takes the parameters'
+  gradients (in the step's first W of the stage) and gives back what I left for it.
 
 Units: bytes.
 """

@@ -50,6 +50,7 @@ from mpress.contract.plan import StagePlan
 from mpress.contract.selective import cached_ops, check_closed, run_recomputed
 from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
+from mpress.runtime.swap.layout import moved_as_it_lies
 
 
 class _Group:
@@ -107,7 +108,9 @@ class _Swapped:
         self.group = group
         self.index = index
         self.view = _view_of(tensor)
-        self.contiguous = tensor.is_contiguous()
+        self.as_it_lies = moved_as_it_lies(tensor)
+        """It comes back in its own layout, so other views of its range can be rebuilt
+        over it (a dense one, SDPA's (B, heads, T, hd) output, as well as a contiguous one)."""
         self.uses = 1
         """Saves of the storage not unpacked yet."""
         self.tensor: torch.Tensor | None = None
@@ -117,7 +120,7 @@ class _Swapped:
         """Whether `tensor` (a view of the same storage) lies within the swapped elements,
         so it can be rebuilt from the fetched tensor."""
         _size, _stride, offset, dtype, conj, neg = self.view
-        if (not self.contiguous or tensor.dtype != dtype or any(st < 0 for st in tensor.stride())
+        if (not self.as_it_lies or tensor.dtype != dtype or any(st < 0 for st in tensor.stride())
                 or conj or neg or tensor.is_conj() or tensor.is_neg()):
             return False  # a conjugate or negative view is not its storage's values
         last = tensor.storage_offset() + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))

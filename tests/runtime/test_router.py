@@ -6,6 +6,7 @@ moves exactly the units the program compacts, by storage, and records what it ra
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import weakref
@@ -20,7 +21,7 @@ from mpress.d2d.runtime.peer_pool import setup_peer_pools
 from mpress.d2d.runtime.peer_store import PeerStore
 from mpress.errors import PlanError
 from mpress.contract.live_bytes import LiveBytes
-from mpress.config.model_config import load_model_config
+from mpress.config.model_config import ModelConfig, load_model_config
 from mpress.models import build_stage, example_batch
 from mpress.contract.plan import TensorRule
 from mpress.runtime.memory.host_pool import PinnedHostPool
@@ -377,16 +378,17 @@ def test_fetched_tensors_die_with_their_backward():
     assert result[4].stats.num_in == 6  # a swap per unit and microbatch, one for the loss's
 
 
-def _live_run(rules: list[TensorRule], compact: Compact) -> tuple[int, int, SwapEngine]:
-    """One step of gpt-tiny counted by a `LiveBytes` (the training thread and the swap
-    workers): the bytes live once the last forward's copy-outs were released, those live
-    after the step, and the engine."""
+def _live_run(rules: list[TensorRule], compact: Compact, cfg: ModelConfig = CFG) -> tuple[int, int, SwapEngine]:
+    """One step of gpt-tiny (or `cfg`'s model) counted by a `LiveBytes` (the training
+    thread and the swap workers): the bytes live once the last forward's copy-outs were
+    released, those live after the step, and the engine."""
     live = LiveBytes(rank=0)
     torch.manual_seed(0)
-    model = build_stage(CFG, 0, END, seed=5)
-    batches = [example_batch(CFG, 2, seed=m) for m in range(NUM_MB)]
+    end = cfg.num_layers + 2
+    model = build_stage(cfg, 0, end, seed=5)
+    batches = [example_batch(cfg, 2, seed=m) for m in range(NUM_MB)]
     engine = host_engine(watch=live.watch)
-    router, program = make_router(model, rules, gpipe(NUM_MB, compact), batches[0][0], engine=engine, end=END)
+    router, program = make_router(model, rules, gpipe(NUM_MB, compact), batches[0][0], engine=engine, end=end)
     after_forwards: list[int] = []
 
     def released() -> None:
@@ -409,6 +411,20 @@ def test_swapping_frees_the_swapped_bytes_and_nothing_fetched_outlives_the_step(
     assert stats.bytes_out > 0 and stats.bytes_in == stats.bytes_out
     assert keep_fwd - swap_fwd == stats.bytes_out  # each swapped storage left the device
     assert swap_end == keep_end  # the swapped-in tensors died with their backwards
+
+
+def test_a_dense_view_swapped_with_another_view_of_its_storage_frees_the_storage():
+    """Llama's SDPA saves its (B, heads, T, hd) output, a dense but not contiguous view,
+    and the output projection saves the (B, T, H) view of the same storage: the second is
+    rebuilt over the fetched first (it comes back with its own strides), so swapping the
+    layer frees the storage, as the memory model counts it, and nothing stays behind."""
+    llama = dataclasses.replace(load_model_config("llama-tiny"), attention="sdpa")
+    keep_fwd, keep_end, _ = _live_run([TensorRule(tensor="*", technique="keep")], lambda m: [], llama)
+    swap_fwd, swap_end, engine = _live_run([TensorRule(tensor="layers.1.**", technique="host")],
+                                           lambda m: [(Kind.SO, unit("layers.1"))], llama)
+    assert engine.stats.bytes_out > 0
+    assert keep_fwd - swap_fwd == engine.stats.bytes_out  # (before: SDPA's output stayed, 32 KiB a microbatch)
+    assert swap_end == keep_end
 
 
 def _cuda_run(host: bool):

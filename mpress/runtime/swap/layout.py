@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "moved_as_it_lies"]
 
 
 class Layout(NamedTuple):
@@ -47,8 +47,7 @@ class Layout(NamedTuple):
         that layout: `tensor` itself when it is dense (no copy, no new tensor: the caller
         swaps it out as autograd saved it), else a gather made here (detached: no autograd
         node; on the calling thread's current stream)."""
-        if (tensor.is_neg() or (tensor.dtype.is_complex and tensor.is_conj())  # (only complex tensors have the bit)
-                or not (tensor.is_contiguous() or _dense(tensor))):
+        if not moved_as_it_lies(tensor):
             tensor = tensor.detach()
             if tensor.is_conj():
                 tensor = tensor.resolve_conj()
@@ -74,6 +73,17 @@ class Layout(NamedTuple):
         """A dense `tensor` of this layout as its bytes in memory order (no copy)."""
         numel = self.nbytes // self.dtype.itemsize
         return tensor.as_strided((numel,), (1,), tensor.storage_offset()).view(torch.uint8)
+
+
+def moved_as_it_lies(tensor: torch.Tensor) -> bool:
+    """Whether a swap moves `tensor` as it lies (dense, no lazy conjugate or negative
+    bit) and brings it back with its own strides: the fetched tensor then holds the
+    elements of the storage range `tensor` spans, in the same order, so any other view
+    within that range can be rebuilt over it (`as_strided`, offsets taken from its
+    start)."""
+    if tensor.is_neg() or (tensor.dtype.is_complex and tensor.is_conj()):  # (only complex tensors have the bit)
+        return False
+    return tensor.is_contiguous() or _dense(tensor)
 
 
 def _dense(tensor: torch.Tensor) -> bool:

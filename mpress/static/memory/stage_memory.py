@@ -26,8 +26,11 @@ recomputed layer uses its `recompute_memory`, one recomputed in part the memory 
 - a split backward (I, then W, `split_backward_steps`): I of j is j's backward without
   the parameters' gradients and keeps what torch's I leaves for W (the layer's measured
   `split_held_bytes`: the retained graph's saves and the output gradients W starts
-  from; else what j's weight gradient reads, `SavedTensor.weight_grad`), W of j takes
-  the parameters' gradients (in the step's first W of the stage) and gives that back.
+  from; else what j's weight gradient reads, `SavedTensor.weight_grad`); torch runs a
+  stage's I as one pass over the stage's graph, which frees what the forward kept only
+  when the whole I ends, so where probed, I of j takes what j's I has made by its end
+  and the stage's last I step gives back the rest; W of j takes the parameters'
+  gradients (in the step's first W of the stage) and gives back what I left for it.
 
 Units: bytes.
 """
@@ -190,12 +193,24 @@ def split_backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Ch
     where not measured, what its weight gradient reads; and a stage that does not end
     the model keeps its output with the I's state until W. I and W peak at the layer's
     measured `input_peak_bytes` and `weight_peak_bytes` (where not measured, I where the
-    whole backward does)."""
+    whole backward does).
+
+    Torch's I of a stage is one pass of the engine over the whole stage's graph, which it
+    retains: nothing the forward kept goes while it runs, only when it has handed over
+    the stage's input gradient and detaches the outputs. So where measured, I of layer j
+    takes what the layer's I has made when its input gradient is out
+    (`input_end_bytes`: the output gradients it keeps for W, the saves' gradients of the
+    loss, its input gradient) and gives back only the incoming gradient it has used
+    (`output_grad_freed_bytes`; the last layer's is torch's receive buffer); the stage's
+    last I step (layer 0) then gives back, at its end, what the I's detach frees: the
+    rest, so that the I's steps together take and give back what the layers' measured
+    I halves do."""
     whole = backward_steps(layers, recomputed, first_backward=False, output_held=output_held)
     n = len(layers)
     last = layer_memory(layers[n - 1], recomputed[n - 1])
     inputs: list[StepMemory] = []
     weights: list[StepMemory] = []
+    net = 0  # what the I's steps must leave live in all: the whole backward's net and what W gives back
     for k, step in enumerate(whole):
         j = n - 1 - k
         mem = layer_memory(layers[j], recomputed[j])
@@ -205,14 +220,25 @@ def split_backward_steps(layers: Sequence[LayerProfile], recomputed: Sequence[Ch
             held += layer_memory(layers[j - 1], recomputed[j - 1]).output_bytes  # its saved input (not probed)
         if j == 0 and not output_held and not last.loss_bytes:
             held += last.output_bytes
-        extra = max(held - step.free_bytes, 0)  # held beyond what the whole step gives back: taken here
+        net += step.alloc_bytes - step.free_bytes + held
         peak = mem.input_peak_bytes if mem.input_peak_bytes >= 0 else step.alloc_bytes + step.transient_bytes
-        inputs.append(StepMemory(alloc_bytes=step.alloc_bytes + extra,
-                                 transient_bytes=max(peak - step.alloc_bytes - extra, 0),
-                                 free_bytes=max(step.free_bytes - held, 0)))
+        if mem.input_end_bytes >= 0 and mem.input_peak_bytes >= 0:
+            inputs.append(StepMemory(alloc_bytes=mem.input_end_bytes,
+                                     transient_bytes=max(peak - mem.input_end_bytes, 0),
+                                     free_bytes=mem.output_grad_freed_bytes if j < n - 1 else 0))
+        else:  # not measured: held beyond what the whole step gives back is taken here
+            extra = max(held - step.free_bytes, 0)
+            inputs.append(StepMemory(alloc_bytes=step.alloc_bytes + extra,
+                                     transient_bytes=max(peak - step.alloc_bytes - extra, 0),
+                                     free_bytes=max(step.free_bytes - held, 0)))
         alloc = layers[j].grad_bytes if first_weight else 0
         weights.append(StepMemory(alloc_bytes=alloc, transient_bytes=max(mem.weight_peak_bytes - alloc, 0),
                                   free_bytes=held))
+    made = sum(i.alloc_bytes - i.free_bytes for i in inputs)
+    end = inputs[-1]  # layer 0's: the I's detach at its end gives back the rest (or, short of it, it takes that)
+    inputs[-1] = StepMemory(alloc_bytes=end.alloc_bytes + max(net - made, 0),
+                            transient_bytes=max(end.transient_bytes - max(net - made, 0), 0),
+                            free_bytes=end.free_bytes + max(made - net, 0))
     return inputs, weights
 
 

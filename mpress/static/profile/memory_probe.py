@@ -18,8 +18,9 @@ milliseconds). It records (`mpress.static.profile.profile.LayerMemory`):
   start includes what the forward kept and the incoming gradient);
 - input_grad_bytes: the gradient of the input the backward hands to the layer before;
 - loss_bytes: with a loss, the loss's bytes (its seed gradient is as large);
-- split_held_bytes / input_peak_bytes / weight_peak_bytes / weight_replays: the same forward, then
-  its backward split as torch's zero-bubble schedules split it (`split_backward`);
+- split_held_bytes / input_peak_bytes / input_end_bytes / output_grad_freed_bytes /
+  weight_peak_bytes / weight_replays: the same forward, then its backward split as torch's
+  zero-bubble schedules split it (`split_backward`);
 - and, beside it, the parameters' gradients the first backward of a step creates.
 
 `mpress/static/memory/stage_memory.py` composes these into a stage's memory curve. Units: bytes.
@@ -94,30 +95,44 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | No
                           if isinstance(t, torch.Tensor) and t.grad is not None)
         param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
     _restore(layer, args, buffers)
-    held, input_peak, weight_peak, replays = split_backward(layer, args, loss_fn=loss_fn) if split else (-1,) * 4
+    split_found = split_backward(layer, args, loss_fn=loss_fn) if split else SplitMemory()
     return LayerMemory(kept_bytes=kept, forward_peak_bytes=forward_peak, saves_input=bool(saved & inputs),
                        saves_output=bool(saved & outputs), backward_peak_bytes=backward_peak,
                        input_grad_bytes=input_grads, output_bytes=output_bytes, loss_bytes=loss_bytes,
-                       split_held_bytes=held, input_peak_bytes=input_peak, weight_peak_bytes=weight_peak,
-                       weight_replays=replays), param_grads
+                       split_held_bytes=split_found.held, input_peak_bytes=split_found.input_peak,
+                       input_end_bytes=split_found.input_end, output_grad_freed_bytes=split_found.output_grad_freed,
+                       weight_peak_bytes=split_found.weight_peak, weight_replays=split_found.replays), param_grads
 
 
-def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
-                   loss_fn: LossFn | None = None) -> tuple[int, int, int, int]:
-    """(split_held_bytes, input_peak_bytes, weight_peak_bytes, weight_replays) of `layer` on `args` (see
-    `LayerMemory`): its forward, then torch's own halves of the backward, I (`stage_backward_input`)
-    and W (`stage_backward_weight`), as the zero-bubble schedules run them (a checkpointed
-    layer counts the runs of its forward during W); -1 each
-    when no input takes a gradient (torch then runs the whole backward in W) or an
-    output is a view (alone, the layer's output would be the stage's). Leaves
-    the layer as `probe_layer` does."""
+@dataclass(frozen=True)
+class SplitMemory:
+    """What `split_backward` measured (the `LayerMemory` fields of the same names; -1:
+    not measured)."""
+
+    held: int = -1
+    input_peak: int = -1
+    input_end: int = -1
+    output_grad_freed: int = 0
+    weight_peak: int = -1
+    replays: int = -1
+
+
+def split_backward(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | None = None) -> SplitMemory:
+    """The split backward's memory of `layer` on `args` (see `LayerMemory`): its forward,
+    then torch's own halves of the backward, I (`stage_backward_input`) and W
+    (`stage_backward_weight`), as the zero-bubble schedules run them (a checkpointed
+    layer counts the runs of its forward during W). I's end is when the engine hands
+    over the input's gradient (a hook on the input; the last one, with several), before
+    torch detaches the outputs. Not measured when no input takes a gradient (torch then
+    runs the whole backward in W) or an output is a view (alone, the layer's output
+    would be the stage's). Leaves the layer as `probe_layer` does."""
     inputs = [t for t in tensors_in(args) if t.requires_grad]
     if not inputs:
-        return -1, -1, -1, -1
+        return SplitMemory()
     tracker = _tracker(layer, args)
     devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
-    found = (-1, -1, -1, -1)
+    found = SplitMemory()
     with torch.random.fork_rng(devices=devices), tracker.watch():
         output = layer(*args)
         root = loss_fn(output) if loss_fn is not None else output
@@ -126,8 +141,16 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
             grads = [torch.ones_like(t) for t in roots] if loss_fn is None else None
             start = tracker.live_bytes
             tracker.reset_peak()
-            _dinputs, groups = stage_backward_input(roots, grads, inputs, layer.parameters())
+            ends: list[int] = []
+            hooks = [t.register_hook(lambda _g: ends.append(tracker.live_bytes - start)) for t in inputs]
+            try:
+                _dinputs, groups = stage_backward_input(roots, grads, inputs, layer.parameters())
+            finally:
+                for h in hooks:
+                    h.remove()
             input_peak = tracker.peak_bytes - start
+            kept_grads = {g.untyped_storage()._cdata for group in groups for g in tensors_in(group.get("grads", []))}
+            freed = sum(g.untyped_storage().nbytes() for g in grads or [] if g.untyped_storage()._cdata not in kept_grads)
             del output, root, roots, grads, _dinputs
             after_input = tracker.live_bytes
             tracker.reset_peak()
@@ -137,7 +160,9 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *,
             del groups
             weight_peak = tracker.peak_bytes - after_input
             param_grads = sum(p.grad.untyped_storage().nbytes() for p in layer.parameters() if p.grad is not None)
-            found = (max(after_input - (tracker.live_bytes - param_grads), 0), input_peak, weight_peak, replays)
+            found = SplitMemory(held=max(after_input - (tracker.live_bytes - param_grads), 0), input_peak=input_peak,
+                                input_end=ends[-1] if ends else input_peak, output_grad_freed=freed,
+                                weight_peak=weight_peak, replays=replays)
     _restore(layer, args, buffers)
     return found
 

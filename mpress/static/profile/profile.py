@@ -107,6 +107,14 @@ class LayerMemory:
     input_peak_bytes: int = field(default=-1, metadata={"min": -1})
     """Highest live bytes above the start of that I (as `backward_peak_bytes` is counted:
     I frees nothing as it goes, the graph stays for W). -1: not measured."""
+    input_end_bytes: int = field(default=-1, metadata={"min": -1})
+    """Live bytes above the start of that I when it has made the layer's input gradient,
+    before torch's I detaches the outputs (the graph and every save stay to then: a
+    stage's I gives back what its forward kept only when the whole stage's I ends). -1:
+    not measured."""
+    output_grad_freed_bytes: int = field(default=0, metadata={"min": 0})
+    """Bytes of the incoming gradient (of the layer's output) that I gives back once it
+    has used it: 0 where I keeps it for W, or the layer ends the model (its seed)."""
     weight_peak_bytes: int = field(default=-1, metadata={"min": -1})
     """Highest live bytes above the start of that W (a fresh layer's: its parameters'
     gradients are part of it). -1: not measured."""

@@ -76,7 +76,11 @@ def test_split_backward_takes_and_gives_back_what_the_whole_does(first: bool) ->
             if j > 0:  # (the embedding's input takes no gradient: nothing measured)
                 assert mem.split_held_bytes >= weight_grad_bytes(layers[j]) * (recomputed[j] is None)
                 assert w.free_bytes >= mem.split_held_bytes
-            assert i.free_bytes == max(whole[k].free_bytes - w.free_bytes, 0)
+            # I gives back only the incoming gradient it used (the graph stays), and at
+            # its end (layer 0) what torch's detach frees
+            if 0 < j < len(layers) - 1 and mem.input_end_bytes >= 0:
+                assert i.free_bytes == mem.output_grad_freed_bytes
+                assert i.alloc_bytes == mem.input_end_bytes
             # I peaks where torch's I does: higher than the whole backward, which frees as it goes
             assert i.alloc_bytes + i.transient_bytes >= whole[k].alloc_bytes + whole[k].transient_bytes - (
                 layers[j].grad_bytes if first else 0)
@@ -237,3 +241,44 @@ def test_w_charges_the_replays_of_what_its_i_recomputed() -> None:
     base = iteration_s(0)
     assert iteration_s(1) == pytest.approx(base + per_replay, rel=1e-12)
     assert iteration_s(6) == pytest.approx(base + 6 * per_replay, rel=1e-12)
+
+
+def test_a_stage_s_i_holds_what_its_composition_says_layer_by_layer() -> None:
+    """Torch's I of a whole stage (gpt-tiny's last, with its loss), counted as the
+    runtime counts it: when each layer's input gradient is out, the live bytes are what
+    the composed I steps have taken and given back up to that layer, to the byte (torch
+    frees nothing the forward kept until the stage's I ends); its peak is under the
+    composed one."""
+    from mpress.contract.live_bytes import LiveBytes
+    from mpress.models.transformer import lm_loss
+
+    cfg = load_model_config("gpt-tiny")
+    names = ["layers.2", "layers.3", "head"]
+    stage = build_stage(cfg, 3, 6, seed=0).train()
+    x = torch.randn(2, cfg.seq_len, cfg.hidden_size, requires_grad=True)
+    targets = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    live = LiveBytes()
+    for t in [x, targets, *stage.parameters()]:
+        live.adopt(t, "before")
+    ends: list[int] = []
+    for n in names:  # a hook on each layer's input: it fires when the I hands its gradient over
+        stage.get_submodule(n).register_forward_pre_hook(
+            lambda _m, a: a[0].register_hook(lambda _g: ends.append(live.live_bytes - start)) and None)
+    start = 0
+    with live.watch():  # gpt-tiny's dropout draws fresh masks: only the sizes count
+        loss = lm_loss(stage(x), targets)
+        start = live.live_bytes
+        live.reset_peak()
+        dinputs, groups = stage_backward_input([loss], None, [x], stage.parameters())
+        peak = live.peak_bytes - start
+    del dinputs, groups
+    profile = {layer.name: layer for layer in analytic_profile(cfg, load_hardware("cpu-local"), 2).layers}
+    inputs, _ = split_backward_steps([profile[n] for n in names], [None] * 3, first_weight=False)
+    ended, taken, top = [], 0, 0  # the live bytes when each layer's I ends, composed; what the I steps hold
+    for k, step in enumerate(inputs):
+        used = profile[names[-1 - k]].memory.output_grad_freed_bytes if k > 0 else 0  # (the head's: its seed)
+        top = max(top, taken + step.alloc_bytes + step.transient_bytes)
+        ended.append(taken + step.alloc_bytes - used)
+        taken += step.alloc_bytes - step.free_bytes
+    assert ends == ended
+    assert 0.95 * top <= peak <= top  # (over by the incoming gradient, which goes before the peak)

@@ -158,8 +158,11 @@ def build_chain(model: nn.Module, layout: HFLayout) -> HFChain:
     stay one parameter."""
     get = model.get_submodule
     rotary = get(layout.rotary) if layout.rotary is not None else None
+    # each block's rotary copy shares the model's config (read only), as the blocks do: copies
+    # of it would make alike blocks look unlike to the memory probe's signature
+    shared = {id(model.config): model.config}
     blocks = {str(i): Block(get(path), model.config, attention=kind,
-                            rotary=copy.deepcopy(rotary) if rotary is not None else None)
+                            rotary=copy.deepcopy(rotary, dict(shared)) if rotary is not None else None)
               for i, (path, kind) in enumerate(zip(layout.blocks, layout.attention, strict=True))}
     optional = (layout.positions, layout.dropout, layout.project_in)
     if all(p is None for p in optional):

@@ -38,11 +38,14 @@ def mpress(args: list[str], cwd: Path) -> str:
 
 
 def losses(stdout: str) -> list[str]:
-    return re.findall(r"^step \d+: loss (\S+)", stdout, re.M)
+    return re.findall(r"^step \d+: loss (\S+)", stdout, re.MULTILINE)
 
 
-@pytest.fixture
-def planned(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The profile and plan both tests read, made once (each test writes its own
+    checkpoint directory and reads the plan only)."""
+    tmp_path = tmp_path_factory.mktemp("bf16")
     shutil.copy(EXAMPLE / "train.yaml", tmp_path / "train.yaml")
     mpress(PROFILE, tmp_path)
     mpress(PLAN, tmp_path)
@@ -68,7 +71,8 @@ def test_a_bf16_plan_trains_as_plain_bf16_pipelining(planned):
 
 
 def test_a_bf16_plan_refuses_an_fp32_job(planned):
-    code, _out, err = run_documented([*TRAIN, "--checkpoint.dir", "ck"], cwd=planned)
+    # refused before any rank starts: the same argv through `mpress.cli.main`, in this process
+    code, _out, err = run_documented([*TRAIN, "--checkpoint.dir", "ck"], cwd=planned, in_process=True)
     one_line_error(code, err, "dtype", "bf16", "fp32")
 
 

@@ -265,6 +265,13 @@ def probe_layers(module: nn.Module, args: tuple[Any, ...], paths: list[str], *,
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
+INDEX_ATTRS = frozenset({"layer_idx"})
+"""Attributes left out of a signature: transformers' index of a block in its model, which
+its forward reads only to address a KV cache (mpress runs blocks with none) or to scale a
+scalar; what a block derives from it when built (a sliding window, an attention kind, a
+scaling) is an attribute of its own and counted. Kept in, every HF block would be a kind
+of its own and a 32-block model probed 32 times."""
+
 
 def _value_key(value: Any) -> tuple | None:
     """An attribute's or argument's part of a signature; None where it cannot say."""
@@ -289,6 +296,7 @@ def _storage_pattern(tensors: list[torch.Tensor]) -> tuple[int, ...]:
 def layer_signature(layer: nn.Module, args: tuple[Any, ...]) -> tuple | None:
     """What `probe` of `layer` on `args` depends on, so that two layers of one signature
     probe alike: per submodule its path, class, training flag and every public attribute
+    but `INDEX_ATTRS`
     (a plain value, or the identity of any other object: layers that share a config object
     match, layers holding objects of their own do not), its parameters' and buffers' paths,
     shapes, strides, dtypes and gradient flags and which share storage, forward hooks, and
@@ -300,7 +308,7 @@ def layer_signature(layer: nn.Module, args: tuple[Any, ...]) -> tuple | None:
     parts: list[Any] = [tuple(arg_keys), _storage_pattern([a for a in args if isinstance(a, torch.Tensor)])]
     for name, m in layer.named_modules():
         attrs = tuple(sorted((k, _value_key(v) or ("object", id(v))) for k, v in vars(m).items()
-                             if not k.startswith("_")))
+                             if not k.startswith("_") and k not in INDEX_ATTRS))
         hooks = tuple(id(h) for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for h in d.values())
         parts.append((name, type(m), m.training, attrs, hooks))
     tensors = list(layer.named_parameters(remove_duplicate=False)) + list(layer.named_buffers(remove_duplicate=False))

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from mpress.contract.actions import Action, Kind, UnitId, UnitKind
-from mpress.errors import PlanError
 from mpress.hardware.server import load_hardware
 from mpress.contract.identity import SavedTensorNamer, StageRules, inspect_stage, layer_paths
 from mpress.config.model_config import load_model_config

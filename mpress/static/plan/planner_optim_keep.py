@@ -39,6 +39,7 @@ class OptimizerKeepSteps:
 
     costs: list[StageCosts]
     capacity: int
+    strategy: str
     options: Any  # the planner's PlannerOptions
 
     def evaluate(self, d: Draft) -> Evaluation:  # implemented by the planner
@@ -90,7 +91,7 @@ class OptimizerKeepSteps:
             faster = cand is not None and cand.result.fits and \
                 cand.result.iteration_s < ev.result.iteration_s * (1 - FASTER)
             if cand is not None:
-                self.progress(f"{getattr(self, 'strategy', 'plan')}: optimizer round {rnd}: {len(offers)} layers' "
+                self.progress(f"{self.strategy}: optimizer round {rnd}: {len(offers)} layers' "
                               f"optimizer data kept on their devices, {cand.result.iteration_s:.3f} s "
                               f"({'kept' if faster else 'no gain, stop'})")
             if not faster:

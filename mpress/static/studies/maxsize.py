@@ -257,7 +257,8 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
     if zero and hardware.host_memory_gbps is None:
         raise UserError(f"{strategy}: hardware {hardware.name} states no host_memory_gbps, so its CPU optimizer "
                         "step cannot be timed")
-    quick = PlannerOptions(max_d2d_rounds=0, drive=drive, layer_data=True)  # D2D rounds buy speed, not fit: skip while searching
+    # D2D rounds and the optimizer step (`planner_optim_keep`) buy speed, not fit: skipped while searching
+    quick = PlannerOptions(max_d2d_rounds=0, drive=drive, layer_data=True, optimizer_keep=False)
     rule = family_rule(family, precision)
     shape = dict(schedule=schedule, num_stages=num_stages, num_ranks=num_ranks, microbatch_size=microbatch_size,
                  num_microbatches=num_microbatches)

@@ -38,7 +38,8 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from mpress.contract.identity import side_effect_free
 from mpress.contract.live_bytes import LiveBytes, tensors_in
-from mpress.contract.selective import LayerOps, cached_ops, recompute_menu, run_recomputed, trace_layer_ops
+from mpress.contract.selective import (LayerOps, cached_ops, recompute_menu, run_recomputed, storage_id,
+                                      trace_layer_ops)
 from mpress.static.profile.cuda_kernels import in_recompute
 from mpress.static.profile.profile import LayerMemory
 
@@ -48,7 +49,7 @@ LossFn = Callable[[Any], torch.Tensor]
 def _nbytes(values: Any) -> int:
     seen: dict[int, int] = {}
     for t in tensors_in(values):
-        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        seen[storage_id(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -64,10 +65,10 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | No
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(t.untyped_storage()._cdata)
+        saved.add(storage_id(t))
         return t
 
-    inputs = {t.untyped_storage()._cdata for t in tensors_in(args)}
+    inputs = {storage_id(t) for t in tensors_in(args)}
     devices = sorted({p.device.index for p in layer.parameters() if p.device.type == "cuda"})
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
     with torch.random.fork_rng(devices=devices), tracker.watch():
@@ -78,7 +79,7 @@ def probe_layer(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn | No
             root = loss_fn(output) if loss_fn is not None else output
         kept = tracker.live_bytes - start
         forward_peak = tracker.peak_bytes - start
-        outputs = {t.untyped_storage()._cdata for t in tensors_in(output)}
+        outputs = {storage_id(t) for t in tensors_in(output)}
         output_bytes = _nbytes(output)
         loss_bytes = _nbytes(root) if loss_fn is not None else 0
         roots = [t for t in tensors_in(root) if t.requires_grad]
@@ -149,8 +150,8 @@ def split_backward(layer: nn.Module, args: tuple[Any, ...], *, loss_fn: LossFn |
                 for h in hooks:
                     h.remove()
             input_peak = tracker.peak_bytes - start
-            kept_grads = {g.untyped_storage()._cdata for group in groups for g in tensors_in(group.get("grads", []))}
-            freed = sum(g.untyped_storage().nbytes() for g in grads or [] if g.untyped_storage()._cdata not in kept_grads)
+            kept_grads = {storage_id(g) for group in groups for g in tensors_in(group.get("grads", []))}
+            freed = sum(g.untyped_storage().nbytes() for g in grads or [] if storage_id(g) not in kept_grads)
             del output, root, roots, grads, _dinputs
             after_input = tracker.live_bytes
             tracker.reset_peak()
@@ -255,11 +256,12 @@ def probe_layers(module: nn.Module, args: tuple[Any, ...], paths: list[str], *,
         layer_args = tuple(_with_grad(x, i > 0 or _needs_grad(args)) for x in inputs[i])
         last = i == len(paths) - 1
         key = None if last else layer_signature(layer, layer_args)
-        if key is None or key not in found:
+        probed = found.get(key) if key is not None else None
+        if probed is None:
             probed = probe(layer, layer_args, loss_fn=loss_fn if last else None)
             if key is not None:
                 found[key] = probed
-        out.append(found[key] if key is not None else probed)
+        out.append(probed)
     return out
 
 
@@ -290,7 +292,7 @@ def _storage_pattern(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     """Per tensor, the position of the first one sharing its storage (tied weights,
     inputs that are views of one another)."""
     first: dict[int, int] = {}
-    return tuple(first.setdefault(t.untyped_storage()._cdata, i) for i, t in enumerate(tensors))
+    return tuple(first.setdefault(storage_id(t), i) for i, t in enumerate(tensors))
 
 
 def layer_signature(layer: nn.Module, args: tuple[Any, ...]) -> tuple | None:

@@ -127,7 +127,9 @@ class LayerOps:
 
 
 def storage_id(t: torch.Tensor) -> int:
-    """Identity of `t`'s storage (also for fake and meta tensors)."""
+    """Identity of `t`'s storage on any tensor (real, meta or fake, whose `data_ptr()` is
+    0): the storage object's address, valid while the storage lives (callers keep what
+    they compare alive)."""
     return t.untyped_storage()._cdata
 
 

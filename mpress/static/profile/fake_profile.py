@@ -21,7 +21,7 @@ through the fake mode's memo, so the loss sees them fake as well.
 Times are not measured: they come from the hardware model the analytic profiler uses
 (`analytic.flops_time_s`: FLOPs / (peak FLOP/s x efficiency) of the hardware preset), and
 the profile's `source` is "fake", its `device` the preset's name. Storages are told apart
-by storage object (`measured.storage_id`); every fake storage's `data_ptr()` is 0.
+by storage object (`contract.selective.storage_id`); every fake storage's `data_ptr()` is 0.
 
 A module whose forward needs tensor values (`.item()`, boolean masks, `nonzero`) cannot
 run on fake tensors: that is one `UserError`, and `profile_user_module` measures such a

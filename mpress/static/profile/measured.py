@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mpress.errors import UserError
 from mpress.contract.identity import SavedTensorNamer, layer_paths
 from mpress.contract.live_bytes import LiveBytes
+from mpress.contract.selective import storage_id
 from mpress.config.model_config import ModelConfig
 from mpress.models.transformer import (
     build_model,
@@ -84,12 +85,6 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to_device(v, device) for v in value)
     return value
-
-
-def storage_id(t: torch.Tensor) -> int:
-    """What tells storages apart on any tensor (real, meta or fake): the storage object's
-    address, valid while the storage lives (callers keep what they compare alive)."""
-    return t.untyped_storage()._cdata
 
 
 def _storage_bytes(t: torch.Tensor) -> int:

@@ -48,25 +48,25 @@ class OptimizerKeepSteps:
     def progress(self, message: str) -> None:  # implemented by the planner
         raise NotImplementedError
 
-    def _streamed(self, d: Draft, s: int) -> list[int]:
-        """Layers of stage s whose optimizer data the draft streams to the host."""
+    def _streamed(self, d: Draft, s: int) -> dict[int, int]:
+        """Layers of stage s whose optimizer data the draft streams to the host, with
+        their data's bytes."""
         if d.optim[s] != HOST or d.host_step[s]:
-            return []
-        return [j for j, x in enumerate(self.costs[s].layers)
-                if j not in d.optim_kept[s] and x.optim_bytes + x.master_bytes > 0]
+            return {}
+        sizes = {j: x.optim_bytes + x.master_bytes for j, x in enumerate(self.costs[s].layers)}
+        return {j: n for j, n in sizes.items() if j not in d.optim_kept[s] and n > 0}
 
     def _offers(self, d: Draft, ev: Evaluation) -> dict[int, tuple[int, int]]:
         """Per device with room: (stage, layer) whose optimizer data to keep next."""
         offers: dict[int, tuple[int, int]] = {}
         for dev, peak in enumerate(ev.result.peak_bytes):
             room = self.capacity - peak
-            stages = [s for s, x in enumerate(d.stage_to_device) if x == dev and self._streamed(d, s)]
+            streamed = {s: self._streamed(d, s) for s, x in enumerate(d.stage_to_device) if x == dev}
             # the stage keeping the fewest layers first, then the largest chunk that fits
-            for s in sorted(stages, key=lambda s: (len(d.optim_kept[s]), s)):
-                layers = self.costs[s].layers
-                fitting = [j for j in self._streamed(d, s) if layers[j].optim_bytes + layers[j].master_bytes <= room]
+            for s in sorted(streamed, key=lambda s: (len(d.optim_kept[s]), s)):
+                fitting = [(n, j) for j, n in streamed[s].items() if n <= room]
                 if fitting:
-                    offers[dev] = (s, max(fitting, key=lambda j: (layers[j].optim_bytes + layers[j].master_bytes, j)))
+                    offers[dev] = (s, max(fitting)[1])
                     break
         return offers
 

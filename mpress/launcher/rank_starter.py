@@ -297,6 +297,7 @@ class _Server:
                 self._leave()
                 return request
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+            _set_group(pid, int(request["pgid"]))
             pidfd = os.pidfd_open(pid)
             self.children[pidfd] = pid
             self.sel.register(pidfd, selectors.EVENT_READ)
@@ -327,10 +328,7 @@ def _run_rank(request: dict, module: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # what came since the fork acts now
-    try:
-        os.setpgid(0, int(request["pgid"]))
-    except PermissionError:  # the group's leader (rank 0) has ended already: the launcher names it
-        os.setpgid(0, 0)
+    _set_group(0, int(request["pgid"]))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -346,6 +344,20 @@ def _run_rank(request: dict, module: str) -> None:
     sys.argv = [sys.argv[0], *request["argv"]]
     sys.modules.pop(module, None)  # as under `-m`: the module runs once, as `__main__` (its imports stay)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _set_group(pid: int, pgid: int) -> None:
+    """Put process `pid` (0: this one) in group `pgid` (0: a new group it leads).
+
+    Both the starter and the child call it, as a shell does for a pipeline: whichever
+    runs first makes the group, so it exists before the starter names the child's pid
+    and the launcher asks for the next rank to join it."""
+    try:
+        os.setpgid(pid, pgid)
+    except PermissionError:  # the group's leader (rank 0) has ended already: the launcher names it
+        os.setpgid(pid, 0)
+    except ProcessLookupError:  # the child has ended already (the starter's call)
+        pass
 
 
 def _redirect(path: str, fd: int) -> None:

@@ -112,12 +112,16 @@ def replica_devices_for(plan: Plan | None, pp_world: int, per_node: int, *, setu
     Every one of the plan's devices is placed, those no stage runs on too, so a D2D
     plan's replicas each lend and borrow on GPUs of their own (the runtime maps the plan's
     peer numbers through the slot, `mpress.d2d.runtime.peer_store.peer_device`): where
-    the node cannot hold that many, it is refused, never shared. Rank 0 only; `nvml`
-    replaces the pynvml module (tests)."""
+    the node cannot hold that many, it is refused, never shared. The placement `setup`'s
+    replicas were costed on (`_setup`, over the same devices) where it has one, else read
+    here. Rank 0 only; `nvml` replaces the pynvml module (tests)."""
     if per_node == 1:
         return None
     if plan is not None and setup is not None:
         _check_replicas_host(plan, setup, per_node)
+    local = setup.data_parallel.local if setup is not None and setup.data_parallel is not None else None
+    if local is not None and local.per_node == per_node:  # the costing's answer: NVML is read once
+        return local.devices
     return node_replicas_for(plan.num_devices if plan is not None else pp_world, per_node, nvml=nvml).devices
 
 

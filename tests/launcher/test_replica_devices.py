@@ -273,9 +273,15 @@ def test_replicas_on_half_a_node_each_start(monkeypatch: pytest.MonkeyPatch, har
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = TrainConfig(model="gpt-tiny", num_stages=4, microbatch_size=2, num_microbatches=4, dp=dp,
                       hardware=hardware, plan="none")
+    reads: list[int] = []
+    detect = startup.detect_local_hardware
+    monkeypatch.setattr(startup, "detect_local_hardware", lambda **kw: reads.append(1) or detect(**kw))
     start = startup.plan_for(cfg, model_config(cfg), 4, 4)
     assert start.replica_devices == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert len(start.predicted_peak_bytes) == 4
+    # NVML is read once for the replicas' placement (the costing's and the ranks' one answer; it was
+    # read again for the ranks), once to detect the hardware or check the preset against the GPUs
+    assert len(reads) == 2
 
 
 def test_the_replicas_reduction_is_costed_on_their_gpus_with_the_presets_link_figures(

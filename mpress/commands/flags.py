@@ -111,6 +111,10 @@ FLAGS: dict[str, Flag] = {
     "num_nodes": Flag(("--nodes",), dict(dest="num_nodes", type=int_arg(1, MAX_NODES), metavar="N",
                                                        help="nodes, each running one replica of the pipeline "
                                                             "(data parallelism across nodes)")),
+    "replicas_per_node": Flag(("--replicas-per-node",), dict(type=int_arg(1, limits.MAX_DEVICES), metavar="R",
+                                                         help="replicas of the pipeline sharing each node, each on "
+                                                              "GPUs of its own linked alike, gradients reduced over "
+                                                              "the node's links first")),
     "dp_sharding": Flag(("--dp-sharding",), dict(choices=Sharding.words(),
                                                  help="how replicas across nodes hold model states: ddp (all, "
                                                       "gradients all-reduced) or fsdp (optimizer states sharded, "

@@ -33,9 +33,9 @@ from mpress.config.presets import hardware_presets
 from mpress.config.model_config import DTYPE_BYTES, ModelConfig, model_presets
 from mpress.contract.plan import Plan
 from mpress.config.settings import Setting, load_setting, setting_presets
-from mpress.hardware.cluster import Sharding, make_cluster
+from mpress.hardware.cluster import NodeReplicas, Sharding, replica_devices
 from mpress.static.emulate.dp_reduction import exposed_reduction_s, reduction_busy_s
-from mpress.static.memory.data_parallel import DataParallel
+from mpress.static.memory.data_parallel import DataParallel, replicas_of
 from mpress.static.emulate.emulator_result import EmulatorResult
 from mpress.static.profile.profile import Profile, model_for_profile
 from mpress.config.units import fmt_bytes, fmt_seconds
@@ -85,7 +85,10 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "num_nodes", default=None, help="nodes, each running one replica of the pipeline, gradients "
                                                 "reduced across them over the network of configs/clusters/"
                                                 "<hardware>.yaml (default: 1)")
-    add_flag(p, "dp_sharding", default=None, help="with --nodes: ddp (every replica holds all model states) or "
+    add_flag(p, "replicas_per_node", default=None,
+             help="replicas of the pipeline sharing each node, each on GPUs of its own linked as the plan's; the "
+                  "plan is made over the node's GPUs / R unless --num-devices says (default: 1)")
+    add_flag(p, "dp_sharding", default=None, help="with --nodes or --replicas-per-node: ddp (every replica holds all model states) or "
                                                   "fsdp (optimizer states and master weights sharded over the "
                                                   "nodes) (default: ddp)")
     add_flag(p, "num_devices", default=None, help="override the hardware's device count (cpu-local)")
@@ -232,6 +235,17 @@ def hardware_from_args(args: argparse.Namespace, plan: Plan | None = None,
         memory = memory if memory is not None else plan.device_memory_bytes
     default = setting.hardware[0] if setting is not None else DEFAULT_HARDWARE
     name = args.hardware or (plan.hardware if plan is not None else default)
+    per_node = getattr(args, "replicas_per_node", None) or 1
+    if devices is None and per_node > 1:  # one replica's share of the node: the first 1/R of its GPUs
+        node = load_hardware(name).num_devices
+        if node < per_node:
+            raise UserError(f"--replicas-per-node: {per_node} replicas on {name}'s {node} GPUs leave none "
+                            f"for each; at most {node}")
+        devices = node // per_node
+        try:
+            return load_hardware(name, num_devices=devices, memory_bytes=memory)
+        except UserError as exc:  # a preset whose links are written for the whole node only
+            raise UserError(f"--replicas-per-node {per_node}: one replica's {devices} GPUs of {name}: {exc}") from None
     return load_hardware(name, num_devices=devices, memory_bytes=memory)
 
 
@@ -293,11 +307,18 @@ def data_parallel_from_args(args: argparse.Namespace, hardware: Hardware) -> Dat
     """`--nodes` replicas of the pipeline with `--dp-sharding` (default ddp); None for
     one node (the single-server emulation, unchanged)."""
     nodes, sharding = getattr(args, "num_nodes", None), getattr(args, "dp_sharding", None)
-    if nodes is None or nodes == 1:
-        if sharding is not None and nodes is None:
-            raise UserError("--dp-sharding shards model states over the replicas of --nodes N")
-        return None
-    return DataParallel(cluster=make_cluster(hardware, nodes), sharding=Sharding(sharding or Sharding.DDP))
+    per_node = getattr(args, "replicas_per_node", None)
+    if sharding is not None and nodes is None and per_node is None:
+        raise UserError("--dp-sharding shards model states over the replicas of --nodes N or --replicas-per-node R")
+    local = None
+    if per_node is not None and per_node > 1:
+        node = load_hardware(hardware.name, memory_bytes=hardware.device.memory_bytes)  # the whole node
+        if per_node * hardware.num_devices > node.num_devices:
+            raise UserError(f"--replicas-per-node: {per_node} replicas of a pipeline over {hardware.num_devices} "
+                            f"GPUs need {per_node * hardware.num_devices}; {node.name} has {node.num_devices}: "
+                            f"give --num-devices {node.num_devices // per_node} or fewer replicas")
+        local = NodeReplicas(node, replica_devices(node, hardware.num_devices, per_node))
+    return replicas_of(hardware, nodes or 1, local, Sharding(sharding or Sharding.DDP))
 
 
 def cluster_line(setup: PipelineSetup, result: EmulatorResult) -> str | None:
@@ -305,14 +326,19 @@ def cluster_line(setup: PipelineSetup, result: EmulatorResult) -> str | None:
     all replicas counted), per replica, and the data-parallel reduction, overlapped and
     exposed (`data_parallel.exposed_reduction_s`)."""
     dp = setup.data_parallel
-    if dp is None or dp.degree == 1 or dp.cluster is None:  # --nodes makes a cluster
+    if dp is None or dp.degree == 1:
         return None
-    c = dp.cluster
-    return (f"cluster {c.name} ({c.num_nodes * c.hardware.num_devices} GPUs, {dp.sharding}): "
+    c, local = dp.cluster, dp.local
+    node = local.node if local is not None else c.hardware  # type: ignore[union-attr]
+    where = c.name if c is not None else f"1 x {node.name}"
+    links = [f"the {dp.per_node} replicas' twin GPUs on each node"] if local is not None else []
+    if c is not None:
+        links.append(f"{c.network.num_nics} x {c.nic_gbps:.3g} GB/s NICs")
+    return (f"cluster {where} ({dp.nodes * node.num_devices} GPUs, {dp.degree} replicas, {dp.sharding}): "
             f"{result.samples_per_s:.4g} samples/s for the cluster ({dp.degree} x "
             f"{result.samples_per_s / dp.degree:.4g} per replica), {result.model_tflops:.4g} model TFLOP/s; "
             f"dp reduction {fmt_seconds(reduction_busy_s(result))} per iteration over "
-            f"{c.network.num_nics} x {c.nic_gbps:.3g} GB/s NICs, {fmt_seconds(exposed_reduction_s(result))} exposed")
+            f"{', then '.join(links)}, {fmt_seconds(exposed_reduction_s(result))} exposed")
 
 
 def hf_profile_from_args(args: argparse.Namespace, hardware: Hardware) -> Profile | None:
@@ -338,7 +364,8 @@ def settings_line(setup: PipelineSetup, shape: PipelineShape) -> str:
     """One line of what the command runs with: model, hardware, and the resolved shape."""
     hw = setup.hardware
     dp = setup.data_parallel
-    nodes = f", {dp.degree} nodes ({dp.sharding})" if dp is not None else ""
+    nodes = "" if dp is None else f", {dp.degree} nodes ({dp.sharding})" if dp.per_node == 1 else \
+        f", {dp.degree} replicas, {dp.per_node} on each of {dp.nodes} x {dp.local.node.name} ({dp.sharding})"  # type: ignore[union-attr]
 
     def v(key: str, text: str) -> str:  # model, hardware and precision carry an origin under a --setting only
         return f"{text} ({shape.sources[key]})" if key in shape.sources else text
@@ -363,4 +390,5 @@ def data_parallel_json(setup: PipelineSetup) -> dict[str, object]:
     """`num_nodes` and `dp_sharding` of the setup (1 and none for one node)."""
     dp = setup.data_parallel
     return {"num_nodes": dp.degree if dp is not None else 1,
+            "replicas_per_node": dp.per_node if dp is not None else 1,
             "dp_sharding": str(dp.sharding) if dp is not None else None}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mpress.hardware.cluster import NodeReplicas, Sharding, make_cluster, replica_devices
+from mpress.hardware.cluster import NodeReplicas, replica_devices
 from mpress.d2d.static.topology import compare_topology, detect_local_hardware
 from mpress.errors import PlanError, TopologyError, UserError
 from mpress.hardware.server import Hardware, load_hardware
@@ -29,7 +29,7 @@ from mpress.contract.plan import Plan
 from mpress.contract.plan_check import PINNED, Shape, check_plan, refusal
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.profile.analytic import analytic_profile
-from mpress.static.memory.data_parallel import DataParallel
+from mpress.static.memory.data_parallel import DataParallel, replicas_of
 from mpress.static.plan.evaluate import PipelineSetup, evaluate, setup_pipeline
 from mpress.static.profile.fake_profile import fake_profile
 from mpress.static.plan.plan_eval import check_plan_for_setup, complete_plan
@@ -332,12 +332,10 @@ def data_parallel_for(cfg: TrainConfig, hardware: Hardware, local: NodeReplicas 
     if cfg.dp % per_node:
         raise UserError(f"dp: {cfg.dp} replicas cannot run {per_node} on each node (this node's ranks over the "
                         f"pipeline's): make dp a multiple of {per_node}, or run another number of ranks per node")
-    nodes = cfg.dp // per_node
     try:
-        cluster = make_cluster(local.node if local is not None else hardware, nodes) if nodes > 1 else None
+        return replicas_of(hardware, cfg.dp // per_node, local)
     except UserError as exc:
         raise UserError(f"dp: {exc}") from None
-    return DataParallel(cluster=cluster, local=local, sharding=Sharding.DDP)
 
 
 def _rank_peaks(device_peaks: list[int], stage_to_device: list[int], world: int) -> list[int]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mpress.hardware.cluster import DDP_GRADIENT_AS_BUCKET_VIEW, Cluster, NodeReplicas, Sharding
+from mpress.hardware.cluster import DDP_GRADIENT_AS_BUCKET_VIEW, Cluster, NodeReplicas, Sharding, make_cluster
+from mpress.hardware.server import Hardware
 from mpress.static.memory.stage_costs import StageCosts
 from mpress.static.profile.profile import Profile
 
@@ -55,6 +56,19 @@ class DataParallel:
     @property
     def sharded(self) -> bool:
         return self.sharding is Sharding.FSDP and self.degree > 1
+
+
+def replicas_of(hardware: Hardware, nodes: int, local: NodeReplicas | None = None,
+                sharding: Sharding = Sharding.DDP) -> DataParallel | None:
+    """`nodes` nodes of `hardware` (`local.node`, the whole node, where several replicas
+    share it), each running `local.per_node` replicas (one without `local`), joined by the
+    node's network preset where there are several; None for a single replica. A one-line
+    `UserError` where the node's hardware has no network preset and the replicas span nodes."""
+    per_node = local.per_node if local is not None else 1
+    if nodes * per_node == 1:
+        return None
+    cluster = make_cluster(local.node if local is not None else hardware, nodes) if nodes > 1 else None
+    return DataParallel(cluster=cluster, local=local if per_node > 1 else None, sharding=sharding)
 
 
 def shard_profile(profile: Profile, dp: DataParallel) -> Profile:

@@ -68,11 +68,11 @@ def rank_breakdown(tasks: Sequence[Task], static_bytes: int, costs: Sequence[Sta
         if t.action.kind is Kind.OI:
             offloaded[t.action.stage] += t.alloc_bytes
     for s in {t.action.stage for t in tasks if (u := _unit(t)) is not None and u.kind is UnitKind.GRADS}:
-        offloaded[s] = costs[s].optim_bytes + costs[s].master_bytes  # stepped on the host
+        offloaded[s] = costs[s].optimizer_data_bytes  # stepped on the host
     mem = dict.fromkeys(CATEGORIES, 0)
     mem[PARAMS] = 0 if weight_stashing else sum(x.param_bytes for s in stages for x in costs[s].layers
                                                 if (s, UnitKind.PARAMS, x.name) not in on_host)
-    mem[OPTIM] = sum(costs[s].optim_bytes + costs[s].master_bytes - offloaded[s] for s in stages)
+    mem[OPTIM] = sum(costs[s].optimizer_data_bytes - offloaded[s] for s in stages)
     mem[OTHER] = static_bytes - mem[PARAMS] - mem[OPTIM]
     pending: list[tuple[str, int]] = []  # copy-outs since the last release point
     first_backward: dict[int, object] = {}  # stage -> its first backward action

@@ -427,7 +427,7 @@ def rank_static_bytes(costs: list[StageCosts], schedule: Schedule, hardware: Har
         pool = 0 if device in rank_device else pools[device]  # a device's pool counts once
         rank_device.append(device)
         static.append(pool + sum(
-            (0 if stash else costs[s].param_bytes) + costs[s].optim_bytes + costs[s].master_bytes - offloaded[s]
+            (0 if stash else costs[s].param_bytes) + costs[s].optimizer_data_bytes - offloaded[s]
             + buffer_bytes(costs[s], schedule.num_microbatches) + reduction_buffer_bytes(costs[s], data_parallel)
             for s in stages))
     return rank_device, static

@@ -40,6 +40,11 @@ class StageCosts:
     """Per microbatch, the input batch on the first stage and the targets on the last."""
 
     @property
+    def optimizer_data_bytes(self) -> int:
+        """Optimizer states + fp32 master weights of the stage: what `optim:*` moves."""
+        return self.optim_bytes + self.master_bytes
+
+    @property
     def saved(self) -> list[SavedTensor]:
         return [t for layer in self.layers for t in layer.saved]
 

@@ -103,7 +103,7 @@ class Draft:
     def moved_optim_bytes(self, s: int, c: StageCosts) -> int:
         """Optimizer data of stage s (costs `c`) that its `optim` technique moves: all of
         it but its kept layers'."""
-        return sum(x.optim_bytes + x.master_bytes for j, x in enumerate(c.layers) if j not in self.optim_kept[s])
+        return sum(x.optimizer_data_bytes for j, x in enumerate(c.layers) if j not in self.optim_kept[s])
 
     def choice(self, s: int, j: int) -> int:
         """The recompute choice of layer j of stage s (`WHOLE` unless op-level)."""

@@ -266,7 +266,7 @@ class _Planner(D2DSteps, LayerDataSteps, OptimizerKeepSteps):
         pcie_budget = max(x.forward_s + x.backward_s for x in self.costs) * self.num_mb
         candidates: list[tuple[float, int, int, str, int]] = []
         host = self.model_data_host
-        optim_bytes = c.optim_bytes + c.master_bytes
+        optim_bytes = c.optimizer_data_bytes
         if host and d.optim[s] == KEEP and optim_bytes:
             candidates.append((self._model_data_overhead_s(s, optim_bytes) / optim_bytes, 1, 0, "optim", -1))
         if host and self.sched.weight_stashing and d.stash[s] == KEEP and k > 1 and c.param_bytes:

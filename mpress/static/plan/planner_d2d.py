@@ -37,9 +37,9 @@ class D2DSteps:
         """D2D-only strategy: move model data, then layers with the longest intervals."""
         c, k = self.costs[s], self.in_flight[s]
         shed = 0
-        if d.optim[s] == KEEP and c.optim_bytes + c.master_bytes:
+        if d.optim[s] == KEEP and c.optimizer_data_bytes:
             d.optim[s] = D2D
-            shed += c.optim_bytes + c.master_bytes
+            shed += c.optimizer_data_bytes
         if shed < need and self.sched.weight_stashing and d.stash[s] == KEEP and k > 1:
             d.stash[s] = D2D
             shed += (k - 1) * c.param_bytes
@@ -82,7 +82,7 @@ class D2DSteps:
         c, k = self.costs[s], self.in_flight[s]
         act = sum(self._layer_peer_bytes(s, j) for j in range(len(c.layers)) if D2D in d.layer_tech[s][j])
         if d.optim[s] == D2D:
-            act += c.optim_bytes + c.master_bytes
+            act += c.optimizer_data_bytes
         if d.stash[s] == D2D:
             act += (k - 1) * c.param_bytes
         return act

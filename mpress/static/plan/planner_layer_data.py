@@ -111,8 +111,8 @@ class LayerDataSteps:
         c = self.costs[s]
         if not d.host_step[s]:  # what the step on the device holds: states, or the chunks it streams
             d.host_step[s] = True
-            chunk = max(x.optim_bytes + x.master_bytes for x in c.layers)
-            held = c.optim_bytes + c.master_bytes if d.optim[s] == KEEP else (OPTIMIZER_PREFETCH_DEPTH + 1) * chunk
+            chunk = max(x.optimizer_data_bytes for x in c.layers)
+            held = c.optimizer_data_bytes if d.optim[s] == KEEP else (OPTIMIZER_PREFETCH_DEPTH + 1) * chunk
             shed = held + max(optimizer_transient_bytes(x, self.hw) for x in c.layers)
             if shed >= need:
                 return shed

@@ -27,7 +27,7 @@ from mpress.static.plan.planner_layer_data import plan_pinned_bytes
 
 def drive_bytes(planner, d: Draft) -> int:
     """Optimizer data draft `d` keeps on the drive, bytes."""
-    return sum(c.optim_bytes + c.master_bytes for s, c in enumerate(planner.costs) if d.optim[s] is Technique.NVME)
+    return sum(c.optimizer_data_bytes for s, c in enumerate(planner.costs) if d.optim[s] is Technique.NVME)
 
 
 def optimizer_to_drive(planner, d: Draft, ev: Evaluation) -> tuple[Draft, Evaluation]:
@@ -44,10 +44,10 @@ def optimizer_to_drive(planner, d: Draft, ev: Evaluation) -> tuple[Draft, Evalua
         return d, ev
     room = hw.nvme_bytes - drive_bytes(planner, d)
     order = sorted((s for s in range(len(planner.costs)) if d.optim[s] is Technique.HOST and not d.host_step[s]),
-                   key=lambda s: -(planner.costs[s].optim_bytes + planner.costs[s].master_bytes))
+                   key=lambda s: -planner.costs[s].optimizer_data_bytes)
     moved, best = d.copy(), ev
     for s in order:
-        nbytes = planner.costs[s].optim_bytes + planner.costs[s].master_bytes
+        nbytes = planner.costs[s].optimizer_data_bytes
         if nbytes > room:
             moved.drive_full = True
             continue

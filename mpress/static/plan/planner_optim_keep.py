@@ -53,7 +53,7 @@ class OptimizerKeepSteps:
         their data's bytes."""
         if d.optim[s] != HOST or d.host_step[s]:
             return {}
-        sizes = {j: x.optim_bytes + x.master_bytes for j, x in enumerate(self.costs[s].layers)}
+        sizes = {j: x.optimizer_data_bytes for j, x in enumerate(self.costs[s].layers)}
         return {j: n for j, n in sizes.items() if j not in d.optim_kept[s] and n > 0}
 
     def _offers(self, d: Draft, ev: Evaluation) -> dict[int, tuple[int, int]]:

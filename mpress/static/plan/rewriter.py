@@ -152,7 +152,7 @@ class _Stage:
         host_step = _steps_on_host(self.sp)
         for layer in self.costs.layers:
             found = None if host_step else self.rules.model_data_rule("optim", layer.name)
-            out.append((layer.name, found[1] if found else None, layer.optim_bytes + layer.master_bytes,
+            out.append((layer.name, found[1] if found else None, layer.optimizer_data_bytes,
                         layer.optim_bytes // 8))
         return out
 
@@ -163,7 +163,7 @@ class _Stage:
         `optim_group_block_bytes`)."""
         layer = next(x for x in self.costs.layers if x.name == layer_name)
         blocks = layer.param_tensors * (3 if layer.master_bytes else 2)
-        return layer.optim_bytes + layer.master_bytes + blocks * ALIGNMENT_BYTES
+        return layer.optimizer_data_bytes + blocks * ALIGNMENT_BYTES
 
     def optim_group_block_bytes(self, layer_name: str) -> int:
         """The largest pool block one layer's offloaded optimizer data takes: the runtime
@@ -374,7 +374,7 @@ def offloaded_optim_bytes(plan: Plan, costs: list[StageCosts]) -> list[int]:
     for sp, c in zip(plan.stages, costs):
         if _steps_on_host(sp):
             data = layer_data(StageRules(sp, layer_tensors(c), plan.num_microbatches), c)
-            out.append(c.optim_bytes + c.master_bytes + sum(c.layers[j].param_bytes for j in data.params))
+            out.append(c.optimizer_data_bytes + sum(c.layers[j].param_bytes for j in data.params))
             continue
         st = _Stage(sp, c, plan.num_microbatches)
         out.append(sum(b for _l, rule, b, _p in st.optim_chunks() if rule))

@@ -209,9 +209,14 @@ class LayerProfile:
         return self.backward_time_s - self.weight_grad_time_s
 
     @property
+    def optimizer_data_bytes(self) -> int:
+        """Optimizer states + fp32 master weights: what an `optim:` rule moves."""
+        return self.optim_bytes + self.master_bytes
+
+    @property
     def model_state_bytes(self) -> int:
         """Parameters + gradients + optimizer states + master weights."""
-        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.master_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_data_bytes
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -185,7 +185,7 @@ class MaxSize:
     def drive_bytes(self) -> int:
         """Bytes the largest model keeps on the local drives (0: none)."""
         if self.result is not None:
-            return sum(c.optim_bytes + c.master_bytes for c, sp in zip(self.result.evaluation.setup.costs,
+            return sum(c.optimizer_data_bytes for c, sp in zip(self.result.evaluation.setup.costs,
                                                                        self.result.plan.stages)
                        if any(r.technique is Technique.NVME for r in sp.rules))
         return self.baseline.nvme_bytes if self.baseline is not None else 0

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from mpress.config.units import fmt_seconds
 from mpress.config.vocabulary import MPRESS_NVME, ScheduleName, Strategy
+from mpress.errors import UserError
 from mpress.hardware.server import Hardware, load_hardware
 from mpress.static.baselines.zero import ZERO_INFINITY, ZERO_INFINITY_NVME, ZERO_OFFLOAD
 from mpress.static.plan.evaluate import setup_pipeline
@@ -52,6 +53,8 @@ class Case:
     hardware: Hardware
     family: str
     rows: dict[str, MaxSize] = field(default_factory=dict)
+    skipped: str = ""
+    """Why the case was not searched (the family cannot train on the server)."""
     speed: dict[str, tuple[float, float] | None] = field(default_factory=dict)
     """Per baseline: (its iteration, mpress's) at the baseline's largest model; None:
     mpress does not fit it (or the baseline fits nothing)."""
@@ -81,8 +84,13 @@ def search(case: Case, budget: float, progress: TaskProgress) -> None:
     for ours, theirs in case.tiers().values():
         for strategy in (ours, *theirs):
             progress.update(f"{case.hardware.name} {case.family}: searching {strategy}")
-            case.rows[strategy] = find_max_size(case.family, case.hardware, strategy, **case.shape(),
-                                                time_budget_s=budget, progress=progress.update)
+            try:
+                case.rows[strategy] = find_max_size(case.family, case.hardware, strategy, **case.shape(),
+                                                    time_budget_s=budget, progress=progress.update)
+            except UserError as exc:  # e.g. a bf16 family on a server without bf16
+                case.skipped, case.rows = str(exc), {}
+                progress.advance(f"{case.hardware.name} {case.family}: not searched: {exc}")
+                return
             row = case.rows[strategy]
             progress.advance(f"{case.hardware.name} {case.family} {strategy}: "
                              f"{row.model.name if row.model else 'none'} ({row.bound})")
@@ -105,6 +113,9 @@ def table(cases: list[Case], budget: float) -> Table:
         t.add_column(col, justify="right" if col in ("params", "iteration", "baseline / mpress at its size")
                      else "left")
     for c in cases:
+        if c.skipped:
+            t.add_row(c.hardware.name, c.family, "-", "-", "not searched", "", "", "", "")
+            continue
         for tier, (ours, theirs) in c.tiers().items():
             for strategy in (ours, *theirs):
                 r = c.rows[strategy]
@@ -119,12 +130,12 @@ def table(cases: list[Case], budget: float) -> Table:
 
 def to_json(cases: list[Case], budget: float, elapsed: float) -> dict:
     return {"time_budget_s": budget, "elapsed_s": elapsed, "cases": [
-        {"hardware": c.hardware.name, "family": c.family,
+        {"hardware": c.hardware.name, "family": c.family, "skipped": c.skipped or None,
          "rows": {k: {"model": r.model.name if r.model else None, "num_parameters": r.num_parameters,
                       "bound": str(r.bound), "bound_detail": r.bound_detail} for k, r in c.rows.items()},
          "speed": {k: None if s is None else {"baseline_iteration_s": s[0], "mpress_iteration_s": s[1]}
                    for k, s in c.speed.items()},
-         "verdicts": {tier: c.verdict(tier) for tier in c.tiers()}} for c in cases]}
+         "verdicts": {} if c.skipped else {tier: c.verdict(tier) for tier in c.tiers()}} for c in cases]}
 
 
 def main() -> None:
@@ -147,6 +158,9 @@ def main() -> None:
         return
     console.print(table(cases, args.time_budget))
     for c in cases:
+        if c.skipped:
+            console.print(f"{c.hardware.name} {c.family}: not searched: {c.skipped}", markup=False, soft_wrap=True)
+            continue
         for tier in c.tiers():
             console.print(f"{c.hardware.name} {c.family} {tier} tier: {c.verdict(tier)}", markup=False, soft_wrap=True)
         for strategy, r in c.rows.items():

@@ -133,29 +133,41 @@ def test_peak_falls_by_what_leaves():
 
 def test_copies_cost_the_host_link():
     """Each fetch moves the layer's parameter bytes on the device's PCIe downlink and each
-    drain its gradient bytes on the uplink; a slower link makes the iteration slower."""
+    drain its gradient bytes on the uplink; a slower link makes the iteration slower. A
+    layer's parameters have one device copy, which every pass holding them shares (the
+    runtime refills the parameters' own storages): a fetch while another pass holds it
+    (one layer ahead, the next microbatch's) moves and allocates nothing, and an eviction
+    frees it only when the last pass lets it go."""
     setup, _plan, ev = plan_and_eval(host_step=(0, 1), rules=BOTH)
     layers = {layer.name: layer for c in setup.costs for layer in c.layers}
     seen = set()
     for rank, tasks in enumerate(ev.program.ranks):
+        holders: dict[str, int] = {}
         for t in tasks:
             if t.action.microbatch is None or not t.action.tensor or t.action.kind not in (Kind.SI, Kind.SO):
                 continue
             unit = UnitId.parse(t.action.tensor)
+            held = holders.get(t.action.tensor, 0)
             if unit.kind is UnitKind.PARAMS and t.action.kind is Kind.SI:
+                holders[t.action.tensor] = held + 1
                 moved = {x.channel: x.bytes for x in t.transfers}
+                if held:
+                    assert moved == {} and t.alloc_bytes == 0
+                    seen.add("shared fetch")
+                    continue
                 assert moved[pcie_down(CPU_LOCAL, rank)] == layers[unit.layer].param_bytes
                 assert t.alloc_bytes == layers[unit.layer].param_bytes
                 seen.add("fetch")
             elif unit.kind is UnitKind.PARAMS:
-                assert t.transfers == () and t.free_bytes == layers[unit.layer].param_bytes
+                holders[t.action.tensor] = held - 1
+                assert t.transfers == () and t.free_bytes == (layers[unit.layer].param_bytes if held == 1 else 0)
                 seen.add("evict")
             elif unit.kind is UnitKind.GRADS:
                 moved = {x.channel: x.bytes for x in t.transfers}
                 assert moved[pcie_up(CPU_LOCAL, rank)] == layers[unit.layer].grad_bytes
                 assert t.free_bytes == layers[unit.layer].grad_bytes
                 seen.add("drain")
-    assert seen == {"fetch", "evict", "drain"}
+    assert seen == {"fetch", "shared fetch", "evict", "drain"}
     slow = dataclasses.replace(CPU_LOCAL, pcie_h2d_gbps=CPU_LOCAL.pcie_h2d_gbps / 100,
                                pcie_d2h_gbps=CPU_LOCAL.pcie_d2h_gbps / 100)
     _s, _p, slow_ev = plan_and_eval(host_step=(0, 1), rules=BOTH, hardware=slow)

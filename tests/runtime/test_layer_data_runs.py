@@ -11,6 +11,7 @@ most the stage's predicted peak and at least 90% of it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -25,13 +26,16 @@ from mpress.launcher.job import start_job
 from mpress.runtime.layer_data.host_layers import refuse_unrun
 from mpress.runtime.trainer import JobSpec
 from tests.support.compare import assert_states_equal
-from tests.support.jobs import run_steps
+from tests.support.jobs import resumed, run_steps
 from tests.support.plans import one_line, pipeline_plan
 from tests.support.spawn import spawn
 from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, batch
 
 NUM_MICROBATCHES = 4
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "1f1b")
+MIXED = 2
+"""The variant whose plan also moves activations (host swap or recompute of a block per
+stage) and which stops after its first step and resumes from its state."""
 PRECISION = "bf16"
 LAYERS = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
 
@@ -40,16 +44,20 @@ def model():
     return dataclasses.replace(load_model_config(MODEL), precision=PRECISION)
 
 
-def random_rules(world: int, seed: int) -> dict[int, list[TensorRule]]:
+def random_rules(world: int, seed: int, activations: bool = False) -> dict[int, list[TensorRule]]:
     """Per stage, `param:`/`grad:` host rules for a random non-empty choice of its layers
-    (each stage's parameters and gradients both leave the device somewhere)."""
+    (each stage's parameters and gradients both leave the device somewhere); with
+    `activations`, one block's saved tensors swapped to the host or recomputed too."""
     rng = random.Random(seed)
     rules = {}
     for s, (start, end) in enumerate(RANGES[world]):
         layers = LAYERS[start:end]
+        blocks = [x for x in layers if x.startswith("layers.")]
+        moved = [TensorRule(tensor=f"{rng.choice(blocks)}.**", technique=rng.choice(["host", "recompute"]))] \
+            if activations and blocks else []
         params = rng.sample(layers, rng.randint(1, len(layers)))
         grads = rng.sample(layers, rng.randint(1, len(layers)))
-        rules[s] = [TensorRule(tensor=f"param:{x}", technique="host") for x in sorted(params)] + \
+        rules[s] = moved + [TensorRule(tensor=f"param:{x}", technique="host") for x in sorted(params)] + \
                    [TensorRule(tensor=f"grad:{x}", technique="host") for x in sorted(grads)]
     return rules
 
@@ -59,7 +67,7 @@ def plans_for(world: int) -> list[Plan | None]:
     out: list[Plan | None] = []
     for k, schedule in enumerate(SCHEDULES):
         out.append(None)
-        out.append(pipeline_plan(schedule, world, NUM_MICROBATCHES, random_rules(world, 11 * world + k),
+        out.append(pipeline_plan(schedule, world, NUM_MICROBATCHES, random_rules(world, 11 * world + k, k == MIXED),
                                  model=model(), host_step=tuple(range(world))))
     return out
 
@@ -72,13 +80,26 @@ def _worker(rank: int, world: int, plan_paths: list[str | None]):
         plan = Plan.load(path) if path else None
         torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run
         job = start_job(spec, plan, torch.device("cpu"))
+        first = None
+        if plan is not None and k // 2 == MIXED:  # one step, then resumed from its state (held on the host)
+            first = run_steps(job, plan, lambda step: batch(step, NUM_MICROBATCHES), 1)
+            job = resumed(job, functools.partial(start_job, spec, plan, torch.device("cpu")), 1)
         # after start-up the host layers' parameters hold no device bytes, as counted
         kept = [p for rt in job.runtimes if rt.layer_data is not None
                 for layer in rt.layer_data.param_layers for _n, p in rt.layer_data.params[layer]]
         counted = job.live.storage_bytes()
         startup_held = sum(counted.get(p.untyped_storage()._cdata, -1) for p in kept)
-        result = run_steps(job, plan, lambda step: batch(step, NUM_MICROBATCHES), STEPS)
+        steps = range(1, STEPS) if first is not None else range(STEPS)
+        result = run_steps(job, plan, lambda step, steps=steps: batch(steps[step], NUM_MICROBATCHES), len(steps))
+        if first is not None:
+            result["losses"] = first["losses"] + result["losses"]
+            result["peaks"] = first["peaks"] + result["peaks"]
         result["startup"] = job.startup_peak_bytes
+        if rank == 0:  # a forward outside the program (an evaluation's) fetches what it needs and drops it again
+            job.modules[0].eval()
+            with torch.no_grad():
+                result["evaluated"] = job.modules[0](batch(STEPS, NUM_MICROBATCHES)[0][:MICROBATCH_SIZE])
+            result["held_after"] = sum(p.untyped_storage().nbytes() for p in kept)
         result["kept"], result["startup_held"] = len(kept), startup_held
         job.close()
         yield result
@@ -109,6 +130,7 @@ def test_layer_data_plans_equal_plain_pipelining_and_their_predicted_peaks(world
             predicted = plan.stages[r].predicted_peak_bytes
             measured, during = max(p for p in planned[r]["peaks"])
             assert 0.9 * predicted <= measured <= predicted, (plan.schedule, r, measured, predicted, during)
+        assert torch.equal(planned[0]["evaluated"], plain[0]["evaluated"]) and planned[0]["held_after"] == 0
 
 
 @pytest.mark.parametrize("job", [{"clipping": True}, {"replicas": True}, {"tied": True}])

@@ -100,7 +100,6 @@ class HostLayerData:
         self.live = runtime.live
         self.device = torch.device(runtime.device)
         self.layers = list(runtime.router.layers)
-        self._index = {name: j for j, name in enumerate(self.layers)}
         named = dict(module.named_parameters())
         self.params = {layer: [(n, named[n]) for n in params[layer]] for layer in self.layers}
         self.param_layers = host_layers(runtime, "param")

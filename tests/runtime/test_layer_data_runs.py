@@ -1,8 +1,8 @@
 """Layers whose working parameters and gradients live in host memory (`param:LAYER` and
 `grad:LAYER` host rules, `mpress/runtime/layer_data`) train as plain pipelining does:
-on 2 and 4 CPU (gloo) ranks, under 1F1B and GPipe, plans keeping a random choice of each
-stage's layers' parameters and gradients on the host (every stage stepping on the host,
-as the rules need) give losses and a final state `torch.equal` to plain pipelining's
+on 2 and 4 CPU (gloo) ranks, under 1F1B, GPipe and (on 2) interleaved 1F1B, plans
+keeping a random choice of each stage's layers' parameters and gradients on the host
+(every stage stepping on the host, as the rules need) give losses and a final state `torch.equal` to plain pipelining's
 (bf16, dropout on), hold none of those parameters' bytes on the device once started,
 execute their program action for action (its fetches, evictions and drains included),
 and measure on each rank's stand-in device (every byte, counted from construction) at
@@ -29,10 +29,19 @@ from tests.support.compare import assert_states_equal
 from tests.support.jobs import resumed, run_steps
 from tests.support.plans import one_line, pipeline_plan
 from tests.support.spawn import spawn
-from tests.support.tiny_pipeline import MICROBATCH_SIZE, MODEL, RANGES, STEPS, batch
+from tests.support.tiny_pipeline import (
+    MICROBATCH_SIZE,
+    MODEL,
+    RANGES,
+    STEPS,
+    batch,
+    num_stages_of,
+)
 
 NUM_MICROBATCHES = 4
-SCHEDULES = ("1f1b", "gpipe", "1f1b")
+SCHEDULES = ("1f1b", "gpipe", "1f1b", "interleaved")
+"""Per variant; interleaved 1F1B (two stages per rank) on 2 ranks only (the tiny model
+has no split into 8 stages)."""
 MIXED = 2
 """The variant whose plan also moves activations (host swap or recompute of a block per
 stage) and which stops after its first step and resumes from its state."""
@@ -44,13 +53,17 @@ def model():
     return dataclasses.replace(load_model_config(MODEL), precision=PRECISION)
 
 
-def random_rules(world: int, seed: int, activations: bool = False) -> dict[int, list[TensorRule]]:
+def schedules(world: int) -> tuple[str, ...]:
+    return SCHEDULES if world == 2 else SCHEDULES[:3]
+
+
+def random_rules(stages: int, seed: int, activations: bool = False) -> dict[int, list[TensorRule]]:
     """Per stage, `param:`/`grad:` host rules for a random non-empty choice of its layers
     (each stage's parameters and gradients both leave the device somewhere); with
     `activations`, one block's saved tensors swapped to the host or recomputed too."""
     rng = random.Random(seed)
     rules = {}
-    for s, (start, end) in enumerate(RANGES[world]):
+    for s, (start, end) in enumerate(RANGES[stages]):
         layers = LAYERS[start:end]
         blocks = [x for x in layers if x.startswith("layers.")]
         moved = [TensorRule(tensor=f"{rng.choice(blocks)}.**", technique=rng.choice(["host", "recompute"]))] \
@@ -65,17 +78,18 @@ def random_rules(world: int, seed: int, activations: bool = False) -> dict[int, 
 def plans_for(world: int) -> list[Plan | None]:
     """Per schedule: plain pipelining, then the layer-data plan."""
     out: list[Plan | None] = []
-    for k, schedule in enumerate(SCHEDULES):
+    for k, schedule in enumerate(schedules(world)):
         out.append(None)
-        out.append(pipeline_plan(schedule, world, NUM_MICROBATCHES, random_rules(world, 11 * world + k, k == MIXED),
-                                 model=model(), host_step=tuple(range(world))))
+        out.append(pipeline_plan(schedule, world, NUM_MICROBATCHES, random_rules(num_stages_of(schedule, world), 11 * world + k, k == MIXED),
+                                 model=model(), host_step=tuple(range(num_stages_of(schedule, world)))))
     return out
 
 
 def _worker(rank: int, world: int, plan_paths: list[str | None]):
     for k, path in enumerate(plan_paths):
         schedule = SCHEDULES[k // 2]
-        spec = JobSpec(model=model(), schedule=schedule, ranges=RANGES[world], microbatch_size=MICROBATCH_SIZE,
+        spec = JobSpec(model=model(), schedule=schedule, ranges=RANGES[num_stages_of(schedule, world)],
+                       microbatch_size=MICROBATCH_SIZE,
                        num_microbatches=NUM_MICROBATCHES, seed=3)
         plan = Plan.load(path) if path else None
         torch.manual_seed(7 + rank)  # dropout draws: per rank, the same in every run

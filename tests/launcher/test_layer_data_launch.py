@@ -1,7 +1,8 @@
 """`mpress plan --layer-data` to `mpress train`, end to end: gpt-tiny on 2 CPU ranks whose
 devices (1.2 MB) hold it only when the planner also keeps layers' parameters or
 gradients on the host; the plan it writes has such rules, and `mpress train` runs it,
-measuring each rank's device peak within [90%, 100%] of the plan's prediction."""
+measuring each rank's device peak within [90%, 100%] of the plan's prediction; a job
+that clips gradients refuses `grad:` host rules in one line."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import sys
 import pytest
 import yaml
 
-from mpress.contract.plan import LAYER_DATA_PREFIXES, Plan
-from tests.faults.run import ROOT
+from mpress.contract.plan import LAYER_DATA_PREFIXES, Plan, TensorRule
+from tests.faults.run import ROOT, WORLD, tiny_config
+from tests.support.plans import pipeline_plan
 
 DEVICE_MEMORY = "1200KB"
 
@@ -41,3 +43,16 @@ def test_a_plan_keeping_layer_data_on_the_host_trains(tmp_path):
     for row in rows:
         predicted = plan.stages[row["rank"]].predicted_peak_bytes
         assert 0.9 * predicted <= row["measured"] <= predicted, (row, predicted)
+
+
+def test_clipping_with_host_gradient_sums_is_one_line_exit_2(tmp_path):
+    """Clipping reads the gradients on the devices, where a `grad:` host rule no longer
+    keeps them: `mpress train` refuses the pair before any rank starts."""
+    rules = {s: [TensorRule(tensor="grad:*", technique="host")] for s in range(WORLD)}
+    plan = pipeline_plan("1f1b", WORLD, 4, rules, host_step=tuple(range(WORLD)))
+    config = tiny_config(tmp_path, plan, optimizer={"clip_grad_norm": 1.0})
+    res = _mpress("train", "--config", str(config), "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and "stages[0].rules[0].tensor" in lines[0] and "clip_grad_norm" in lines[0], lines
+    assert "step 0" not in res.stdout  # refused before any step, as every plan refusal is

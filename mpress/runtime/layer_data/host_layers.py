@@ -54,7 +54,7 @@ def host_layers(runtime: Any, kind: str) -> list[str]:
     return [layer for layer in runtime.router.layers if rules.model_data_rule(kind, layer) is not None]
 
 
-def refuse_unrun(plan: Any, *, clipping: bool, replicas: bool, tied: bool) -> None:
+def refuse_unrun(plan: Any, *, clipping: bool, replicas: bool, tied: bool, source: str = "plan") -> None:
     """Refuse, in one line naming the rule, a `grad:` host rule in a job that reads the
     gradients on the device between the backwards and the step, which the host sums are
     not (yet) part of: gradient clipping, replicas' averaging, tied weights' sums."""
@@ -65,7 +65,7 @@ def refuse_unrun(plan: Any, *, clipping: bool, replicas: bool, tied: bool) -> No
     for sp in plan.stages:
         for r, rule in enumerate(sp.rules):
             if rule.tensor.startswith("grad:") and rule.technique is Technique.HOST:
-                raise PlanError(f"plan: stages[{sp.stage}].rules[{r}].tensor: {rule.tensor} sums gradients on the "
+                raise PlanError(f"{source}: stages[{sp.stage}].rules[{r}].tensor: {rule.tensor} sums gradients on the "
                                 f"host, which this job's {what} does not read; drop the rule or the {what}")
 
 

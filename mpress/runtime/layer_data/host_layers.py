@@ -132,6 +132,8 @@ class HostLayerData:
             self._hooks.append(layer.register_forward_hook(lambda _m, _a, out, j=j: self._forward_ends(j, out)))
         for layer in self.param_layers:  # the plan keeps them on the host from the start
             self._free(layer)
+        runtime.manager.released_before(sum(p.numel() * p.element_size() for layer in self.param_layers
+                                            for _n, p in self.params[layer]))
 
     # ---- the program's compute actions ----------------------------------------------------
 

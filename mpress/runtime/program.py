@@ -15,7 +15,9 @@ those, where every memory action goes. `RankProgram` holds the list and a positi
   action of the list. A schedule that runs something else is a `PlanError`
   naming both actions.
 - `record(A)` is called by whoever runs an inside action (the router, when a unit's
-  first tensor leaves or a dropped layer is recomputed).
+  first tensor leaves or a dropped layer is recomputed; the stage's host layers,
+  `mpress/runtime/layer_data`, when a layer's pass ends and its parameters' fetch,
+  eviction or its gradients' drain listed inside the compute action runs).
 - `end_step()` issues what follows the last compute action and starts the next step.
 
 Every action is logged, in the list's string form, when it is executed (inside actions

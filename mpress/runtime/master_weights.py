@@ -240,6 +240,12 @@ class MasterWeights:
         """`name`'s host gradient buffer holds this step's sum (a microbatch was drained)."""
         self._entry(name).grad_ready = True
 
+    def discard_host_grads(self) -> None:
+        """Forget the gradient sums on the host (the next drain copies again), as zeroing
+        the gradients on the device forgets theirs."""
+        for e in self._entries.values():
+            e.grad_ready = False
+
     def host_buffers(self) -> list[torch.Tensor]:
         """The host tensors made here beside the masters (staging buffers, home copies)."""
         return [t for e in self._entries.values() for t in (e.staging, e.home) if t is not None]

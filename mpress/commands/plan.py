@@ -74,6 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ablate", action="store_true",
                    help="emulate the mpress plan without D2D, with the identity device mapping and with one peer "
                         "per stage (no striping), and print each one's slowdown")
+    p.add_argument("--layer-data", action="store_true",
+                   help="mpress may also keep layers' working parameters and gradients in pinned host memory "
+                        "(param:/grad: host rules, on stages stepping the optimizer on the host) when nothing else "
+                        "fits")
     add_flag(p, "json")
     p.set_defaults(func=run)
 
@@ -118,12 +122,12 @@ class Planning:
     strategies often emulate the same drafts), so that a strategy planned first (to choose
     the layers' split) is neither planned again nor planned apart from the others."""
 
-    def __init__(self, setup: PipelineSetup, shape: PipelineShape, policy: str) -> None:
+    def __init__(self, setup: PipelineSetup, shape: PipelineShape, policy: str, layer_data: bool = False) -> None:
         from mpress.static.plan.plan_cache import PlanCache
         from mpress.static.plan.planner import PlannerOptions
 
         self.setup, self.shape = setup, shape
-        self.options = PlannerOptions(swap_in_policy=SwapInPolicy(policy))
+        self.options = PlannerOptions(swap_in_policy=SwapInPolicy(policy), layer_data=layer_data)
         self.cache = PlanCache(setup)
         self.results: dict[str, PlanResult] = {}
 
@@ -160,7 +164,7 @@ def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
     from mpress.static.plan.balance_choice import check_fits_at_all
 
     profile = profile_for_args(args)
-    by_compute = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
+    by_compute = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy, args.layer_data)
     check_fits_at_all(by_compute.setup)
     console.print(settings_line(by_compute.setup, by_compute.shape), markup=False, soft_wrap=True)
     if args.balance is not None:
@@ -170,7 +174,7 @@ def choose_balance(args: argparse.Namespace, console: Console) -> Planning:
     def by_memory() -> PipelineSetup:  # laid out once, where the choice needs it
         if "memory" not in planning:
             args.balance = "memory"
-            planning["memory"] = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy)
+            planning["memory"] = Planning(*setup_from_args(args, profile=profile), args.swap_in_policy, args.layer_data)
             args.balance = None
         return planning["memory"].setup
 

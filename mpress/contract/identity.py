@@ -157,7 +157,8 @@ class SavedTensorNamer:
         self._paths = {m: name for name, m in module.named_modules()}
         self._layer_of = {module.get_submodule(p): i for i, p in enumerate(layers)}
         self.layers = list(layers)
-        self._params = {storage_key(p) for p in module.parameters()}
+        self._parameters = list(module.parameters())
+        self._params = {storage_key(p) for p in self._parameters}
         self._stack: list[str] = []
         self._counts: dict[str, int] = {}
         self.layer = 0
@@ -189,6 +190,11 @@ class SavedTensorNamer:
             self._stack.pop()
             if not self._stack:
                 self.layer = len(self.layers) - 1  # what follows the forward belongs to the last layer
+
+    def parameters_moved(self) -> None:
+        """Parameters' storages were refilled at new addresses (a layer's host parameters
+        fetched again): know them by their addresses now (an empty one has none)."""
+        self._params = {storage_key(p) for p in self._parameters if p.untyped_storage().nbytes()}
 
     def is_parameter(self, t: torch.Tensor) -> bool:
         """Whether `t` is a parameter or shares a parameter's storage."""

@@ -113,6 +113,27 @@ class LiveBytes:
         if over:
             raise DeviceOutOfMemory(self._oom_message(name, nbytes))
 
+    def resized(self, tensor: torch.Tensor, name: str) -> None:
+        """`tensor`'s storage was resized in place (a layer's host parameters fetched into
+        it or dropped from it, `mpress.runtime.layer_data`): count its bytes now. No
+        operator makes such a storage, so no watch sees it; one not counted yet is adopted."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        with self._lock:
+            resident = self._residents.get(key)
+            if resident is not None and not resident.host:
+                self._live += storage.nbytes() - resident.nbytes
+                resident.nbytes = storage.nbytes()
+                if self.timeline is not None:
+                    self.timeline.append((time.perf_counter(), self._live))
+                if self._live > self._peak:
+                    self._peak, self._peak_context = self._live, self.context
+                over = self.capacity_bytes is not None and self._live > self.capacity_bytes
+                if over:
+                    raise DeviceOutOfMemory(self._oom_message(name, storage.nbytes()))
+                return
+        self._add(storage, name, False)
+
     def _free(self, key: int) -> None:
         with self._lock:
             resident = self._residents.pop(key, None)

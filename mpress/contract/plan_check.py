@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from mpress.contract.actions import Kind
 from mpress.errors import PlanError
 from mpress.hardware.server import Hardware
 from mpress.contract.stage_rules import MODEL_DATA_KINDS, StageRules
@@ -169,7 +170,9 @@ def check_plan(plan: Plan, *, source: str = "plan", model: ModelConfig | None = 
         are checked where layer names are given, others where tensor ids are), and a
         stage must hold as many layers as the plan gives it.
     runtime: the plan is about to run on torch's pipelining: rules that need weight
-        stashing (`stash:`) are refused, as its schedules are synchronous.
+        stashing (`stash:`) are refused, as its schedules are synchronous, and so are
+        `param:`/`grad:` host rules under a schedule that stashes weights or splits the
+        backward (`mpress/static/plan/layer_data.py`).
     """
     if model is not None:
         model_fingerprint = model.fingerprint()
@@ -384,10 +387,17 @@ def _check_executable(plan: Plan, source: str) -> None:
     for sp in plan.stages:
         for r, rule in enumerate(sp.rules):
             if rule.tensor.startswith(LAYER_DATA_PREFIXES) and rule.technique is Technique.HOST:
-                raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
-                              f"stage {sp.stage} rule {r} ({rule.tensor}) keeps a layer's working parameters or "
-                              "gradients on the host, which the runtime does not carry out yet (mpress plan, emulate "
-                              "and maxsize weigh it); drop the rule to train")
+                # the runtime carries the scheme out (`mpress/runtime/layer_data`) where the
+                # static half lists it: not with weight stashing or a split backward
+                split = next((a for rank in range(plan.num_ranks) for a in plan.program(rank) if a.kind is Kind.W),
+                             None)
+                if plan.schedule is ScheduleName.PIPEDREAM or split is not None:
+                    why = "keeps parameter versions on the device" if split is None else \
+                        f"splits the backward ({split}), which would fetch and drain them twice"
+                    raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
+                                  f"stage {sp.stage} rule {r} ({rule.tensor}) keeps a layer's working parameters or "
+                                  f"gradients on the host, which the runtime does not run under {plan.schedule}, "
+                                  f"whose schedule {why} (use 1f1b or gpipe)")
             if rule.tensor.startswith("stash:"):
                 raise refusal(source, f"stages[{sp.stage}].rules[{r}].tensor",
                               f"stage {sp.stage} rule {r} ({rule.tensor}) moves stashed weight versions, which only "

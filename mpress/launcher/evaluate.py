@@ -8,7 +8,8 @@ same global order, so no cycle can wait on itself). The plan's memory decisions 
 what autograd saves for backward, and under no_grad nothing is saved: the router's
 hooks stay idle (outside a training microbatch the layers run their own forwards),
 no program action runs, and optimizer states offloaded between steps stay where the plan
-put them. On CPU the forward is counted by the rank's live bytes against its capacity
+put them; a layer whose parameters the plan keeps on the host fetches them for its
+forward and drops them after (`mpress/runtime/layer_data`). On CPU the forward is counted by the rank's live bytes against its capacity
 like a step. Dropout's random streams are not drawn, so evaluating changes no training loss.
 
 Any model the trainer runs evaluates alike: a preset, a user's module or a Hugging Face

@@ -27,6 +27,7 @@ from mpress.config.model_config import ModelConfig
 from mpress.models.user import UserModel
 from mpress.contract.plan import Plan
 from mpress.contract.plan_check import PINNED, Shape, check_plan, refusal
+from mpress.runtime.layer_data.host_layers import refuse_unrun
 from mpress.runtime.train_config import HARDWARE_DETECT, TrainConfig
 from mpress.static.profile.analytic import analytic_profile
 from mpress.static.memory.data_parallel import DataParallel, replicas_of
@@ -298,6 +299,7 @@ def _check_job(plan: Plan, cfg: TrainConfig, model: ModelConfig | UserModel, num
     and ranks (the rest with the pipeline, `check_plan_for_setup`)."""
     check_plan(plan, source=source, model=model, world_size=world, runtime=True,
                shape=Shape(cfg.schedule, num_stages, cfg.num_microbatches, cfg.microbatch_size))
+    refuse_unrun(plan, clipping=cfg.optimizer.clips, replicas=cfg.dp > 1, tied=False, source=source)
     for sp in plan.stages if cfg.nvme_dir is None else ():
         for i, rule in enumerate(sp.rules):
             if rule.technique is Technique.NVME:

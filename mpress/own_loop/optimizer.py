@@ -135,6 +135,7 @@ class MpressOptimizer(torch.optim.Optimizer):
         for p in self._named.values():
             if p.grad is not None:
                 p.grad.detach_().zero_()
+        self._rank.masters.discard_host_grads()  # sums of gradients drained to the host (`grad:` host rules)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]

@@ -67,9 +67,10 @@ def save_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Ite
     """The job's state on the host, keyed by parameter name (see the module docstring).
     `chunks` must cover every parameter of `masters` exactly once."""
     model: dict[str, torch.Tensor] = {}
+    homes = masters.homes()  # parameters kept on the host: their device storage is empty between uses
     for m in modules:
         for name, t in m.state_dict().items():  # views of the live tensors, no copies
-            model[name] = host_copy(t)
+            model[name] = host_copy(homes.get(name, t))
     optimizer = masters.optimizer
     states: dict[str, dict[str, Any]] = {}
     master_copies: dict[str, torch.Tensor] = {}
@@ -98,7 +99,12 @@ def load_state(modules: Iterable[nn.Module], masters: MasterWeights, chunks: Ite
         missing = [k for k in own if k not in saved_model]
         if missing:
             raise UserError(f"checkpoint has no model tensor {', '.join(missing[:3])}")
-        m.load_state_dict({k: saved_model[k] for k in own})  # copy_ into each parameter and buffer
+        homes = masters.homes()  # parameters kept on the host: into their home copies
+        m.load_state_dict({k: saved_model[k] for k in own if k not in homes}, strict=not homes)  # copy_ into each
+        with torch.no_grad():
+            for k in own:
+                if k in homes:
+                    homes[k].copy_(saved_model[k])
     saved = state["optimizer"]
     _check_param_groups(masters.optimizer, saved["param_groups"])
     existing = {id(p): st for p, st in masters.optimizer.state.items()}

@@ -81,6 +81,16 @@ class _Entry:
     unmade: bool = False
     """DEVICE_MASTER made away (`MasterWeights(away=...)`): released, its value not yet
     handed out (`make_away`)."""
+    home: torch.Tensor | None = None
+    """HOST_COPY whose working parameter lives on the host (a `param:` host rule): the host
+    tensor in the parameter's dtype that holds it between uses, which the step writes
+    (a view of a pinned slab on an accelerator); the device copy exists only while the
+    program has it fetched (`mpress.runtime.layer_data`)."""
+    grad_on_host: bool = False
+    """HOST_COPY whose gradients are drained to the host after each backward (a `grad:`
+    host rule): `staging` holds their sum over the step's microbatches."""
+    grad_ready: bool = False
+    """`grad_on_host`: `staging` holds this step's sum (at least one microbatch drained)."""
 
     @property
     def is_copy(self) -> bool:
@@ -103,12 +113,18 @@ class MasterWeights:
     away: names of parameters whose device master starts off the device (the optimizer
     offload's planned layers): it is made released, with no storage, and `make_away`
     hands out its value when the caller sends it away -- one at a time, so a stage's
-    start-up never holds every master on the device at once."""
+    start-up never holds every master on the device at once.
+    homes: per stage, host parameters whose working parameter lives on the host (`param:`
+    host rules): each group's home copies are views of one more pinned slab (plain host
+    tensors without an accelerator), filled with the parameters' values now.
+    host_grads: host parameters whose gradients are summed on the host (`grad:` host
+    rules) in their staging buffers (plain host tensors without an accelerator)."""
 
     def __init__(self, params: dict[str, nn.Parameter], make_optimizer: OptimizerFactory, *,
                  host: Collection[str] = (), slabs: Sequence[Collection[str]] = (),
-                 away: Collection[str] = ()) -> None:
-        unknown = sorted(set(host) - set(params))
+                 away: Collection[str] = (), homes: Sequence[Collection[str]] = (),
+                 host_grads: Collection[str] = ()) -> None:
+        unknown = sorted((set(host) | set(host_grads) | {n for g in homes for n in g}) - set(params))
         if unknown:
             raise UserError(f"host optimizer step for unknown parameters: {', '.join(unknown[:3])}")
         self._entries: dict[str, _Entry] = {}
@@ -117,7 +133,21 @@ class MasterWeights:
                 self._entries[name] = _make_entry(name, p, on_host=name in host, away=name in away)
         self.slabs: list[PinnedHostPool] = [slab for group in _slab_groups(host, slabs)
                                             if (slab := self._stage_through_slab(group)) is not None]
-        """The pinned slabs the staging buffers are views of (none without an accelerator)."""
+        """The pinned slabs the staging buffers and home copies are views of (none
+        without an accelerator)."""
+        not_host = sorted((set(host_grads) | {n for g in homes for n in g}) - set(host))
+        if not_host:
+            raise UserError(f"parameters kept on the host need the host optimizer step: {', '.join(not_host[:3])}")
+        with torch.no_grad():
+            for name in host_grads:
+                e = self._entries[name]
+                e.grad_on_host = True
+                if e.staging is None:  # no accelerator: the sum is host memory as it is
+                    e.staging = torch.empty(e.param.shape, dtype=e.param.dtype)
+            for group in homes:
+                slab = self._home_slab(list(group))
+                if slab is not None:
+                    self.slabs.append(slab)
         self.optimizer = make_optimizer([e.target for e in self._entries.values()])
 
     def _stage_through_slab(self, names: list[str]) -> PinnedHostPool | None:
@@ -137,6 +167,29 @@ class MasterWeights:
             nbytes = e.param.numel() * e.param.element_size()
             e.staging = block.strided(e.param.dtype, tuple(e.param.shape), _contiguous_stride(e.param.shape),
                                       offset, nbytes)
+            offset += nbytes
+        return slab
+
+    def _home_slab(self, names: list[str]) -> PinnedHostPool | None:
+        """Give `names` home copies with their parameters' values: views of one new
+        pinned slab for accelerator parameters (as `_stage_through_slab` packs them),
+        host tensors otherwise; the slab, or None."""
+        entries = [self._entries[n] for n in names]
+        for e in entries:
+            if not _on_accelerator(e.param):
+                e.home = e.param.detach().to("cpu", copy=True)
+        on_device = sorted((e for e in entries if _on_accelerator(e.param)), key=lambda e: -e.param.element_size())
+        if not on_device:
+            return None
+        slab = PinnedHostPool(sum(e.param.numel() * e.param.element_size() for e in on_device), pin_memory=True,
+                              device=on_device[0].param.device)
+        block = slab.allocate(slab.capacity_bytes, owner="host parameters")
+        offset = 0
+        for e in on_device:
+            nbytes = e.param.numel() * e.param.element_size()
+            e.home = block.strided(e.param.dtype, tuple(e.param.shape), _contiguous_stride(e.param.shape),
+                                   offset, nbytes)
+            e.home.copy_(e.param.detach())
             offset += nbytes
         return slab
 
@@ -165,6 +218,37 @@ class MasterWeights:
     def names(self, kind: Kind | None = None) -> list[str]:
         """Parameter names (of one kind), in order."""
         return [n for n, e in self._entries.items() if kind is None or e.kind is kind]
+
+    def home(self, name: str) -> torch.Tensor | None:
+        """The host tensor holding `name`'s working parameter between uses, or None (it
+        stays on its device)."""
+        return self._entry(name).home
+
+    def homes(self) -> dict[str, torch.Tensor]:
+        """Every parameter kept on the host: name -> its home copy."""
+        return {n: e.home for n, e in self._entries.items() if e.home is not None}
+
+    def host_grad(self, name: str) -> tuple[torch.Tensor, bool]:
+        """(`name`'s host gradient buffer, whether it holds this step's sum already) for a
+        parameter whose gradients are summed on the host; `mark_host_grad` once drained."""
+        e = self._entry(name)
+        if not e.grad_on_host:
+            raise UserError(f"parameter {name}: its gradients stay on its device")
+        return e.staging, e.grad_ready  # type: ignore[return-value]
+
+    def mark_host_grad(self, name: str) -> None:
+        """`name`'s host gradient buffer holds this step's sum (a microbatch was drained)."""
+        self._entry(name).grad_ready = True
+
+    def discard_host_grads(self) -> None:
+        """Forget the gradient sums on the host (the next drain copies again), as zeroing
+        the gradients on the device forgets theirs."""
+        for e in self._entries.values():
+            e.grad_ready = False
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The host tensors made here beside the masters (staging buffers, home copies)."""
+        return [t for e in self._entries.values() for t in (e.staging, e.home) if t is not None]
 
     def nbytes(self, name: str) -> int:
         """Bytes of the stepped tensor of `name` (a master's fp32 bytes; 0 for PARAM)."""
@@ -198,6 +282,7 @@ class MasterWeights:
             for e in entries:
                 e.target.grad = None
                 e.param.grad = None
+                e.grad_ready = False
             self._params_out(entries)
 
     def discard_grads(self, names: Collection[str] | None = None) -> None:
@@ -207,11 +292,12 @@ class MasterWeights:
         for e in self._chosen(names):
             e.param.grad = None
             e.target.grad = None
+            e.grad_ready = False
 
     def _grads_in(self, entries: list[_Entry]) -> None:
         devices: set[torch.device] = set()
         for e in entries:
-            if e.staging is not None and e.param.grad is not None:
+            if e.staging is not None and e.param.grad is not None and not e.grad_on_host:
                 e.staging.copy_(e.param.grad, non_blocking=True)  # device -> pinned host
                 devices.add(e.param.device)
         for device in devices:
@@ -225,6 +311,9 @@ class MasterWeights:
             grad = e.param.grad
             if not e.is_copy:
                 continue
+            if e.grad_on_host:  # already summed in its staging buffer, drained by the program
+                e.target.grad = e.staging.to(MASTER_DTYPE, copy=True) if e.grad_ready else None
+                continue
             if grad is None:
                 e.target.grad = None  # an unused parameter: the optimizer skips it, as it would the param
                 continue
@@ -234,7 +323,9 @@ class MasterWeights:
 
     def _params_out(self, entries: list[_Entry]) -> None:
         for e in entries:
-            if e.staging is not None:
+            if e.home is not None:
+                e.home.copy_(e.target)  # round on the host, where the parameter lives
+            elif e.staging is not None:
                 e.staging.copy_(e.target)                   # round on the host
                 e.param.copy_(e.staging, non_blocking=True)  # pinned host -> device
                 # The staging buffer is written again only by the next step's gradient
@@ -302,8 +393,8 @@ class MasterWeights:
             raise UserError(f"checkpoint has master weights for unknown parameters: {', '.join(unknown[:3])}")
         with torch.no_grad():
             for e in entries:
-                if e.is_copy:
-                    e.target.copy_(masters[e.name] if e.name in masters else e.param)
+                if e.is_copy:  # (a parameter kept on the host: its home copy has its value)
+                    e.target.copy_(masters.get(e.name, e.home if e.home is not None else e.param))
 
     def _chosen(self, names: Collection[str] | None) -> list[_Entry]:
         return list(self._entries.values()) if names is None else [self._entry(n) for n in names]

@@ -35,6 +35,7 @@ from mpress.contract.actions import Kind as ActionKind
 from mpress.errors import PlanError
 from mpress.contract.identity import TensorKey
 from mpress.runtime.job_state import Chunk
+from mpress.runtime.layer_data.host_layers import HostLayerData, host_layers
 from mpress.runtime.master_weights import Kind, MasterWeights
 from mpress.runtime.memory.manager import Category, Residency
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
@@ -253,13 +254,22 @@ class RankOptimizer:
         # masters of the layers whose optimizer data the plan offloads start away: made and
         # sent out one layer at a time (`start`), never all on the device at once
         away = [name for s, _m, rt in planned for layer in planned_routes(rt) for name in params[s][layer]]
+        # layers whose working parameters / gradients the plan keeps on the host (`param:` /
+        # `grad:` host rules, which need the host step): their home copies, one more slab
+        # per stage, and their gradient sums in the staging buffers
+        homes = [[name for layer in host_layers(rt, "param") for name in params[s][layer]]
+                 for s, _m, rt in planned if steps_on_host(rt)]
+        host_grads = [name for s, _m, rt in planned if steps_on_host(rt)
+                      for layer in host_layers(rt, "grad") for name in params[s][layer]]
         self.masters = MasterWeights(named, lambda tensors: make_optimizer(list(named), tensors),
-                                     host=[name for slab in slabs for name in slab], slabs=slabs, away=away)
+                                     host=[name for slab in slabs for name in slab], slabs=slabs, away=away,
+                                     homes=[group for group in homes if group], host_grads=host_grads)
         self.optimizer = self.masters.optimizer
         self.modules, self.stage_ids, self.program, self.params = modules, stage_ids, program, params
         self._planned = planned
         self.offloads: dict[int, OptimizerOffload] = {}
         self.host_steps: list[HostOptimizerStep] = []
+        self.layer_data: list[HostLayerData] = []
 
     def start(self) -> None:
         """Send the planned layers' optimizer data away and report the host step's data."""
@@ -270,6 +280,10 @@ class RankOptimizer:
             host_step = HostOptimizerStep.from_plan(self.masters, module, runtime)
             if host_step is not None:
                 self.host_steps.append(host_step)
+                if host_layers(runtime, "param") or host_layers(runtime, "grad"):
+                    # its parameters leave the device now: the start-up peak counts them until here
+                    runtime.layer_data = HostLayerData(runtime, module, self.masters, self.params[s])
+                    self.layer_data.append(runtime.layer_data)
 
     def step(self, *, skip: bool = False, on_stage: Any = None) -> None:
         """The optimizer steps of the rank's stages, as the program lists them (one layer
@@ -283,6 +297,8 @@ class RankOptimizer:
                 for names in self.params[s].values():
                     self._step_or_discard(names, skip)
             return
+        for data in self.layer_data:  # the gradient sums the host step reads are complete
+            data.settle()
         for action in self.program.optimizer_actions():
             self.program.begin(action)
             layers = [unit_layer(action)] if action.tensor else list(self.params[action.stage])

@@ -15,7 +15,9 @@ those, where every memory action goes. `RankProgram` holds the list and a positi
   action of the list. A schedule that runs something else is a `PlanError`
   naming both actions.
 - `record(A)` is called by whoever runs an inside action (the router, when a unit's
-  first tensor leaves or a dropped layer is recomputed).
+  first tensor leaves or a dropped layer is recomputed; the stage's host layers,
+  `mpress/runtime/layer_data`, when a layer's pass ends and its parameters' fetch,
+  eviction or its gradients' drain listed inside the compute action runs).
 - `end_step()` issues what follows the last compute action and starts the next step.
 
 Every action is logged, in the list's string form, when it is executed (inside actions
@@ -30,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mpress.contract.actions import Action, Kind
+from mpress.contract.actions import Action, Kind, moves_layer_data
 from mpress.errors import PlanError
 from mpress.contract.live_bytes import LiveBytes
 
@@ -40,6 +42,11 @@ INSIDE_BACKWARD = frozenset({Kind.RC})
 """Memory actions the list puts right after B(s, m) or I(s, m): run inside that backward."""
 ISSUED = frozenset({Kind.SI, Kind.DI, Kind.OI, Kind.OO})
 """Memory actions issued between compute actions, by a handler."""
+LAYER_DATA_INSIDE = {Kind.F: frozenset({Kind.SI, Kind.SO}), Kind.B: frozenset({Kind.SI, Kind.SO})}
+"""A layer's host parameters and gradients (`param:`/`grad:` host rules): the fetches
+and evictions the list puts right after F(s, m), and the fetches, evictions and drains
+right after B(s, m), run inside that compute action (each when a layer of the pass
+ends); a fetch listed anywhere else is issued by a handler."""
 
 Handler = Callable[[Action], None]
 
@@ -69,7 +76,21 @@ class RankProgram:
         """The rank's live-bytes tracker, told what runs (an out-of-memory error names it)."""
         self.actions = list(actions)
         self._inside: dict[tuple[int, int | None], dict[str, Kind]] = {}
+        self._layer_data: dict[Action, list[Action]] = {}
+        """Per F or B: the layer-data copies the list runs inside it, in order."""
+        current: Action | None = None  # the compute action whose inside actions follow
         for a in self.actions:
+            if a.is_compute and a.kind is not Kind.RC:  # (a recompute runs inside a backward)
+                current = a
+                continue
+            if moves_layer_data(a):
+                if current is None or not _inside(a, current):
+                    current = None  # issued: what follows is no longer inside
+                    continue
+                self._layer_data.setdefault(current, []).append(a)
+                continue
+            if current is not None and not _inside(a, current):
+                current = None
             if a.kind in INSIDE_FORWARD:
                 self._inside.setdefault((a.stage, a.microbatch), {})[a.tensor or ""] = a.kind
         self._split = {(a.stage, a.microbatch) for a in self.actions if a.kind is Kind.I}
@@ -91,6 +112,11 @@ class RankProgram:
     def compacted(self, stage: int, microbatch: int) -> dict[str, Kind]:
         """The units the list compacts inside F(stage, microbatch): unit name -> SO, DO or DR."""
         return self._inside.get((stage, microbatch), {})
+
+    def layer_data(self, action: Action) -> list[Action]:
+        """The layer-data copies the list runs inside compute action `action` (fetches and
+        evictions of host parameters, drains of gradients), in the list's order."""
+        return self._layer_data.get(action, [])
 
     def split(self, stage: int, microbatch: int) -> bool:
         """Whether the list splits the backward of (stage, microbatch) into I and W (what
@@ -168,12 +194,10 @@ class RankProgram:
         current = self._current
         if current is None:
             return
-        inside = INSIDE_FORWARD if current.kind is Kind.F else \
-            INSIDE_BACKWARD if current.kind in (Kind.B, Kind.I) else ()
         logged: set[Action] = set()
         while self._pos < len(self.actions):
             a = self.actions[self._pos]
-            if a.kind not in inside or (a.stage, a.microbatch) != (current.stage, current.microbatch):
+            if not _inside(a, current):
                 break
             if a not in self._recorded:
                 raise PlanError(f"rank {self.rank}: the program runs {a} inside {current}, which did not "
@@ -201,3 +225,14 @@ class RankProgram:
         self.log.append(action)
         self.spans.append(Span(action, now, now))
         self._pos += 1
+
+
+def _inside(a: Action, current: Action) -> bool:
+    """Whether memory action `a`, listed after compute action `current` (with only inside
+    actions between), runs inside it."""
+    if (a.stage, a.microbatch) != (current.stage, current.microbatch):
+        return False
+    if moves_layer_data(a):
+        return a.kind in LAYER_DATA_INSIDE.get(current.kind, ())
+    inside = INSIDE_FORWARD if current.kind is Kind.F else INSIDE_BACKWARD if current.kind in (Kind.B, Kind.I) else ()
+    return a.kind in inside

@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpress.contract.actions import Action, Kind, UnitId, UnitKind
+from mpress.contract.actions import Action, Kind, UnitId, UnitKind, moves_layer_data
 from mpress.errors import PlanError, SwapError
 from mpress.contract.identity import SavedName, SavedTensorNamer, StageRules, TensorKey, inspect_stage, layer_paths, storage_key
-from mpress.contract.plan import StagePlan
+from mpress.contract.plan import MODEL_DATA_PREFIXES, StagePlan
 from mpress.contract.selective import cached_ops, check_closed, run_recomputed
 from mpress.runtime.program import RankProgram
 from mpress.runtime.swap.engine import SwapEngine, SwapHandle
@@ -216,7 +216,7 @@ class SavedTensorRouter:
         self.layers_recomputed = 0
         # No rule about activations (a keep-all plan, or model data only): no hooks at
         # all, so such a plan costs nothing over plain pipelining.
-        self.routing = any(not r.tensor.startswith(("optim:", "stash:")) for r in plan.rules)
+        self.routing = any(not r.tensor.startswith(MODEL_DATA_PREFIXES) for r in plan.rules)
         self._originals: dict[str, Callable[..., Any]] = {}
         self.namer: SavedTensorNamer | None = None
         self._input_hook = None
@@ -248,7 +248,7 @@ class SavedTensorRouter:
     def _check_plan(self) -> None:
         """Every swap the program lists for this stage has an engine to run it."""
         for action in self.program.actions:
-            if action.stage != self.stage:
+            if action.stage != self.stage or moves_layer_data(action):  # (the stage's layer data: not a swap)
                 continue
             if action.kind is Kind.SO and self.engine is None:
                 raise PlanError(f"stage {self.stage}: the program host-swaps ({action}) but no swap engine runs "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from mpress.contract.actions import Action, Kind
+from mpress.contract.actions import Action, Kind, moves_layer_data
 from mpress.errors import PlanError, SwapError
 from mpress.contract.identity import MODEL_DATA_KINDS, layer_paths
 from mpress.contract.live_bytes import LiveBytes
@@ -67,6 +67,10 @@ class StageRuntime:
         self.rank = rank
         self.program = program
         self.stats = StageStats()
+        self.live = live
+        self.layer_data = None
+        """The stage's `param:`/`grad:` host layers at run time (`mpress.runtime.layer_data`),
+        set by the rank's optimizer side when its host step has them."""
         techniques = {r.technique for r in self.stage_plan.rules}
         drive_stage = on_drive(self.stage_plan)
         if drive_stage and nvme_dir is None:
@@ -102,9 +106,19 @@ class StageRuntime:
             self.router = SavedTensorRouter(module, self.stage_plan, program, rank=rank, example_args=example_args,
                                             layers=layers, engine=self.engine, d2d_engine=self.d2d_engine,
                                             num_microbatches=plan.num_microbatches)
-        program.on(Kind.SI, stage_index, self.router.prefetch_unit)
+        program.on(Kind.SI, stage_index, self._swap_in)
         program.on(Kind.DI, stage_index, self.router.prefetch_unit)
         program.on_release(self.release)
+
+    def _swap_in(self, action: Action) -> None:
+        """An SI the program issues: a layer's host parameters, or a unit of activations."""
+        if not moves_layer_data(action):
+            self.router.prefetch_unit(action)
+        elif self.layer_data is None:
+            raise PlanError(f"stage {self.stage_index}: the program fetches {action.tensor} but the stage keeps no "
+                            "parameters on the host (its optimizer does not step there)")
+        else:
+            self.layer_data.fetch_listed(action)
 
     @property
     def engines(self) -> list[SwapEngine]:
@@ -128,6 +142,8 @@ class StageRuntime:
             self.stats.extra["cuda_check"] = str(exc)
 
     def close(self) -> None:
+        if self.layer_data is not None:
+            self.layer_data.close()
         self.router.close()
         for engine in self.engines:
             engine.close()
@@ -151,8 +167,12 @@ class MpressStage(PipelineStage):
         rt = self.runtime
         action = Action(self.stage_index, Kind.F, fwd_chunk_id)
         rt.program.begin(action)
+        if rt.layer_data is not None:
+            rt.layer_data.begin(action)
         with torch.profiler.record_function(f"mpress:{action}"), rt.router.microbatch(fwd_chunk_id):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if rt.layer_data is not None:
+            rt.layer_data.end()
         rt.program.end()
         rt.cross_check()
         return out
@@ -172,6 +192,8 @@ class MpressStage(PipelineStage):
         action = Action(self.stage_index, Kind.B if full_backward else Kind.I, bwd_chunk_id)
         whole = not full_backward and self.is_first and self.dw_builder is None
         rt.program.begin(action)
+        if rt.layer_data is not None:
+            rt.layer_data.begin(action)
         with torch.profiler.record_function(f"mpress:{action}"):
             if whole:
                 self._whole_in_input.add(bwd_chunk_id)
@@ -183,6 +205,8 @@ class MpressStage(PipelineStage):
                                                  last_backward=last_backward)
         if full_backward or whole:
             rt.router.finish(bwd_chunk_id)
+        if rt.layer_data is not None:
+            rt.layer_data.end()
         rt.program.end()
         return out
 
@@ -201,6 +225,13 @@ class MpressStage(PipelineStage):
             rt.router.finish(bwd_chunk_id)
         rt.program.end()
         return out
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """torch's division of the step's gradients by the microbatch count: those summed
+        on the host (`grad:` host rules) are divided there."""
+        super().scale_grads(grad_scale_factor)
+        if self.runtime.layer_data is not None and grad_scale_factor != 1:
+            self.runtime.layer_data.scale(grad_scale_factor)
 
     def route_loss(self, loss_fn: Any) -> Any:
         """`loss_fn` for torch's schedule, with its saved tensors routed as the plan says

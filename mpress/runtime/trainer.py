@@ -42,6 +42,7 @@ from mpress.runtime.grad_clip import StepGuard, StepPlace, check_step
 from mpress.runtime.job_state import load_state, save_state
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.master_weights import Kind as MasterKind
+from mpress.runtime.layer_data.host_layers import refuse_unrun
 from mpress.runtime.optimizer_offload import RankOptimizer, layer_params
 from mpress.runtime.param_groups import DEFAULT_NO_DECAY, build_optimizer, no_decay_names
 from mpress.runtime.program import RankProgram, Span
@@ -155,6 +156,9 @@ class PipelineJob:
         if plan is not None:
             check_plan(plan, shape=Shape(spec.schedule, self.num_stages, spec.num_microbatches, spec.microbatch_size),
                        ranges=spec.ranges, world_size=self.world, runtime=True)
+        if plan is not None:
+            refuse_unrun(plan, clipping=bool(spec.clip_grad_norm), replicas=dp_group is not None,
+                         tied=bool(getattr(spec.model, "tied_groups", [])))
         self.stage_ranks = stage_to_rank(spec.schedule, self.num_stages, self.world)
         self.stage_ids = [s for s, r in enumerate(self.stage_ranks) if r == self.rank]
         if plan is not None and plan.uses_peer_pools and peers is None:
@@ -244,6 +248,8 @@ class PipelineJob:
         self._adopt_peer_pool()
         for m in self.modules:
             self._adopt_module(m)
+        for buffer in self.masters.host_buffers():  # host-step staging and home copies
+            live.adopt(buffer, "host buffer", host=True)
         for name in self.masters.names():
             target = self.masters.target(name)
             host = self.masters.kind(name) is MasterKind.HOST_COPY

@@ -100,6 +100,13 @@ class MemoryManager:
 
     # ---- updates ---------------------------------------------------------------------
 
+    def released_before(self, nbytes: int) -> None:
+        """`nbytes` the device held before this manager started were given back (the
+        parameters a plan keeps on the host, emptied at start-up): the allocator's
+        baseline `check_cuda_consistency` compares against drops by them."""
+        if self.device.type == "cuda":
+            self._baseline_allocated_bytes -= nbytes
+
     def track(self, key: TensorKey, nbytes: int, category: Category,
               residency: Residency = Residency.DEVICE, *, peer: int | Mapping[int, int] | None = None) -> None:
         """Start accounting for `key`. Raises SwapError if it is already tracked."""

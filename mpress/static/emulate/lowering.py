@@ -201,6 +201,7 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
     grads_out: set[int] = set()
     host_params_in: dict[int, str] = {}  # stage -> its host step's last parameters copy-in
     layer_of: dict[tuple[int, str | None], int | None] = {}  # a unit's layer, parsed once per name
+    holders: dict[str, int] = {}  # host parameters on the device -> the passes holding them (`_held_params`)
 
     def unit_layer(x: Action) -> int | None:
         key = (x.stage, x.tensor)
@@ -239,7 +240,8 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 out.append(start(task) if j == 0 else task)
                 for x in by_layer.get(j, []) + (by_layer.get(None, []) if j == len(steps) - 1 else []):
                     out.append(_lower_memory(x, tensors, device, hardware, pending, released, out))
-                out.extend(_layer_data_after(data, unit_layer, j, j + 1, tensors, device, hardware, issued_in))
+                out.extend(_layer_data_after(data, unit_layer, j, j + 1, tensors, device, hardware, issued_in,
+                                             holders))
         elif a.kind in (Kind.B, Kind.I):
             inside = []
             while i + 1 < len(actions) and (actions[i + 1].kind is Kind.RC or moves_layer_data(actions[i + 1])) \
@@ -273,12 +275,15 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
                 if k == 0:  # stashed weights (no layer) come back before the backward
                     consumes = consumes + issued_in.get((a.stage, a.microbatch, None), [])
                 time_s = c.layers[j].backward_time_s if whole else c.layers[j].input_grad_time_s
-                # gradients drained to the host after every backward are made anew in each
+                # gradients drained to the host after every backward are made anew in each, as
+                # in the first (the new gradient is theirs: no accumulation holds it beside them)
                 remade = c.layers[j].grad_bytes if j in drained and a.kind is Kind.B and not first else 0
                 group.append(Task(a, layer=j, compute_s=time_s, alloc_bytes=step.alloc_bytes + remade,
-                                  transient_bytes=step.transient_bytes, free_bytes=step.free_bytes + stash,
+                                  transient_bytes=max(step.transient_bytes - remade, 0),
+                                  free_bytes=step.free_bytes + stash,
                                   consumes=tuple(consumes)))
-                group.extend(_layer_data_after(data, unit_layer, j, j - 1, tensors, device, hardware, issued_in))
+                group.extend(_layer_data_after(data, unit_layer, j, j - 1, tensors, device, hardware, issued_in,
+                                               holders))
             let_go = releases.get((a.stage, a.microbatch), 0) if whole else 0  # sends held it till now
             if let_go:  # at the end of the backward's last layer (the copies after it are not the backward)
                 end = max(n for n, t in enumerate(group) if t.action is a)
@@ -340,7 +345,8 @@ def lower_rank_traced(actions: Sequence[Action], *, costs: list[StageCosts], dev
             info = tensor_info(a, tensors)
             layer = unit_layer(a)
             issued_in.setdefault((a.stage, a.microbatch, layer), []).append(a.tensor)  # type: ignore[arg-type]
-            out.append(_copy(a, info, device, hardware))
+            out.append(_held_params(a, info, device, hardware, holders) if moves_layer_data(a)
+                       else _copy(a, info, device, hardware))
         else:
             raise ScheduleError(f"action {a} is not inside the F or B it belongs to (the rewriter puts "
                                 f"{a.kind.value} actions right after their compute action)")
@@ -372,21 +378,36 @@ def _host_step(action: Action, layer: LayerProfile, info: TensorInfo, device: in
 
 def _layer_data_after(data: list[Action], unit_layer: Callable[[Action], int | None], done: int, ahead: int,
                       tensors: dict[str, TensorInfo], device: int, hardware: Hardware,
-                      issued_in: dict[tuple[int, int | None, int | None], list[str]]) -> list[Task]:
+                      issued_in: dict[tuple[int, int | None, int | None], list[str]],
+                      holders: dict[str, int]) -> list[Task]:
     """The copies of host parameters and gradients (`param:`/`grad:` rules) issued when a
     pass's layer `done` ends: its parameters' eviction and its gradients' drain, which
-    give their bytes back when they end (an eviction copies nothing), and the fetch of
-    layer `ahead`'s parameters, the next in the pass."""
+    give their bytes back when they end (an eviction copies nothing, `_held_params`),
+    and the fetch of layer `ahead`'s parameters, the next in the pass."""
     out = []
     for x in data:
         layer, info = unit_layer(x), tensor_info(x, tensors)
         if x.kind is Kind.SO and layer == done:
-            moved = () if info.host_copy else host_transfers(hardware, device, "d2h", info.bytes)
-            out.append(Task(x, transfers=moved, free_bytes=info.bytes, cost=Cost.HOST))
+            if info.host_copy:
+                out.append(_held_params(x, info, device, hardware, holders))
+            else:
+                out.append(Task(x, transfers=host_transfers(hardware, device, "d2h", info.bytes),
+                                free_bytes=info.bytes, cost=Cost.HOST))
         elif x.kind is Kind.SI and layer == ahead:
             issued_in.setdefault((x.stage, x.microbatch, layer), []).append(x.tensor)  # type: ignore[arg-type]
-            out.append(_copy(x, info, device, hardware))
+            out.append(_held_params(x, info, device, hardware, holders))
     return out
+
+
+def _held_params(action: Action, info: TensorInfo, device: int, hardware: Hardware,
+                 holders: dict[str, int]) -> Task:
+    """A pass's fetch (SI) or eviction (SO) of a layer's host parameters: one device copy
+    serves every pass holding it (the runtime refills the parameters' own storages)."""
+    held = holders.get(action.tensor or "", 0)
+    holders[action.tensor or ""] = held + 1 if action.kind is Kind.SI else max(held - 1, 0)
+    if action.kind is Kind.SI:  # already held by another pass: nothing copied or allocated
+        return _copy(action, info, device, hardware) if held == 0 else Task(action, cost=Cost.HOST)
+    return Task(action, free_bytes=info.bytes if held <= 1 else 0, cost=Cost.HOST)  # the last frees it
 
 
 def _choice(action: Action, tensors: dict[str, TensorInfo]) -> Choice:

@@ -99,7 +99,7 @@ class PlannerOptions:
     drive: bool = True
     """mpress may move optimizer data to the server's local drive when the pins exceed the host's (`planner_nvme`)."""
     layer_data: bool = False
-    """mpress may keep layers' parameters and gradients on the host (emulated, not yet run: size studies only)."""
+    """mpress may keep layers' parameters and gradients on the host (`mpress plan --layer-data`, size studies)."""
     optimizer_keep: bool = True
     """The last step may keep layers' optimizer data on devices with room (`planner_optim_keep`);
     False: the fit's whole-stage moves stand (a study holding model data fixed across swap-in policies)."""

@@ -215,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"{r.strategy}: bound by {_bound(r)}: {r.bound_detail}", markup=False, soft_wrap=True)
             if r.result is not None and any(rule.tensor.startswith(("param:", "grad:"))
                                             for sp in r.result.plan.stages for rule in sp.rules):
-                console.print(f"{r.strategy}: keeps layers' parameters or gradients on the host (param:/grad: rules), "
-                              "planned and emulated; mpress train does not run such plans yet", markup=False,
-                              soft_wrap=True)
+                console.print(f"{r.strategy}: keeps layers' parameters or gradients on the host (param:/grad: rules); "
+                              "mpress train runs such plans, its grad: rules without gradient clipping, replicas or "
+                              "tied weights", markup=False, soft_wrap=True)
     if args.plot:
         from mpress.static.studies.plots import plot_maxsize
         plot_maxsize(rows, args.plot, title)

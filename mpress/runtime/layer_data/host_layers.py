@@ -45,6 +45,7 @@ from torch import nn
 from mpress.config.vocabulary import Technique
 from mpress.contract.actions import Action, Kind, UnitId, UnitKind
 from mpress.errors import PlanError
+from mpress.runtime.swap.store import copy_stream
 
 
 def host_layers(runtime: Any, kind: str) -> list[str]:
@@ -111,7 +112,7 @@ class HostLayerData:
                     raise PlanError(f"stage {self.stage}: rule param:{layer} keeps parameter {name} on the host, but "
                                     "it shares its storage with other tensors (e.g. a tied weight); keep that layer's "
                                     "parameters on the device")
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.copy_stream = copy_stream(self.device) if self.device.type == "cuda" else None
         self._ready: dict[str, Any] = {}
         """Layers whose parameters are on the device -> the fetch's event (None: done)."""
         self._holders: dict[str, list[int | None]] = {}

@@ -46,7 +46,7 @@ from mpress.hardware.server import Hardware
 from mpress.config.limits import MAX_WIDTH
 from mpress.config.model_config import LLAMA_FFN_MULTIPLE, ModelConfig, load_model_config, model_presets
 from mpress.models import num_parameters
-from mpress.static.plan.evaluate import setup_pipeline
+from mpress.static.plan.evaluate import PipelineSetup, setup_pipeline
 from mpress.static.plan.balance_choice import minimum_need_bytes
 from mpress.static.plan.planner import PlannerOptions, PlanResult, plan_strategy
 from mpress.static.baselines.zero import ZERO_VARIANTS, BaselineResult, plan_zero
@@ -239,6 +239,16 @@ def zero_bound(hardware: Hardware, result: BaselineResult) -> Bound:
     raise UserError(f"{result.strategy} on {hardware.name}: {result.reason}")
 
 
+def unmovable_why(setup: PipelineSetup, strategy: str) -> str | None:
+    """Why no plan of planner strategy `strategy` can fit `setup`: a stage's bytes that
+    none of its techniques move exceed the usable memory (mpress, with or without the
+    drive, moves layers' parameters and gradients too: `minimum_need_bytes`); None when
+    the floor fits."""
+    floor = max(minimum_need_bytes(setup, strategy == Strategy.MPRESS.value))
+    usable = setup.hardware.usable_memory_bytes
+    return f"a stage needs {floor} bytes no technique can move, above the {usable} usable" if floor > usable else None
+
+
 def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: ScheduleName, num_stages: int,
                   microbatch_size: int, num_microbatches: int, num_ranks: int | None = None,
                   precision: str | None = None, time_budget_s: float | None = None,
@@ -282,10 +292,9 @@ def find_max_size(family: str, hardware: Hardware, strategy: str, *, schedule: S
             if not base.fits:
                 why[i] = (zero_bound(hardware, base), f"{cfg.name}: {base.reason}")
             return base.fits
-        floor = max(minimum_need_bytes(setup, strategy == "mpress"))
-        if floor > hardware.usable_memory_bytes:
-            why[i] = (Bound.DEVICE_MEMORY, f"{cfg.name}: a stage needs {floor} bytes no technique can move, "
-                                           f"above the {hardware.usable_memory_bytes} usable")
+        floor = unmovable_why(setup, planned)
+        if floor is not None:
+            why[i] = (Bound.DEVICE_MEMORY, f"{cfg.name}: {floor}")
             return False
         count += 1
         res = plan_strategy(setup, planned, quick)

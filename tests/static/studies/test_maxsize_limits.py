@@ -13,8 +13,9 @@ from mpress.config.model_config import LLAMA_FFN_MULTIPLE, load_model_config
 from mpress.errors import UserError
 from mpress.hardware.server import load_hardware
 from mpress.models import num_parameters
+from mpress.static.plan.balance_choice import minimum_need_bytes
 from mpress.static.plan.evaluate import setup_pipeline
-from mpress.static.studies.maxsize import Bound, family_ladder, family_rule, find_max_size
+from mpress.static.studies.maxsize import Bound, family_ladder, family_rule, find_max_size, unmovable_why
 from mpress.static.plan.planner import PlannerOptions, plan_strategy
 
 DGX1 = load_hardware("dgx1-v100")
@@ -149,3 +150,22 @@ def test_llamas_largest_size_keeps_the_limits():
     bigger = rule.model(row.model.hidden_size + rule.step)
     assert not plan_strategy(setup_pipeline(bigger, hw, **SHAPE), "recompute", PlannerOptions(max_d2d_rounds=0)).fits
     assert row.bound is Bound.DEVICE_MEMORY
+
+
+
+def test_mpress_on_the_drive_moves_layers_parameters_and_gradients_as_mpress_does():
+    """A search for mpress-nvme rules a size out by the same floor as mpress's: the
+    planner moves layers' parameters and gradients under both. On a DGX A100 whose usable
+    memory lies between the two floors of the family's first size, both fit that size;
+    the search had ruled mpress-nvme out there by the floor that keeps them on the device."""
+    hw = load_hardware("dgx-a100")
+    rule = family_rule("gpt")
+    cfg = rule.model(family_ladder("gpt")[0].hidden_size // rule.step * rule.step)
+    setup = setup_pipeline(cfg, hw, **SHAPE)
+    moved, kept = max(minimum_need_bytes(setup, True)), max(minimum_need_bytes(setup, False))
+    small = replace(hw, device=replace(hw.device, memory_bytes=hw.device.memory_bytes - hw.usable_memory_bytes
+                                       + (moved + kept) // 2))
+    small_setup = setup_pipeline(cfg, small, **SHAPE)
+    assert unmovable_why(small_setup, "mpress") is None and unmovable_why(small_setup, "recompute") is not None
+    rows = {s: find_max_size("gpt", small, s, time_budget_s=0, **SHAPE) for s in ("mpress", "mpress-nvme")}
+    assert rows["mpress"].model == cfg and rows["mpress-nvme"].model == cfg

@@ -147,8 +147,8 @@ def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
     or flag to change."""
     import torch
 
+    from mpress.config.units import pool_override
     from mpress.contract.plan import Plan
-    from mpress.launcher.startup import pool_override
     from mpress.runtime.train_config import (
         PLAN_AUTO,
         PLAN_NONE,

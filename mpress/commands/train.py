@@ -27,6 +27,7 @@ from mpress.ui import START_TIME_ENV, phase_line
 
 if TYPE_CHECKING:
     from mpress.launcher.launch import Nodes
+    from mpress.launcher.rank_starter import RankStarter
     from mpress.runtime.train_config import TrainConfig
 
 DEFAULT_CPU_RANKS = 4
@@ -187,15 +188,27 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()  # the ranks' start-up lines count from here
     if not args.json:
         print(f"mpress train: {args.config}: loading torch and checking the job", flush=True)
+    from mpress.config.overrides import parse_override_args
+    from mpress.launcher.rank_starter import start_starter
+
+    overrides = parse_override_args(list(getattr(args, "extra", [])), args.config)
+    # the ranks' process imports torch and mpress while this one checks the job
+    starter = start_starter()
+    try:
+        return _check_and_launch(args, overrides, started, starter)
+    finally:
+        if starter is not None:
+            starter.close(kill=True)  # launch closed it already; else the job was refused
+
+
+def _check_and_launch(args: argparse.Namespace, overrides: list, started: float, starter: RankStarter | None) -> int:
     import torch
 
-    from mpress.config.overrides import parse_override_args
     from mpress.launcher.checkpoints.directories import claim_run
     from mpress.launcher.launch import LaunchSpec, launch
     from mpress.launcher.metrics_log import METRICS_FILE
     from mpress.runtime.train_config import load_train_config
 
-    overrides = parse_override_args(list(getattr(args, "extra", [])), args.config)
     cfg = load_train_config(args.config, overrides)
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nodes = nodes_of(args)
@@ -222,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                    sys.stderr if args.json else sys.stdout)
         return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir,
                                  run_id=run_id, json_report=report, nodes=nodes,
-                                 env={START_TIME_ENV: repr(started)}))
+                                 env={START_TIME_ENV: repr(started)}), starter=starter)
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:

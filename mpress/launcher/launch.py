@@ -64,8 +64,8 @@ from mpress.launcher.rank_starter import (
     ForkedRank,
     RankStarter,
     StarterRefused,
-    StarterSpec,
-    can_fork,
+    start_starter,
+    starter_env,
 )
 from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
 from mpress.launcher.verdict import RankEnd, diagnose, interrupted_line
@@ -149,14 +149,15 @@ def threads_per_rank(nproc: int, cores: int | None = None) -> int:
 
 
 def shared_env(spec: LaunchSpec) -> dict[str, str]:
-    """The environment every rank of this node shares (the rank starter's, `rank_starter.py`)."""
-    env = {**os.environ, **spec.env}
+    """The environment every rank of this node shares: the starter's (`starter_env`) and
+    the job's."""
+    env = {**starter_env(), **spec.env}
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
     # NVLink SHARP buffers take GiB per communicator on an NVSwitch node (vllm-project/
     # vllm#9699) and serve all-reduces; a pipeline's traffic is sends and receives, and
     # no plan budgets them. The user's setting wins.
     env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env.update(PYTHONUNBUFFERED="1", TORCHELASTIC_USE_AGENT_STORE="True")
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
     env[RUN_ID_ENV] = spec.run_id
     return env
 
@@ -198,14 +199,16 @@ class _Interrupted:
             signal.signal(s, handler)  # type: ignore[arg-type]
 
 
-def launch(spec: LaunchSpec, *, err=None) -> int:
+def launch(spec: LaunchSpec, *, err=None, starter: RankStarter | None = None) -> int:
     """Run the job; return the exit status (0 all ranks finished, 1 runtime failure, 2 bad
     input a rank found, 128+N the launcher got signal N). On failure print the one line
-    (`diagnose`) to `err` (default stderr)."""
+    (`diagnose`) to `err` (default stderr). `starter`: one started before the job was
+    checked (`start_starter`), which this call closes; None: started here where it can."""
     err = err or sys.stderr
-    spec.run_dir.mkdir(parents=True, exist_ok=True)
-    starter = RankStarter.start(StarterSpec(env=shared_env(spec))) if can_fork() else None  # imports meanwhile
+    if starter is None:
+        starter = start_starter()  # it imports while this process sets up the job's store
     try:
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
         return _launch(spec, err, starter)
     finally:
         if starter is not None:

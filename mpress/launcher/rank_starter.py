@@ -58,6 +58,14 @@ class StarterSpec:
     module: str = RANK_MODULE
 
 
+def starter_env() -> dict[str, str]:
+    """The environment a rank starter starts in, which needs no job: this process's,
+    unbuffered (an interpreter reads that as it starts, and a forked rank keeps the
+    starter's streams). So the starter can import while the launcher still checks the
+    job; the rest of a rank's environment comes with its request (`_run_rank`)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
 def can_fork() -> bool:
     """Whether this platform can start ranks from a starter, and the user did not ask
     for executed ranks."""
@@ -104,6 +112,12 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
+def start_starter(module: str = RANK_MODULE) -> RankStarter | None:
+    """A rank starter in `starter_env`, importing `module` from now on; None where the
+    ranks are executed instead (`can_fork`)."""
+    return RankStarter.start(StarterSpec(env=starter_env(), module=module)) if can_fork() else None
+
+
 class StarterRefused(RuntimeError):
     """The starter may not fork (or is gone); the launcher executes the ranks instead."""
 
@@ -118,6 +132,7 @@ class RankStarter:
     ranks: dict[int, ForkedRank] = field(default_factory=dict)
     _buffer: bytes = b""
     _ended: bool = False
+    _closed: bool = False
 
     @staticmethod
     def start(spec: StarterSpec) -> RankStarter:
@@ -169,9 +184,15 @@ class RankStarter:
             self._record(reply)
             reply = self._next(0.0)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0, *, kill: bool = False) -> None:
         """No more ranks: the starter leaves once its children have ended (killed after
-        `timeout_s` more)."""
+        `timeout_s` more; at once with `kill`, for a job refused before any rank started:
+        its imports are then work for nothing). Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if kill:
+            self.proc.kill()
         try:
             self.proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
@@ -340,10 +361,21 @@ def _run_rank(request: dict, module: str) -> None:
         _redirect(request["err"], 2)
     os.environ.clear()
     os.environ.update(request["env"])
+    _threads_from_env()
     die_with_parent()  # the starter (`LAUNCHER_PID_ENV`); it dies with the launcher
     sys.argv = [sys.argv[0], *request["argv"]]
     sys.modules.pop(module, None)  # as under `-m`: the module runs once, as `__main__` (its imports stay)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _threads_from_env() -> None:
+    """torch, imported by the starter before the job's thread count was known, runs as
+    many intra-op threads as the rank's OMP_NUM_THREADS says (torch reads the variable
+    once; the launcher sets it per job, `launch.shared_env`)."""
+    torch = sys.modules.get("torch")
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
 
 
 def _set_group(pid: int, pgid: int) -> None:

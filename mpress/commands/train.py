@@ -207,6 +207,7 @@ def _check_and_launch(args: argparse.Namespace, overrides: list, started: float,
     from mpress.launcher.checkpoints.directories import claim_run
     from mpress.launcher.launch import LaunchSpec, launch
     from mpress.launcher.metrics_log import METRICS_FILE
+    from mpress.models.hf_config import RANK_IMPORTS
     from mpress.runtime.train_config import load_train_config
 
     cfg = load_train_config(args.config, overrides)
@@ -235,7 +236,8 @@ def _check_and_launch(args: argparse.Namespace, overrides: list, started: float,
                    sys.stderr if args.json else sys.stdout)
         return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir,
                                  run_id=run_id, json_report=report, nodes=nodes,
-                                 env={START_TIME_ENV: repr(started)}), starter=starter)
+                                 env={START_TIME_ENV: repr(started)},
+                                 preload=RANK_IMPORTS if cfg.hf_config is not None else ()), starter=starter)
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:

@@ -114,6 +114,9 @@ class LaunchSpec:
     the report, alone, on its stdout once every rank has finished."""
     nodes: Nodes | None = None
     """A job over several machines, one launcher each; None: this machine only."""
+    preload: tuple[str, ...] = ()
+    """Modules every rank of this job imports beyond `mpress.train` (a Hugging Face
+    model's), imported once by the rank starter before it forks them."""
 
     @property
     def first_rank(self) -> int:
@@ -279,6 +282,8 @@ def _start_ranks(spec: LaunchSpec, port: int, starter: RankStarter | None, procs
         if starter is not None:
             try:
                 if rank == 0:
+                    if spec.preload:
+                        starter.preload(list(spec.preload))
                     starter.ready()
                 proc = starter.fork(argv, rank_env(spec, rank, port),
                                     out=("2" if spec.json_report is not None else None) if rank == 0 else str(log),

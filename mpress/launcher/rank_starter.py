@@ -16,7 +16,8 @@ checks both before every fork and says why it cannot; the launcher then executes
 rank as before (`RANK_START_ENV=exec` asks for that, for comparison and as a fallback).
 
 The protocol, newline-delimited JSON: the launcher writes requests on the starter's
-stdin ({"argv", "env", "out", "err", "pgid"}); the starter writes on the reply pipe
+stdin ({"argv", "env", "out", "err", "pgid"}, or {"preload": modules} to import before
+the next fork, with no reply); the starter writes on the reply pipe
 ("ready" once its imports are done, then {"pid"} per request and {"exit", "status"} as each
 child ends; {"refused": why} instead of a pid when it may not fork). The starter ends
 once the launcher has closed its stdin and every child has ended; it dies with the
@@ -151,6 +152,17 @@ class RankStarter:
         reply = self._next(timeout_s)
         if reply != "ready":
             raise _refusal(reply)
+
+    def preload(self, modules: list[str]) -> None:
+        """Have the starter import `modules` before the next fork: what every rank of this
+        job imports beyond the starter's module (found once the job was checked), loaded
+        once instead of once per rank. One that fails to import is left to the ranks,
+        which report it as an executed rank would."""
+        try:
+            self.proc.stdin.write((json.dumps({"preload": list(modules)}) + "\n").encode())  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError):
+            pass  # the starter is gone: the fork says so
 
     def fork(self, argv: list[str], env: dict[str, str], *, out: str | None, err: str | None,
              pgid: int) -> ForkedRank:
@@ -301,11 +313,14 @@ class _Server:
         self.pending += chunk
         while b"\n" in self.pending:
             line, self.pending = self.pending.split(b"\n", 1)
+            request = json.loads(line)
+            if "preload" in request:
+                _preload(request["preload"])
+                continue
             why = _why_not_fork()
             if why is not None:
                 self.send({"refused": why})
                 continue
-            request = json.loads(line)
             # the rank's lifeline: it checks that its parent is still this process (if
             # this one died before the child asked for the parent-death signal, the
             # child is re-parented and must not start)
@@ -366,6 +381,15 @@ def _run_rank(request: dict, module: str) -> None:
     sys.argv = [sys.argv[0], *request["argv"]]
     sys.modules.pop(module, None)  # as under `-m`: the module runs once, as `__main__` (its imports stay)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _preload(modules: list[str]) -> None:
+    """Import `modules` here, for the ranks forked next (`RankStarter.preload`)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001, S110 - each rank imports it again and reports the error in full
+            pass
 
 
 def _threads_from_env() -> None:

@@ -1,5 +1,5 @@
-"""`eval_every` for a user's own module and a Hugging Face model on text, through
-`mpress train` on 2 CPU ranks under the plan made at start-up for a budget
+"""`eval_every` for a user's own module and a Hugging Face model on text, through the
+documented torchrun command on 2 CPU ranks under the plan made at start-up for a budget
 that makes the first stage compact (its rank's capacity on CPU): the user's
 module (`tests.support.user_model:make_text_lm`, whose embedding skips every block to the
 head, so two tensors cross each stage boundary) and a GPT-2 built from a config.json train
@@ -57,7 +57,7 @@ def train(tmp: Path, model: dict, budget: str) -> tuple[list[dict], dict]:
               "data": data_section(tmp), "eval_every": 2, "eval_batches": EVAL_BATCHES,
               "metrics": str(tmp / "metrics.jsonl"), "checkpoint": {"dir": str(tmp / "ckpt"), "every_steps": STEPS}}
     corpus(tmp)
-    res = launch(config, tmp, nproc=2, timeout=300, torchrun=False)
+    res = launch(config, tmp, nproc=2, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     flat = " ".join(res.stdout.split())  # a long run directory wraps the header line
     assert "plan mpress (auto)" in flat and "evaluating 2 batches" in flat, res.stdout

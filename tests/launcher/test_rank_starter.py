@@ -121,6 +121,23 @@ def test_a_forked_rank_runs_torch_on_its_own_thread_count(tmp_path):
     assert [json.loads((tmp_path / f"{n}.json").read_text())["threads"] for n in "ab"] == [3, 1]
 
 
+def test_a_preloaded_module_is_imported_before_the_rank_starts_and_a_failing_one_is_left_to_it(tmp_path):
+    loaded = {}
+    for preload in ([], ["tabnanny", "tests.no_such_module"]):
+        starter = _starter()
+        try:
+            starter.preload(preload)
+            starter.ready()
+            rank = starter.fork(["report", str(tmp_path / "a.json")],
+                                {**os.environ, "PYTHONPATH": str(ROOT), "MPRESS_T_PROBE": "tabnanny"},
+                                out=str(tmp_path / "log"), err=str(tmp_path / "log"), pgid=0)
+            assert rank.wait(timeout=60) == 3
+        finally:
+            starter.close()
+        loaded[len(preload)] = json.loads((tmp_path / "a.json").read_text())["probe_loaded"]
+    assert loaded == {0: False, 2: True}
+
+
 def test_a_starter_closed_with_kill_ends_at_once_and_closing_again_does_nothing():
     starter = _starter()  # a job refused while its starter still imports
     starter.close(kill=True)

@@ -3,7 +3,8 @@
 
 ACTIONS: `report PATH [UNTIL]` writes what the process is (argv, the variables named MPRESS_T_*,
 its process group, parent, whether stdin is empty, `__name__`, torch's intra-op threads
-when MPRESS_T_TORCH had the starter import torch) as JSON to PATH, prints a
+when MPRESS_T_TORCH had the starter import torch, whether the module MPRESS_T_PROBE names
+was imported when it started) as JSON to PATH, prints a
 line on stdout and one on stderr, registers an atexit handler that appends to PATH + ".atexit",
 and exits with status 3 (once the file UNTIL exists, if given); `sleep` sleeps for ever; `raise` raises an error.
 """
@@ -33,7 +34,8 @@ def main(argv: list[str]) -> int:
             "argv": argv, "env": {k: v for k, v in os.environ.items() if k.startswith("MPRESS_T_")},
             "pgid": os.getpgid(0), "pid": os.getpid(), "ppid": os.getppid(), "stdin": sys.stdin.read(),
             "name": __name__,
-            "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None}))
+            "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
+            "probe_loaded": os.environ.get("MPRESS_T_PROBE", "") in sys.modules}))
         print("to stdout", flush=True)
         print("to stderr", file=sys.stderr, flush=True)
         atexit.register(lambda: Path(str(path) + ".atexit").write_text("ran"))

@@ -193,15 +193,19 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = parse_override_args(list(getattr(args, "extra", [])), args.config)
     # the ranks' process imports torch and mpress while this one checks the job
-    starter = start_starter()
+    run_id = secrets.token_hex(6)
+    starter = start_starter(run_id)
     try:
-        return _check_and_launch(args, overrides, started, starter)
+        return _check_and_launch(args, overrides, started, run_id, starter)
     finally:
         if starter is not None:
             starter.close(kill=True)  # launch closed it already; else the job was refused
 
 
-def _check_and_launch(args: argparse.Namespace, overrides: list, started: float, starter: RankStarter | None) -> int:
+def _check_and_launch(args: argparse.Namespace, overrides: list, started: float, run_id: str,
+                      starter: RankStarter | None) -> int:
+    """`run` once the starter imports: the job checked, then launched (`starter`, its
+    `run_id`)."""
     import torch
 
     from mpress.launcher.checkpoints.directories import claim_run
@@ -216,7 +220,6 @@ def _check_and_launch(args: argparse.Namespace, overrides: list, started: float,
     nnodes = nodes.nnodes if nodes is not None else 1
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(cfg, num_gpus, nnodes)
     backend = check_launch(cfg, nproc, nnodes)
-    run_id = secrets.token_hex(6)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / f"mpress-train-{run_id}"
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir: {run_dir} is a file, not a directory")

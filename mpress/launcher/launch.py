@@ -48,7 +48,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, ProcessId
-from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
+from mpress.d2d.runtime.transport import sweep_segments
 from mpress.launcher.rank_watch import (
     STOP_WAIT_S,
     RankProcess,
@@ -154,14 +154,13 @@ def threads_per_rank(nproc: int, cores: int | None = None) -> int:
 def shared_env(spec: LaunchSpec) -> dict[str, str]:
     """The environment every rank of this node shares: the starter's (`starter_env`) and
     the job's."""
-    env = {**starter_env(), **spec.env}
+    env = {**starter_env(spec.run_id), **spec.env}
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
     # NVLink SHARP buffers take GiB per communicator on an NVSwitch node (vllm-project/
     # vllm#9699) and serve all-reduces; a pipeline's traffic is sends and receives, and
     # no plan budgets them. The user's setting wins.
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.update(TORCHELASTIC_USE_AGENT_STORE="True")
-    env[RUN_ID_ENV] = spec.run_id
     return env
 
 
@@ -209,7 +208,7 @@ def launch(spec: LaunchSpec, *, err=None, starter: RankStarter | None = None) ->
     checked (`start_starter`), which this call closes; None: started here where it can."""
     err = err or sys.stderr
     if starter is None:
-        starter = start_starter()  # it imports while this process sets up the job's store
+        starter = start_starter(spec.run_id)  # it imports while this process sets up the job's store
     try:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         return _launch(spec, err, starter)

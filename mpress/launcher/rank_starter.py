@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, die_with_parent
+from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, RUN_ID_ENV, die_with_parent
 
 RANK_START_ENV = "MPRESS_RANK_START"
 """`exec`: the launcher executes one interpreter per rank; unset or `fork`: it forks them
@@ -59,12 +59,14 @@ class StarterSpec:
     module: str = RANK_MODULE
 
 
-def starter_env() -> dict[str, str]:
-    """The environment a rank starter starts in, which needs no job: this process's,
-    unbuffered (an interpreter reads that as it starts, and a forked rank keeps the
-    starter's streams). So the starter can import while the launcher still checks the
-    job; the rest of a rank's environment comes with its request (`_run_rank`)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+def starter_env(run_id: str) -> dict[str, str]:
+    """The environment a rank starter starts in, which needs no more of the job than its
+    run id: this process's, unbuffered (an interpreter reads that as it starts, and a
+    forked rank keeps the starter's streams), with the run id (the process environment a
+    forked rank shows, /proc/PID/environ, is the starter's). So the starter can import
+    while the launcher still checks the job; the rest of a rank's environment comes with
+    its request (`_run_rank`)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", RUN_ID_ENV: run_id}
 
 
 def can_fork() -> bool:
@@ -113,10 +115,10 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-def start_starter(module: str = RANK_MODULE) -> RankStarter | None:
-    """A rank starter in `starter_env`, importing `module` from now on; None where the
-    ranks are executed instead (`can_fork`)."""
-    return RankStarter.start(StarterSpec(env=starter_env(), module=module)) if can_fork() else None
+def start_starter(run_id: str, module: str = RANK_MODULE) -> RankStarter | None:
+    """A rank starter for run `run_id` in `starter_env`, importing `module` from now on;
+    None where the ranks are executed instead (`can_fork`)."""
+    return RankStarter.start(StarterSpec(env=starter_env(run_id), module=module)) if can_fork() else None
 
 
 class StarterRefused(RuntimeError):

@@ -58,7 +58,7 @@ from mpress.launcher.job import start_job
 from mpress.launcher.metrics_log import MetricsLog, Throughput, rates_text
 from mpress.launcher.rank_watch import CONSEQUENCE_WAIT_S, STOP_WAIT_S, RankWatch, early_rank_watch, start_rank_watch
 from mpress.launcher.report import rank_report, report_tables
-from mpress.launcher.startup import StartPlan, plan_for, pool_override, rank_device, replicas_per_node
+from mpress.launcher.startup import StartPlan, plan_for, rank_device, replicas_per_node
 from mpress.config.overrides import parse_override_args
 from mpress.config.model_config import ModelConfig
 from mpress.models.hf_model import HFModel
@@ -70,7 +70,7 @@ from mpress.runtime.train_config import TrainConfig, check_world_size, load_trai
 from mpress.runtime.lr_schedule import LrSchedule
 from mpress.runtime.trainer import JobSpec, PipelineJob, StepResult
 from mpress.ui import TaskProgress, make_console, phase_line, say_line
-from mpress.config.units import fmt_bytes
+from mpress.config.units import fmt_bytes, pool_override
 
 
 def train(cfg: TrainConfig, *, control: dist.ProcessGroup | None = None, watch: RankWatch | None = None) -> int:

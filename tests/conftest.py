@@ -1,8 +1,10 @@
 """Shared test set-up: `@pytest.mark.cuda` tests skip where no GPU is present; every test
 runs torch on one intra-op thread; `group` is a one-rank process group; the analytic
-probe cache (`MPRESS_CACHE_DIR`) is the session's own, not the user's."""
+probe cache (`MPRESS_CACHE_DIR`) and the temporary directory (`TMPDIR`) are the session's
+own, not the user's."""
 
 import os
+import tempfile
 from datetime import timedelta
 
 import pytest
@@ -30,6 +32,23 @@ def _probe_cache(tmp_path_factory):
     # goes with the session's temporary files
     os.environ.setdefault("MPRESS_CACHE_DIR", str(tmp_path_factory.mktemp("probe-cache")))
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_tmpdir(tmp_path_factory):
+    # what the session's processes put in "the" temporary directory goes with the session's
+    # temporary files, not into /tmp for good: torchrun's agent makes a torchelastic_*
+    # directory per run there and leaves it, `mpress train` without --run-dir makes its run
+    # directory there, torch makes its compiler's cache directory there
+    old_env, old_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # this process's own tempfile calls follow it too
+    yield
+    if old_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old_env
+    tempfile.tempdir = old_dir
 
 
 @pytest.fixture(autouse=True)

@@ -27,6 +27,7 @@ from mpress.ui import START_TIME_ENV, phase_line
 
 if TYPE_CHECKING:
     from mpress.launcher.launch import Nodes
+    from mpress.launcher.rank_starter import RankStarter
     from mpress.runtime.train_config import TrainConfig
 
 DEFAULT_CPU_RANKS = 4
@@ -147,8 +148,8 @@ def check_launch(cfg: TrainConfig, nproc: int, nnodes: int = 1) -> str:
     or flag to change."""
     import torch
 
+    from mpress.config.units import pool_override
     from mpress.contract.plan import Plan
-    from mpress.launcher.startup import pool_override
     from mpress.runtime.train_config import (
         PLAN_AUTO,
         PLAN_NONE,
@@ -187,22 +188,38 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()  # the ranks' start-up lines count from here
     if not args.json:
         print(f"mpress train: {args.config}: loading torch and checking the job", flush=True)
+    from mpress.config.overrides import parse_override_args
+    from mpress.launcher.rank_starter import start_starter
+
+    overrides = parse_override_args(list(getattr(args, "extra", [])), args.config)
+    # the ranks' process imports torch and mpress while this one checks the job
+    run_id = secrets.token_hex(6)
+    starter = start_starter(run_id)
+    try:
+        return _check_and_launch(args, overrides, started, run_id, starter)
+    finally:
+        if starter is not None:
+            starter.close(kill=True)  # launch closed it already; else the job was refused
+
+
+def _check_and_launch(args: argparse.Namespace, overrides: list, started: float, run_id: str,
+                      starter: RankStarter | None) -> int:
+    """`run` once the starter imports: the job checked, then launched (`starter`, its
+    `run_id`)."""
     import torch
 
-    from mpress.config.overrides import parse_override_args
     from mpress.launcher.checkpoints.directories import claim_run
     from mpress.launcher.launch import LaunchSpec, launch
     from mpress.launcher.metrics_log import METRICS_FILE
+    from mpress.models.hf_config import RANK_IMPORTS
     from mpress.runtime.train_config import load_train_config
 
-    overrides = parse_override_args(list(getattr(args, "extra", [])), args.config)
     cfg = load_train_config(args.config, overrides)
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nodes = nodes_of(args)
     nnodes = nodes.nnodes if nodes is not None else 1
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(cfg, num_gpus, nnodes)
     backend = check_launch(cfg, nproc, nnodes)
-    run_id = secrets.token_hex(6)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.gettempdir()) / f"mpress-train-{run_id}"
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir: {run_dir} is a file, not a directory")
@@ -222,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
                    sys.stderr if args.json else sys.stdout)
         return launch(LaunchSpec(config=args.config, overrides=overrides, nproc=nproc, run_dir=run_dir,
                                  run_id=run_id, json_report=report, nodes=nodes,
-                                 env={START_TIME_ENV: repr(started)}))
+                                 env={START_TIME_ENV: repr(started)},
+                                 preload=RANK_IMPORTS if cfg.hf_config is not None else ()), starter=starter)
 
 
 def nodes_of(args: argparse.Namespace) -> Nodes | None:

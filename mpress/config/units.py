@@ -1,9 +1,11 @@
-"""Sizes and times: parsing and printing for humans (GB = 1e9 bytes, GiB = 2**30), and
-the one alignment every pool of mpress carves its blocks to."""
+"""Sizes and times: parsing and printing for humans (GB = 1e9 bytes, GiB = 2**30), the
+one alignment every pool of mpress carves its blocks to, and the pool-size overrides read
+from the environment."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from mpress.errors import UserError
@@ -64,3 +66,19 @@ def fmt_seconds(sec: float) -> str:
     if sec >= 1e-3:
         return f"{sec * 1e3:.3g} ms"
     return f"{sec * 1e6:.3g} us"
+
+
+def pool_override(variable: str) -> int | None:
+    """$MPRESS_HOST_POOL_BYTES (pinned pool per stage) or $MPRESS_PEER_POOL_BYTES (peer
+    pool per importer device) instead of the plan's, for sizing experiments and fault
+    tests; unset = the plan's."""
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise UserError(f"{variable}: expected a whole number of bytes, got {value!r}") from None
+    if not 0 < number <= MAX_BYTES:
+        raise UserError(f"{variable}: must be between 1 and {MAX_BYTES} bytes (1 EiB), got {value!r}")
+    return number

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, ProcessId
-from mpress.d2d.runtime.transport import RUN_ID_ENV, sweep_segments
+from mpress.d2d.runtime.transport import sweep_segments
 from mpress.launcher.rank_watch import (
     STOP_WAIT_S,
     RankProcess,
@@ -64,8 +64,8 @@ from mpress.launcher.rank_starter import (
     ForkedRank,
     RankStarter,
     StarterRefused,
-    StarterSpec,
-    can_fork,
+    start_starter,
+    starter_env,
 )
 from mpress.launcher.rendezvous import RDZV_TIMEOUT_S, RendezvousError, host_store, join_store
 from mpress.launcher.verdict import RankEnd, diagnose, interrupted_line
@@ -114,6 +114,9 @@ class LaunchSpec:
     the report, alone, on its stdout once every rank has finished."""
     nodes: Nodes | None = None
     """A job over several machines, one launcher each; None: this machine only."""
+    preload: tuple[str, ...] = ()
+    """Modules every rank of this job imports beyond `mpress.train` (a Hugging Face
+    model's), imported once by the rank starter before it forks them."""
 
     @property
     def first_rank(self) -> int:
@@ -149,15 +152,15 @@ def threads_per_rank(nproc: int, cores: int | None = None) -> int:
 
 
 def shared_env(spec: LaunchSpec) -> dict[str, str]:
-    """The environment every rank of this node shares (the rank starter's, `rank_starter.py`)."""
-    env = {**os.environ, **spec.env}
+    """The environment every rank of this node shares: the starter's (`starter_env`) and
+    the job's."""
+    env = {**starter_env(spec.run_id), **spec.env}
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
     # NVLink SHARP buffers take GiB per communicator on an NVSwitch node (vllm-project/
     # vllm#9699) and serve all-reduces; a pipeline's traffic is sends and receives, and
     # no plan budgets them. The user's setting wins.
     env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env.update(PYTHONUNBUFFERED="1", TORCHELASTIC_USE_AGENT_STORE="True")
-    env[RUN_ID_ENV] = spec.run_id
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
     return env
 
 
@@ -198,14 +201,16 @@ class _Interrupted:
             signal.signal(s, handler)  # type: ignore[arg-type]
 
 
-def launch(spec: LaunchSpec, *, err=None) -> int:
+def launch(spec: LaunchSpec, *, err=None, starter: RankStarter | None = None) -> int:
     """Run the job; return the exit status (0 all ranks finished, 1 runtime failure, 2 bad
     input a rank found, 128+N the launcher got signal N). On failure print the one line
-    (`diagnose`) to `err` (default stderr)."""
+    (`diagnose`) to `err` (default stderr). `starter`: one started before the job was
+    checked (`start_starter`), which this call closes; None: started here where it can."""
     err = err or sys.stderr
-    spec.run_dir.mkdir(parents=True, exist_ok=True)
-    starter = RankStarter.start(StarterSpec(env=shared_env(spec))) if can_fork() else None  # imports meanwhile
+    if starter is None:
+        starter = start_starter(spec.run_id)  # it imports while this process sets up the job's store
     try:
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
         return _launch(spec, err, starter)
     finally:
         if starter is not None:
@@ -276,6 +281,8 @@ def _start_ranks(spec: LaunchSpec, port: int, starter: RankStarter | None, procs
         if starter is not None:
             try:
                 if rank == 0:
+                    if spec.preload:
+                        starter.preload(list(spec.preload))
                     starter.ready()
                 proc = starter.fork(argv, rank_env(spec, rank, port),
                                     out=("2" if spec.json_report is not None else None) if rank == 0 else str(log),

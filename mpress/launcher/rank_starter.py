@@ -16,7 +16,8 @@ checks both before every fork and says why it cannot; the launcher then executes
 rank as before (`RANK_START_ENV=exec` asks for that, for comparison and as a fallback).
 
 The protocol, newline-delimited JSON: the launcher writes requests on the starter's
-stdin ({"argv", "env", "out", "err", "pgid"}); the starter writes on the reply pipe
+stdin ({"argv", "env", "out", "err", "pgid"}, or {"preload": modules} to import before
+the next fork, with no reply); the starter writes on the reply pipe
 ("ready" once its imports are done, then {"pid"} per request and {"exit", "status"} as each
 child ends; {"refused": why} instead of a pid when it may not fork). The starter ends
 once the launcher has closed its stdin and every child has ended; it dies with the
@@ -39,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, die_with_parent
+from mpress.d2d.runtime.liveness import LAUNCHER_PID_ENV, RUN_ID_ENV, die_with_parent
 
 RANK_START_ENV = "MPRESS_RANK_START"
 """`exec`: the launcher executes one interpreter per rank; unset or `fork`: it forks them
@@ -56,6 +57,16 @@ class StarterSpec:
 
     env: dict[str, str]
     module: str = RANK_MODULE
+
+
+def starter_env(run_id: str) -> dict[str, str]:
+    """The environment a rank starter starts in, which needs no more of the job than its
+    run id: this process's, unbuffered (an interpreter reads that as it starts, and a
+    forked rank keeps the starter's streams), with the run id (the process environment a
+    forked rank shows, /proc/PID/environ, is the starter's). So the starter can import
+    while the launcher still checks the job; the rest of a rank's environment comes with
+    its request (`_run_rank`)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", RUN_ID_ENV: run_id}
 
 
 def can_fork() -> bool:
@@ -104,6 +115,12 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
+def start_starter(run_id: str, module: str = RANK_MODULE) -> RankStarter | None:
+    """A rank starter for run `run_id` in `starter_env`, importing `module` from now on;
+    None where the ranks are executed instead (`can_fork`)."""
+    return RankStarter.start(StarterSpec(env=starter_env(run_id), module=module)) if can_fork() else None
+
+
 class StarterRefused(RuntimeError):
     """The starter may not fork (or is gone); the launcher executes the ranks instead."""
 
@@ -118,6 +135,7 @@ class RankStarter:
     ranks: dict[int, ForkedRank] = field(default_factory=dict)
     _buffer: bytes = b""
     _ended: bool = False
+    _closed: bool = False
 
     @staticmethod
     def start(spec: StarterSpec) -> RankStarter:
@@ -136,6 +154,17 @@ class RankStarter:
         reply = self._next(timeout_s)
         if reply != "ready":
             raise _refusal(reply)
+
+    def preload(self, modules: list[str]) -> None:
+        """Have the starter import `modules` before the next fork: what every rank of this
+        job imports beyond the starter's module (found once the job was checked), loaded
+        once instead of once per rank. One that fails to import is left to the ranks,
+        which report it as an executed rank would."""
+        try:
+            self.proc.stdin.write((json.dumps({"preload": list(modules)}) + "\n").encode())  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError):
+            pass  # the starter is gone: the fork says so
 
     def fork(self, argv: list[str], env: dict[str, str], *, out: str | None, err: str | None,
              pgid: int) -> ForkedRank:
@@ -169,9 +198,15 @@ class RankStarter:
             self._record(reply)
             reply = self._next(0.0)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0, *, kill: bool = False) -> None:
         """No more ranks: the starter leaves once its children have ended (killed after
-        `timeout_s` more)."""
+        `timeout_s` more; at once with `kill`, for a job refused before any rank started:
+        its imports are then work for nothing). Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if kill:
+            self.proc.kill()
         try:
             self.proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
@@ -280,11 +315,14 @@ class _Server:
         self.pending += chunk
         while b"\n" in self.pending:
             line, self.pending = self.pending.split(b"\n", 1)
+            request = json.loads(line)
+            if "preload" in request:
+                _preload(request["preload"])
+                continue
             why = _why_not_fork()
             if why is not None:
                 self.send({"refused": why})
                 continue
-            request = json.loads(line)
             # the rank's lifeline: it checks that its parent is still this process (if
             # this one died before the child asked for the parent-death signal, the
             # child is re-parented and must not start)
@@ -340,10 +378,30 @@ def _run_rank(request: dict, module: str) -> None:
         _redirect(request["err"], 2)
     os.environ.clear()
     os.environ.update(request["env"])
+    _threads_from_env()
     die_with_parent()  # the starter (`LAUNCHER_PID_ENV`); it dies with the launcher
     sys.argv = [sys.argv[0], *request["argv"]]
     sys.modules.pop(module, None)  # as under `-m`: the module runs once, as `__main__` (its imports stay)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _preload(modules: list[str]) -> None:
+    """Import `modules` here, for the ranks forked next (`RankStarter.preload`)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001, S110 - each rank imports it again and reports the error in full
+            pass
+
+
+def _threads_from_env() -> None:
+    """torch, imported by the starter before the job's thread count was known, runs as
+    many intra-op threads as the rank's OMP_NUM_THREADS says (torch reads the variable
+    once; the launcher sets it per job, `launch.shared_env`)."""
+    torch = sys.modules.get("torch")
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
 
 
 def _set_group(pid: int, pgid: int) -> None:

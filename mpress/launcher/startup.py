@@ -38,7 +38,7 @@ from mpress.static.profile.profile import Profile
 from mpress.static.plan.balance_choice import check_fits_at_all
 from mpress.static.plan.planner import PlannerOptions, plan_strategy
 from mpress.static.plan.planner_layer_data import plan_host_bytes
-from mpress.config.units import MAX_BYTES, fmt_bytes
+from mpress.config.units import fmt_bytes
 from mpress.config.vocabulary import Technique
 
 
@@ -425,19 +425,3 @@ def rank_device(plan: Plan | None, rank: int, world: int, cuda: bool, *,
         raise PlanError(f"rank {rank}: the plan's GPU {index} (PCI {bus_id}) is cuda:{local} here, and D2D swaps "
                         "address peer GPUs by rank 0's CUDA numbers: give every rank the same CUDA_VISIBLE_DEVICES")
     return torch.device("cuda", local)
-
-
-def pool_override(variable: str) -> int | None:
-    """$MPRESS_HOST_POOL_BYTES (pinned pool per stage) or $MPRESS_PEER_POOL_BYTES (peer
-    pool per importer device) instead of the plan's, for sizing experiments and fault
-    tests; unset = the plan's."""
-    value = os.environ.get(variable)
-    if not value:
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise UserError(f"{variable}: expected a whole number of bytes, got {value!r}") from None
-    if not 0 < number <= MAX_BYTES:
-        raise UserError(f"{variable}: must be between 1 and {MAX_BYTES} bytes (1 EiB), got {value!r}")
-    return number

@@ -54,6 +54,12 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
                 "pytorch_model.bin.index.json")
 
 
+RANK_IMPORTS = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")
+"""What a rank building a Hugging Face model imports from transformers, past its
+configs (about 2 s of CPU): `mpress train`'s rank starter imports them once for every
+rank."""
+
+
 def hf_presets() -> list[str]:
     """Names of the built-in configs (configs/hf/)."""
     return sorted(p.stem for p in HF_CONFIG_DIR.glob("*.json"))

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining import SplitPoint, pipeline
 
 from mpress.errors import ConfigError, UserError
 from mpress.contract.identity import layer_paths, side_effect_free
@@ -176,6 +175,10 @@ class UserModel:
         if len(ranges) == 1:
             stages = [self.module]
         else:
+            # here, not at the top: the launcher checks configs through this module, and
+            # the splitter's imports (torch's compiler among them) cost it a second of CPU
+            from torch.distributed.pipelining import SplitPoint, pipeline
+
             spec = {self.layers[start]: SplitPoint.BEGINNING for start, _ in ranges[1:]}
             try:
                 pipe = pipeline(self.module, mb_args=self.example_input, split_spec=spec)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from mpress.contract.plan import TensorRule
-from tests.faults.run import WORLD, TrainRun, d2d_plan, run_segments, tiny_config, wait_until_gone
+from tests.faults.run import WORLD, TrainRun, d2d_plan, run_processes, run_segments, tiny_config, wait_until_gone
 from tests.support.plans import d2d_rule, pipeline_plan
 
 VICTIM = 2  # holds a peer pool
@@ -28,6 +28,7 @@ def _started(tmp_path, **kw) -> tuple[TrainRun, dict]:
     run.wait_for(r"^step 0: loss")  # the fault comes after the first step
     info = run.info()
     assert run_segments(info["run_id"]), "the run has no shared-memory segment: the /dev/shm check would be idle"
+    assert set(info["ranks"]) <= set(run_processes(info["run_id"])), "ranks without the run id: the check would be idle"
     return run, info
 
 

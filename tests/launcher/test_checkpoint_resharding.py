@@ -1,4 +1,4 @@
-"""Checkpoints through the documented torchrun command: a 4-rank checkpoint resumes on 2
+"""Checkpoints through `mpress train`: a 4-rank checkpoint resumes on 2
 ranks and a 2-rank one on 4, each under a plan that offloads every stage's optimizer
 states to the host (fp32 one way, bf16 masters the other), with losses and final states
 `==` an uninterrupted run's on the resume's world size; keep_last; a partial step and a
@@ -65,7 +65,7 @@ def config(tmp: Path, precision: str, world: int, steps: int, ckpt: dict, **kw: 
 
 
 def run(cfg: dict, tmp: Path, world: int):
-    res = launch(cfg, tmp, nproc=world, timeout=400)
+    res = launch(cfg, tmp, nproc=world, timeout=400, torchrun=False)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -147,7 +147,7 @@ def test_a_checkpoint_of_another_run_is_one_line_naming_its_manifest_and_field(s
     precision = change.get("precision", "fp32")
     extra = {k: v for k, v in change.items() if k != "precision"}
     res = launch(config(tmp_path, precision, 2, STEPS, {"dir": str(source), "resume": True}, **extra), tmp_path,
-                 nproc=2)
+                 nproc=2, torchrun=False)
     line = one_line_before_training(res, "manifest.json")
     assert f"{source / 'step000002' / 'manifest.json'}: {field}:" in line
 
@@ -156,6 +156,6 @@ def test_a_checkpoint_of_another_run_is_one_line_naming_its_manifest_and_field(s
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
     path = tmp_path / "not-a-dir"
     path.write_text("x")
-    res = launch(config(tmp_path, "fp32", 2, STEPS, {"dir": str(path)}), tmp_path, nproc=2)
+    res = launch(config(tmp_path, "fp32", 2, STEPS, {"dir": str(path)}), tmp_path, nproc=2, torchrun=False)
     line = one_line_before_training(res, "checkpoint.dir")
     assert f"{path} is an existing file, not a directory" in line

@@ -1,4 +1,4 @@
-"""AdamW, a warmup + cosine schedule and gradient clipping through the torchrun command
+"""AdamW, a warmup + cosine schedule and gradient clipping through `mpress train`
 on 2 CPU ranks: the progress lines report the rate and the global gradient norm, and a
 run resumed from a checkpoint taken mid-warmup continues the schedule exactly (the rate
 follows from the step index alone): its losses and final state `==` the uninterrupted
@@ -21,7 +21,7 @@ OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "schedule": "cosi
 
 
 def run(cfg: dict, tmp) -> str:
-    res = launch(cfg, tmp, nproc=2, timeout=300)
+    res = launch(cfg, tmp, nproc=2, timeout=300, torchrun=False)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
 

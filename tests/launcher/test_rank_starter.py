@@ -105,6 +105,46 @@ def test_killing_the_starter_kills_its_ranks(tmp_path):
         starter.close()
 
 
+def test_a_forked_rank_runs_torch_on_its_own_thread_count(tmp_path):
+    # the starter imports torch before the job, and so each rank's OMP_NUM_THREADS, is known
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    starter = RankStarter.start(StarterSpec(env={**env, "PYTHONPATH": str(ROOT), "MPRESS_T_TORCH": "1"}, module=CHILD))
+    try:
+        starter.ready()
+        for name, threads in (("a", "3"), ("b", "1")):
+            rank = starter.fork(["report", str(tmp_path / f"{name}.json")],
+                                {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads},
+                                out=str(tmp_path / "log"), err=str(tmp_path / "log"), pgid=0)
+            assert rank.wait(timeout=60) == 3
+    finally:
+        starter.close()
+    assert [json.loads((tmp_path / f"{n}.json").read_text())["threads"] for n in "ab"] == [3, 1]
+
+
+def test_a_preloaded_module_is_imported_before_the_rank_starts_and_a_failing_one_is_left_to_it(tmp_path):
+    loaded = {}
+    for preload in ([], ["tabnanny", "tests.no_such_module"]):
+        starter = _starter()
+        try:
+            starter.preload(preload)
+            starter.ready()
+            rank = starter.fork(["report", str(tmp_path / "a.json")],
+                                {**os.environ, "PYTHONPATH": str(ROOT), "MPRESS_T_PROBE": "tabnanny"},
+                                out=str(tmp_path / "log"), err=str(tmp_path / "log"), pgid=0)
+            assert rank.wait(timeout=60) == 3
+        finally:
+            starter.close()
+        loaded[len(preload)] = json.loads((tmp_path / "a.json").read_text())["probe_loaded"]
+    assert loaded == {0: False, 2: True}
+
+
+def test_a_starter_closed_with_kill_ends_at_once_and_closing_again_does_nothing():
+    starter = _starter()  # a job refused while its starter still imports
+    starter.close(kill=True)
+    assert starter.proc.returncode == -signal.SIGKILL
+    starter.close()
+
+
 def test_a_python_thread_after_the_imports_is_refused():
     starter = _starter(MPRESS_T_THREAD_AT_IMPORT="1")
     try:

@@ -30,7 +30,8 @@ def host_plan(tmp_path):
 @pytest.mark.slow
 def test_last_step_is_traced_by_mpress_and_by_the_torch_profiler(host_plan, tmp_path):
     trace, prof = tmp_path / "out" / "trace.json", tmp_path / "out" / "prof"
-    res = launch(base_config(host_plan, steps=2, trace=str(trace), profiler_trace=str(prof)), tmp_path)
+    res = launch(base_config(host_plan, steps=2, trace=str(trace), profiler_trace=str(prof)), tmp_path,
+                 torchrun=False)
     assert res.returncode == 0, res.stderr[-2000:]
     events = json.loads(trace.read_text())["traceEvents"]  # a training trace: what mpress.train wrote
     assert overlaps(events) == [] and events_without_args(events) == [] and format_errors(events) == []

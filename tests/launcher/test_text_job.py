@@ -1,4 +1,4 @@
-"""A text job end to end on 2 CPU ranks through torchrun: local .txt/.jsonl documents, a
+"""A text job end to end on 2 CPU ranks through `mpress train`: local .txt/.jsonl documents, a
 byte-level BPE trained at start-up, training and validation losses on rank 0's output;
 a second run reads the cache and repeats the first's losses exactly."""
 
@@ -45,7 +45,7 @@ def val_losses(stdout: str) -> dict[int, float]:
 
 def test_a_text_job_trains_evaluates_reuses_its_cache_and_resumes(tmp_path):
     cfg = config(tmp_path)
-    first = launch(cfg, tmp_path, nproc=2, timeout=300)
+    first = launch(cfg, tmp_path, nproc=2, timeout=300, torchrun=False)
     assert first.returncode == 0, first.stderr[-3000:]
     data_line = next(line for line in first.stdout.splitlines() if line.startswith("data: "))
     assert re.search(r"\d+ \+ \d+ documents, \d+ training \+ \d+ validation windows, vocabulary 2[5-9]\d "
@@ -57,11 +57,11 @@ def test_a_text_job_trains_evaluates_reuses_its_cache_and_resumes(tmp_path):
     # the same job stopped after 2 steps with a checkpoint, then resumed: it reads the
     # cache, and steps 2 and 3 see the batches and give the losses of the uninterrupted run
     ckpt = {"dir": str(tmp_path / "ckpt")}
-    second = launch({**cfg, "steps": 2, "checkpoint": ckpt}, tmp_path, nproc=2, timeout=300)
+    second = launch({**cfg, "steps": 2, "checkpoint": ckpt}, tmp_path, nproc=2, timeout=300, torchrun=False)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "(tokens from the cache)" in second.stdout
     assert losses(second.stdout) == {k: v for k, v in losses(first.stdout).items() if k < 2}
-    resumed = launch({**cfg, "checkpoint": {**ckpt, "resume": True}}, tmp_path, nproc=2, timeout=300)
+    resumed = launch({**cfg, "checkpoint": {**ckpt, "resume": True}}, tmp_path, nproc=2, timeout=300, torchrun=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step 2" in resumed.stdout
     assert losses(resumed.stdout) == {k: v for k, v in losses(first.stdout).items() if k >= 2}

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,22 @@ from tests.support.plans import pipeline_plan
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(config: dict, tmp: Path, nproc: int = 2, timeout: int = 240, env: dict | None = None):
+def launch(config: dict, tmp: Path, nproc: int = 2, timeout: int = 240, env: dict | None = None,
+           torchrun: bool = True):
+    """`config` run on `nproc` CPU ranks through the documented torchrun command, or with
+    `torchrun=False` through `mpress train` (its ranks forked from one process that
+    imported torch once: far less CPU, for tests of what the ranks do rather than of how
+    torchrun starts them; rank 0's output is the command's, as under torchrun, and the
+    others' is in their logs in a run directory under `tmp`)."""
     path = tmp / "train.yaml"
     path.write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "mpress.train", "--config", str(path)]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "mpress.train", "--config", str(path)]
+    else:
+        run_dir = tempfile.mkdtemp(prefix="run-", dir=tmp)
+        cmd = [sys.executable, "-m", "mpress", "train", "--config", str(path), "--nproc-per-node", str(nproc),
+               "--run-dir", run_dir]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from mpress.ui import say_line
 
+RUN_ID_ENV = "MPRESS_RUN_ID"
+"""The run id `mpress train` gives its ranks (and its rank starter, so that a forked
+rank's process environment carries it too); shared-memory segment names start with it
+(`transport.run_prefix`)."""
 LAUNCHER_PID_ENV = "MPRESS_LAUNCHER_PID"
 """The pid of the process that started this rank: the `mpress train` launcher, or the
 rank starter it forks ranks from (`mpress/launcher/rank_starter.py`)."""

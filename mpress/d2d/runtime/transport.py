@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from mpress.d2d.runtime.liveness import ProcessId
+from mpress.d2d.runtime.liveness import RUN_ID_ENV, ProcessId
 from mpress.errors import SwapError
 from mpress.config.units import ALIGNMENT_BYTES
 
@@ -178,8 +178,6 @@ def attach_shared_memory(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-RUN_ID_ENV = "MPRESS_RUN_ID"
-"""The run id `mpress train` gives its ranks; segment names start with it."""
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared-memory segments (one file per name)."""
 

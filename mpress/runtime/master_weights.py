@@ -152,45 +152,30 @@ class MasterWeights:
 
     def _stage_through_slab(self, names: list[str]) -> PinnedHostPool | None:
         """Give the host copies of accelerator parameters among `names` staging buffers
-        carved from one new pinned slab, packed by element size, largest first (every
-        buffer then starts on a multiple of its own, so the slab holds exactly their
-        bytes); None when none needs one."""
-        entries = sorted((e for n in names if _on_accelerator((e := self._entries[n]).param)),
-                         key=lambda e: -e.param.element_size())
+        carved from one new pinned slab (`_carve_slab`); None when none needs one."""
+        entries = [e for n in names if _on_accelerator((e := self._entries[n]).param)]
         if not entries:
             return None
-        total = sum(e.param.numel() * e.param.element_size() for e in entries)
-        slab = PinnedHostPool(total, pin_memory=True, device=entries[0].param.device)
-        block = slab.allocate(slab.capacity_bytes, owner="host-step staging buffers")
-        offset = 0
-        for e in entries:
-            nbytes = e.param.numel() * e.param.element_size()
-            e.staging = block.strided(e.param.dtype, tuple(e.param.shape), _contiguous_stride(e.param.shape),
-                                      offset, nbytes)
-            offset += nbytes
+        slab, views = _carve_slab(entries, "host-step staging buffers")
+        for e, view in views:
+            e.staging = view
         return slab
 
     def _home_slab(self, names: list[str]) -> PinnedHostPool | None:
         """Give `names` home copies with their parameters' values: views of one new
-        pinned slab for accelerator parameters (as `_stage_through_slab` packs them),
+        pinned slab for accelerator parameters (`_carve_slab`),
         host tensors otherwise; the slab, or None."""
         entries = [self._entries[n] for n in names]
         for e in entries:
             if not _on_accelerator(e.param):
                 e.home = e.param.detach().to("cpu", copy=True)
-        on_device = sorted((e for e in entries if _on_accelerator(e.param)), key=lambda e: -e.param.element_size())
+        on_device = [e for e in entries if _on_accelerator(e.param)]
         if not on_device:
             return None
-        slab = PinnedHostPool(sum(e.param.numel() * e.param.element_size() for e in on_device), pin_memory=True,
-                              device=on_device[0].param.device)
-        block = slab.allocate(slab.capacity_bytes, owner="host parameters")
-        offset = 0
-        for e in on_device:
-            nbytes = e.param.numel() * e.param.element_size()
-            e.home = block.strided(e.param.dtype, tuple(e.param.shape), _contiguous_stride(e.param.shape),
-                                   offset, nbytes)
-            e.home.copy_(e.param.detach())
-            offset += nbytes
+        slab, views = _carve_slab(on_device, "host parameters")
+        for e, view in views:
+            e.home = view
+            view.copy_(e.param.detach())
         return slab
 
     def close(self) -> None:
@@ -449,6 +434,24 @@ def _slab_groups(host: Collection[str], slabs: Sequence[Collection[str]]) -> lis
         groups.append(names)
     rest = [n for n in host if n not in seen]
     return groups + [rest] if rest else groups
+
+
+def _carve_slab(entries: list[_Entry], owner: str) -> tuple[PinnedHostPool, list[tuple[_Entry, torch.Tensor]]]:
+    """One new pinned slab (on the entries' device) holding a contiguous buffer shaped
+    as each entry's parameter, packed by element size, largest first (every buffer then
+    starts on a multiple of its own, so the slab holds exactly their bytes); the slab and
+    each entry with its buffer."""
+    entries = sorted(entries, key=lambda e: -e.param.element_size())
+    slab = PinnedHostPool(sum(e.param.numel() * e.param.element_size() for e in entries), pin_memory=True,
+                          device=entries[0].param.device)
+    block = slab.allocate(slab.capacity_bytes, owner=owner)
+    views, offset = [], 0
+    for e in entries:
+        nbytes = e.param.numel() * e.param.element_size()
+        views.append((e, block.strided(e.param.dtype, tuple(e.param.shape), _contiguous_stride(e.param.shape),
+                                       offset, nbytes)))
+        offset += nbytes
+    return slab, views
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

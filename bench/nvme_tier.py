@@ -14,7 +14,10 @@ run:
     bandwidth (`MaxSize.drive_bytes`, `drive_s`);
   - host vs host and NVMe vs NVMe: mpress's largest over the ZeRO tier's largest;
   - the iteration at equal size: at the smaller of the two largest models of a tier,
-    mpress's emulated iteration and the ZeRO baseline's ("x": one of them does not fit).
+    mpress's emulated iteration and the ZeRO baseline's ("x": one of them does not fit);
+  - per server, family and tier, a line on issue 33's goal: mpress's largest model at
+    least every ZeRO baseline's of the tier (host: ZeRO-Offload and ZeRO-Infinity; NVMe:
+    ZeRO-Infinity-NVMe), and mpress faster at the equal size.
 
 Shapes: gpt and bert as the MPress paper's settings (configs/settings/paper-gpt.yaml,
 paper-bert.yaml: 8 stages, 16 microbatches); llama (no paper setting) as paper-gpt: 1f1b,
@@ -103,10 +106,36 @@ def run(servers: list[str], families: list[str], budget: float | None, console) 
                                                time_budget_s=budget, progress=progress.update)
             tiers = {tier: equal_size(rows, ours, theirs, hw, family) for tier, (ours, theirs) in TIERS.items()
                      if ours in rows}
-            out.append({"hardware": name, "family": family, "rows": {k: _row(r, hw) for k, r in rows.items()},
-                        "equal_size": tiers})
+            res = {"hardware": name, "family": family, "rows": {k: _row(r, hw) for k, r in rows.items()},
+                   "equal_size": tiers}
+            res["goal"] = {tier: verdict(res, tier) for tier in tiers}
+            out.append(res)
             progress.advance(f"{name} {family}: done")
     return out
+
+
+TIER_BASELINES = {"host": (ZERO_OFFLOAD, ZERO_INFINITY), "nvme": (ZERO_INFINITY_NVME,)}
+"""Per tier, every ZeRO baseline mpress's largest model is held against (issue 33's goal)."""
+
+
+def verdict(res: dict, tier: str) -> str:
+    """Issue 33's goal for one tier of one server and family: mpress's largest model at
+    least every baseline's of the tier, and mpress faster at the equal size."""
+    rows, ours = res["rows"], rows_of(res, tier)
+    beaten = [z for z in TIER_BASELINES[tier] if z in rows and rows[z]["num_parameters"] > ours["num_parameters"]]
+    lower = " (mpress's row is a lower bound: out of time)" if ours["bound"] == "time" else ""
+    size = "met" if not beaten else f"not met ({', '.join(beaten)} fit larger)"
+    eq = res["equal_size"][tier]
+    if eq["model"] is None or not eq["mpress_s"] or not eq["zero_s"]:
+        speed = "not judged (no size both fit)"
+    else:
+        ratio = eq["zero_s"] / eq["mpress_s"]
+        speed = f"{'met' if ratio >= 1 else 'not met'} ({ratio:.2f}x at {eq['model']})"
+    return f"size {size}{lower}; speed {speed}"
+
+
+def rows_of(res: dict, tier: str) -> dict:
+    return res["rows"][TIERS[tier][0]]
 
 
 def _row(r: MaxSize, hw: Hardware) -> dict[str, object]:
@@ -172,6 +201,9 @@ def main() -> None:
         return
     for t in tables(results):
         console.print(t)
+    for res in results:
+        for tier, line in res["goal"].items():
+            console.print(f"{res['hardware']} {res['family']} {tier} tier: {line}", markup=False, soft_wrap=True)
 
 
 if __name__ == "__main__":

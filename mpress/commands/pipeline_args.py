@@ -312,7 +312,8 @@ def data_parallel_from_args(args: argparse.Namespace, hardware: Hardware) -> Dat
         raise UserError("--dp-sharding shards model states over the replicas of --nodes N or --replicas-per-node R")
     local = None
     if per_node is not None and per_node > 1:
-        node = load_hardware(hardware.name, memory_bytes=hardware.device.memory_bytes)  # the whole node
+        # the whole node, from what the user named (a YAML's path, not its display name)
+        node = load_hardware(getattr(args, "hardware", None) or hardware.name, memory_bytes=hardware.device.memory_bytes)
         if per_node * hardware.num_devices > node.num_devices:
             raise UserError(f"--replicas-per-node: {per_node} replicas of a pipeline over {hardware.num_devices} "
                             f"GPUs need {per_node * hardware.num_devices}; {node.name} has {node.num_devices}: "
@@ -387,8 +388,9 @@ def settings_json(setup: PipelineSetup, shape: PipelineShape) -> dict[str, objec
 
 
 def data_parallel_json(setup: PipelineSetup) -> dict[str, object]:
-    """`num_nodes` and `dp_sharding` of the setup (1 and none for one node)."""
+    """`num_nodes`, `replicas_per_node` and `dp_sharding` of the setup (1, 1 and none for
+    one replica)."""
     dp = setup.data_parallel
-    return {"num_nodes": dp.degree if dp is not None else 1,
+    return {"num_nodes": dp.nodes if dp is not None else 1,
             "replicas_per_node": dp.per_node if dp is not None else 1,
             "dp_sharding": str(dp.sharding) if dp is not None else None}

@@ -413,7 +413,10 @@ def _set_group(pid: int, pgid: int) -> None:
     try:
         os.setpgid(pid, pgid)
     except PermissionError:  # the group's leader (rank 0) has ended already: the launcher names it
-        os.setpgid(pid, 0)
+        try:
+            os.setpgid(pid, 0)
+        except OSError:  # the starter's call, the child gone or already running alone: its own call decides
+            pass
     except ProcessLookupError:  # the child has ended already (the starter's call)
         pass
 

@@ -44,7 +44,8 @@ def test_replicas_sharing_a_node_reduce_over_its_links(capsys):
     twins = emulate_json(capsys, "--replicas-per-node", "2")
     nodes = emulate_json(capsys, "--nodes", "2")
     assert (twins["settings"]["num_devices"], twins["settings"]["replicas_per_node"]) == (4, 2)
-    assert (twins["settings"]["num_nodes"], nodes["settings"]["replicas_per_node"]) == (2, 1)
+    assert (twins["settings"]["num_nodes"], nodes["settings"]["num_nodes"]) == (1, 2)
+    assert nodes["settings"]["replicas_per_node"] == 1
     assert one["iteration_s"] < twins["iteration_s"] < nodes["iteration_s"]
     per_replica = twins["samples_per_s"] * twins["iteration_s"] / 2
     assert per_replica == pytest.approx(one["samples_per_s"] * one["iteration_s"])
@@ -78,3 +79,12 @@ def test_bad_node_input_is_one_line_and_exit_2(capsys, tmp_path, argv, words):
         raise SystemExit(main(["emulate", "--model", "gpt-tiny", *argv]))
     assert exc.value.code == 2
     one_line_error(capsys, words)
+
+
+def test_replicas_per_node_on_a_server_of_ones_own(capsys, tmp_path):
+    """A hardware YAML of the user's (named unlike any preset) splits among replicas too:
+    the whole node is read from the file given, not looked up by its display name."""
+    own = tmp_path / "my-server.yaml"
+    own.write_text((HARDWARE_DIR / "dgx-a100.yaml").read_text().replace("name: dgx-a100", "name: my-server"))
+    assert main(["emulate", "--model", "gpt-tiny", "--hardware", str(own), "--replicas-per-node", "2"]) == 0
+    assert "cluster 1 x my-server (8 GPUs, 2 replicas, ddp)" in capsys.readouterr().out

@@ -157,3 +157,27 @@ def test_jobs_reading_device_gradients_refuse_host_sums(job):
         refuse_unrun(plan, **kw)
     assert ".rules[" in one_line(info.value) and "grad:" in one_line(info.value)
     refuse_unrun(plan, clipping=False, replicas=False, tied=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_host_sums_are_scaled_with_the_devices_rounding(dtype):
+    """torch's `scale_grads` divides each gradient by the microbatch count on its device;
+    the host sums of a `grad:` layer are divided on the host with that device's rounding:
+    on a CPU the division itself, on a GPU the product by the scalar's reciprocal that
+    CUDA's kernel computes (which differs from the division by one bit for some values)."""
+    from mpress.runtime.layer_data.host_layers import _divide_as_on
+    values = torch.linspace(-3, 3, 4097, dtype=torch.float64).to(dtype)
+    for factor in (3, 7, 12):
+        cpu = values.clone()
+        _divide_as_on(torch.device("cpu"), cpu, factor)
+        assert torch.equal(cpu, values / factor)
+        gpu = values.clone()
+        _divide_as_on(torch.device("cuda", 0), gpu, factor)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        inv = (torch.tensor(1.0, dtype=acc) / factor)
+        assert torch.equal(gpu, (values.to(acc) * inv).to(dtype))
+    if torch.cuda.is_available():  # against the kernel itself
+        for factor in (3, 7, 12):
+            host = values.clone()
+            _divide_as_on(torch.device("cuda", 0), host, factor)
+            assert torch.equal(host, values.cuda().div_(factor).cpu())

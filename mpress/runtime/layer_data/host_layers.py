@@ -24,10 +24,12 @@ keep their identity) and refilled for each use:
   the microbatch count (`scale_grads`) divides it there too.
 
 When a layer's pass ends: a layer's forward ends with its forward hook; its backward ends
-when the gradients of the layer before it are wanted (an identity autograd node on that
-layer's outputs: the engine runs every node of the later layer first, its gradient
-accumulations included, as they carry higher sequence numbers) or, for the stage's first
-layer, when the backward returns. Anything the list puts inside a compute action that no
+when the gradients of the layer before it are wanted (a multi-grad hook on that layer's
+outputs, which fires once every gradient with respect to them is made, before the node
+that made them runs: the later layer's nodes have all run by then, its gradient
+accumulations included, which the engine runs first of the ready nodes; the hook adds no
+node, so the layer's outputs stay what they were, views and in-place use included) or,
+for the stage's first layer, when the backward returns. Anything the list puts inside a compute action that no
 such moment reached runs when the action ends, in the list's order; each is recorded, so
 the program checks that what ran is what it lists. A forward outside the program (an
 evaluation) fetches what it needs and drops it again.
@@ -36,7 +38,6 @@ evaluation) fetches what it needs and drops it again.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,19 +71,27 @@ def refuse_unrun(plan: Any, *, clipping: bool, replicas: bool, tied: bool, sourc
                                 f"host, which this job's {what} does not read; drop the rule or the {what}")
 
 
-class _BackwardBegins(torch.autograd.Function):
-    """Identity on a layer's outputs whose backward says the layer's backward begins."""
+def _divide_as_on(device: torch.device, buffer: torch.Tensor, factor: int) -> None:
+    """`buffer /= factor` on the host with the rounding `grad.div_(factor)` has on `device`:
+    CUDA's division by a scalar multiplies by its fp32 reciprocal (`div_true_kernel_cuda`,
+    which may lose one bit), the CPU's divides."""
+    if device.type == "cuda":  # the reciprocal in the kernel's accumulate type (fp32; fp64 for fp64)
+        acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+        buffer.mul_(float(torch.tensor(1.0, dtype=acc) / factor))
+    else:
+        buffer.div_(factor)
 
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        ctx.mark_non_differentiable(*[t for t in outputs if not t.requires_grad])
-        return outputs
 
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
+def _grad_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors among a layer's outputs (a tensor, or tuples, lists and dicts of
+    them) whose gradients the backward computes."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in _grad_tensors(x)]
+    return []
 
 
 class HostLayerData:
@@ -119,8 +128,6 @@ class HostLayerData:
         """Per layer on the device, the microbatches whose fetch holds it (the program
         fetches a layer for each microbatch's pass and drops it after; two passes'
         fetches may overlap, and one device copy serves both): it goes with the last."""
-        self._drains: list[Any] = []
-        """Events of the gradient copies to the host not yet waited for (GPU)."""
         self._current: Action | None = None
         self._todo: dict[tuple[Kind, UnitKind, str], Action] = {}
         """What the list puts inside the compute action running now and has not run yet."""
@@ -161,10 +168,13 @@ class HostLayerData:
         self._fetch(UnitId.parse(action.tensor or "").layer or "", action.microbatch)
 
     def settle(self) -> None:
-        """Wait for the gradient copies to the host (before the host reads the sums)."""
-        for event in self._drains:
-            event.synchronize()
-        self._drains.clear()
+        """Wait for every copy on the copy stream so far: the gradients' to the host (before
+        the host reads the sums) and the fetches' from the home copies (before the host
+        step writes them). The stream runs them in order, so one event covers them all."""
+        if self.copy_stream is not None:
+            done = torch.cuda.Event(blocking=True)  # the host sleeps on it rather than spins
+            done.record(self.copy_stream)
+            done.synchronize()
 
     def scale(self, factor: int) -> None:
         """Divide the host sums of this step's gradients by `factor`, as torch's `scale_grads`
@@ -175,7 +185,7 @@ class HostLayerData:
                 for name, _p in self.params[layer]:
                     buffer, ready = self.masters.host_grad(name)
                     if ready:
-                        buffer.div_(factor)
+                        _divide_as_on(self.device, buffer, factor)
 
     def close(self) -> None:
         self.settle()
@@ -207,16 +217,12 @@ class HostLayerData:
         self._run(Kind.SO, UnitKind.PARAMS, layer)
         if j + 1 < len(self.layers):
             self._run(Kind.SI, UnitKind.PARAMS, self.layers[j + 1])
-        if not torch.is_grad_enabled():
-            return None
-        microbatch = self._current.microbatch  # type: ignore[union-attr]
-        begins = functools.partial(self._backward_begins, j, microbatch)
-        if isinstance(out, torch.Tensor):
-            return _BackwardBegins.apply(begins, out)[0] if out.requires_grad else None
-        if isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out) \
-                and any(t.requires_grad for t in out):
-            return tuple(_BackwardBegins.apply(begins, *out))
-        return None  # outputs it cannot mark: the layer's copies run when the backward ends
+        tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
+        if tensors:  # no gradient flows back through the layer: its copies run when the backward ends
+            microbatch = self._current.microbatch  # type: ignore[union-attr]
+            begins = functools.partial(self._backward_begins, j, microbatch)
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: begins(), mode="all")
+        return None
 
     def _backward_begins(self, j: int, microbatch: int | None) -> None:
         current = self._current
@@ -335,7 +341,3 @@ class HostLayerData:
                     grad.record_stream(stream)  # its storage goes back when the copy ended
                 self.masters.mark_host_grad(name)
                 p.grad = None
-        if stream is not None:
-            event = torch.cuda.Event(blocking=True)
-            event.record(stream)
-            self._drains.append(event)

@@ -122,6 +122,8 @@ def verdict(res: dict, tier: str) -> str:
     """Issue 33's goal for one tier of one server and family: mpress's largest model at
     least every baseline's of the tier, and mpress faster at the equal size."""
     rows, ours = res["rows"], rows_of(res, tier)
+    if not ours["num_parameters"] and not any(rows[z]["num_parameters"] for z in TIER_BASELINES[tier] if z in rows):
+        return "not judged (no strategy fits any size)"
     beaten = [z for z in TIER_BASELINES[tier] if z in rows and rows[z]["num_parameters"] > ours["num_parameters"]]
     lower = " (mpress's row is a lower bound: out of time)" if ours["bound"] == "time" else ""
     size = "met" if not beaten else f"not met ({', '.join(beaten)} fit larger)"
